@@ -1,0 +1,41 @@
+// Shared helpers for the tests: paths of the committed goldens, temporary directories, error norms.
+#pragma once
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace nextlm::test {
+
+// Golden case directories under tests/golden (each holds a checkpoint and golden.safetensors).
+std::vector<std::string> golden_cases();
+std::string golden_dir(const std::string& name);
+
+// A fresh empty directory under the system temp dir, removed when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+  std::string str(const std::string& child = "") const { return (path_ / child).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// max|a − b| / max|b|; NaN anywhere gives +inf so that it never passes.
+double max_rel_error(const float* a, const float* b, size_t n);
+// ‖a − b‖ / ‖b‖ (NaN gives +inf).
+double norm_rel_error(const float* a, const float* b, size_t n);
+
+// Random normal values (deterministic for a seed).
+std::vector<float> randn(size_t n, unsigned seed, float scale = 1.0f);
+
+// Runs a command through the shell; returns the exit status and fills stdout/stderr text.
+int run_command(const std::string& cmd, std::string* out, std::string* err);
+
+// Copies a checkpoint directory.
+void copy_dir(const std::string& from, const std::string& to);
+
+}  // namespace nextlm::test
