@@ -87,12 +87,12 @@ TEST_P(GoldenTest, RecurrentKdaMatchesTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GoldenTest, ::testing::ValuesIn(test::golden_cases()),
-                         [](const auto& info) { return info.param; });
+                         [](const auto& info) { return test::param_name(info.param); });
 
 TEST(Golden, AllCasesPresent) {
   // The cases the golden script makes; a missing directory must fail rather than shrink the suite.
   const auto cases = test::golden_cases();
-  for (const char* name : {"bf16_sharded", "fp32_flat_softplus", "fp32_tail_off"})
+  for (const char* name : {"bf16_sharded", "fp32_flat_softplus", "fp32_tail_off", "tiny-glm5-next"})
     EXPECT_NE(std::find(cases.begin(), cases.end(), name), cases.end()) << name;
 }
 

@@ -52,7 +52,9 @@ TEST_P(ModelCases, ChunkedAndRecurrentKdaAgree) {
   b.add(random_tokens(64, m.config().vocab_size, 10));
   const Tensor chunked = m.forward(b, ForwardOptions{KdaForm::Chunked});
   const Tensor recurrent = m.forward(b, ForwardOptions{KdaForm::Recurrent});
-  EXPECT_LE(test::max_rel_error(chunked.ptr(), recurrent.ptr(), chunked.data.size()), 1e-5);
+  // Per layer the forms agree to ~1e-6 (see test_ops); through 8 layers and the lm_head that grows to ~2e-5, the
+  // same budget as the goldens.
+  EXPECT_LE(test::max_rel_error(chunked.ptr(), recurrent.ptr(), chunked.data.size()), 1e-4);
 }
 
 TEST_P(ModelCases, LogprobsAreLogSoftmaxOfLogits) {
@@ -78,7 +80,7 @@ TEST_P(ModelCases, LogprobsAreLogSoftmaxOfLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, ModelCases, ::testing::ValuesIn(test::golden_cases()),
-                         [](const auto& info) { return info.param; });
+                         [](const auto& info) { return test::param_name(info.param); });
 
 TEST(ModelInput, TokenIdOutsideVocabularyIsAnError) {
   const Model m = Model::load(test::golden_dir("fp32_tail_off"));

@@ -12,16 +12,30 @@
 
 namespace nextlm::test {
 
+// The bundled example model is a golden case too; it lives in examples/ for users.
+static const char* const kExampleCase = "tiny-glm5-next";
+
 std::vector<std::string> golden_cases() {
   std::vector<std::string> out;
   for (const auto& e : std::filesystem::directory_iterator(std::string(NEXTLM_TEST_DATA) + "/golden"))
     if (e.is_directory() && std::filesystem::exists(e.path() / "golden.safetensors"))
       out.push_back(e.path().filename().string());
+  if (std::filesystem::exists(golden_dir(kExampleCase) + "/golden.safetensors")) out.push_back(kExampleCase);
   std::sort(out.begin(), out.end());
   return out;
 }
 
-std::string golden_dir(const std::string& name) { return std::string(NEXTLM_TEST_DATA) + "/golden/" + name; }
+std::string golden_dir(const std::string& name) {
+  if (name == kExampleCase) return std::string(NEXTLM_SOURCE_DIR) + "/examples/" + name;
+  return std::string(NEXTLM_TEST_DATA) + "/golden/" + name;
+}
+
+std::string param_name(const std::string& name) {
+  std::string out = name;
+  for (char& ch : out)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return out;
+}
 
 TempDir::TempDir() {
   static int counter = 0;

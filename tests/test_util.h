@@ -11,6 +11,8 @@ namespace nextlm::test {
 // Golden case directories under tests/golden (each holds a checkpoint and golden.safetensors).
 std::vector<std::string> golden_cases();
 std::string golden_dir(const std::string& name);
+// A case name usable as a GoogleTest parameter name (letters, digits, underscores).
+std::string param_name(const std::string& name);
 
 // A fresh empty directory under the system temp dir, removed when the object dies.
 class TempDir {

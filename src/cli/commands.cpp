@@ -1,10 +1,17 @@
 // CLI commands: `score` (per-token log-probabilities of JSONL token sequences) and `info` (model summary).
 #include "cli/commands.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
@@ -20,14 +27,126 @@
 namespace nextlm {
 namespace {
 
+namespace fs = std::filesystem;
+
 struct ScoreArgs {
   std::string model, input, output, logits_out, device = "cpu", format = "jsonl";
   int threads = 0;
 };
 
-void check_device(const std::string& device) {
-  check(device == "cpu", "device \"", device, "\" is not available in this build (use --device cpu)");
+// A bad combination of command-line arguments found after parsing: exit code 2, like CLI11's parse errors.
+struct UsageError : Error {
+  using Error::Error;
+};
+
+constexpr int kMaxThreads = 1024;  // far more makes OpenMP / OpenBLAS fail to start threads (and crash)
+
+// The message on one line: line breaks and other control characters (from paths, JSON excerpts, CLI11's multi-line
+// messages or library errors) become spaces, runs of them collapse, and trailing blanks go.
+std::string one_line(const std::string& msg) {
+  std::string s;
+  s.reserve(msg.size());
+  for (char ch : msg) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c == 0x7f) {
+      if (!s.empty() && s.back() != ' ') s += ' ';
+    } else {
+      s += ch;
+    }
+  }
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
 }
+
+void print_error(const std::string& msg) { std::cerr << "error: " << one_line(msg) << "\n" << std::flush; }
+
+// CLI11 validators: they return an error message or "" and make the value a parse error (exit code 2).
+CLI::Validator non_empty() {
+  return CLI::Validator([](std::string& v) { return v.empty() ? std::string("must not be empty") : std::string(); },
+                        "", "NONEMPTY");
+}
+
+CLI::Validator thread_count() {
+  return CLI::Validator(
+      [](std::string& v) {
+        int n = 0;
+        const char* end = v.data() + v.size();
+        const auto [p, ec] = std::from_chars(v.data(), end, n);
+        if (v.empty() || ec != std::errc() || p != end || n < 1 || n > kMaxThreads)
+          return "must be an integer from 1 to " + std::to_string(kMaxThreads) + ", got \"" + v + "\"";
+        return std::string();
+      },
+      "", "1.." + std::to_string(kMaxThreads));
+}
+
+CLI::Validator one_of(std::vector<std::string> allowed, std::string what) {
+  std::string list;
+  for (const std::string& a : allowed) list += (list.empty() ? "" : " or ") + a;
+  return CLI::Validator(
+      [allowed, list, what](std::string& v) {
+        for (const std::string& a : allowed)
+          if (v == a) return std::string();
+        return "\"" + v + "\" is not " + what + " (use " + list + ")";
+      },
+      "", list);
+}
+
+// Checks the model directory before loading, with error codes (std::filesystem's throwing calls would otherwise
+// escape as filesystem_error for a path that is too long or unreadable).
+void check_model_dir(const std::string& dir) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  check(st.type() != fs::file_type::not_found, "model directory ", dir, " does not exist");
+  if (ec) fail("cannot access model directory ", dir, ": ", ec.message());
+  check(fs::is_directory(st), "model path ", dir, " is not a directory");
+  const fs::path cfg = fs::path(dir) / "config.json";
+  const fs::file_status cs = fs::status(cfg, ec);
+  check(cs.type() != fs::file_type::not_found, "no config.json in ", dir);
+  if (ec) fail("cannot access ", cfg.string(), ": ", ec.message());
+  check(!fs::is_directory(cs), cfg.string(), " is a directory, not a file");
+}
+
+// True when a and b name the same file (whether or not it exists yet).
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ea, eb;
+  if (fs::exists(a, ea) && fs::exists(b, eb)) {
+    std::error_code ec;
+    const bool eq = fs::equivalent(a, b, ec);
+    if (!ec) return eq;
+  }
+  const fs::path aa = fs::absolute(a, ea).lexically_normal(), ab = fs::absolute(b, eb).lexically_normal();
+  if (ea || eb) return a == b;
+  // weakly_canonical resolves symlinks in the existing part; it needs absolute paths to compare "x" with "./x".
+  const fs::path ca = fs::weakly_canonical(aa, ea), cb = fs::weakly_canonical(ab, eb);
+  if (!ea && !eb) return ca == cb;
+  return aa == ab;
+}
+
+// An output path must not be a directory, and its directory must exist; checked before any work is done.
+void check_output_path(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  check(!fs::is_directory(path, ec), "cannot write ", flag, " ", path, ": it is a directory");
+  fs::path parent = fs::path(path).parent_path();
+  if (parent.empty()) parent = ".";
+  const fs::file_status st = fs::status(parent, ec);
+  check(fs::is_directory(st), "cannot write ", flag, " ", path, ": directory ", parent.string(),
+        st.type() == fs::file_type::not_found ? " does not exist" : " is not accessible");
+}
+
+// Removes a file when it goes out of scope unless released.
+class RemoveOnExit {
+ public:
+  explicit RemoveOnExit(std::string path) : path_(std::move(path)) {}
+  ~RemoveOnExit() {
+    if (!path_.empty()) std::remove(path_.c_str());
+  }
+  RemoveOnExit(const RemoveOnExit&) = delete;
+  RemoveOnExit& operator=(const RemoveOnExit&) = delete;
+  void release() { path_.clear(); }
+
+ private:
+  std::string path_;
+};
 
 // JSON numbers with enough digits to round-trip a double.
 std::string number(double x) {
@@ -37,9 +156,22 @@ std::string number(double x) {
 }
 
 int cmd_score(const ScoreArgs& a) {
-  check_device(a.device);
+  // Argument combinations first (usage errors), then the outputs' places, all before any real work.
+  if (!a.output.empty() && !a.logits_out.empty() && same_file(a.output, a.logits_out))
+    throw UsageError("--output and --logits-out name the same file " + a.output);
+  if (!a.output.empty() && same_file(a.output, a.input))
+    throw UsageError("--output " + a.output + " is the --input file");
+  if (!a.logits_out.empty() && same_file(a.logits_out, a.input))
+    throw UsageError("--logits-out " + a.logits_out + " is the --input file");
+  if (!a.output.empty()) check_output_path("--output", a.output);
+  if (!a.logits_out.empty()) check_output_path("--logits-out", a.logits_out);
+  // The JSONL goes to a temporary beside --output, renamed over it only once everything has succeeded.
+  std::optional<AtomicFile> out_file;
+  if (!a.output.empty()) out_file.emplace(a.output);
+
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
+  check_model_dir(a.model);
   const Model model = Model::load(a.model);
   const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
   PackedBatch batch;
@@ -72,6 +204,10 @@ int cmd_score(const ScoreArgs& a) {
     }
   }
 
+  // Neither output may appear unless both can: the logits go to a complete temporary file first, then the JSONL
+  // is committed (or printed), and only then is the logits file renamed into place.
+  const std::string logits_tmp = a.logits_out.empty() ? "" : a.logits_out + ".partial." + std::to_string(::getpid());
+  RemoveOnExit remove_logits_tmp(logits_tmp);
   if (!a.logits_out.empty()) {
     const Tensor h = model.forward_hidden(batch);
     std::vector<Tensor> logits;
@@ -79,14 +215,23 @@ int cmd_score(const ScoreArgs& a) {
     for (int64_t n = 0; n < batch.num_seqs(); ++n) logits.push_back(model.logits(h, batch.cu_seqlens[n], batch.cu_seqlens[n + 1]));
     for (int64_t n = 0; n < batch.num_seqs(); ++n)
       out.push_back({"logits." + std::to_string(n), DType::F32, logits[n].shape, logits[n].ptr()});
-    write_safetensors(a.logits_out, out, {{"producer", "nextlm score"}});
+    try {
+      write_safetensors(logits_tmp, out, {{"producer", "nextlm score"}});
+    } catch (const Error& e) {
+      fail("cannot write --logits-out ", a.logits_out, ": ", e.what());
+    }
   }
-  if (a.output.empty()) {
-    std::cout << os.str() << std::flush;
+  if (out_file) {
+    out_file->write(os.str());
+    out_file->commit();
   } else {
-    AtomicFile f(a.output);
-    f.write(os.str());
-    f.commit();
+    std::cout << os.str() << std::flush;
+    check(std::cout.good(), "cannot write to standard output");
+  }
+  if (!a.logits_out.empty()) {
+    if (std::rename(logits_tmp.c_str(), a.logits_out.c_str()) != 0)
+      fail("cannot rename ", logits_tmp, " to ", a.logits_out, ": ", std::strerror(errno));
+    remove_logits_tmp.release();
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cerr << "scored " << seqs.size() << " sequences, " << batch.num_tokens() << " tokens in " << number(secs)
@@ -107,6 +252,7 @@ std::string layer_pattern(const ModelConfig& c) {
 }
 
 int cmd_info(const std::string& dir) {
+  check_model_dir(dir);
   LoadReport rep;
   const Model model = Model::load(dir, &rep);
   const ModelConfig& c = model.config();
@@ -139,27 +285,39 @@ int cmd_info(const std::string& dir) {
   return 0;
 }
 
-}  // namespace
-
-int run_cli(int argc, char** argv) {
+int run_cli_impl(int argc, char** argv) {
   CLI::App app{"nextlm: runs, scores and trains GLM-5.3-Flash (glm5_next) models"};
-  app.require_subcommand(1);
+  // At most one command; none at all is reported below in our own words.
+  app.require_subcommand(0, 1);
   app.set_version_flag("--version", "nextlm 0.1.0");
 
   ScoreArgs score;
   CLI::App* sc = app.add_subcommand("score", "log-probabilities of token sequences (JSONL {\"tokens\": [...]})");
-  sc->add_option("--model", score.model, "model directory (config.json + safetensors)")->required();
-  sc->add_option("--input", score.input, "JSONL file, one {\"tokens\": [ids...]} per line")->required();
-  sc->add_option("--output", score.output, "write JSONL here instead of stdout");
-  sc->add_option("--logits-out", score.logits_out, "write logits.{i} [T_i, V] f32 to this safetensors file");
-  sc->add_option("--device", score.device, "cpu")->capture_default_str();
-  sc->add_option("--format", score.format, "jsonl or text")->check(CLI::IsMember({"jsonl", "text"}))->capture_default_str();
-  sc->add_option("--threads", score.threads, "CPU threads (default: all)")->check(CLI::PositiveNumber);
+  sc->add_option("--model", score.model, "model directory (config.json + safetensors)")->required()->check(non_empty());
+  sc->add_option("--input", score.input, "JSONL file, one {\"tokens\": [ids...]} per line")->required()->check(non_empty());
+  sc->add_option("--output", score.output, "write JSONL here instead of stdout")->check(non_empty());
+  sc->add_option("--logits-out", score.logits_out, "write logits.{i} [T_i, V] f32 to this safetensors file")
+      ->check(non_empty());
+  sc->add_option("--device", score.device, "compute device (this build: cpu)")
+      ->check(one_of({"cpu"}, "a device available in this build"))
+      ->capture_default_str();
+  sc->add_option("--format", score.format, "jsonl or text")
+      ->check(one_of({"jsonl", "text"}, "an output format"))
+      ->capture_default_str();
+  sc->add_option("--threads", score.threads, "CPU threads (default: all)")->check(thread_count());
 
   std::string info_dir;
   CLI::App* in = app.add_subcommand("info", "config summary, layer pattern, parameter counts, skipped tensors");
-  in->add_option("--model", info_dir, "model directory")->required();
+  in->add_option("--model", info_dir, "model directory")->required()->check(non_empty());
 
+  // An unknown command would otherwise be reported as an unexpected argument.
+  bool known_command = false;
+  if (argc >= 2)
+    for (CLI::App* cmd : app.get_subcommands([](CLI::App*) { return true; })) known_command |= cmd->check_name(argv[1]);
+  if (argc >= 2 && argv[1][0] != '-' && !known_command) {
+    print_error(std::string("unknown command \"") + argv[1] + "\" (commands: score, info; run nextlm --help)");
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -172,20 +330,38 @@ int run_cli(int argc, char** argv) {
     std::cout << e.what() << "\n";
     return 0;
   } catch (const CLI::ParseError& e) {
-    std::cerr << "error: " << e.what() << " (run nextlm --help)\n";
+    print_error(std::string(e.what()) + " (run nextlm --help)");
     return 2;
   }
   try {
     if (*sc) return cmd_score(score);
     if (*in) return cmd_info(info_dir);
+  } catch (const UsageError& e) {
+    print_error(std::string(e.what()) + " (run nextlm --help)");
+    return 2;
   } catch (const Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
-  } catch (const std::bad_alloc&) {
-    std::cerr << "error: out of memory\n";
+    print_error(e.what());
     return 1;
   }
+  print_error("no command given (commands: score, info; run nextlm --help)");
   return 2;
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) {
+  // Errors from the standard library or nlohmann (filesystem_error, json exceptions, bad_alloc) are reported like
+  // our own, on one line, instead of terminating the process.
+  try {
+    return run_cli_impl(argc, argv);
+  } catch (const std::bad_alloc&) {
+    print_error("out of memory");
+  } catch (const std::exception& e) {
+    print_error(e.what());
+  } catch (...) {
+    print_error("unexpected failure");
+  }
+  return 1;
 }
 
 }  // namespace nextlm

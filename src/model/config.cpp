@@ -94,7 +94,10 @@ ModelConfig parse_text(const json& t, const json& top, bool nested) {
   c.moe_intermediate_size = get_int(t, "moe_intermediate_size", c.moe_intermediate_size);
   c.num_hidden_layers = get_int(t, "num_hidden_layers", c.num_hidden_layers);
   c.num_attention_heads = get_int(t, "num_attention_heads", c.num_attention_heads);
-  c.num_key_value_heads = get_int(t, "num_key_value_heads", c.num_attention_heads);
+  // An explicit null copies num_attention_heads (__post_init__); an absent key keeps the dataclass default 64.
+  c.num_key_value_heads = t.contains("num_key_value_heads") && t.at("num_key_value_heads").is_null()
+                              ? c.num_attention_heads
+                              : get_int(t, "num_key_value_heads", c.num_key_value_heads);
   check(!(t.contains("q_lora_rank") && t.at("q_lora_rank").is_null()),
         "config: q_lora_rank is required for the DSA attention layers (got null)");
   c.q_lora_rank = get_int(t, "q_lora_rank", c.q_lora_rank);
@@ -194,7 +197,9 @@ ModelConfig parse_text(const json& t, const json& top, bool nested) {
       c.linear_lower_bound = d.at("gate_lower_bound").is_null()
                                  ? std::nullopt
                                  : std::optional<double>(get_num(d, "gate_lower_bound", 0.0));
-    if (get_bool(d, "safe_gate", true) && !c.linear_lower_bound) c.linear_lower_bound = -5.0;
+    // dict.get("safe_gate", True) gives None for an explicit null, which is falsy.
+    const bool safe_gate = !(d.contains("safe_gate") && d.at("safe_gate").is_null()) && get_bool(d, "safe_gate", true);
+    if (safe_gate && !c.linear_lower_bound) c.linear_lower_bound = -5.0;
   }
   validate(c);
   return c;
@@ -270,8 +275,8 @@ void validate(const ModelConfig& c) {
   for (int64_t i = 0; i < L; ++i) {
     if (c.layer_types[i] != LayerType::SparseAttention || c.indexer_types[i] != IndexerType::Shared) continue;
     check(i > 0 && c.layer_types[i - 1] == LayerType::SparseAttention && c.indexer_types[i - 1] == IndexerType::Full,
-          "config: layer ", i, " is a shared-indexer DSA layer but layer ", i - 1,
-          " is not a full-indexer DSA layer to take its selection from");
+          "config: indexer_types: layer ", i,
+          " is a shared-indexer DSA layer without a full-indexer DSA layer directly before it to hand on a selection");
   }
 }
 
