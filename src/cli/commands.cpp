@@ -176,7 +176,8 @@ int cmd_score(const ScoreArgs& a) {
   const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
   PackedBatch batch;
   for (const auto& s : seqs) batch.add(s);
-  const auto lps = model.next_token_logprobs(batch);
+  const Tensor hidden = model.forward_hidden(batch);
+  const auto lps = model.next_token_logprobs(hidden, batch);
 
   std::ostringstream os;
   if (a.format == "text") {
@@ -209,10 +210,10 @@ int cmd_score(const ScoreArgs& a) {
   const std::string logits_tmp = a.logits_out.empty() ? "" : a.logits_out + ".partial." + std::to_string(::getpid());
   RemoveOnExit remove_logits_tmp(logits_tmp);
   if (!a.logits_out.empty()) {
-    const Tensor h = model.forward_hidden(batch);
     std::vector<Tensor> logits;
     std::vector<TensorToWrite> out;
-    for (int64_t n = 0; n < batch.num_seqs(); ++n) logits.push_back(model.logits(h, batch.cu_seqlens[n], batch.cu_seqlens[n + 1]));
+    for (int64_t n = 0; n < batch.num_seqs(); ++n)
+      logits.push_back(model.logits(hidden, batch.cu_seqlens[n], batch.cu_seqlens[n + 1]));
     for (int64_t n = 0; n < batch.num_seqs(); ++n)
       out.push_back({"logits." + std::to_string(n), DType::F32, logits[n].shape, logits[n].ptr()});
     try {

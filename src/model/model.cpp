@@ -106,7 +106,10 @@ Tensor Model::forward(const PackedBatch& batch, const ForwardOptions& opt) const
 }
 
 std::vector<std::vector<double>> Model::next_token_logprobs(const PackedBatch& batch, const ForwardOptions& opt) const {
-  const Tensor h = forward_hidden(batch, opt);
+  return next_token_logprobs(forward_hidden(batch, opt), batch);
+}
+
+std::vector<std::vector<double>> Model::next_token_logprobs(const Tensor& h, const PackedBatch& batch) const {
   const int64_t V = config_.vocab_size, T = batch.num_tokens();
   std::vector<std::vector<double>> out(batch.num_seqs());
   std::vector<int64_t> seq_of(T);

@@ -47,6 +47,8 @@ class Model {
   // log p(x[t+1] | x[..t]) for every sequence of the batch: result[n] has T_n − 1 values. Processes the lm_head in
   // row blocks so that [T, V] logits are never held at once.
   std::vector<std::vector<double>> next_token_logprobs(const PackedBatch& batch, const ForwardOptions& opt = {}) const;
+  // The same from hidden states that forward_hidden(batch) returned.
+  std::vector<std::vector<double>> next_token_logprobs(const Tensor& hidden, const PackedBatch& batch) const;
 
   // Parameter counts of the text model: every tensor, and those one token uses (top-k routed + shared experts).
   int64_t num_parameters() const;
