@@ -69,6 +69,37 @@ CASES = {
 }
 
 KEEP_FP32 = ("e_score_correction_bias", "conv1d", "dt_bias", "A_log")
+# Cases that also get gradient goldens (kept to two so that the committed goldens stay small).
+GRAD_CASES = ("bf16_sharded", "fp32_tail_off")
+# Tensors the LM loss does not train: the indexer runs under no_grad in transformers, the correction bias is a buffer.
+NOT_TRAINED = (".indexer.", "e_score_correction_bias", "model.visual.")
+
+
+def gradient_golden(case_dir, ref, seqs, meta):
+    """Writes golden_grads.safetensors: d/dθ of L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) (each sequence run alone)
+    under the checkpoint's own tensor names, plus `loss` (F64 [1])."""
+    ref.zero_grad(set_to_none=True)
+    total = 0.0
+    for ids in seqs:
+        logits = ref(input_ids=ids[None]).logits[0].float()
+        loss = -torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None]).sum()
+        loss.backward()
+        total += loss.item()
+    # save_pretrained applies transformers' own reverse weight conversion (fused experts and convs back to the hub
+    # layout), so the gradients are written in place of the parameters and saved through it.
+    with torch.no_grad():
+        for _, p in ref.named_parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    tmp = os.path.join(case_dir, ".grads_tmp")
+    ref.save_pretrained(tmp)
+    grads = {}
+    for f in os.listdir(tmp):
+        if f.endswith(".safetensors"):
+            grads.update({k: v.float().contiguous() for k, v in load_file(os.path.join(tmp, f)).items()
+                          if not any(x in k for x in NOT_TRAINED)})
+    shutil.rmtree(tmp)
+    grads["loss"] = torch.tensor([total], dtype=torch.float64)
+    save_file(grads, os.path.join(case_dir, "golden_grads.safetensors"), metadata=dict(meta, loss=repr(total)))
 
 
 def randomize(model, gen):
@@ -243,7 +274,9 @@ def make_case(name, out_dir):
         meta = {"transformers": transformers.__version__, "torch": torch.__version__, "seed": str(seed),
                 "case": name, "smallest_choice_gap": f"{worst:.3e}", "seq_lens": json.dumps(SEQ_LENS)}
         save_file(tensors, os.path.join(case_dir, "golden.safetensors"), metadata=meta)
-        names = sorted(k for f in os.listdir(case_dir) if f.endswith(".safetensors") and f != "golden.safetensors"
+        if name in GRAD_CASES:
+            gradient_golden(case_dir, ref, [tensors[f"tokens.{i}"] for i in range(len(SEQ_LENS))], meta)
+        names = sorted(k for f in os.listdir(case_dir) if f.endswith(".safetensors") and not f.startswith("golden")
                        for k in load_file(os.path.join(case_dir, f)).keys())
         with open(os.path.join(case_dir, "tensor_names.txt"), "w") as fh:
             fh.write("\n".join(names) + "\n")
