@@ -11,14 +11,15 @@ scripts/setup.sh
 echo "== build (Release)"
 scripts/build.sh
 echo "== tests (Release)"
-ctest --test-dir build --output-on-failure -j "$jobs"
+# GPU tests (label gpu) are compiled here and run on a GPU machine by scripts/test_gpu.sh.
+ctest --test-dir build --output-on-failure -j "$jobs" -LE gpu
 [ "$quick" = 1 ] && exit 0
 
 echo "== tests under AddressSanitizer + UndefinedBehaviorSanitizer"
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNEXTLM_SANITIZE=ON >/dev/null
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNEXTLM_SANITIZE=ON -DNEXTLM_CUDA=OFF >/dev/null
 cmake --build build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$jobs"
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" -LE gpu
 
 echo "== fuzzing (libFuzzer, ${NEXTLM_FUZZ_SECONDS:-60} s per target)"
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++-14 \

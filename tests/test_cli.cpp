@@ -365,7 +365,7 @@ TEST_F(Cli, UsageErrors) {
       {ok + " --threads", {"--threads"}},
       {ok + " --format xml", {"--format", "xml"}},
       {ok + " --format JSONL", {"--format", "JSONL"}},
-      {ok + " --device cuda", {"--device", "cuda"}},
+      {ok + " --device tpu", {"--device", "tpu"}},
       {ok + " --device ''", {"--device"}},
       {ok + " --output ''", {"--output"}},
       {ok + " --logits-out ''", {"--logits-out"}},

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -15,9 +16,20 @@ namespace nextlm::test {
 // The bundled example model is a golden case too; it lives in examples/ for users.
 static const char* const kExampleCase = "tiny-glm5-next";
 
+// The tests and source directories: compiled in, or from the environment when the binaries run elsewhere (the GPU
+// machine runs binaries built here from a copy of the tree at another path).
+static std::string test_data_dir() {
+  const char* e = std::getenv("NEXTLM_TEST_DATA");
+  return e ? e : NEXTLM_TEST_DATA;
+}
+static std::string source_dir() {
+  const char* e = std::getenv("NEXTLM_SOURCE_DIR");
+  return e ? e : NEXTLM_SOURCE_DIR;
+}
+
 std::vector<std::string> golden_cases() {
   std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(std::string(NEXTLM_TEST_DATA) + "/golden"))
+  for (const auto& e : std::filesystem::directory_iterator(test_data_dir() + "/golden"))
     if (e.is_directory() && std::filesystem::exists(e.path() / "golden.safetensors"))
       out.push_back(e.path().filename().string());
   if (std::filesystem::exists(golden_dir(kExampleCase) + "/golden.safetensors")) out.push_back(kExampleCase);
@@ -26,8 +38,8 @@ std::vector<std::string> golden_cases() {
 }
 
 std::string golden_dir(const std::string& name) {
-  if (name == kExampleCase) return std::string(NEXTLM_SOURCE_DIR) + "/examples/" + name;
-  return std::string(NEXTLM_TEST_DATA) + "/golden/" + name;
+  if (name == kExampleCase) return source_dir() + "/examples/" + name;
+  return test_data_dir() + "/golden/" + name;
 }
 
 std::string param_name(const std::string& name) {

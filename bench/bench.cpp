@@ -1,0 +1,65 @@
+// nextlm GPU benchmarks: each registered case prints one JSON line {"case", "ours_ms", "floor_ms", "note"} with the
+// floor from the measured ceilings of ../shared/docs/performance.md (4.14 TB/s copy, 729 TFLOP/s bf16 GEMM).
+// Peers run in the same call from bench/run_h200.sh.
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cuda/device_model.h"
+#include "cuda/testing.h"
+
+namespace {
+
+constexpr double kBytesPerMs = 4.14e12 / 1e3;
+constexpr double kFlopsPerMs = 729e12 / 1e3;
+
+// KDA forward bytes (q, k, v, g read, o written, bf16) and FLOPs (chunked form, per the performance doc's count).
+double kda_floor_ms(int64_t T, int64_t H, int64_t K) {
+  const double bytes = 5.0 * T * H * K * 2;
+  const double flops = 0.1e12 * (static_cast<double>(T) * H * K * K) / (8192.0 * 64 * 128 * 128);
+  return std::max(bytes / kBytesPerMs, flops / kFlopsPerMs);
+}
+
+void emit(const std::string& name, double ms, double floor, const std::string& note) {
+  std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", name.c_str(), ms, floor,
+              note.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string only = argc > 1 ? argv[1] : "";
+  const std::string dev = nextlm::cuda_device_name();
+  if (dev.empty()) {
+    std::fprintf(stderr, "error: no CUDA device\n");
+    return 1;
+  }
+  std::fprintf(stderr, "device: %s\n", dev.c_str());
+  struct Case {
+    std::string name;
+    std::function<void(const std::string&)> run;
+  };
+  const int64_t H = 64, K = 128;
+  const std::vector<int64_t> varlen{1300, 547, 2048, 963, 271, 3063};
+  std::vector<Case> cases{
+      {"kda_fwd_T8192_H64",
+       [&](const std::string& n) {
+         emit(n, nextlm::cuda_testing::time_kda_forward({8192}, H, K, 20), kda_floor_ms(8192, H, K),
+              "safe gate kernel + chunked delta rule, fp32 q/k/v/g inputs");
+       }},
+      {"kda_fwd_varlen",
+       [&](const std::string& n) {
+         emit(n, nextlm::cuda_testing::time_kda_forward(varlen, H, K, 20), kda_floor_ms(8192, H, K),
+              "[1300,547,2048,963,271,3063]");
+       }},
+      {"kda_fwd_T32768_H64",
+       [&](const std::string& n) {
+         emit(n, nextlm::cuda_testing::time_kda_forward({32768}, H, K, 5), kda_floor_ms(32768, H, K), "");
+       }},
+  };
+  for (const Case& c : cases)
+    if (only.empty() || c.name == only) c.run(c.name);
+  return 0;
+}

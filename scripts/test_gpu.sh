@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and the benchmarks on a CUDA machine. With no argument it builds first (scripts/build.sh) and
+# uses build/; with a directory argument it runs binaries built elsewhere (test_cuda, nextlm_bench in that folder,
+# plus a lib/ of shared libraries the machine lacks). Writes results under ${OUT:-/tmp/nextlm_gpu}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-}
+if [ -z "$bin" ]; then
+  scripts/build.sh && bin=build
+  tests=build/tests/test_cuda
+  bench=build/bench/nextlm_bench
+else
+  tests=$bin/test_cuda
+  bench=$bin/nextlm_bench
+  export LD_LIBRARY_PATH="$PWD/$bin/lib:${LD_LIBRARY_PATH:-}"
+fi
+out=${OUT:-/tmp/nextlm_gpu}
+mkdir -p "$out"
+export NEXTLM_TEST_DATA="$PWD/tests" NEXTLM_SOURCE_DIR="$PWD"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
+status=0
+echo "== GPU tests"
+"$tests" 2>&1 | tee "$out/test_cuda.log" | grep -E "^\[(cuda|  FAILED|  PASSED)|Failure|error" || true
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+if [ -z "${NEXTLM_SKIP_MEMCHECK:-}" ]; then
+  echo "== compute-sanitizer memcheck on the kernel tests"
+  compute-sanitizer --tool memcheck --error-exitcode 7 "$tests" --gtest_filter='CudaKda.*:*tiny*' >"$out/memcheck.log" 2>&1
+  rc=$?
+  echo "memcheck exit $rc (7 = memory errors; 1 = a test assertion failed)"; tail -3 "$out/memcheck.log"
+  [ "$rc" = 7 ] && status=1
+fi
+echo "== benchmarks"
+"$bench" | tee "$out/ours.jsonl"
+if [ -d peers/fla ]; then
+  PYTHONPATH="$PWD/peers/fla:${PYTHONPATH:-}" python3 bench/peers/fla_kda.py 2>"$out/fla.err" | tee "$out/peers.jsonl"
+  tail -3 "$out/fla.err"
+fi
+exit $status

@@ -1,0 +1,68 @@
+// CUDA helpers shared by the kernels: error checks, bf16 conversions, warp/block reductions.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+
+#define NEXTLM_CUDA_CHECK(expr)                                                                       \
+  do {                                                                                                \
+    cudaError_t err_ = (expr);                                                                        \
+    if (err_ != cudaSuccess) ::nextlm::fail("CUDA error ", cudaGetErrorString(err_), " in ", #expr, \
+                                           " at ", __FILE__, ":", __LINE__);                         \
+  } while (0)
+
+#define NEXTLM_CUBLAS_CHECK(expr)                                                                   \
+  do {                                                                                              \
+    cublasStatus_t st_ = (expr);                                                                    \
+    if (st_ != CUBLAS_STATUS_SUCCESS) ::nextlm::fail("cuBLASLt error ", static_cast<int>(st_), " in ", \
+                                                     #expr, " at ", __FILE__, ":", __LINE__);       \
+  } while (0)
+
+namespace nextlm::cuda {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result. `scratch` holds 32.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = lane < nwarps ? scratch[lane] : 0.0f;
+  r = warp_sum(r);
+  return r;
+}
+
+// Integer sum over the block; every thread gets the result.
+__device__ __forceinline__ int block_sum_int(int v) {
+  __shared__ int part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  int r = lane < nwarps ? part[lane] : 0;
+  for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+  return r;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace nextlm::cuda

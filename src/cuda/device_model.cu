@@ -1,0 +1,619 @@
+// Orchestrates the bf16 forward on one GPU: uploads weights, plans a packed batch (sequence offsets, KDA chunks,
+// indexer pools), and runs the layers on one stream out of a reusable arena (no cudaMalloc once warmed up).
+#include "cuda/device_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "cuda/gemm.h"
+#include "cuda/kernels.h"
+#include "io/safetensors.h"
+
+namespace nextlm {
+
+std::string cuda_device_name(int device) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n <= device) return "";
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "";
+  return prop.name;
+}
+
+namespace cuda {
+namespace {
+
+// A bump allocator over device chunks. reset() rewinds; a forward of the same or a smaller shape reuses the chunks
+// of the first one, so cudaMalloc runs only when a larger batch arrives.
+class Arena {
+ public:
+  ~Arena() {
+    for (auto& c : chunks_) cudaFree(c.first);
+  }
+  void reset() { chunk_ = 0, offset_ = 0; }
+  template <class T>
+  T* alloc(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
+    while (chunk_ < chunks_.size() && offset_ + bytes > chunks_[chunk_].second) ++chunk_, offset_ = 0;
+    if (chunk_ == chunks_.size()) {
+      const size_t size = std::max(bytes, size_t{256} << 20);
+      void* p = nullptr;
+      NEXTLM_CUDA_CHECK(cudaMalloc(&p, size));
+      chunks_.emplace_back(static_cast<char*>(p), size);
+      offset_ = 0;
+    }
+    T* p = reinterpret_cast<T*>(chunks_[chunk_].first + offset_);
+    offset_ += bytes;
+    return p;
+  }
+
+ private:
+  std::vector<std::pair<char*, size_t>> chunks_;
+  size_t chunk_ = 0, offset_ = 0;
+};
+
+// Device copies of host data, freed with the model.
+class Store {
+ public:
+  ~Store() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  template <class T>
+  T* put(const std::vector<T>& v) {
+    T* p = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)));
+    NEXTLM_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    ptrs_.push_back(p);
+    return p;
+  }
+  float* f32(const Tensor& t) { return put(t.data); }
+  bf16* bf(const std::vector<const Tensor*>& parts) {  // row-wise concatenation
+    std::vector<bf16> v;
+    for (const Tensor* t : parts)
+      for (float x : t->data) {
+        __nv_bfloat16_raw raw;
+        raw.x = f32_to_bf16(x);
+        v.push_back(bf16(raw));
+      }
+    return put(v);
+  }
+
+ private:
+  std::vector<void*> ptrs_;
+};
+
+struct DLinear {
+  bf16* w = nullptr;
+  int64_t out = 0, in = 0;
+};
+DLinear linear(Store& s, std::vector<const Tensor*> parts) {
+  DLinear l;
+  l.in = parts[0]->dim(1);
+  for (const Tensor* t : parts) l.out += t->dim(0);
+  l.w = s.bf(parts);
+  return l;
+}
+
+struct DHc {
+  float *fn, *base, *scale;
+};
+struct DKda {
+  DLinear qkv, f_a, f_b, b, g_a, g_b, o;
+  float *conv, *dt_bias, *A_log, *o_norm;
+};
+struct DIndexer {
+  DLinear wq_b, wk, weights, gate;
+  float *k_norm_w, *k_norm_b, *ape;
+};
+struct DDsa {
+  DLinear q_a, q_b, kv_a, kv_b, o;
+  float *q_a_norm, *kv_a_norm;
+  bool has_indexer = false;
+  DIndexer idx;
+};
+struct DMlp {
+  DLinear gate_up, down;
+  int64_t I = 0;
+};
+struct DMoe {
+  DLinear router;
+  float* bias;
+  std::vector<DMlp> experts;
+  bool has_shared = false;
+  DMlp shared;
+};
+struct DLayer {
+  DHc hc_attn, hc_ffn;
+  float *in_norm, *post_norm;
+  bool kda_layer = false, moe_layer = false;
+  DKda kda;
+  DDsa dsa;
+  DMlp mlp;
+  DMoe moe;
+};
+
+DMlp upload_mlp(Store& s, const MlpWeights& m) {
+  return DMlp{linear(s, {&m.gate, &m.up}), linear(s, {&m.down}), m.gate.dim(0)};
+}
+
+// The plan of a packed batch, shared by every layer.
+struct Plan {
+  int64_t T = 0, num_seqs = 0, max_len = 0, max_pools = 0, num_pools = 0;
+  int32_t *tokens, *targets, *seq_start, *seq_len, *pool_base, *pool_token;
+  KdaChunks chunks{};
+};
+
+}  // namespace
+}  // namespace cuda
+
+struct CudaModel::Impl {
+  const ModelConfig cfg;
+  int device;
+  cudaStream_t stream = nullptr;
+  cuda::Store store;
+  cuda::Arena arena;
+  std::unique_ptr<cuda::Gemm> gemm;
+  cuda::bf16 *embed = nullptr, *lm_head = nullptr;
+  float* final_norm = nullptr;
+  std::vector<cuda::DLayer> layers;
+  bool profiling = false;
+  std::vector<std::pair<std::string, double>> prof;
+  std::map<std::string, std::pair<cudaEvent_t, cudaEvent_t>> events;
+
+  Impl(const Model& m, int dev) : cfg(m.config()), device(dev) {
+    check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
+    NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    gemm = std::make_unique<cuda::Gemm>(stream);
+    upload(m.weights());
+  }
+  ~Impl() {
+    for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  void upload(const ModelWeights& w) {
+    using namespace cuda;
+    embed = store.bf({&w.embed});
+    lm_head = store.bf({&w.lm_head});
+    final_norm = store.f32(w.final_norm);
+    for (const LayerWeights& lw : w.layers) {
+      DLayer L;
+      L.hc_attn = DHc{store.f32(lw.hc_attn.fn), store.f32(lw.hc_attn.base), store.f32(lw.hc_attn.scale)};
+      L.hc_ffn = DHc{store.f32(lw.hc_ffn.fn), store.f32(lw.hc_ffn.base), store.f32(lw.hc_ffn.scale)};
+      L.in_norm = store.f32(lw.input_norm);
+      L.post_norm = store.f32(lw.post_attention_norm);
+      if (lw.kda) {
+        const KdaWeights& k = *lw.kda;
+        L.kda_layer = true;
+        L.kda.qkv = linear(store, {&k.q_proj, &k.k_proj, &k.v_proj});
+        std::vector<float> conv(k.q_conv.data);
+        conv.insert(conv.end(), k.k_conv.data.begin(), k.k_conv.data.end());
+        conv.insert(conv.end(), k.v_conv.data.begin(), k.v_conv.data.end());
+        L.kda.conv = store.put(conv);
+        L.kda.f_a = linear(store, {&k.f_a});
+        L.kda.f_b = linear(store, {&k.f_b});
+        L.kda.b = linear(store, {&k.b_proj});
+        L.kda.g_a = linear(store, {&k.g_a});
+        L.kda.g_b = linear(store, {&k.g_b});
+        L.kda.o = linear(store, {&k.o_proj});
+        L.kda.dt_bias = store.f32(k.dt_bias);
+        L.kda.A_log = store.f32(k.A_log);
+        L.kda.o_norm = store.f32(k.o_norm);
+      } else {
+        const DsaWeights& d = *lw.dsa;
+        L.dsa.q_a = linear(store, {&d.q_a});
+        L.dsa.q_b = linear(store, {&d.q_b});
+        L.dsa.kv_a = linear(store, {&d.kv_a});
+        L.dsa.kv_b = linear(store, {&d.kv_b});
+        L.dsa.o = linear(store, {&d.o_proj});
+        L.dsa.q_a_norm = store.f32(d.q_a_norm);
+        L.dsa.kv_a_norm = store.f32(d.kv_a_norm);
+        if (d.indexer) {
+          const IndexerWeights& ix = *d.indexer;
+          L.dsa.has_indexer = true;
+          L.dsa.idx = DIndexer{linear(store, {&ix.wq_b}), linear(store, {&ix.wk}), linear(store, {&ix.weights_proj}),
+                               linear(store, {&ix.gate}), store.f32(ix.k_norm_w), store.f32(ix.k_norm_b),
+                               store.f32(ix.ape)};
+        }
+      }
+      if (lw.moe) {
+        L.moe_layer = true;
+        L.moe.router = linear(store, {&lw.moe->router});
+        L.moe.bias = store.f32(lw.moe->correction_bias);
+        for (const MlpWeights& e : lw.moe->experts) L.moe.experts.push_back(upload_mlp(store, e));
+        if (lw.moe->shared) L.moe.has_shared = true, L.moe.shared = upload_mlp(store, *lw.moe->shared);
+      } else {
+        L.mlp = upload_mlp(store, *lw.mlp);
+      }
+      layers.push_back(std::move(L));
+    }
+  }
+
+  // Profiling: named CUDA-event pairs around each part of the forward.
+  void mark_begin(const std::string& name) {
+    if (!profiling) return;
+    auto it = events.find(name);
+    if (it == events.end()) {
+      cudaEvent_t a, b;
+      NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
+      NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
+      it = events.emplace(name, std::make_pair(a, b)).first;
+    }
+    NEXTLM_CUDA_CHECK(cudaEventRecord(it->second.first, stream));
+  }
+  std::map<std::string, float> accum;
+  void mark_end(const std::string& name) {
+    if (!profiling) return;
+    auto& ev = events.at(name);
+    NEXTLM_CUDA_CHECK(cudaEventRecord(ev.second, stream));
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(ev.second));
+    float ms = 0.0f;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.first, ev.second));
+    accum[name] += ms;
+  }
+
+  cuda::Plan plan(const PackedBatch& b) {
+    using namespace cuda;
+    validate_batch(b, cfg.vocab_size);
+    Plan p;
+    p.T = b.num_tokens();
+    p.num_seqs = b.num_seqs();
+    const int64_t P = cfg.index_kpool;
+    std::vector<int32_t> targets(p.T, -1), start(p.T), len(p.T), pool_base(p.T), pool_token;
+    std::vector<int32_t> cs, cl, sf, sn;
+    for (int64_t n = 0; n < p.num_seqs; ++n) {
+      const int64_t s0 = b.cu_seqlens[n], L = b.cu_seqlens[n + 1] - s0;
+      p.max_len = std::max(p.max_len, L);
+      p.max_pools = std::max(p.max_pools, L / P);
+      const int32_t base = static_cast<int32_t>(pool_token.size());
+      for (int64_t j = 0; j < L / P; ++j) pool_token.push_back(static_cast<int32_t>(s0 + j * P));
+      for (int64_t t = s0; t < s0 + L; ++t) {
+        start[t] = static_cast<int32_t>(s0);
+        len[t] = static_cast<int32_t>(L);
+        pool_base[t] = base;
+        if (t + 1 < s0 + L) targets[t] = b.tokens[t + 1];
+      }
+      sf.push_back(static_cast<int32_t>(cs.size()));
+      for (int64_t c = 0; c < L; c += 64) {
+        cs.push_back(static_cast<int32_t>(s0 + c));
+        cl.push_back(static_cast<int32_t>(std::min<int64_t>(64, L - c)));
+      }
+      sn.push_back(static_cast<int32_t>(cs.size()) - sf.back());
+    }
+    p.num_pools = static_cast<int64_t>(pool_token.size());
+    auto up = [&](const std::vector<int32_t>& v) {
+      int32_t* d = arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      return d;
+    };
+    p.tokens = up(b.tokens);
+    p.targets = up(targets);
+    p.seq_start = up(start);
+    p.seq_len = up(len);
+    p.pool_base = up(pool_base);
+    p.pool_token = up(pool_token);
+    p.chunks = KdaChunks{up(cs), up(cl), up(sf), up(sn), static_cast<int64_t>(cs.size()), p.num_seqs};
+    // The uploads read host vectors that die here: wait for them.
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return p;
+  }
+
+  // y = MLP(a) for a dense MLP or the shared expert; accumulate adds into y.
+  void mlp(const cuda::DMlp& m, const cuda::bf16* a, int64_t T, float* y, bool accumulate = false) {
+    using namespace cuda;
+    float* gu = arena.alloc<float>(T * 2 * m.I);
+    bf16* act = arena.alloc<bf16>(T * m.I);
+    gemm->run(a, cfg.hidden_size, m.gate_up.w, 2 * m.I, cfg.hidden_size, gu, 2 * m.I, T);
+    swiglu(gu, act, T, m.I, static_cast<float>(cfg.swiglu_limit), stream);
+    gemm->run(act, m.I, m.down.w, cfg.hidden_size, m.I, y, cfg.hidden_size, T, accumulate);
+  }
+
+  void kda(const cuda::DKda& w, const cuda::Plan& p, const cuda::bf16* a, float* y) {
+    using namespace cuda;
+    const int64_t T = p.T, D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K;
+    float* raw = arena.alloc<float>(T * 3 * HK);
+    float *q = arena.alloc<float>(T * HK), *k = arena.alloc<float>(T * HK), *v = arena.alloc<float>(T * HK);
+    gemm->run(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, T);
+    kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
+    float* fa = arena.alloc<float>(T * K);
+    bf16* fa16 = arena.alloc<bf16>(T * K);
+    float* g = arena.alloc<float>(T * HK);
+    gemm->run(a, D, w.f_a.w, K, D, fa, K, T);
+    to_bf16(fa, fa16, T * K, stream);
+    gemm->run(fa16, K, w.f_b.w, HK, K, g, HK, T);
+    kda_gate(g, w.dt_bias, w.A_log, T, H, K, cfg.linear_lower_bound.has_value(),
+             static_cast<float>(cfg.linear_lower_bound.value_or(0.0)), stream);
+    float* beta = arena.alloc<float>(T * H);
+    gemm->run(a, D, w.b.w, H, D, beta, H, T);
+    sigmoid_inplace(beta, T * H, stream);
+    float* o = arena.alloc<float>(T * HK);
+    float* work = arena.alloc<float>(kda_workspace_floats(p.chunks.num_chunks, H, K));
+    mark_begin("kda core");
+    kda_chunked(q, k, v, g, beta, o, p.chunks, work, T, H, K, stream);
+    mark_end("kda core");
+    float* ga = arena.alloc<float>(T * K);
+    bf16* ga16 = arena.alloc<bf16>(T * K);
+    float* gate = arena.alloc<float>(T * HK);
+    gemm->run(a, D, w.g_a.w, K, D, ga, K, T);
+    to_bf16(ga, ga16, T * K, stream);
+    gemm->run(ga16, K, w.g_b.w, HK, K, gate, HK, T);
+    bf16* o16 = arena.alloc<bf16>(T * HK);
+    kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
+    gemm->run(o16, HK, w.o.w, D, HK, y, D, T);
+  }
+
+  void dsa(const cuda::DDsa& w, const cuda::Plan& p, const cuda::bf16* a, int32_t* sel, int32_t* count,
+           int64_t max_sel, float* y) {
+    using namespace cuda;
+    const int64_t T = p.T, D = cfg.hidden_size, NH = cfg.num_attention_heads, dqk = cfg.qk_nope_head_dim,
+                  dv = cfg.v_head_dim, QL = cfg.q_lora_rank, KL = cfg.kv_lora_rank;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* qa = arena.alloc<float>(T * QL);
+    bf16* qr = arena.alloc<bf16>(T * QL);
+    float* q = arena.alloc<float>(T * NH * dqk);
+    gemm->run(a, D, w.q_a.w, QL, D, qa, QL, T);
+    rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, T, QL, eps, stream);
+    gemm->run(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, T);
+    float* lat = arena.alloc<float>(T * KL);
+    bf16* lat16 = arena.alloc<bf16>(T * KL);
+    float* kv = arena.alloc<float>(T * NH * (dqk + dv));
+    gemm->run(a, D, w.kv_a.w, KL, D, lat, KL, T);
+    rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, T, KL, eps, stream);
+    gemm->run(lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, kv, NH * (dqk + dv), T);
+    if (w.has_indexer) {
+      mark_begin("indexer");
+      const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
+      float *qi = arena.alloc<float>(T * IH * ID), *ki = arena.alloc<float>(T * ID), *gs = arena.alloc<float>(T * ID),
+            *wts = arena.alloc<float>(T * IH), *pk = arena.alloc<float>(p.num_pools * ID);
+      gemm->run(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, T);
+      gemm->run(a, D, w.idx.wk.w, ID, D, ki, ID, T);
+      layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, T, ID, 1e-6f, stream);
+      gemm->run(a, D, w.idx.gate.w, ID, D, gs, ID, T);
+      gemm->run(a, D, w.idx.weights.w, IH, D, wts, IH, T);
+      IndexerParams ip{qi, ki, gs, wts, w.idx.ape, p.seq_start, p.seq_len, T, IH, ID, cfg.index_kpool,
+                       cfg.index_topk, p.max_pools, cfg.index_kpool_always_select_tail};
+      pool_keys(ip, p.pool_token, p.num_pools, pk, stream);
+      indexer_select(ip, p.pool_base, pk, sel, count, max_sel, stream);
+      mark_end("indexer");
+    }
+    bf16* o = arena.alloc<bf16>(T * NH * dv);
+    mark_begin("sparse attention");
+    mla_sparse_attention(q, kv, sel, count, p.seq_start, p.seq_len, o, T, NH, dqk, dv, max_sel, stream);
+    mark_end("sparse attention");
+    gemm->run(o, NH * dv, w.o.w, D, NH * dv, y, D, T);
+  }
+
+  void moe(const cuda::DMoe& w, const cuda::bf16* a, int64_t T, float* y) {
+    using namespace cuda;
+    const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
+                  I = cfg.moe_intermediate_size, n = T * k;
+    float* logits = arena.alloc<float>(T * E);
+    gemm->run(a, D, w.router.w, E, D, logits, E, T);
+    int32_t* experts = arena.alloc<int32_t>(n);
+    float* weights = arena.alloc<float>(n);
+    moe_route(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
+              static_cast<float>(cfg.routed_scaling_factor), stream);
+    int32_t *keys = arena.alloc<int32_t>(n), *slots_in = arena.alloc<int32_t>(n), *slots = arena.alloc<int32_t>(n),
+            *token_of = arena.alloc<int32_t>(n), *slot_of = arena.alloc<int32_t>(n),
+            *offsets = arena.alloc<int32_t>(E + 1);
+    const size_t temp_bytes = moe_permute_temp_bytes(n);
+    void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
+    moe_permute(experts, T, k, E, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes, stream);
+    std::vector<int32_t> off(E + 1);
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(off.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    bf16* xp = arena.alloc<bf16>(n * D);
+    gather_rows(a, token_of, xp, n, D, stream);
+    float* gu = arena.alloc<float>(n * 2 * I);
+    bf16* act = arena.alloc<bf16>(n * I);
+    float* out = arena.alloc<float>(n * D);
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));  // the expert boundaries drive the per-expert GEMMs
+    mark_begin("experts");
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], m = off[e + 1] - off[e];
+      if (m) gemm->run(xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, gu + r0 * 2 * I, 2 * I, m);
+    }
+    swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], m = off[e + 1] - off[e];
+      if (m) gemm->run(act + r0 * I, I, w.experts[e].down.w, D, I, out + r0 * D, D, m);
+    }
+    mark_end("experts");
+    if (w.has_shared) {
+      mlp(w.shared, a, T, y);
+    } else {
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), stream));
+    }
+    moe_combine(y, out, slot_of, weights, T, k, D, stream);
+  }
+
+  // Runs every layer; returns the final normed hidden states bf16 [T, D] (arena memory).
+  cuda::bf16* hidden(const cuda::Plan& p) {
+    using namespace cuda;
+    const int64_t T = p.T, S = cfg.hc_mult, D = cfg.hidden_size;
+    float* h = arena.alloc<float>(T * S * D);
+    float* post = arena.alloc<float>(T * S);
+    float* comb = arena.alloc<float>(T * S * S);
+    bf16* a = arena.alloc<bf16>(T * D);
+    float* y = arena.alloc<float>(T * D);
+    const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
+    int32_t* sel = arena.alloc<int32_t>(T * max_sel);
+    int32_t* count = arena.alloc<int32_t>(T);
+    embed_streams(p.tokens, embed, h, T, S, D, stream);
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const DLayer& L = layers[i];
+      mark_begin("mhc");
+      cuda::mhc_pre(MhcParams{L.hc_attn.fn, L.hc_attn.base, L.hc_attn.scale, L.in_norm, T, S, D, eps,
+                        static_cast<float>(cfg.hc_eps), static_cast<int>(cfg.hc_sinkhorn_iters)},
+              h, post, comb, a, stream);
+      mark_end("mhc");
+      mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
+      if (L.kda_layer) {
+        kda(L.kda, p, a, y);
+      } else {
+        dsa(L.dsa, p, a, sel, count, max_sel, y);
+      }
+      mark_end(L.kda_layer ? "kda layer" : "dsa layer");
+      mark_begin("mhc");
+      mhc_post(h, y, post, comb, T, S, D, stream);
+      cuda::mhc_pre(MhcParams{L.hc_ffn.fn, L.hc_ffn.base, L.hc_ffn.scale, L.post_norm, T, S, D, eps,
+                        static_cast<float>(cfg.hc_eps), static_cast<int>(cfg.hc_sinkhorn_iters)},
+              h, post, comb, a, stream);
+      mark_end("mhc");
+      mark_begin(L.moe_layer ? "moe" : "dense mlp");
+      if (L.moe_layer) {
+        moe(L.moe, a, T, y);
+      } else {
+        mlp(L.mlp, a, T, y);
+      }
+      mark_end(L.moe_layer ? "moe" : "dense mlp");
+      mark_begin("mhc");
+      mhc_post(h, y, post, comb, T, S, D, stream);
+      mark_end("mhc");
+    }
+    bf16* hn = arena.alloc<bf16>(T * D);
+    stream_mean_norm(h, final_norm, hn, T, S, D, eps, stream);
+    return hn;
+  }
+
+  void start(const PackedBatch& b) {
+    arena.reset();
+    accum.clear();
+  }
+  void finish_profile() {
+    prof.assign(accum.begin(), accum.end());
+  }
+};
+
+CudaModel::CudaModel(const Model& model, int device) : impl_(std::make_unique<Impl>(model, device)) {}
+CudaModel::~CudaModel() = default;
+
+const ModelConfig& CudaModel::config() const { return impl_->cfg; }
+
+void CudaModel::set_profiling(bool on) { impl_->profiling = on; }
+std::vector<std::pair<std::string, double>> CudaModel::profile() const { return impl_->prof; }
+
+void CudaModel::forward_hidden_only(const PackedBatch& batch) {
+  Impl& m = *impl_;
+  m.start(batch);
+  const cuda::Plan p = m.plan(batch);
+  m.hidden(p);
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.finish_profile();
+}
+
+Tensor CudaModel::forward(const PackedBatch& batch) {
+  Impl& m = *impl_;
+  m.start(batch);
+  const cuda::Plan p = m.plan(batch);
+  const cuda::bf16* hn = m.hidden(p);
+  const int64_t V = m.cfg.vocab_size, D = m.cfg.hidden_size;
+  Tensor out({p.T, V});
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 28) / (V * 4)));
+  float* lg = m.arena.alloc<float>(block * V);
+  for (int64_t r0 = 0; r0 < p.T; r0 += block) {
+    const int64_t rows = std::min(block, p.T - r0);
+    m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(out.ptr() + r0 * V, lg, rows * V * sizeof(float), cudaMemcpyDeviceToHost, m.stream));
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  }
+  m.finish_profile();
+  return out;
+}
+
+std::vector<std::vector<double>> CudaModel::next_token_logprobs(const PackedBatch& batch) {
+  Impl& m = *impl_;
+  m.start(batch);
+  const cuda::Plan p = m.plan(batch);
+  const cuda::bf16* hn = m.hidden(p);
+  const int64_t V = m.cfg.vocab_size, D = m.cfg.hidden_size;
+  // The lm_head in row blocks of at most ~256 MB of fp32 logits, each reduced to log-probabilities at once.
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 26) / V));
+  float* lg = m.arena.alloc<float>(block * V);
+  double* lp = m.arena.alloc<double>(p.T);
+  for (int64_t r0 = 0; r0 < p.T; r0 += block) {
+    const int64_t rows = std::min(block, p.T - r0);
+    m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
+    cuda::row_logprob(lg, p.targets + r0, lp + r0, rows, V, m.stream);
+  }
+  std::vector<double> all(p.T);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(all.data(), lp, p.T * sizeof(double), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  std::vector<std::vector<double>> out(batch.num_seqs());
+  for (int64_t n = 0; n < batch.num_seqs(); ++n)
+    for (int64_t t = batch.cu_seqlens[n]; t + 1 < batch.cu_seqlens[n + 1]; ++t) out[n].push_back(all[t]);
+  m.finish_profile();
+  return out;
+}
+
+namespace {
+template <class T>
+T* to_device(cuda::Arena& arena, const std::vector<T>& v, cudaStream_t st) {
+  T* d = arena.alloc<T>(static_cast<int64_t>(v.size()));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, st));
+  return d;
+}
+template <class T>
+std::vector<T> to_host(const T* d, int64_t n, cudaStream_t st) {
+  std::vector<T> v(n);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+  return v;
+}
+}  // namespace
+
+std::vector<float> CudaModel::sublayer(int64_t layer, bool ffn, const std::vector<float>& a,
+                                       const PackedBatch& batch) {
+  Impl& m = *impl_;
+  m.start(batch);
+  const cuda::Plan p = m.plan(batch);
+  const int64_t T = p.T, D = m.cfg.hidden_size;
+  check(static_cast<int64_t>(a.size()) == T * D, "sublayer: input size");
+  const cuda::DLayer& L = m.layers.at(layer);
+  float* a32 = to_device(m.arena, a, m.stream);
+  cuda::bf16* a16 = m.arena.alloc<cuda::bf16>(T * D);
+  cuda::to_bf16(a32, a16, T * D, m.stream);
+  float* y = m.arena.alloc<float>(T * D);
+  if (ffn) {
+    if (L.moe_layer) {
+      m.moe(L.moe, a16, T, y);
+    } else {
+      m.mlp(L.mlp, a16, T, y);
+    }
+  } else if (L.kda_layer) {
+    m.kda(L.kda, p, a16, y);
+  } else {
+    check(L.dsa.has_indexer, "sublayer: a shared-indexer DSA layer needs the previous layer's selection");
+    const int64_t max_sel = m.cfg.index_topk + m.cfg.index_kpool - 1;
+    int32_t* sel = m.arena.alloc<int32_t>(T * max_sel);
+    int32_t* count = m.arena.alloc<int32_t>(T);
+    m.dsa(L.dsa, p, a16, sel, count, max_sel, y);
+  }
+  return to_host(y, T * D, m.stream);
+}
+
+void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, std::vector<float>& post,
+                        std::vector<float>& comb, std::vector<float>& a) {
+  Impl& m = *impl_;
+  m.arena.reset();
+  const int64_t S = m.cfg.hc_mult, D = m.cfg.hidden_size, T = static_cast<int64_t>(h.size()) / (S * D);
+  const cuda::DLayer& L = m.layers.at(layer);
+  const cuda::DHc& hc = ffn ? L.hc_ffn : L.hc_attn;
+  float* hd = to_device(m.arena, h, m.stream);
+  float* pd = m.arena.alloc<float>(T * S);
+  float* cd = m.arena.alloc<float>(T * S * S);
+  cuda::bf16* ad = m.arena.alloc<cuda::bf16>(T * D);
+  cuda::mhc_pre(cuda::MhcParams{hc.fn, hc.base, hc.scale, ffn ? L.post_norm : L.in_norm, T, S, D,
+                                static_cast<float>(m.cfg.rms_norm_eps), static_cast<float>(m.cfg.hc_eps),
+                                static_cast<int>(m.cfg.hc_sinkhorn_iters)},
+                hd, pd, cd, ad, m.stream);
+  post = to_host(pd, T * S, m.stream);
+  comb = to_host(cd, T * S * S, m.stream);
+  std::vector<cuda::bf16> a16 = to_host(ad, T * D, m.stream);
+  a.resize(T * D);
+  for (int64_t i = 0; i < T * D; ++i) a[i] = __bfloat162float(a16[i]);
+}
+
+}  // namespace nextlm

@@ -1,0 +1,109 @@
+// Launchers of the CUDA kernels of the bf16 forward (declared without CUDA types so that host code can see them
+// through device_model.cu only). Shapes use the project's letters; all pointers are device pointers.
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace nextlm::cuda {
+
+// h[t, s, :] = embed[tok[t]] for every stream s. embed bf16 [V, D]; h fp32 [T, S, D].
+void embed_streams(const int32_t* tok, const bf16* embed, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st);
+
+// mHC pre for one site: from h [T, S, D] the mix (post [T, S], comb [T, S, S]) and the normed sub-layer input
+// a = RMSNorm(Σ_s pre_s·h_s; norm_w) in bf16 [T, D]. fn fp32 [(2+S)S, S·D], base [(2+S)S], scale [3].
+struct MhcParams {
+  const float* fn;
+  const float* base;
+  const float* scale;
+  const float* norm_w;
+  int64_t T, S, D;
+  float rms_eps, hc_eps;
+  int iters;
+};
+void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, cudaStream_t st);
+// h[t, s] ← post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r], in place. y fp32 [T, D].
+void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,
+              cudaStream_t st);
+// out[t] = mean_s h[t, s], then RMSNorm with w, bf16 [T, D].
+void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,
+                      cudaStream_t st);
+
+// y[r] = RMSNorm(x[r]; w) for rows of width n (x row stride ldx); writes bf16 (and fp32 if y32 is non-null).
+void rmsnorm_rows(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t rows, int64_t n, float eps,
+                  cudaStream_t st);
+void to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st);
+
+// ---- KDA ----
+// raw [T, 3·HK] (q | k | v projections) → q, k, v fp32 [T, H, K]: causal depthwise conv (per sequence; seq_start[t]
+// is the first token of t's sequence), SiLU, and for q, k the L2 norm (q also times K^-1/2). conv fp32 [3·HK, W].
+void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k, float* v,
+                   int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st);
+// g [T, HK] in place: from f_b output to the log decay (safe gate when has_bound, else softplus form).
+void kda_gate(float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K, bool has_bound,
+              float bound, cudaStream_t st);
+void sigmoid_inplace(float* x, int64_t n, cudaStream_t st);
+// The chunked delta rule over packed sequences. chunk_* describe every chunk of 64 (sequence-relative): start token,
+// length; seq_* every sequence: first chunk index, chunk count. work: kda_workspace_floats(T, H, K) floats.
+struct KdaChunks {
+  const int32_t* chunk_start;
+  const int32_t* chunk_len;
+  const int32_t* seq_first_chunk;
+  const int32_t* seq_num_chunks;
+  int64_t num_chunks, num_seqs;
+};
+int64_t kda_workspace_floats(int64_t num_chunks, int64_t H, int64_t K);
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, float* o,
+                 const KdaChunks& ch, float* work, int64_t T, int64_t H, int64_t K, cudaStream_t st);
+// o [T, H, K] ← RMSNorm_K(o; w)·sigmoid(gate), written as bf16 [T, HK].
+void kda_out_norm(const float* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H, int64_t K,
+                  float eps, cudaStream_t st);
+
+// ---- DSA ----
+void layernorm_rows(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, cudaStream_t st);
+// Selection per token: sel [T, max_sel] sequence-relative key positions ascending, count [T].
+struct IndexerParams {
+  const float* qi;     // [T, IH, ID]
+  const float* ki;     // [T, ID] LayerNormed
+  const float* gs;     // [T, ID] gate scores
+  const float* wts;    // [T, IH] head weights (weights_proj·a; the kernel applies IH^-1/2)
+  const float* ape;    // [P, ID]
+  const int32_t* seq_start;
+  const int32_t* seq_len;  // per token: length of its sequence
+  int64_t T, IH, ID, P, topk, max_pools;
+  bool tail;
+};
+// pool_base per token: index in pk of its sequence's pool 0. max_pools bounds the pools of any sequence.
+void indexer_select(const IndexerParams& p, const int32_t* pool_base, const float* pk, int32_t* sel, int32_t* count,
+                    int64_t max_sel, cudaStream_t st);
+// pool_token [num_pools]: first token of every complete pool of every sequence; pk [num_pools, ID].
+void pool_keys(const IndexerParams& p, const int32_t* pool_token, int64_t num_pools, float* pk, cudaStream_t st);
+// o [T, NH, dv] (bf16) = softmax over selected keys of q·k·dqk^-1/2, times v. q [T, NH, dqk]; kv [T, NH, dqk+dv].
+void mla_sparse_attention(const float* q, const float* kv, const int32_t* sel, const int32_t* count,
+                          const int32_t* seq_start, const int32_t* seq_len, bf16* o, int64_t T, int64_t NH,
+                          int64_t dqk, int64_t dv, int64_t max_sel, cudaStream_t st);
+
+// ---- MoE ----
+// logits [T, E] → experts [T, k], weights [T, k].
+void moe_route(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T, int64_t E,
+               int64_t G, int64_t topk_group, int64_t k, bool norm, float scale, cudaStream_t st);
+// rows of x (bf16 [T, D]) gathered in `order` (token of each permuted slot) into xp [n, D].
+void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st);
+// gu [n, 2I] (gate | up) → act bf16 [n, I] = silu(min(gate, L))·clamp(up, −L, L).
+void swiglu(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st);
+// Sorts the T·k routing slots by expert (stable, so tokens stay in order within an expert): token_of_slot [T·k] is
+// the token of each permuted row, slot_of [T·k] the permuted row of each (token, i), offsets [E+1] the expert
+// boundaries. temp: moe_permute_temp_bytes(T·k) bytes.
+size_t moe_permute_temp_bytes(int64_t n);
+void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_t* keys_sorted, int32_t* slots_in,
+                 int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of, int32_t* offsets, void* temp,
+                 size_t temp_bytes, cudaStream_t st);
+// y[t] (already the shared expert's output, or zero) += Σ_i w[t, i]·out[slot_of[t, i]] in i order.
+void moe_combine(float* y, const float* out, const int32_t* slot_of, const float* weights, int64_t T, int64_t k,
+                 int64_t D, cudaStream_t st);
+
+// ---- lm_head ----
+// For rows of logits [n, V]: logprob[r] = logits[r, target[r]] − logsumexp(logits[r]); target < 0 gives 0.
+void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st);
+
+}  // namespace nextlm::cuda

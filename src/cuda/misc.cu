@@ -1,0 +1,123 @@
+// Small bf16-forward kernels: embedding into streams, row RMSNorm / LayerNorm, conversions, the final stream mean,
+// and the log-softmax of lm_head rows.
+#include "cuda/kernels.h"
+
+namespace nextlm::cuda {
+
+namespace {
+
+__global__ void embed_kernel(const int32_t* tok, const bf16* embed, float* h, int64_t S, int64_t D) {
+  const int64_t t = blockIdx.x;
+  const bf16* row = embed + static_cast<int64_t>(tok[t]) * D;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    const float v = __bfloat162float(row[d]);
+    for (int64_t s = 0; s < S; ++s) h[(t * S + s) * D + d] = v;
+  }
+}
+
+__global__ void rmsnorm_kernel(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t n, float eps) {
+  __shared__ float scratch[32];
+  const float* row = x + blockIdx.x * ldx;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += row[i] * row[i];
+  const float r = rsqrtf(block_sum(ss, scratch) / n + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = w[i] * (row[i] * r);
+    y[blockIdx.x * n + i] = __float2bfloat16(v);
+    if (y32) y32[blockIdx.x * n + i] = v;
+  }
+}
+
+__global__ void layernorm_kernel(float* x, const float* w, const float* b, int64_t n, float eps) {
+  __shared__ float scratch[32];
+  float* row = x + blockIdx.x * n;
+  float s = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += row[i];
+  const float mean = block_sum(s, scratch) / n;
+  float v = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v += (row[i] - mean) * (row[i] - mean);
+  const float r = rsqrtf(block_sum(v, scratch) / n + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) row[i] = (row[i] - mean) * r * w[i] + b[i];
+}
+
+__global__ void to_bf16_kernel(const float* x, bf16* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(x[i]);
+}
+
+__global__ void sigmoid_kernel(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+__global__ void stream_mean_norm_kernel(const float* h, const float* w, bf16* out, int64_t S, int64_t D, float eps) {
+  extern __shared__ float mean[];
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x;
+  float ss = 0.0f;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
+    acc /= static_cast<float>(S);
+    mean[d] = acc;
+    ss += acc * acc;
+  }
+  const float r = rsqrtf(block_sum(ss, scratch) / D + eps);
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[t * D + d] = __float2bfloat16(w[d] * (mean[d] * r));
+}
+
+__global__ void row_logprob_kernel(const float* logits, const int32_t* target, double* out, int64_t V) {
+  __shared__ float scratch[32];
+  const float* row = logits + blockIdx.x * V;
+  float mx = -INFINITY;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, row[v]);
+  mx = warp_max(mx);
+  __shared__ float wmax[32];
+  if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int i = 0; i < (blockDim.x + 31) / 32; ++i) mx = fmaxf(mx, wmax[i]);
+  float s = 0.0f;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - mx);
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) {
+    const int32_t tg = target[blockIdx.x];
+    out[blockIdx.x] = tg < 0 ? 0.0 : static_cast<double>(row[tg]) - mx - log(static_cast<double>(s));
+  }
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, 256), 65535)); }
+
+}  // namespace
+
+void embed_streams(const int32_t* tok, const bf16* embed, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st) {
+  if (T) embed_kernel<<<T, 256, 0, st>>>(tok, embed, h, S, D);
+}
+
+void rmsnorm_rows(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t rows, int64_t n, float eps,
+                  cudaStream_t st) {
+  if (rows) rmsnorm_kernel<<<rows, 256, 0, st>>>(x, ldx, w, y, y32, n, eps);
+}
+
+void layernorm_rows(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, cudaStream_t st) {
+  if (rows) layernorm_kernel<<<rows, 128, 0, st>>>(x, w, b, n, eps);
+}
+
+void to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st) {
+  if (n) to_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, y, n);
+}
+
+void sigmoid_inplace(float* x, int64_t n, cudaStream_t st) {
+  if (n) sigmoid_kernel<<<grid_for(n), 256, 0, st>>>(x, n);
+}
+
+void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,
+                      cudaStream_t st) {
+  if (T) stream_mean_norm_kernel<<<T, 256, D * sizeof(float), st>>>(h, w, out, S, D, eps);
+}
+
+void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st) {
+  if (n) row_logprob_kernel<<<n, 256, 0, st>>>(logits, target, out, V);
+}
+
+}  // namespace nextlm::cuda

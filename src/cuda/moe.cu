@@ -1,0 +1,150 @@
+// MoE on the GPU: sigmoid routing with the correction bias and grouped top-k (ties to the lower expert, as the CPU
+// path), row gather for the permuted tokens, the clamped SwiGLU, and a fixed-order weighted combine.
+#include "cuda/kernels.h"
+
+#include <cub/device/device_radix_sort.cuh>
+
+namespace nextlm::cuda {
+
+namespace {
+
+// One thread per token (E is small enough to keep in local memory: ≤ 512).
+__global__ void route_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
+                             int64_t E, int64_t G, int64_t TG, int64_t k, bool norm, float scale) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const float* lg = logits + t * E;
+  const int64_t EG = E / G;
+  // Group scores and the kept groups (a bitmask over ≤ 64 groups).
+  uint64_t kept = 0;
+  for (int64_t r = 0; r < TG; ++r) {
+    int64_t best = -1;
+    float bs = -INFINITY;
+    for (int64_t g = 0; g < G; ++g) {
+      if (kept >> g & 1) continue;
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int64_t e = g * EG; e < (g + 1) * EG; ++e) {
+        const float c = 1.0f / (1.0f + expf(-lg[e])) + bias[e];
+        if (c > b1) {
+          b2 = b1;
+          b1 = c;
+        } else if (c > b2) {
+          b2 = c;
+        }
+      }
+      if (b1 + b2 > bs) bs = b1 + b2, best = g;
+    }
+    kept |= 1ull << best;
+  }
+  float sum = 0.0f;
+  int32_t chosen[64];
+  for (int64_t i = 0; i < k; ++i) {
+    int64_t best = -1;
+    float bs = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) {
+      if (!(kept >> (e / EG) & 1)) continue;
+      bool used = false;
+      for (int64_t j = 0; j < i; ++j) used |= chosen[j] == e;
+      if (used) continue;
+      const float c = 1.0f / (1.0f + expf(-lg[e])) + bias[e];
+      if (c > bs) bs = c, best = e;
+    }
+    chosen[i] = static_cast<int32_t>(best);
+    sum += 1.0f / (1.0f + expf(-lg[best]));
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    float w = 1.0f / (1.0f + expf(-lg[chosen[i]]));
+    if (norm) w /= sum + 1e-20f;
+    experts[t * k + i] = chosen[i];
+    weights[t * k + i] = w * scale;
+  }
+}
+
+__global__ void gather_kernel(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t D) {
+  const int64_t r = blockIdx.x;
+  const bf16* src = x + static_cast<int64_t>(token_of_slot[r]) * D;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) xp[r * D + d] = src[d];
+}
+
+__global__ void swiglu_kernel(const float* gu, bf16* act, int64_t n, int64_t I, float L) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / I, c = i % I;
+    const float g = fminf(gu[r * 2 * I + c], L);
+    const float u = fminf(fmaxf(gu[r * 2 * I + I + c], -L), L);
+    act[i] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+__global__ void combine_kernel(float* y, const float* out, const int32_t* slot_of, const float* w, int64_t k, int64_t D) {
+  const int64_t t = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = y[t * D + d];
+    for (int64_t i = 0; i < k; ++i) acc += w[t * k + i] * out[static_cast<int64_t>(slot_of[t * k + i]) * D + d];
+    y[t * D + d] = acc;
+  }
+}
+
+__global__ void iota_kernel(int32_t* x, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] = static_cast<int32_t>(i);
+}
+
+// After the sort: inverse permutation, token of each row, and expert boundaries (row p starts expert e when its key
+// differs from the previous row's; experts with no rows get the next boundary).
+__global__ void permute_finish_kernel(const int32_t* keys, const int32_t* slots, int64_t n, int64_t k, int64_t E,
+                                      int32_t* token_of_slot, int32_t* slot_of, int32_t* offsets) {
+  const int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (p > n) return;
+  if (p < n) {
+    token_of_slot[p] = slots[p] / static_cast<int32_t>(k);
+    slot_of[slots[p]] = static_cast<int32_t>(p);
+  }
+  const int32_t prev = p == 0 ? -1 : keys[p - 1];
+  const int32_t cur = p == n ? static_cast<int32_t>(E) : keys[p];
+  for (int32_t e = prev + 1; e <= cur; ++e) offsets[e] = static_cast<int32_t>(p);
+}
+
+}  // namespace
+
+size_t moe_permute_temp_bytes(int64_t n) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                  static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                  static_cast<int>(n));
+  return bytes;
+}
+
+void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_t* keys_sorted, int32_t* slots_in,
+                 int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of, int32_t* offsets, void* temp,
+                 size_t temp_bytes, cudaStream_t st) {
+  const int64_t n = T * k;
+  if (!n) return;
+  iota_kernel<<<ceil_div(n, 256), 256, 0, st>>>(slots_in, n);
+  int end_bit = 1;
+  while ((int64_t{1} << end_bit) <= E) ++end_bit;
+  NEXTLM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, experts, keys_sorted, slots_in, slots_sorted,
+                                                    static_cast<int>(n), 0, end_bit, st));
+  permute_finish_kernel<<<ceil_div(n + 1, 256), 256, 0, st>>>(keys_sorted, slots_sorted, n, k, E, token_of_slot,
+                                                              slot_of, offsets);
+}
+
+void moe_route(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T, int64_t E,
+               int64_t G, int64_t topk_group, int64_t k, bool norm, float scale, cudaStream_t st) {
+  check(G <= 64 && k <= 64, "CUDA MoE: at most 64 groups and 64 experts per token");
+  if (T) route_kernel<<<ceil_div(T, 128), 128, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k, norm, scale);
+}
+
+void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st) {
+  if (n) gather_kernel<<<n, 256, 0, st>>>(x, token_of_slot, xp, D);
+}
+
+void swiglu(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st) {
+  if (n * I > 0) swiglu_kernel<<<std::min<int64_t>(ceil_div(n * I, 256), 65535), 256, 0, st>>>(gu, act, n, I, limit);
+}
+
+void moe_combine(float* y, const float* out, const int32_t* slot_of, const float* weights, int64_t T, int64_t k,
+                 int64_t D, cudaStream_t st) {
+  if (T) combine_kernel<<<T, 256, 0, st>>>(y, out, slot_of, weights, k, D);
+}
+
+}  // namespace nextlm::cuda

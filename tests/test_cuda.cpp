@@ -1,0 +1,196 @@
+// The CUDA bf16 path against the CPU fp32 reference (runs on a GPU machine: CTest label "gpu", excluded from the
+// CPU-only suite). Kernel tests poison outputs with NaN so that an unwritten element fails.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cuda/device_model.h"
+#include "cuda/testing.h"
+#include "io/safetensors.h"
+#include "model/dsa.h"
+#include "model/kda.h"
+#include "model/mhc.h"
+#include "model/moe.h"
+#include "model/norm.h"
+#include "model/model.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+// KDA inputs as the layer produces them: unit-norm k, q scaled by K^-1/2, safe-gate decays, sigmoid betas.
+struct KdaCase {
+  std::vector<float> q, k, v, g, beta;
+};
+KdaCase make_kda(int64_t T, int64_t H, int64_t K, unsigned seed) {
+  KdaCase c{test::randn(T * H * K, seed), test::randn(T * H * K, seed + 1), test::randn(T * H * K, seed + 2),
+            test::randn(T * H * K, seed + 3), test::randn(T * H, seed + 4)};
+  for (int64_t r = 0; r < T * H; ++r) {
+    double sq = 0, sk = 0;
+    for (int64_t d = 0; d < K; ++d) sq += c.q[r * K + d] * c.q[r * K + d], sk += c.k[r * K + d] * c.k[r * K + d];
+    for (int64_t d = 0; d < K; ++d) c.q[r * K + d] /= std::sqrt(sq * K), c.k[r * K + d] /= std::sqrt(sk);
+    c.beta[r] = 1.0f / (1.0f + std::exp(-c.beta[r]));
+  }
+  for (float& x : c.g) x = -5.0f / (1.0f + std::exp(-x));
+  return c;
+}
+
+TEST(CudaKda, ChunkedKernelMatchesCpuRecurrentOnPackedSequences) {
+  const int64_t H = 3, K = 64;
+  const std::vector<int64_t> lens{1, 63, 64, 65, 150, 7};
+  std::vector<int64_t> cu{0};
+  for (int64_t L : lens) cu.push_back(cu.back() + L);
+  const int64_t T = cu.back();
+  const KdaCase c = make_kda(T, H, K, 3);
+  const std::vector<float> gpu = cuda_testing::kda_chunked(c.q, c.k, c.v, c.g, c.beta, cu, H, K);
+  std::vector<float> cpu(T * H * K);
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t off = cu[n] * H * K + h * K;
+      std::vector<float> st(K * K, 0.0f);
+      kda_recurrent_forward(KdaSeq{c.q.data() + off, c.k.data() + off, c.v.data() + off, c.g.data() + off,
+                                   c.beta.data() + cu[n] * H + h, cu[n + 1] - cu[n], K, H * K, H, cpu.data() + off},
+                            st.data());
+    }
+  // Both are fp32; the GPU uses fast exp and another summation order: ~1e-6 relative.
+  EXPECT_LE(test::norm_rel_error(gpu.data(), cpu.data(), cpu.size()), 1e-4);
+}
+
+class CudaGolden : public ::testing::TestWithParam<std::string> {};
+
+void round_tensor(Tensor& t) {
+  for (float& v : t.data) v = bf16_to_f32(f32_to_bf16(v));
+}
+void round_mlp(MlpWeights& m) {
+  round_tensor(m.gate);
+  round_tensor(m.up);
+  round_tensor(m.down);
+}
+
+// The CPU reference with the weights that the GPU stores in bf16 rounded to bf16 (the projections, experts,
+// embedding and lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both). For a bf16 checkpoint
+// this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
+Model bf16_weights_reference(const std::string& dir) {
+  const Model m = Model::load(dir);
+  ModelWeights w = m.weights();
+  round_tensor(w.embed);
+  round_tensor(w.lm_head);
+  for (LayerWeights& l : w.layers) {
+    if (l.kda) {
+      for (Tensor* t : {&l.kda->q_proj, &l.kda->k_proj, &l.kda->v_proj, &l.kda->f_a, &l.kda->f_b, &l.kda->b_proj,
+                        &l.kda->g_a, &l.kda->g_b, &l.kda->o_proj})
+        round_tensor(*t);
+    }
+    if (l.dsa) {
+      for (Tensor* t : {&l.dsa->q_a, &l.dsa->q_b, &l.dsa->kv_a, &l.dsa->kv_b, &l.dsa->o_proj}) round_tensor(*t);
+      if (l.dsa->indexer)
+        for (Tensor* t : {&l.dsa->indexer->wq_b, &l.dsa->indexer->wk, &l.dsa->indexer->weights_proj,
+                          &l.dsa->indexer->gate})
+          round_tensor(*t);
+    }
+    if (l.mlp) round_mlp(*l.mlp);
+    if (l.moe) {
+      round_tensor(l.moe->router);
+      for (MlpWeights& e : l.moe->experts) round_mlp(e);
+      if (l.moe->shared) round_mlp(*l.moe->shared);
+    }
+  }
+  return Model(m.config(), std::move(w));
+}
+
+// The whole forward: bf16 activations against the fp32 reference (with the same bf16-rounded weights). On these
+// tiny random models a bf16 rounding can flip an MoE routing or an indexer choice, which moves that token's logits
+// by O(1), so the figures are reported and the bound is on the mean log-probability error; the kernels themselves
+// are held to tight bounds one sub-layer at a time below.
+TEST_P(CudaGolden, LogitsMatchCpuReference) {
+  const Model cpu = bf16_weights_reference(test::golden_dir(GetParam()));
+  CudaModel gpu(cpu);
+  PackedBatch b;
+  for (int64_t L : {1, 3, 63, 65, 150}) {
+    std::vector<int32_t> s(L);
+    for (int64_t i = 0; i < L; ++i) s[i] = static_cast<int32_t>((i * 37 + L) % cpu.config().vocab_size);
+    b.add(s);
+  }
+  const Tensor want = cpu.forward(b);
+  const Tensor got = gpu.forward(b);
+  ASSERT_EQ(got.data.size(), want.data.size());
+  for (float x : got.data) ASSERT_TRUE(std::isfinite(x));
+  const double err = test::max_rel_error(got.ptr(), want.ptr(), want.data.size());
+  const auto lp_cpu = cpu.next_token_logprobs(b);
+  const auto lp_gpu = gpu.next_token_logprobs(b);
+  double mean_abs = 0;
+  int64_t n = 0;
+  for (size_t s = 0; s < lp_cpu.size(); ++s)
+    for (size_t i = 0; i < lp_cpu[s].size(); ++i) mean_abs += std::fabs(lp_cpu[s][i] - lp_gpu[s][i]), ++n;
+  mean_abs /= n;
+  std::printf("[cuda] %s: max|dlogit|/max|logit| = %.3g, mean |dlogprob| = %.3g\n", GetParam().c_str(), err,
+              mean_abs);
+  EXPECT_LE(mean_abs, 0.1);
+}
+
+std::vector<float> round_bf16(std::vector<float> x) {
+  for (float& v : x) v = bf16_to_f32(f32_to_bf16(v));
+  return x;
+}
+
+// Each sub-layer alone on the same bf16-rounded input as the CPU reference, so that no routing or selection choice
+// can differ upstream: what remains is bf16 rounding of the intermediate activations (~1e-2 relative in norm).
+TEST_P(CudaGolden, EverySublayerMatchesCpu) {
+  const Model cpu = bf16_weights_reference(test::golden_dir(GetParam()));
+  const ModelConfig& c = cpu.config();
+  CudaModel gpu(cpu);
+  PackedBatch b;
+  for (int64_t L : {1, 63, 65, 150}) b.add(std::vector<int32_t>(L, 1));
+  const int64_t T = b.num_tokens(), D = c.hidden_size, S = c.hc_mult;
+  const std::vector<float> a = round_bf16(test::randn(T * D, 17));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const LayerWeights& lw = cpu.weights().layers[i];
+    // mHC pre of both sites on random streams.
+    const std::vector<float> h = test::randn(T * S * D, 100 + static_cast<unsigned>(i));
+    for (bool ffn : {false, true}) {
+      HcMix mix;
+      std::vector<float> a_cpu(T * D);
+      mhc_pre_forward(ffn ? lw.hc_ffn : lw.hc_attn, c, h.data(), T, mix, a_cpu.data());
+      rmsnorm_forward(a_cpu.data(), (ffn ? lw.post_attention_norm : lw.input_norm).ptr(), a_cpu.data(), T, D,
+                      static_cast<float>(c.rms_norm_eps));
+      std::vector<float> post, comb, a_gpu;
+      gpu.mhc_pre(i, ffn, h, post, comb, a_gpu);
+      EXPECT_LE(test::max_rel_error(post.data(), mix.post.data(), post.size()), 1e-4) << "mhc post, layer " << i;
+      EXPECT_LE(test::max_rel_error(comb.data(), mix.comb.data(), comb.size()), 1e-4) << "mhc comb, layer " << i;
+      EXPECT_LE(test::norm_rel_error(a_gpu.data(), a_cpu.data(), a_cpu.size()), 1e-2) << "mhc a, layer " << i;
+    }
+    std::vector<float> want(T * D);
+    if (lw.kda) {
+      kda_layer_forward(*lw.kda, c, a.data(), T, b.cu_seqlens, want.data());
+    } else if (lw.dsa->indexer) {
+      Selection sel;
+      dsa_layer_forward(*lw.dsa, c, a.data(), T, b.cu_seqlens, sel, want.data());
+    } else {
+      continue;
+    }
+    const std::vector<float> got = gpu.sublayer(i, false, a, b);
+    const double e = test::norm_rel_error(got.data(), want.data(), want.size());
+    std::printf("[cuda] %s layer %lld %s: ||dy||/||y|| = %.3g\n", GetParam().c_str(), static_cast<long long>(i),
+                lw.kda ? "kda" : "dsa", e);
+    // KDA: bf16 rounding of q/k/v inputs and gates, ~2e-3 measured. DSA: also a few indexer choices can flip on the
+    // bf16-rounded latent (~1e-2 to 3e-2 measured).
+    EXPECT_LE(e, lw.kda ? 1e-2 : 5e-2) << "attention sub-layer " << i;
+    std::vector<float> want_f(T * D);
+    if (lw.moe) {
+      moe_forward(*lw.moe, c, a.data(), T, want_f.data());
+    } else {
+      mlp_forward(*lw.mlp, static_cast<float>(c.swiglu_limit), a.data(), T, D, want_f.data());
+    }
+    const std::vector<float> got_f = gpu.sublayer(i, true, a, b);
+    const double ef = test::norm_rel_error(got_f.data(), want_f.data(), want_f.size());
+    std::printf("[cuda] %s layer %lld %s: ||dy||/||y|| = %.3g\n", GetParam().c_str(), static_cast<long long>(i),
+                lw.moe ? "moe" : "mlp", ef);
+    EXPECT_LE(ef, 1e-2) << "feed-forward sub-layer " << i;  // ~2e-3 measured
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(test::golden_cases()),
+                         [](const auto& info) { return test::param_name(info.param); });
+
+}  // namespace
+}  // namespace nextlm
