@@ -1,4 +1,5 @@
-// CLI commands: `score` (per-token log-probabilities of JSONL token sequences) and `info` (model summary).
+// CLI commands: `score` (per-token log-probabilities of JSONL token sequences), `info` (model summary), `grad`
+// (loss and parameter gradients) and `generate` (prompt continuation with the decode state).
 #include "cli/commands.h"
 
 #include <unistd.h>
@@ -22,7 +23,12 @@
 #include "io/atomic_file.h"
 #include "io/jsonl.h"
 #include "io/safetensors.h"
+#include "model/decode.h"
 #include "model/model.h"
+#include "model/train.h"
+#ifdef NEXTLM_HAVE_CUDA
+#include "cuda/device_model.h"
+#endif
 
 namespace nextlm {
 namespace {
@@ -77,6 +83,28 @@ CLI::Validator thread_count() {
         return std::string();
       },
       "", "1.." + std::to_string(kMaxThreads));
+}
+
+// The devices this build can run on.
+std::vector<std::string> available_devices() {
+#ifdef NEXTLM_HAVE_CUDA
+  return {"cpu", "cuda"};
+#else
+  return {"cpu"};
+#endif
+}
+
+// A uint64 in decimal (CLI11 itself would wrap "-5" around).
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& v) {
+        uint64_t n = 0;
+        const char* end = v.data() + v.size();
+        const auto [p, ec] = std::from_chars(v.data(), end, n);
+        if (v.empty() || ec != std::errc() || p != end) return "must be an integer from 0 to 2^64-1, got \"" + v + "\"";
+        return std::string();
+      },
+      "", "UINT64");
 }
 
 CLI::Validator one_of(std::vector<std::string> allowed, std::string what) {
@@ -176,8 +204,30 @@ int cmd_score(const ScoreArgs& a) {
   const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
   PackedBatch batch;
   for (const auto& s : seqs) batch.add(s);
-  const Tensor hidden = model.forward_hidden(batch);
-  const auto lps = model.next_token_logprobs(hidden, batch);
+  // Per-sequence log-probabilities, and the logits when --logits-out asks for them, on the chosen device.
+  std::vector<std::vector<double>> lps;
+  std::vector<Tensor> logits;
+  if (a.device == "cpu") {
+    const Tensor hidden = model.forward_hidden(batch);
+    lps = model.next_token_logprobs(hidden, batch);
+    if (!a.logits_out.empty())
+      for (int64_t n = 0; n < batch.num_seqs(); ++n)
+        logits.push_back(model.logits(hidden, batch.cu_seqlens[n], batch.cu_seqlens[n + 1]));
+  } else {
+#ifdef NEXTLM_HAVE_CUDA
+    CudaModel gpu(model);
+    lps = gpu.next_token_logprobs(batch);
+    if (!a.logits_out.empty()) {
+      const Tensor all = gpu.forward(batch);
+      const int64_t V = model.config().vocab_size;
+      for (int64_t n = 0; n < batch.num_seqs(); ++n) {
+        Tensor t({batch.cu_seqlens[n + 1] - batch.cu_seqlens[n], V});
+        std::copy(all.ptr() + batch.cu_seqlens[n] * V, all.ptr() + batch.cu_seqlens[n + 1] * V, t.ptr());
+        logits.push_back(std::move(t));
+      }
+    }
+#endif
+  }
 
   std::ostringstream os;
   if (a.format == "text") {
@@ -210,10 +260,7 @@ int cmd_score(const ScoreArgs& a) {
   const std::string logits_tmp = a.logits_out.empty() ? "" : a.logits_out + ".partial." + std::to_string(::getpid());
   RemoveOnExit remove_logits_tmp(logits_tmp);
   if (!a.logits_out.empty()) {
-    std::vector<Tensor> logits;
     std::vector<TensorToWrite> out;
-    for (int64_t n = 0; n < batch.num_seqs(); ++n)
-      logits.push_back(model.logits(hidden, batch.cu_seqlens[n], batch.cu_seqlens[n + 1]));
     for (int64_t n = 0; n < batch.num_seqs(); ++n)
       out.push_back({"logits." + std::to_string(n), DType::F32, logits[n].shape, logits[n].ptr()});
     try {
@@ -237,6 +284,133 @@ int cmd_score(const ScoreArgs& a) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cerr << "scored " << seqs.size() << " sequences, " << batch.num_tokens() << " tokens in " << number(secs)
             << " s\n";
+  return 0;
+}
+
+struct GradArgs {
+  std::string model, input, out, device = "cpu";
+  int threads = 0;
+};
+
+// `grad`: L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) of the input sequences and its gradient wrt every trainable tensor,
+// written as f32 under the checkpoint's own names (plus `loss`, F64 [1]) in one atomic safetensors file.
+int cmd_grad(const GradArgs& a) {
+  if (same_file(a.out, a.input)) throw UsageError("--out " + a.out + " is the --input file");
+  check_output_path("--out", a.out);
+  cpu::set_num_threads(a.threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  check_model_dir(a.model);
+  const Model model = Model::load(a.model);
+  const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
+  PackedBatch batch;
+  for (const auto& s : seqs) batch.add(s);
+  ModelWeights grads = zeros_like(model.weights());
+  const double loss = model_forward_backward(model, batch, grads);
+  std::vector<TensorToWrite> out;
+  for (const GradTensor& g : hub_gradients(model.config(), grads, text_prefix(Checkpoint(a.model))))
+    out.push_back({g.name, DType::F32, g.shape, g.data});
+  out.push_back({"loss", DType::F64, {1}, &loss});
+  try {
+    write_safetensors(a.out, out, {{"producer", "nextlm grad"}, {"loss", number(loss)}});
+  } catch (const Error& e) {
+    fail("cannot write --out ", a.out, ": ", e.what());
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::cerr << "gradients of " << seqs.size() << " sequences, " << batch.num_tokens() << " tokens, loss "
+            << number(loss) << " in " << number(secs) << " s\n";
+  return 0;
+}
+
+struct GenerateArgs {
+  std::string model, prompt_tokens, prompt, stop_tokens, device = "cpu", format = "text";
+  int64_t max_new_tokens = 0;
+  double temperature = 1.0, top_p = 1.0, min_p = 0.0;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  int threads = 0;
+};
+
+// "1,2,3" → token ids. Anything but non-negative integers separated by commas is a usage error naming the flag;
+// whether the ids are in the vocabulary is checked once the model is loaded.
+std::vector<int32_t> parse_token_list(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    int32_t id = -1;
+    const char* end = item.data() + item.size();
+    const auto [p, ec] = std::from_chars(item.data(), end, id);
+    if (item.empty() || ec != std::errc() || p != end || id < 0)
+      throw UsageError(flag + ": \"" + item + "\" is not a token id (a non-negative integer; ids are comma-separated)");
+    ids.push_back(id);
+    if (comma == std::string::npos) return ids;
+    start = comma + 1;
+  }
+}
+
+// `generate`: prefill the prompt, then sample up to --max-new-tokens tokens with the decode state.
+int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt) {
+  if (has_prompt_tokens && has_prompt) throw UsageError("give either --prompt-tokens or --prompt, not both");
+  if (!has_prompt_tokens && !has_prompt) throw UsageError("no prompt: give --prompt-tokens or --prompt");
+  GenerateOptions opt;
+  if (has_prompt_tokens) parse_token_list("--prompt-tokens", a.prompt_tokens);  // usage errors before loading
+  if (!a.stop_tokens.empty()) opt.stop_tokens = parse_token_list("--stop-tokens", a.stop_tokens);
+  if (a.max_new_tokens < 0) throw UsageError("--max-new-tokens must be >= 0, got " + std::to_string(a.max_new_tokens));
+  opt.max_new_tokens = a.max_new_tokens;
+  opt.sampling.temperature = a.temperature;
+  opt.sampling.top_k = a.top_k;
+  opt.sampling.top_p = a.top_p;
+  opt.sampling.min_p = a.min_p;
+  opt.sampling.seed = a.seed;
+  try {
+    validate(opt.sampling);
+  } catch (const Error& e) {
+    throw UsageError(std::string("--") + e.what());  // its messages start with the option's name
+  }
+
+  cpu::set_num_threads(a.threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  check_model_dir(a.model);
+  const Model model = Model::load(a.model);
+  const int64_t V = model.config().vocab_size;
+  // Byte-level models (a 256-token vocabulary) read and write text as UTF-8 bytes; others need a tokenizer.
+  const bool byte_level = V == 256;
+  std::vector<int32_t> prompt;
+  if (has_prompt) {
+    check(byte_level, "--prompt needs a tokenizer, which is not available yet for this model (vocab_size ", V,
+          "); give --prompt-tokens instead");
+    for (unsigned char ch : a.prompt) prompt.push_back(ch);
+  } else {
+    prompt = parse_token_list("--prompt-tokens", a.prompt_tokens);
+  }
+  for (int32_t id : prompt)
+    check(id < V, "--prompt-tokens: token id ", id, " is outside the vocabulary [0, ", V, ")");
+  for (int32_t id : opt.stop_tokens)
+    check(id < V, "--stop-tokens: token id ", id, " is outside the vocabulary [0, ", V, ")");
+
+  const Generation g = generate(model, prompt, opt);
+  std::ostringstream os;
+  if (a.format == "json") {
+    os << "{\"tokens\": [";
+    for (size_t i = 0; i < g.tokens.size(); ++i) os << (i ? ", " : "") << g.tokens[i];
+    os << "], \"logprobs\": [";
+    for (size_t i = 0; i < g.logprobs.size(); ++i) os << (i ? ", " : "") << number(g.logprobs[i]);
+    os << "]}\n";
+  } else if (byte_level) {
+    for (int32_t t : g.tokens) os << static_cast<char>(t);
+    os << "\n";
+  } else {
+    for (size_t i = 0; i < g.tokens.size(); ++i) os << (i ? " " : "") << g.tokens[i];
+    os << "\n";
+  }
+  std::cout << os.str() << std::flush;
+  check(std::cout.good(), "cannot write to standard output");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::cerr << "generated " << g.tokens.size() << " tokens after a " << prompt.size() << "-token prompt ("
+            << (g.stopped ? "stop token" : "max-new-tokens") << ") in " << number(secs) << " s\n";
   return 0;
 }
 
@@ -299,8 +473,8 @@ int run_cli_impl(int argc, char** argv) {
   sc->add_option("--output", score.output, "write JSONL here instead of stdout")->check(non_empty());
   sc->add_option("--logits-out", score.logits_out, "write logits.{i} [T_i, V] f32 to this safetensors file")
       ->check(non_empty());
-  sc->add_option("--device", score.device, "compute device (this build: cpu)")
-      ->check(one_of({"cpu"}, "a device available in this build"))
+  sc->add_option("--device", score.device, "compute device (cpu, or cuda in a CUDA build)")
+      ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();
   sc->add_option("--format", score.format, "jsonl or text")
       ->check(one_of({"jsonl", "text"}, "an output format"))
@@ -311,12 +485,48 @@ int run_cli_impl(int argc, char** argv) {
   CLI::App* in = app.add_subcommand("info", "config summary, layer pattern, parameter counts, skipped tensors");
   in->add_option("--model", info_dir, "model directory")->required()->check(non_empty());
 
+  GradArgs grad;
+  CLI::App* gr = app.add_subcommand("grad", "loss and gradients of every trainable tensor (safetensors, hub names)");
+  gr->add_option("--model", grad.model, "model directory (config.json + safetensors)")->required()->check(non_empty());
+  gr->add_option("--input", grad.input, "JSONL file, one {\"tokens\": [ids...]} per line")->required()->check(non_empty());
+  gr->add_option("--out", grad.out, "safetensors file for the gradients and `loss`")->required()->check(non_empty());
+  gr->add_option("--device", grad.device, "compute device (cpu)")
+      ->check(one_of({"cpu"}, "a device grad runs on"))
+      ->capture_default_str();
+  gr->add_option("--threads", grad.threads, "CPU threads (default: all)")->check(thread_count());
+
+  GenerateArgs gen;
+  CLI::App* ge = app.add_subcommand("generate", "continue a prompt (greedy or sampled), with log-probabilities");
+  ge->add_option("--model", gen.model, "model directory (config.json + safetensors)")->required()->check(non_empty());
+  CLI::Option* gen_prompt_tokens =
+      ge->add_option("--prompt-tokens", gen.prompt_tokens, "prompt token ids, comma-separated")->check(non_empty());
+  CLI::Option* gen_prompt =
+      ge->add_option("--prompt", gen.prompt, "prompt text (byte-level models: its UTF-8 bytes)")->check(non_empty());
+  ge->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate at most")->required();
+  ge->add_option("--temperature", gen.temperature, "divides the logits; 0 = greedy")->capture_default_str();
+  ge->add_option("--top-k", gen.top_k, "keep the k most likely tokens (0 = all)")->capture_default_str();
+  ge->add_option("--top-p", gen.top_p, "keep the fewest most likely tokens whose mass is >= p")->capture_default_str();
+  ge->add_option("--min-p", gen.min_p, "keep tokens with p >= min-p x the largest p")->capture_default_str();
+  ge->add_option("--seed", gen.seed, "random seed (same seed, same tokens)")
+      ->check(unsigned_integer())
+      ->capture_default_str();
+  ge->add_option("--stop-tokens", gen.stop_tokens, "comma-separated ids that end generation (and are output)")
+      ->check(non_empty());
+  ge->add_option("--device", gen.device, "compute device (cpu)")
+      ->check(one_of({"cpu"}, "a device generate runs on"))
+      ->capture_default_str();
+  ge->add_option("--format", gen.format, "text (bytes of a byte-level model, else ids) or json")
+      ->check(one_of({"text", "json"}, "an output format"))
+      ->capture_default_str();
+  ge->add_option("--threads", gen.threads, "CPU threads (default: all)")->check(thread_count());
+
   // An unknown command would otherwise be reported as an unexpected argument.
   bool known_command = false;
   if (argc >= 2)
     for (CLI::App* cmd : app.get_subcommands([](CLI::App*) { return true; })) known_command |= cmd->check_name(argv[1]);
   if (argc >= 2 && argv[1][0] != '-' && !known_command) {
-    print_error(std::string("unknown command \"") + argv[1] + "\" (commands: score, info; run nextlm --help)");
+    print_error(std::string("unknown command \"") + argv[1] +
+                "\" (commands: score, info, grad, generate; run nextlm --help)");
     return 2;
   }
   try {
@@ -337,6 +547,8 @@ int run_cli_impl(int argc, char** argv) {
   try {
     if (*sc) return cmd_score(score);
     if (*in) return cmd_info(info_dir);
+    if (*ge) return cmd_generate(gen, gen_prompt_tokens->count() > 0, gen_prompt->count() > 0);
+    if (*gr) return cmd_grad(grad);
   } catch (const UsageError& e) {
     print_error(std::string(e.what()) + " (run nextlm --help)");
     return 2;
@@ -344,7 +556,7 @@ int run_cli_impl(int argc, char** argv) {
     print_error(e.what());
     return 1;
   }
-  print_error("no command given (commands: score, info; run nextlm --help)");
+  print_error("no command given (commands: score, info, grad, generate; run nextlm --help)");
   return 2;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "core/error.h"
 #include "cpu/linear.h"
 #include "model/norm.h"
 
@@ -206,6 +207,77 @@ void kda_layer_forward(const KdaWeights& w, const ModelConfig& c, const float* a
     }
 
   // Gated output norm per head: RMSNorm_K(o)·w ⊙ sigmoid(g_b(g_a(a))).
+  std::vector<float> ga(T * K), gate(T * HK);
+  cpu::linear(a, T, D, w.g_a, ga.data());
+  cpu::linear(ga.data(), T, K, w.g_b, gate.data());
+  rmsnorm_forward(o.data(), w.o_norm.ptr(), o.data(), T * H, K, static_cast<float>(c.rms_norm_eps));
+  for (int64_t i = 0; i < T * HK; ++i) o[i] *= sigmoidf(gate[i]);
+  cpu::linear(o.data(), T, HK, w.o_proj, y);
+}
+
+KdaCache::KdaCache(const ModelConfig& c)
+    : conv(3 * (c.linear_conv_kernel_dim - 1) * c.linear_num_heads * c.linear_head_dim, 0.0f),
+      state(c.linear_num_heads * c.linear_head_dim * c.linear_head_dim, 0.0f) {}
+
+// The same steps as kda_layer_forward, for one sequence whose conv history and recurrent state come from `cache`
+// (transformers' cached path: causal_conv1d_update / update_conv_state and the initial_state of the KDA core).
+void kda_layer_forward_cached(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T, KdaCache& cache,
+                              float* y, KdaForm form) {
+  const int64_t D = c.hidden_size, H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K;
+  const int64_t W1 = c.linear_conv_kernel_dim - 1;
+  check(static_cast<int64_t>(cache.conv.size()) == 3 * W1 * HK && static_cast<int64_t>(cache.state.size()) == H * K * K,
+        "KDA cache does not fit this layer");
+
+  // The conv runs over [W−1 cached projections; T new ones], so its first W−1 outputs are dropped; the cache then
+  // keeps the last W−1 projections.
+  std::vector<float> q(T * HK), k(T * HK), v(T * HK), ext((W1 + T) * HK), conv_out((W1 + T) * HK);
+  const Tensor* proj[3] = {&w.q_proj, &w.k_proj, &w.v_proj};
+  const Tensor* conv[3] = {&w.q_conv, &w.k_conv, &w.v_conv};
+  float* out[3] = {q.data(), k.data(), v.data()};
+  for (int i = 0; i < 3; ++i) {
+    float* hist = cache.conv.data() + i * W1 * HK;
+    std::copy_n(hist, W1 * HK, ext.data());
+    cpu::linear(a, T, D, *proj[i], ext.data() + W1 * HK);
+    causal_conv_silu(ext.data(), *conv[i], W1 + T, HK, {0, W1 + T}, conv_out.data());
+    std::copy_n(conv_out.data() + W1 * HK, T * HK, out[i]);
+    std::copy_n(ext.data() + T * HK, W1 * HK, hist);
+  }
+  l2norm_rows(q.data(), T * H, K, 1.0f / std::sqrt(static_cast<float>(K)));
+  l2norm_rows(k.data(), T * H, K, 1.0f);
+
+  // Decay gate g [T, H·K] (log space) and beta [T, H], as in kda_layer_forward.
+  std::vector<float> fa(T * K), g(T * HK), beta(T * H);
+  cpu::linear(a, T, D, w.f_a, fa.data());
+  cpu::linear(fa.data(), T, K, w.f_b, g.data());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float rate = std::exp(w.A_log.data[h]);
+      for (int64_t d = 0; d < K; ++d) {
+        float& x = g[t * HK + h * K + d];
+        const float f = x + w.dt_bias.data[h * K + d];
+        if (c.linear_lower_bound) {
+          x = static_cast<float>(*c.linear_lower_bound) * sigmoidf(rate * f);
+        } else {
+          x = -rate * (f > 20.0f ? f : std::log(1.0f + std::exp(f)));
+        }
+      }
+    }
+  cpu::linear(a, T, D, w.b_proj, beta.data());
+  for (float& b : beta) b = sigmoidf(b);
+
+  std::vector<float> o(T * HK);
+#pragma omp parallel for schedule(dynamic) if (T > 1)
+  for (int64_t h = 0; h < H; ++h) {
+    KdaSeq s{q.data() + h * K, k.data() + h * K, v.data() + h * K, g.data() + h * K, beta.data() + h, T, K, HK, H,
+             o.data() + h * K};
+    float* state = cache.state.data() + h * K * K;
+    if (form == KdaForm::Chunked) {
+      kda_chunked_forward(s, state);
+    } else {
+      kda_recurrent_forward(s, state);
+    }
+  }
+
   std::vector<float> ga(T * K), gate(T * HK);
   cpu::linear(a, T, D, w.g_a, ga.data());
   cpu::linear(ga.data(), T, K, w.g_b, gate.data());

@@ -31,4 +31,17 @@ void kda_chunked_forward(const KdaSeq& s, float* state, int64_t chunk = 64);
 void kda_layer_forward(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T,
                        const std::vector<int64_t>& cu_seqlens, float* y, KdaForm form = KdaForm::Chunked);
 
+// What one sequence's next token needs from its past in one KDA layer (the decode state).
+struct KdaCache {
+  std::vector<float> conv;   // [3, W−1, H·K] pre-conv q, k, v projections of the last W−1 tokens (0 before start)
+  std::vector<float> state;  // [H, K, K] recurrent state (row = key dim), fp32
+  KdaCache() = default;
+  explicit KdaCache(const ModelConfig& c);  // the empty sequence: all zeros
+};
+
+// kda_layer_forward for the next T tokens of one sequence, continuing from `cache` and updating it. Its rows equal
+// those of the whole-sequence forward up to rounding. a [T, D] (normed sub-layer input), y [T, D].
+void kda_layer_forward_cached(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T, KdaCache& cache,
+                              float* y, KdaForm form = KdaForm::Chunked);
+
 }  // namespace nextlm

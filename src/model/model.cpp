@@ -64,7 +64,7 @@ Tensor Model::forward_hidden(const PackedBatch& batch, const ForwardOptions& opt
     if (lw.kda) {
       kda_layer_forward(*lw.kda, c, a.data(), T, batch.cu_seqlens, y.data(), opt.kda_form);
     } else {
-      dsa_layer_forward(*lw.dsa, c, a.data(), T, batch.cu_seqlens, sel, y.data());
+      dsa_layer_forward(*lw.dsa, c, a.data(), T, batch.cu_seqlens, sel, y.data(), opt.empty_selection);
     }
     mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
     std::swap(h, h2);

@@ -8,6 +8,7 @@
 
 #include "core/tensor.h"
 #include "model/config.h"
+#include "model/dsa.h"
 #include "model/kda.h"
 #include "model/weights.h"
 
@@ -25,6 +26,8 @@ struct PackedBatch {
 
 struct ForwardOptions {
   KdaForm kda_form = KdaForm::Chunked;  // prefill uses the chunked form; the recurrent one is its definition
+  // Queries that select no key (kpool > 1 without the tail): AllKeys as transformers, SeenKeys as decoding does.
+  EmptySelection empty_selection = EmptySelection::AllKeys;
 };
 
 class Model {

@@ -1,0 +1,147 @@
+// MLP / MoE backward in fp32: the clamped SwiGLU (zero gradient where a clamp is active), the routed experts on
+// their tokens, the shared expert, and the router through the chosen experts' weights (sigmoid, optional top-k
+// normalisation, scaling; the choice itself and e_score_correction_bias are constants). Gradients of
+// Glm5NextTextMLP / Glm5NextTextExperts / Glm5NextTextTopkRouter / Glm5NextTextMoE (transformers 5.17.0).
+#include <algorithm>
+#include <vector>
+
+#include "cpu/linear.h"
+#include "cpu/linear_backward.h"
+#include "model/backward.h"
+#include "model/norm.h"
+
+namespace nextlm {
+
+namespace {
+
+float silu_grad(float x) {
+  const float s = sigmoidf(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+// Router sigmoid scores s [T, E] and the weights [T, k] of the chosen experts: s, normalised over the k chosen when
+// norm_topk_prob (+1e-20 in the denominator), times routed_scaling_factor. As route_forward.
+void routed_weights(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
+                    std::vector<float>& s, std::vector<float>& weights) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
+  s.assign(T * E, 0.0f);
+  cpu::linear(x, T, D, w.router, s.data());
+  for (float& v : s) v = sigmoidf(v);
+  weights.assign(T * k, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) sum += s[t * E + r.experts[t * k + i]];
+    for (int64_t i = 0; i < k; ++i) {
+      float wt = s[t * E + r.experts[t * k + i]];
+      if (c.norm_topk_prob) wt /= sum + 1e-20f;
+      weights[t * k + i] = wt * static_cast<float>(c.routed_scaling_factor);
+    }
+  }
+}
+
+// For each expert, the (token, slot) pairs routed to it, in token order.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> assignments(const Routing& r, int64_t T, int64_t E, int64_t k) {
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> out(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < k; ++i) out[r.experts[t * k + i]].emplace_back(t, i);
+  return out;
+}
+
+}  // namespace
+
+void mlp_backward(const MlpWeights& w, float L, const float* x, int64_t T, int64_t D, const float* dy, float* dx,
+                  MlpWeights& dw) {
+  const int64_t I = w.gate.dim(0);
+  std::vector<float> g(T * I), u(T * I), act(T * I), dact(T * I, 0.0f), dg(T * I), du(T * I);
+  cpu::linear(x, T, D, w.gate, g.data());
+  cpu::linear(x, T, D, w.up, u.data());
+  for (int64_t i = 0; i < T * I; ++i) act[i] = siluf(std::min(g[i], L)) * std::clamp(u[i], -L, L);
+  cpu::linear_backward(act.data(), T, I, w.down, dy, dact.data(), &dw.down);
+  for (int64_t i = 0; i < T * I; ++i) {
+    const float gc = std::min(g[i], L), uc = std::clamp(u[i], -L, L);
+    dg[i] = g[i] <= L ? dact[i] * uc * silu_grad(gc) : 0.0f;
+    du[i] = (u[i] >= -L && u[i] <= L) ? dact[i] * siluf(gc) : 0.0f;
+  }
+  cpu::linear_backward(x, T, D, w.gate, dg.data(), dx, &dw.gate);
+  cpu::linear_backward(x, T, D, w.up, du.data(), dx, &dw.up);
+}
+
+void moe_forward_routed(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
+                        float* y) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
+  const float L = static_cast<float>(c.swiglu_limit);
+  std::vector<float> s, weights;
+  routed_weights(w, c, x, T, r, s, weights);
+  if (w.shared) {
+    mlp_forward(*w.shared, L, x, T, D, y);
+  } else {
+    std::fill(y, y + T * D, 0.0f);
+  }
+  const auto assigned = assignments(r, T, E, k);
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& list = assigned[e];
+    if (list.empty()) continue;
+    const int64_t n = static_cast<int64_t>(list.size());
+    std::vector<float> xin(n * D), out(n * D);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
+    mlp_forward(w.experts[e], L, xin.data(), n, D, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float wt = weights[list[i].first * k + list[i].second];
+      for (int64_t d = 0; d < D; ++d) y[list[i].first * D + d] += wt * out[i * D + d];
+    }
+  }
+}
+
+void moe_backward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
+                  const float* dy, float* dx, MoeWeights& dw) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
+  const float L = static_cast<float>(c.swiglu_limit), rsf = static_cast<float>(c.routed_scaling_factor);
+  std::vector<float> s, weights;
+  routed_weights(w, c, x, T, r, s, weights);
+  if (w.shared) mlp_backward(*w.shared, L, x, T, D, dy, dx, *dw.shared);
+
+  // Experts on their gathered tokens: y[t] += w[t, i]·expert(x[t]).
+  std::vector<float> dweights(T * k, 0.0f);
+  const auto assigned = assignments(r, T, E, k);
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& list = assigned[e];
+    if (list.empty()) continue;
+    const int64_t n = static_cast<int64_t>(list.size());
+    std::vector<float> xin(n * D), out(n * D), dout(n * D), dxin(n * D, 0.0f);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
+    mlp_forward(w.experts[e], L, xin.data(), n, D, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = list[i].first, slot = t * k + list[i].second;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        acc += dy[t * D + d] * out[i * D + d];
+        dout[i * D + d] = weights[slot] * dy[t * D + d];
+      }
+      dweights[slot] = acc;
+    }
+    mlp_backward(w.experts[e], L, xin.data(), n, D, dout.data(), dxin.data(), dw.experts[e]);
+    if (dx)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) dx[list[i].first * D + d] += dxin[i * D + d];
+  }
+
+  // Router: weights from the sigmoid scores of the chosen experts; dlogits [T, E] is zero off the chosen ones.
+  std::vector<float> dlogits(T * E, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f, wdot = 0.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float se = s[t * E + r.experts[t * k + i]];
+      sum += se;
+      wdot += dweights[t * k + i] * se;
+    }
+    const float Z = sum + 1e-20f;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t e = r.experts[t * k + i];
+      const float ds = c.norm_topk_prob ? rsf * (dweights[t * k + i] / Z - wdot / (Z * Z)) : rsf * dweights[t * k + i];
+      dlogits[t * E + e] += ds * s[t * E + e] * (1.0f - s[t * E + e]);
+    }
+  }
+  cpu::linear_backward(x, T, D, w.router, dlogits.data(), dx, &dw.router);
+}
+
+}  // namespace nextlm

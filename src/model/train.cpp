@@ -1,0 +1,249 @@
+// Whole-model loss and gradients on the CPU in fp32 (the gradient transformers' autograd gives for
+// Glm5NextForConditionalGeneration's text path, 5.17.0), and the hub-layout names of the gradients.
+#include "model/train.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "model/norm.h"
+
+namespace nextlm {
+
+namespace {
+
+Tensor zeros(const Tensor& t) { return Tensor(t.shape, 0.0f); }
+
+}  // namespace
+
+HcWeights zeros_like(const HcWeights& w) { return HcWeights{zeros(w.fn), zeros(w.base), zeros(w.scale)}; }
+
+KdaWeights zeros_like(const KdaWeights& w) {
+  return KdaWeights{zeros(w.q_proj), zeros(w.k_proj), zeros(w.v_proj), zeros(w.q_conv), zeros(w.k_conv),
+                    zeros(w.v_conv), zeros(w.f_a),    zeros(w.f_b),    zeros(w.dt_bias), zeros(w.A_log),
+                    zeros(w.b_proj), zeros(w.g_a),    zeros(w.g_b),    zeros(w.o_norm), zeros(w.o_proj)};
+}
+
+DsaWeights zeros_like(const DsaWeights& w) {
+  DsaWeights g{zeros(w.q_a), zeros(w.q_a_norm), zeros(w.q_b), zeros(w.kv_a), zeros(w.kv_a_norm), zeros(w.kv_b),
+               zeros(w.o_proj), std::nullopt};  // the indexer is frozen
+  return g;
+}
+
+MlpWeights zeros_like(const MlpWeights& w) { return MlpWeights{zeros(w.gate), zeros(w.up), zeros(w.down)}; }
+
+MoeWeights zeros_like(const MoeWeights& w) {
+  MoeWeights g;
+  g.router = zeros(w.router);  // correction_bias stays empty: a buffer, not trained
+  for (const MlpWeights& e : w.experts) g.experts.push_back(zeros_like(e));
+  if (w.shared) g.shared = zeros_like(*w.shared);
+  return g;
+}
+
+ModelWeights zeros_like(const ModelWeights& w) {
+  ModelWeights g;
+  g.embed = zeros(w.embed);
+  g.final_norm = zeros(w.final_norm);
+  g.lm_head = zeros(w.lm_head);
+  for (const LayerWeights& l : w.layers) {
+    LayerWeights gl;
+    gl.hc_attn = zeros_like(l.hc_attn);
+    gl.hc_ffn = zeros_like(l.hc_ffn);
+    gl.input_norm = zeros(l.input_norm);
+    gl.post_attention_norm = zeros(l.post_attention_norm);
+    if (l.kda) gl.kda = zeros_like(*l.kda);
+    if (l.dsa) gl.dsa = zeros_like(*l.dsa);
+    if (l.mlp) gl.mlp = zeros_like(*l.mlp);
+    if (l.moe) gl.moe = zeros_like(*l.moe);
+    g.layers.push_back(std::move(gl));
+  }
+  return g;
+}
+
+double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads) {
+  const ModelConfig& c = model.config();
+  const ModelWeights& w = model.weights();
+  validate_batch(batch, c.vocab_size);
+  check(grads.layers.size() == w.layers.size(), "gradients have ", grads.layers.size(), " layers, the model ",
+        w.layers.size());
+  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, Lyr = c.num_hidden_layers;
+  const size_t TSD = static_cast<size_t>(T * S * D);
+  const float eps = static_cast<float>(c.rms_norm_eps), limit = static_cast<float>(c.swiglu_limit);
+  const auto& cu = batch.cu_seqlens;
+
+  // Forward, keeping the streams entering each site, the selections and the expert choices.
+  std::vector<std::vector<float>> h_attn(Lyr), h_ffn(Lyr);
+  std::vector<Selection> sels(Lyr);
+  std::vector<Routing> routes(Lyr);
+  std::vector<float> h(TSD), a(T * D), y(T * D);
+  embedding_forward(w.embed, batch.tokens.data(), T, S, h.data());
+  Selection sel;
+  HcMix mix;
+  for (int64_t i = 0; i < Lyr; ++i) {
+    const LayerWeights& lw = w.layers[i];
+    h_attn[i] = h;
+    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
+    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
+    if (lw.kda) {
+      kda_layer_forward(*lw.kda, c, a.data(), T, cu, y.data());
+    } else {
+      dsa_layer_forward(*lw.dsa, c, a.data(), T, cu, sel, y.data());
+      sels[i] = sel;
+    }
+    mhc_post_forward(mix, h_attn[i].data(), y.data(), T, S, D, h.data());
+
+    h_ffn[i] = h;
+    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
+    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a.data(), T, D, y.data());
+    } else {
+      routes[i] = route_forward(*lw.moe, c, a.data(), T);
+      moe_forward(*lw.moe, c, a.data(), T, y.data());
+    }
+    mhc_post_forward(mix, h_ffn[i].data(), y.data(), T, S, D, h.data());
+    if (!(lw.dsa && lw.dsa->indexer)) sel.clear();  // a selection goes only to the layer directly after
+  }
+
+  // Head and loss.
+  std::vector<float> dh(TSD, 0.0f), dh_prev(TSD), a_raw(T * D), da(T * D), da_raw(T * D), dy(T * D);
+  double loss = 0.0;
+  if (c.tie_word_embeddings) {
+    // The lm_head is the embedding: collect this call's lm_head gradient apart and add it to the embedding's.
+    Tensor dlm = zeros(grads.lm_head);
+    std::swap(grads.lm_head, dlm);
+    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads);
+    std::swap(grads.lm_head, dlm);
+    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
+  } else {
+    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads);
+  }
+
+  // Backward, one layer at a time from the last: recompute the site's forward, then walk back through it.
+  std::vector<float> dpost(T * S), dcomb(T * S * S);
+  auto site_backward = [&](const HcWeights& hc, HcWeights& dhc, const Tensor& norm, Tensor& dnorm,
+                           const std::vector<float>& h_in, auto&& forward, auto&& backward) {
+    mhc_pre_forward(hc, c, h_in.data(), T, mix, a_raw.data());
+    rmsnorm_forward(a_raw.data(), norm.ptr(), a.data(), T, D, eps);
+    forward(a.data(), y.data());
+    std::fill(dh_prev.begin(), dh_prev.end(), 0.0f);
+    std::fill(dy.begin(), dy.end(), 0.0f);
+    std::fill(dpost.begin(), dpost.end(), 0.0f);
+    std::fill(dcomb.begin(), dcomb.end(), 0.0f);
+    mhc_post_backward(mix, h_in.data(), y.data(), T, S, D, dh.data(), dh_prev.data(), dy.data(), dpost.data(),
+                      dcomb.data());
+    std::fill(da.begin(), da.end(), 0.0f);
+    backward(a.data(), dy.data(), da.data());
+    std::fill(da_raw.begin(), da_raw.end(), 0.0f);
+    rmsnorm_backward(a_raw.data(), norm.ptr(), da.data(), T, D, eps, da_raw.data(), dnorm.ptr());
+    mhc_pre_backward(hc, c, h_in.data(), T, dpost.data(), dcomb.data(), da_raw.data(), dh_prev.data(), dhc);
+    dh.swap(dh_prev);
+  };
+  for (int64_t i = Lyr - 1; i >= 0; --i) {
+    const LayerWeights& lw = w.layers[i];
+    LayerWeights& gl = grads.layers[i];
+    if (lw.mlp) {
+      site_backward(
+          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
+          [&](const float* x, float* out) { mlp_forward(*lw.mlp, limit, x, T, D, out); },
+          [&](const float* x, const float* g, float* dx) { mlp_backward(*lw.mlp, limit, x, T, D, g, dx, *gl.mlp); });
+    } else {
+      site_backward(
+          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
+          [&](const float* x, float* out) { moe_forward_routed(*lw.moe, c, x, T, routes[i], out); },
+          [&](const float* x, const float* g, float* dx) { moe_backward(*lw.moe, c, x, T, routes[i], g, dx, *gl.moe); });
+    }
+    if (lw.kda) {
+      KdaActs acts;
+      site_backward(
+          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
+          [&](const float* x, float* out) { kda_layer_forward_train(*lw.kda, c, x, T, cu, acts, out); },
+          [&](const float* x, const float* g, float* dx) {
+            kda_layer_backward(*lw.kda, c, x, T, cu, acts, g, dx, *gl.kda);
+          });
+    } else {
+      DsaActs acts;
+      site_backward(
+          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
+          [&](const float* x, float* out) { dsa_layer_forward_train(*lw.dsa, c, x, T, cu, sels[i], acts, out); },
+          [&](const float* x, const float* g, float* dx) {
+            dsa_layer_backward(*lw.dsa, c, x, T, cu, sels[i], acts, g, dx, *gl.dsa);
+          });
+    }
+  }
+  embedding_backward(batch.tokens.data(), T, S, dh.data(), c.pad_token_id, grads.embed);
+  return loss;
+}
+
+std::string text_prefix(const Checkpoint& ckpt) {
+  const std::string prefix = "model.language_model.";
+  if (!ckpt.find(prefix + "embed_tokens.weight") && ckpt.find("model.embed_tokens.weight")) return "model.";
+  return prefix;
+}
+
+std::vector<GradTensor> hub_gradients(const ModelConfig& c, const ModelWeights& g, const std::string& prefix) {
+  std::vector<GradTensor> out;
+  auto add = [&](const std::string& name, const Tensor& t) { out.push_back({prefix + name, t.shape, t.ptr()}); };
+  auto add_conv = [&](const std::string& name, const Tensor& t) {
+    out.push_back({prefix + name, {t.dim(0), 1, t.dim(1)}, t.ptr()});
+  };
+  auto add_mlp = [&](const std::string& p, const MlpWeights& m) {
+    add(p + "gate_proj.weight", m.gate);
+    add(p + "up_proj.weight", m.up);
+    add(p + "down_proj.weight", m.down);
+  };
+  auto add_hc = [&](const std::string& p, const HcWeights& h) {
+    add(p + "_fn", h.fn);
+    add(p + "_base", h.base);
+    add(p + "_scale", h.scale);
+  };
+  add("embed_tokens.weight", g.embed);
+  add("norm.weight", g.final_norm);
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", g.lm_head.shape, g.lm_head.ptr()});
+  for (size_t i = 0; i < g.layers.size(); ++i) {
+    const LayerWeights& l = g.layers[i];
+    const std::string p = "layers." + std::to_string(i) + ".";
+    add_hc(p + "hc_attn", l.hc_attn);
+    add_hc(p + "hc_ffn", l.hc_ffn);
+    add(p + "input_layernorm.weight", l.input_norm);
+    add(p + "post_attention_layernorm.weight", l.post_attention_norm);
+    const std::string a = p + "self_attn.";
+    if (l.kda) {
+      const KdaWeights& k = *l.kda;
+      add(a + "q_proj.weight", k.q_proj);
+      add(a + "k_proj.weight", k.k_proj);
+      add(a + "v_proj.weight", k.v_proj);
+      add_conv(a + "q_conv1d.weight", k.q_conv);
+      add_conv(a + "k_conv1d.weight", k.k_conv);
+      add_conv(a + "v_conv1d.weight", k.v_conv);
+      add(a + "f_a_proj.weight", k.f_a);
+      add(a + "f_b_proj.weight", k.f_b);
+      add(a + "dt_bias", k.dt_bias);
+      add(a + "A_log", k.A_log);
+      add(a + "b_proj.weight", k.b_proj);
+      add(a + "g_a_proj.weight", k.g_a);
+      add(a + "g_b_proj.weight", k.g_b);
+      add(a + "o_norm.weight", k.o_norm);
+      add(a + "o_proj.weight", k.o_proj);
+    }
+    if (l.dsa) {
+      const DsaWeights& d = *l.dsa;
+      add(a + "q_a_proj.weight", d.q_a);
+      add(a + "q_a_layernorm.weight", d.q_a_norm);
+      add(a + "q_b_proj.weight", d.q_b);
+      add(a + "kv_a_proj_with_mqa.weight", d.kv_a);
+      add(a + "kv_a_layernorm.weight", d.kv_a_norm);
+      add(a + "kv_b_proj.weight", d.kv_b);
+      add(a + "o_proj.weight", d.o_proj);
+    }
+    if (l.mlp) add_mlp(p + "mlp.", *l.mlp);
+    if (l.moe) {
+      add(p + "mlp.gate.weight", l.moe->router);
+      for (size_t e = 0; e < l.moe->experts.size(); ++e)
+        add_mlp(p + "mlp.experts." + std::to_string(e) + ".", l.moe->experts[e]);
+      if (l.moe->shared) add_mlp(p + "mlp.shared_experts.", *l.moe->shared);
+    }
+  }
+  return out;
+}
+
+}  // namespace nextlm
