@@ -12,65 +12,93 @@
 
 namespace nextlm {
 
+namespace {
+
+// The indexer's projections of T tokens: qi [T, IH·ID], LayerNormed keys ki [T, ID], gate scores gs [T, ID] and head
+// weights wt [T, IH] (times IH^-1/2).
+struct IndexerProjections {
+  std::vector<float> qi, ki, gs, wt;
+};
+IndexerProjections indexer_project(const IndexerWeights& w, const ModelConfig& c, const float* a, const float* qr,
+                                   int64_t T) {
+  const int64_t D = c.hidden_size, IH = c.index_n_heads, ID = c.index_head_dim;
+  IndexerProjections p{std::vector<float>(T * IH * ID), std::vector<float>(T * ID), std::vector<float>(T * ID),
+                       std::vector<float>(T * IH)};
+  cpu::linear(qr, T, c.q_lora_rank, w.wq_b, p.qi.data());
+  cpu::linear(a, T, D, w.wk, p.ki.data());
+  layernorm_forward(p.ki.data(), w.k_norm_w.ptr(), w.k_norm_b.ptr(), p.ki.data(), T, ID, 1e-6f);
+  cpu::linear(a, T, D, w.gate, p.gs.data());
+  cpu::linear(a, T, D, w.weights_proj, p.wt.data());
+  const float wscale = 1.0f / std::sqrt(static_cast<float>(IH));
+  for (float& x : p.wt) x *= wscale;
+  return p;
+}
+
+// The compressed key of one complete pool: per channel, a softmax over the pool's tokens of gate score + position
+// bias weights their keys. keys, gates [P, ID]; out [ID].
+void pool_key_forward(const IndexerWeights& w, int64_t P, int64_t ID, const float* keys, const float* gates,
+                      float* out) {
+  for (int64_t ch = 0; ch < ID; ++ch) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < P; ++i) mx = std::max(mx, gates[i * ID + ch] + w.ape.data[i * ID + ch]);
+    float den = 0.0f, num = 0.0f;
+    for (int64_t i = 0; i < P; ++i) {
+      const float e = std::exp(gates[i * ID + ch] + w.ape.data[i * ID + ch] - mx);
+      den += e;
+      num += e * keys[i * ID + ch];
+    }
+    out[ch] = num / den;
+  }
+}
+
+// The keys a query at sequence position t selects: its selectable pools (last token ≤ t), the best index_topk/P of
+// them by Σ_h w_h·ReLU(ID^-1/2·q_h·pk_j) when there are more (ties to the lower pool), expanded to tokens, then with
+// always_select_tail its incomplete pool. q [IH, ID]; wt [IH]; pk [≥ selectable, ID].
+std::vector<int32_t> select_keys(const ModelConfig& c, const float* q, const float* wt, const float* pk, int64_t t) {
+  const int64_t IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool, budget = c.index_topk / P;
+  const float sscale = 1.0f / std::sqrt(static_cast<float>(ID));
+  const int64_t selectable = (t + 1) / P;
+  std::vector<int64_t> pools(selectable);
+  std::iota(pools.begin(), pools.end(), 0);
+  if (selectable > budget) {
+    std::vector<float> score(selectable, 0.0f);
+    for (int64_t j = 0; j < selectable; ++j) {
+      float acc = 0.0f;
+      for (int64_t h = 0; h < IH; ++h) {
+        float dot = 0.0f;
+        for (int64_t ch = 0; ch < ID; ++ch) dot += q[h * ID + ch] * pk[j * ID + ch];
+        acc += wt[h] * std::max(dot * sscale, 0.0f);
+      }
+      score[j] = acc;
+    }
+    std::partial_sort(pools.begin(), pools.begin() + budget, pools.end(),
+                      [&](int64_t x, int64_t y) { return score[x] > score[y] || (score[x] == score[y] && x < y); });
+    pools.resize(budget);
+    std::sort(pools.begin(), pools.end());
+  }
+  std::vector<int32_t> out;
+  for (int64_t j : pools)
+    for (int64_t i = 0; i < P; ++i) out.push_back(static_cast<int32_t>(j * P + i));
+  if (c.index_kpool_always_select_tail)
+    for (int64_t i = selectable * P; i <= t; ++i) out.push_back(static_cast<int32_t>(i));
+  return out;
+}
+
+}  // namespace
+
 Selection indexer_forward(const IndexerWeights& w, const ModelConfig& c, const float* a, const float* qr, int64_t T,
                           const std::vector<int64_t>& cu) {
-  const int64_t D = c.hidden_size, IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool;
-  const int64_t QL = c.q_lora_rank;
-  std::vector<float> qi(T * IH * ID), ki(T * ID), gs(T * ID), wt(T * IH);
-  cpu::linear(qr, T, QL, w.wq_b, qi.data());
-  cpu::linear(a, T, D, w.wk, ki.data());
-  layernorm_forward(ki.data(), w.k_norm_w.ptr(), w.k_norm_b.ptr(), ki.data(), T, ID, 1e-6f);
-  cpu::linear(a, T, D, w.gate, gs.data());
-  cpu::linear(a, T, D, w.weights_proj, wt.data());
-  const float wscale = 1.0f / std::sqrt(static_cast<float>(IH));
-  const float sscale = 1.0f / std::sqrt(static_cast<float>(ID));
-
+  const int64_t IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool;
+  const IndexerProjections p = indexer_project(w, c, a, qr, T);
   Selection sel(T);
   for (size_t n = 0; n + 1 < cu.size(); ++n) {
     const int64_t t0 = cu[n], L = cu[n + 1] - cu[n], npool = L / P;
-    // Pool keys: per channel, a softmax over the pool's tokens of gate score + position bias weights the keys.
     std::vector<float> pk(npool * ID);
     for (int64_t j = 0; j < npool; ++j)
-      for (int64_t ch = 0; ch < ID; ++ch) {
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < P; ++i) mx = std::max(mx, gs[(t0 + j * P + i) * ID + ch] + w.ape.data[i * ID + ch]);
-        float den = 0.0f, num = 0.0f;
-        for (int64_t i = 0; i < P; ++i) {
-          const float e = std::exp(gs[(t0 + j * P + i) * ID + ch] + w.ape.data[i * ID + ch] - mx);
-          den += e;
-          num += e * ki[(t0 + j * P + i) * ID + ch];
-        }
-        pk[j * ID + ch] = num / den;
-      }
-    const int64_t budget = std::min(c.index_topk / P, npool);
+      pool_key_forward(w, P, ID, p.ki.data() + (t0 + j * P) * ID, p.gs.data() + (t0 + j * P) * ID, pk.data() + j * ID);
 #pragma omp parallel for schedule(dynamic, 8)
-    for (int64_t t = 0; t < L; ++t) {
-      const int64_t selectable = (t + 1) / P;  // pools whose last token is ≤ t
-      std::vector<int64_t> pools(selectable);
-      std::iota(pools.begin(), pools.end(), 0);
-      if (selectable > budget) {
-        std::vector<float> score(selectable, 0.0f);
-        const float* q = qi.data() + (t0 + t) * IH * ID;
-        for (int64_t j = 0; j < selectable; ++j) {
-          float acc = 0.0f;
-          for (int64_t h = 0; h < IH; ++h) {
-            float dot = 0.0f;
-            for (int64_t ch = 0; ch < ID; ++ch) dot += q[h * ID + ch] * pk[j * ID + ch];
-            acc += wt[(t0 + t) * IH + h] * wscale * std::max(dot * sscale, 0.0f);
-          }
-          score[j] = acc;
-        }
-        std::partial_sort(pools.begin(), pools.begin() + budget, pools.end(),
-                          [&](int64_t x, int64_t y) { return score[x] > score[y] || (score[x] == score[y] && x < y); });
-        pools.resize(budget);
-        std::sort(pools.begin(), pools.end());
-      }
-      std::vector<int32_t>& out = sel[t0 + t];
-      for (int64_t j : pools)
-        for (int64_t i = 0; i < P; ++i) out.push_back(static_cast<int32_t>(j * P + i));
-      if (c.index_kpool_always_select_tail)
-        for (int64_t i = selectable * P; i <= t; ++i) out.push_back(static_cast<int32_t>(i));
-    }
+    for (int64_t t = 0; t < L; ++t)
+      sel[t0 + t] = select_keys(c, p.qi.data() + (t0 + t) * IH * ID, p.wt.data() + (t0 + t) * IH, pk.data(), t);
   }
   return sel;
 }
@@ -137,39 +165,13 @@ void dsa_layer_forward(const DsaWeights& w, const ModelConfig& c, const float* a
   cpu::linear(o.data(), T, NH * dv, w.o_proj, y);
 }
 
-namespace {
-
-// The compressed key of one complete pool (as in indexer_forward): per channel, a softmax over the pool's tokens of
-// gate score + position bias weights their keys. keys, gates [P, ID]; out [ID].
-void pool_key_forward(const IndexerWeights& w, int64_t P, int64_t ID, const float* keys, const float* gates,
-                      float* out) {
-  for (int64_t ch = 0; ch < ID; ++ch) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < P; ++i) mx = std::max(mx, gates[i * ID + ch] + w.ape.data[i * ID + ch]);
-    float den = 0.0f, num = 0.0f;
-    for (int64_t i = 0; i < P; ++i) {
-      const float e = std::exp(gates[i * ID + ch] + w.ape.data[i * ID + ch] - mx);
-      den += e;
-      num += e * keys[i * ID + ch];
-    }
-    out[ch] = num / den;
-  }
-}
-
-}  // namespace
 
 Selection indexer_forward_cached(const IndexerWeights& w, const ModelConfig& c, const float* a, const float* qr,
                                  int64_t T, DsaCache& cache) {
-  const int64_t D = c.hidden_size, IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool;
-  const int64_t QL = c.q_lora_rank, t0 = cache.length;
-  std::vector<float> qi(T * IH * ID), ki(T * ID), gs(T * ID), wt(T * IH);
-  cpu::linear(qr, T, QL, w.wq_b, qi.data());
-  cpu::linear(a, T, D, w.wk, ki.data());
-  layernorm_forward(ki.data(), w.k_norm_w.ptr(), w.k_norm_b.ptr(), ki.data(), T, ID, 1e-6f);
-  cpu::linear(a, T, D, w.gate, gs.data());
-  cpu::linear(a, T, D, w.weights_proj, wt.data());
-  const float wscale = 1.0f / std::sqrt(static_cast<float>(IH));
-  const float sscale = 1.0f / std::sqrt(static_cast<float>(ID));
+  const int64_t IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool, t0 = cache.length;
+  const IndexerProjections p = indexer_project(w, c, a, qr, T);
+  const std::vector<float>& ki = p.ki;
+  const std::vector<float>& gs = p.gs;
 
   // Pools that the new tokens complete get their compressed key now, once; the incomplete pool's keys wait.
   check(static_cast<int64_t>(cache.pool_key.size()) == t0 / P * ID &&
@@ -187,38 +189,10 @@ Selection indexer_forward_cached(const IndexerWeights& w, const ModelConfig& c, 
     }
   }
 
-  const int64_t budget = c.index_topk / P;  // pools one query may take
   const float* pk = cache.pool_key.data();
   Selection sel(T);
 #pragma omp parallel for schedule(dynamic, 8) if (T > 1)
-  for (int64_t i = 0; i < T; ++i) {
-    const int64_t t = t0 + i;                 // position in the sequence
-    const int64_t selectable = (t + 1) / P;   // pools whose last token is ≤ t
-    std::vector<int64_t> pools(selectable);
-    std::iota(pools.begin(), pools.end(), 0);
-    if (selectable > budget) {
-      std::vector<float> score(selectable, 0.0f);
-      const float* q = qi.data() + i * IH * ID;
-      for (int64_t j = 0; j < selectable; ++j) {
-        float acc = 0.0f;
-        for (int64_t h = 0; h < IH; ++h) {
-          float dot = 0.0f;
-          for (int64_t ch = 0; ch < ID; ++ch) dot += q[h * ID + ch] * pk[j * ID + ch];
-          acc += wt[i * IH + h] * wscale * std::max(dot * sscale, 0.0f);
-        }
-        score[j] = acc;
-      }
-      std::partial_sort(pools.begin(), pools.begin() + budget, pools.end(),
-                        [&](int64_t x, int64_t y) { return score[x] > score[y] || (score[x] == score[y] && x < y); });
-      pools.resize(budget);
-      std::sort(pools.begin(), pools.end());
-    }
-    std::vector<int32_t>& out = sel[i];
-    for (int64_t j : pools)
-      for (int64_t p = 0; p < P; ++p) out.push_back(static_cast<int32_t>(j * P + p));
-    if (c.index_kpool_always_select_tail)
-      for (int64_t p = selectable * P; p <= t; ++p) out.push_back(static_cast<int32_t>(p));
-  }
+  for (int64_t i = 0; i < T; ++i) sel[i] = select_keys(c, p.qi.data() + i * IH * ID, p.wt.data() + i * IH, pk, t0 + i);
   return sel;
 }
 

@@ -155,6 +155,30 @@ void l2norm_rows(float* x, int64_t rows, int64_t K, float scale) {
   }
 }
 
+// The decay gate g [T, H·K] (log space: the safe gate lb·sigmoid(exp(A_log)·f) or −exp(A_log)·softplus(f), with
+// f = f_b(f_a(a)) + dt_bias) and beta [T, H] = sigmoid(b_proj·a).
+void kda_gates(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T, float* g, float* beta) {
+  const int64_t D = c.hidden_size, H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K;
+  std::vector<float> fa(T * K);
+  cpu::linear(a, T, D, w.f_a, fa.data());
+  cpu::linear(fa.data(), T, K, w.f_b, g);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float rate = std::exp(w.A_log.data[h]);
+      for (int64_t d = 0; d < K; ++d) {
+        float& x = g[t * HK + h * K + d];
+        const float f = x + w.dt_bias.data[h * K + d];
+        if (c.linear_lower_bound) {
+          x = static_cast<float>(*c.linear_lower_bound) * sigmoidf(rate * f);
+        } else {
+          x = -rate * (f > 20.0f ? f : std::log(1.0f + std::exp(f)));
+        }
+      }
+    }
+  cpu::linear(a, T, D, w.b_proj, beta);
+  for (int64_t i = 0; i < T * H; ++i) beta[i] = sigmoidf(beta[i]);
+}
+
 }  // namespace
 
 void kda_layer_forward(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T,
@@ -171,24 +195,8 @@ void kda_layer_forward(const KdaWeights& w, const ModelConfig& c, const float* a
   l2norm_rows(k.data(), T * H, K, 1.0f);
 
   // Decay gate g [T, H·K] (log space) and beta [T, H].
-  std::vector<float> fa(T * K), g(T * HK), beta(T * H);
-  cpu::linear(a, T, D, w.f_a, fa.data());
-  cpu::linear(fa.data(), T, K, w.f_b, g.data());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float rate = std::exp(w.A_log.data[h]);
-      for (int64_t d = 0; d < K; ++d) {
-        float& x = g[t * HK + h * K + d];
-        const float f = x + w.dt_bias.data[h * K + d];
-        if (c.linear_lower_bound) {
-          x = static_cast<float>(*c.linear_lower_bound) * sigmoidf(rate * f);
-        } else {
-          x = -rate * (f > 20.0f ? f : std::log(1.0f + std::exp(f)));
-        }
-      }
-    }
-  cpu::linear(a, T, D, w.b_proj, beta.data());
-  for (float& b : beta) b = sigmoidf(b);
+  std::vector<float> g(T * HK), beta(T * H);
+  kda_gates(w, c, a, T, g.data(), beta.data());
 
   std::vector<float> o(T * HK);
   const int64_t N = static_cast<int64_t>(cu.size()) - 1;
@@ -245,25 +253,9 @@ void kda_layer_forward_cached(const KdaWeights& w, const ModelConfig& c, const f
   l2norm_rows(q.data(), T * H, K, 1.0f / std::sqrt(static_cast<float>(K)));
   l2norm_rows(k.data(), T * H, K, 1.0f);
 
-  // Decay gate g [T, H·K] (log space) and beta [T, H], as in kda_layer_forward.
-  std::vector<float> fa(T * K), g(T * HK), beta(T * H);
-  cpu::linear(a, T, D, w.f_a, fa.data());
-  cpu::linear(fa.data(), T, K, w.f_b, g.data());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float rate = std::exp(w.A_log.data[h]);
-      for (int64_t d = 0; d < K; ++d) {
-        float& x = g[t * HK + h * K + d];
-        const float f = x + w.dt_bias.data[h * K + d];
-        if (c.linear_lower_bound) {
-          x = static_cast<float>(*c.linear_lower_bound) * sigmoidf(rate * f);
-        } else {
-          x = -rate * (f > 20.0f ? f : std::log(1.0f + std::exp(f)));
-        }
-      }
-    }
-  cpu::linear(a, T, D, w.b_proj, beta.data());
-  for (float& b : beta) b = sigmoidf(b);
+  // Decay gate g [T, H·K] (log space) and beta [T, H].
+  std::vector<float> g(T * HK), beta(T * H);
+  kda_gates(w, c, a, T, g.data(), beta.data());
 
   std::vector<float> o(T * HK);
 #pragma omp parallel for schedule(dynamic) if (T > 1)
