@@ -1,4 +1,4 @@
-// Incremental decoding: the layer loop of Model::forward_hidden for the next T tokens of one sequence, with the
+// Incremental decoding: the decoder stack (block.h) over the next T tokens of one sequence, with the
 // stateful KDA and DSA layers (kda_layer_forward_cached, dsa_layer_forward_cached) in place of the batch ones;
 // matches transformers' cached generation path (DynamicCache with conv / recurrent / indexer states).
 #include "model/decode.h"
@@ -6,9 +6,7 @@
 #include <algorithm>
 
 #include "core/error.h"
-#include "model/mhc.h"
-#include "model/moe.h"
-#include "model/norm.h"
+#include "model/block.h"
 
 namespace nextlm {
 
@@ -38,53 +36,19 @@ std::vector<float> extend(DecodeState& st, const std::vector<int32_t>& tokens, K
   const Model& m = *st.model;
   const ModelConfig& c = m.config();
   const ModelWeights& w = m.weights();
-  const int64_t T = static_cast<int64_t>(tokens.size()), S = c.hc_mult, D = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int64_t T = static_cast<int64_t>(tokens.size());
   check(T > 0, "no tokens to add to the sequence");
   check_tokens(tokens, st.length, c.vocab_size);
-
-  // Streams h [T, S, D], each a copy of the embedding.
-  std::vector<float> h(T * S * D), h2(T * S * D), a(T * D), y(T * D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t s = 0; s < S; ++s)
-      std::copy_n(w.embed.ptr() + static_cast<int64_t>(tokens[t]) * D, D, h.data() + (t * S + s) * D);
-
-  Selection sel;  // handed from a full-indexer DSA layer to the shared one after it, for these T tokens
-  HcMix mix;
-  for (size_t i = 0; i < w.layers.size(); ++i) {
+  const Tensor hidden = decoder_forward(w, c, tokens, [&](int64_t i, const float* a, float* y, Selection& sel) {
     const LayerWeights& lw = w.layers[i];
-    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
     if (lw.kda) {
-      kda_layer_forward_cached(*lw.kda, c, a.data(), T, *st.kda[i], y.data(), form);
+      kda_layer_forward_cached(*lw.kda, c, a, T, *st.kda[i], y, form);
     } else {
-      dsa_layer_forward_cached(*lw.dsa, c, a.data(), T, *st.dsa[i], sel, y.data());
+      dsa_layer_forward_cached(*lw.dsa, c, a, T, *st.dsa[i], sel, y);
     }
-    mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
-    std::swap(h, h2);
-
-    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, static_cast<float>(c.swiglu_limit), a.data(), T, D, y.data());
-    } else {
-      moe_forward(*lw.moe, c, a.data(), T, y.data());
-    }
-    mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
-    std::swap(h, h2);
-    if (!(lw.dsa && lw.dsa->indexer)) sel.clear();
-  }
+  });
   st.length += T;
-
-  // Only the last token's logits are needed: mean over its streams, final norm, lm_head.
-  Tensor last({1, D});
-  for (int64_t d = 0; d < D; ++d) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < S; ++s) acc += h[((T - 1) * S + s) * D + d];
-    last.data[d] = acc / static_cast<float>(S);
-  }
-  rmsnorm_forward(last.ptr(), w.final_norm.ptr(), last.ptr(), 1, D, eps);
-  return m.logits(last, 0, 1).data;
+  return m.logits(hidden, T - 1, T).data;
 }
 
 }  // namespace

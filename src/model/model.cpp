@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "cpu/linear.h"
 #include "io/safetensors.h"
+#include "model/block.h"
 #include "model/dsa.h"
 #include "model/mhc.h"
 #include "model/moe.h"
@@ -46,51 +47,15 @@ Model Model::load(const std::string& dir, LoadReport* report) {
 Tensor Model::forward_hidden(const PackedBatch& batch, const ForwardOptions& opt) const {
   const ModelConfig& c = config_;
   validate_batch(batch, c.vocab_size);
-  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-
-  // Streams h [T, S, D], each a copy of the embedding.
-  std::vector<float> h(T * S * D), h2(T * S * D), a(T * D), y(T * D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t s = 0; s < S; ++s)
-      std::copy_n(weights_.embed.ptr() + static_cast<int64_t>(batch.tokens[t]) * D, D, h.data() + (t * S + s) * D);
-
-  Selection sel;  // handed from a full-indexer DSA layer to the shared one after it
-  HcMix mix;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  const int64_t T = batch.num_tokens();
+  return decoder_forward(weights_, c, batch.tokens, [&](int64_t i, const float* a, float* y, Selection& sel) {
     const LayerWeights& lw = weights_.layers[i];
-    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
     if (lw.kda) {
-      kda_layer_forward(*lw.kda, c, a.data(), T, batch.cu_seqlens, y.data(), opt.kda_form);
+      kda_layer_forward(*lw.kda, c, a, T, batch.cu_seqlens, y, opt.kda_form);
     } else {
-      dsa_layer_forward(*lw.dsa, c, a.data(), T, batch.cu_seqlens, sel, y.data(), opt.empty_selection);
+      dsa_layer_forward(*lw.dsa, c, a, T, batch.cu_seqlens, sel, y, opt.empty_selection);
     }
-    mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
-    std::swap(h, h2);
-
-    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, static_cast<float>(c.swiglu_limit), a.data(), T, D, y.data());
-    } else {
-      moe_forward(*lw.moe, c, a.data(), T, y.data());
-    }
-    mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
-    std::swap(h, h2);
-    // transformers hands a selection only to the layer directly after the one that made it.
-    if (!(lw.dsa && lw.dsa->indexer)) sel.clear();
-  }
-
-  Tensor out({T, D});
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; ++d) {
-      float acc = 0.0f;
-      for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
-      out.data[t * D + d] = acc / static_cast<float>(S);
-    }
-  rmsnorm_forward(out.ptr(), weights_.final_norm.ptr(), out.ptr(), T, D, eps);
-  return out;
+  });
 }
 
 Tensor Model::logits(const Tensor& hidden, int64_t begin, int64_t end) const {
