@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the GPU tests and the benchmarks on a CUDA machine. With no argument it builds first (scripts/build.sh) and
-# uses build/; with a directory argument it runs binaries built elsewhere (test_cuda, nextlm_bench in that folder,
-# plus a lib/ of shared libraries the machine lacks). Writes results under ${OUT:-/tmp/nextlm_gpu}.
+# Runs the GPU tests and the benchmarks on a CUDA machine. With no argument it builds first (scripts/build.sh, which
+# needs the Debian packages of scripts/setup.sh) and uses build/; with a directory argument it runs binaries built
+# elsewhere by scripts/gpu_bundle.sh (test_cuda, nextlm_bench and a lib/ of shared libraries the machine lacks).
+# Writes results under ${OUT:-/tmp/nextlm_gpu}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-}
