@@ -1,6 +1,8 @@
 // CLI commands: `score` (per-token log-probabilities of JSONL token sequences), `info` (model summary), `grad`
-// (loss and parameter gradients) and `generate` (prompt continuation with the decode state).
+// (loss and parameter gradients), `generate` (prompt continuation with the decode state), `train` (src/cli/train.cpp)
+// and `serve` (src/serve/).
 #include "cli/commands.h"
+#include "cli/train.h"
 
 #include <unistd.h>
 
@@ -26,6 +28,7 @@
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/train.h"
+#include "serve/server.h"
 #ifdef NEXTLM_HAVE_CUDA
 #include "cuda/device_model.h"
 #endif
@@ -520,13 +523,35 @@ int run_cli_impl(int argc, char** argv) {
       ->capture_default_str();
   ge->add_option("--threads", gen.threads, "CPU threads (default: all)")->check(thread_count());
 
+  serve::ServeOptions srv;
+  CLI::App* sv = app.add_subcommand("serve", "OpenAI-compatible HTTP server (completions, chat, streaming)");
+  sv->add_option("--model", srv.model_dir, "model directory (config.json + safetensors)")->required()->check(non_empty());
+  sv->add_option("--port", srv.port, "TCP port (0: any free port, printed on stdout)")
+      ->required()
+      ->check(CLI::Range(0, 65535));
+  sv->add_option("--host", srv.host, "address to listen on")->capture_default_str()->check(non_empty());
+  sv->add_option("--max-batch", srv.max_batch, "requests decoded together (more wait in a queue)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  sv->add_option("--max-tokens", srv.max_tokens, "prompt + max_tokens of a request, at most")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
+  sv->add_option("--threads", srv.threads, "CPU threads (default: all)")->check(thread_count());
+  std::string serve_device = "cpu";
+  sv->add_option("--device", serve_device, "compute device (cpu)")
+      ->check(one_of({"cpu"}, "a device serve runs on"))
+      ->capture_default_str();
+
+  TrainArgs train;
+  CLI::App* tr = add_train_command(app, train);
+
   // An unknown command would otherwise be reported as an unexpected argument.
   bool known_command = false;
   if (argc >= 2)
     for (CLI::App* cmd : app.get_subcommands([](CLI::App*) { return true; })) known_command |= cmd->check_name(argv[1]);
   if (argc >= 2 && argv[1][0] != '-' && !known_command) {
     print_error(std::string("unknown command \"") + argv[1] +
-                "\" (commands: score, info, grad, generate; run nextlm --help)");
+                "\" (commands: score, info, grad, generate, train, serve; run nextlm --help)");
     return 2;
   }
   try {
@@ -549,6 +574,11 @@ int run_cli_impl(int argc, char** argv) {
     if (*in) return cmd_info(info_dir);
     if (*ge) return cmd_generate(gen, gen_prompt_tokens->count() > 0, gen_prompt->count() > 0);
     if (*gr) return cmd_grad(grad);
+    if (*tr) return cmd_train(train, *tr);
+    if (*sv) return serve::run_server(srv);
+  } catch (const TrainUsageError& e) {
+    print_error(std::string(e.what()) + " (run nextlm train --help)");
+    return 2;
   } catch (const UsageError& e) {
     print_error(std::string(e.what()) + " (run nextlm --help)");
     return 2;
@@ -556,7 +586,7 @@ int run_cli_impl(int argc, char** argv) {
     print_error(e.what());
     return 1;
   }
-  print_error("no command given (commands: score, info, grad, generate; run nextlm --help)");
+  print_error("no command given (commands: score, info, grad, generate, train, serve; run nextlm --help)");
   return 2;
 }
 

@@ -149,12 +149,13 @@ void moe_backward(const MoeWeights& w, const ModelConfig& c, const float* x, int
 // ---- Final collapse, norm, lm_head and loss --------------------------------------------------------------------
 
 // L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) from the last layer's streams h [T, S, D] (mean over streams, final RMSNorm,
-// lm_head). Accumulated in double.
+// lm_head). Accumulated in double. target_weight [T] (optional, PackedBatch::target_weight) scales each prediction's
+// term: L = Σ_t w[t+1]·(−log p(x[t+1] | x[..t])).
 double head_loss_forward(const ModelWeights& w, const ModelConfig& c, const float* h, const std::vector<int32_t>& tokens,
-                         const std::vector<int64_t>& cu_seqlens);
+                         const std::vector<int64_t>& cu_seqlens, const float* target_weight = nullptr);
 // The same loss, and its gradients: dh [T, S, D] += …; dw.final_norm, dw.lm_head += …. Returns L.
 double head_loss_backward(const ModelWeights& w, const ModelConfig& c, const float* h,
                           const std::vector<int32_t>& tokens, const std::vector<int64_t>& cu_seqlens, float* dh,
-                          ModelWeights& dw);
+                          ModelWeights& dw, const float* target_weight = nullptr);
 
 }  // namespace nextlm

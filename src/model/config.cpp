@@ -124,6 +124,7 @@ ModelConfig parse_text(const json& t, const json& top, bool nested) {
   c.hc_mult = get_int(t, "hc_mult", c.hc_mult);
   c.hc_eps = get_num(t, "hc_eps", c.hc_eps);
   c.hc_sinkhorn_iters = get_int(t, "hc_sinkhorn_iters", c.hc_sinkhorn_iters);
+  c.initializer_range = get_num(t, "initializer_range", c.initializer_range);
   c.index_n_heads = get_int(t, "index_n_heads", c.index_n_heads);
   c.index_head_dim = get_int(t, "index_head_dim", c.index_head_dim);
   c.index_topk = get_int(t, "index_topk", c.index_topk);

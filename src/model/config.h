@@ -62,6 +62,7 @@ struct ModelConfig {
   std::optional<int64_t> pad_token_id;
   std::vector<int64_t> eos_token_ids;
   std::string hidden_act = "silu";
+  double initializer_range = 0.02;  // std of the normal init (only random init reads it)
 
   std::vector<LayerType> layer_types;        // [num_hidden_layers]
   std::vector<MlpType> mlp_layer_types;      // [num_hidden_layers]

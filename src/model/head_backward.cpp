@@ -57,8 +57,10 @@ std::vector<int64_t> targets(const std::vector<int32_t>& tokens, const std::vect
 
 // Loss of the rows [b0, b1) of hn, and (when dhn is not null) the cross-entropy gradient: dlogits = softmax − onehot
 // on rows with a target, pushed through the lm_head into dhn and dlm_head.
+// With target_weight (indexed by the predicted token's position) each row's loss and gradient are scaled by it.
 double head_block(const ModelWeights& w, const ModelConfig& c, const std::vector<float>& hn,
-                  const std::vector<int64_t>& target, int64_t b0, int64_t b1, float* dhn, Tensor* dlm_head) {
+                  const std::vector<int64_t>& target, const float* target_weight, int64_t b0, int64_t b1, float* dhn,
+                  Tensor* dlm_head) {
   const int64_t D = c.hidden_size, V = c.vocab_size, n = b1 - b0;
   std::vector<float> logits(n * V);
   cpu::linear(hn.data() + b0 * D, n, D, w.lm_head, logits.data());
@@ -66,7 +68,8 @@ double head_block(const ModelWeights& w, const ModelConfig& c, const std::vector
   for (int64_t i = 0; i < n; ++i) {
     float* row = logits.data() + i * V;
     const int64_t tgt = target[b0 + i];
-    if (tgt < 0) {
+    const float wt = target_weight && tgt >= 0 ? target_weight[b0 + i + 1] : 1.0f;  // row t predicts t + 1
+    if (tgt < 0 || wt == 0.0f) {
       std::fill(row, row + V, 0.0f);
       continue;
     }
@@ -74,9 +77,11 @@ double head_block(const ModelWeights& w, const ModelConfig& c, const std::vector
     double sum = 0.0;
     for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - mx);
     const double lse = mx + std::log(sum);
-    loss += lse - row[tgt];
+    loss += target_weight ? wt * (lse - row[tgt]) : lse - row[tgt];
     for (int64_t v = 0; v < V; ++v) row[v] = static_cast<float>(std::exp(static_cast<double>(row[v]) - lse));
     row[tgt] -= 1.0f;
+    if (target_weight)
+      for (int64_t v = 0; v < V; ++v) row[v] *= wt;
   }
   if (dhn) cpu::linear_backward(hn.data() + b0 * D, n, D, w.lm_head, logits.data(), dhn + b0 * D, dlm_head);
   return loss;
@@ -87,20 +92,21 @@ int64_t block_rows(int64_t V) { return std::max<int64_t>(1, (int64_t{1} << 24) /
 }  // namespace
 
 double head_loss_forward(const ModelWeights& w, const ModelConfig& c, const float* h, const std::vector<int32_t>& tokens,
-                         const std::vector<int64_t>& cu) {
+                         const std::vector<int64_t>& cu, const float* target_weight) {
   const int64_t T = static_cast<int64_t>(tokens.size());
   std::vector<float> hm, hn;
   head_hidden(w, c, h, T, hm, hn);
   const std::vector<int64_t> target = targets(tokens, cu);
   double loss = 0.0;
   for (int64_t b0 = 0; b0 < T; b0 += block_rows(c.vocab_size))
-    loss += head_block(w, c, hn, target, b0, std::min(T, b0 + block_rows(c.vocab_size)), nullptr, nullptr);
+    loss += head_block(w, c, hn, target, target_weight, b0, std::min(T, b0 + block_rows(c.vocab_size)), nullptr,
+                       nullptr);
   return loss;
 }
 
 double head_loss_backward(const ModelWeights& w, const ModelConfig& c, const float* h,
                           const std::vector<int32_t>& tokens, const std::vector<int64_t>& cu, float* dh,
-                          ModelWeights& dw) {
+                          ModelWeights& dw, const float* target_weight) {
   const int64_t T = static_cast<int64_t>(tokens.size()), S = c.hc_mult, D = c.hidden_size;
   std::vector<float> hm, hn;
   head_hidden(w, c, h, T, hm, hn);
@@ -108,7 +114,8 @@ double head_loss_backward(const ModelWeights& w, const ModelConfig& c, const flo
   std::vector<float> dhn(T * D, 0.0f), dhm(T * D, 0.0f);
   double loss = 0.0;
   for (int64_t b0 = 0; b0 < T; b0 += block_rows(c.vocab_size))
-    loss += head_block(w, c, hn, target, b0, std::min(T, b0 + block_rows(c.vocab_size)), dhn.data(), &dw.lm_head);
+    loss += head_block(w, c, hn, target, target_weight, b0, std::min(T, b0 + block_rows(c.vocab_size)), dhn.data(),
+                       &dw.lm_head);
   rmsnorm_backward(hm.data(), w.final_norm.ptr(), dhn.data(), T, D, static_cast<float>(c.rms_norm_eps), dhm.data(),
                    dw.final_norm.ptr());
   const float inv = 1.0f / static_cast<float>(S);

@@ -18,6 +18,10 @@ namespace nextlm {
 struct PackedBatch {
   std::vector<int32_t> tokens;
   std::vector<int64_t> cu_seqlens;
+  // Optional per-token loss weights [T] for training (empty: every prediction counts 1). target_weight[t] weighs
+  // the prediction of tokens[t] from the tokens before it, so a prompt token gets 0; a sequence's first token is
+  // never predicted and its entry is ignored. Only the loss (model_forward_backward) reads it.
+  std::vector<float> target_weight;
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_seqs() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
@@ -38,6 +42,7 @@ class Model {
 
   const ModelConfig& config() const { return config_; }
   const ModelWeights& weights() const { return weights_; }
+  ModelWeights& mutable_weights() { return weights_; }  // for the optimizer, which updates the weights in place
 
   // Final normed hidden states [T, D] of a packed batch. Throws Error on an empty sequence, inconsistent offsets
   // or a token id outside [0, vocab_size).

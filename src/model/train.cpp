@@ -69,6 +69,9 @@ double model_forward_backward(const Model& model, const PackedBatch& batch, Mode
   const size_t TSD = static_cast<size_t>(T * S * D);
   const float eps = static_cast<float>(c.rms_norm_eps), limit = static_cast<float>(c.swiglu_limit);
   const auto& cu = batch.cu_seqlens;
+  check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
+        batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
+  const float* tw = batch.target_weight.empty() ? nullptr : batch.target_weight.data();
 
   // Forward, keeping the streams entering each site, the selections and the expert choices.
   std::vector<std::vector<float>> h_attn(Lyr), h_ffn(Lyr);
@@ -111,11 +114,11 @@ double model_forward_backward(const Model& model, const PackedBatch& batch, Mode
     // The lm_head is the embedding: collect this call's lm_head gradient apart and add it to the embedding's.
     Tensor dlm = zeros(grads.lm_head);
     std::swap(grads.lm_head, dlm);
-    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads);
+    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads, tw);
     std::swap(grads.lm_head, dlm);
     for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
   } else {
-    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads);
+    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads, tw);
   }
 
   // Backward, one layer at a time from the last: recompute the site's forward, then walk back through it.

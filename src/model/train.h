@@ -11,7 +11,8 @@
 
 namespace nextlm {
 
-// L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) over the batch (each sequence independent, as run alone), and
+// L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) over the batch (each sequence independent, as run alone; each term
+// weighted by batch.target_weight[t+1] when that is given), and
 // grads += dL/dθ for every trainable tensor (the convention of backward.h). grads comes from
 // zeros_like(model.weights()), or holds earlier accumulations. With tie_word_embeddings the lm_head's gradient is
 // added to grads.embed (grads.lm_head is left alone).

@@ -1,0 +1,236 @@
+// `nextlm train`: the command-line driver of the CPU training loop (model/trainer.h): argument checks before any
+// output exists, a progress line per step, a CSV log with an SVG loss curve, periodic checkpoints, and a checkpoint
+// on ctrl-C.
+#include "cli/train.h"
+
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "cpu/linear.h"
+#include "io/atomic_file.h"
+#include "model/init.h"
+#include "model/trainer.h"
+
+namespace nextlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+volatile std::sig_atomic_t g_interrupted = 0;
+void on_sigint(int) { g_interrupted = 1; }
+
+// Catches SIGINT while alive: the loop finishes its step, saves and exits. SA_RESETHAND makes a second ctrl-C kill
+// the process at once, for when a step takes too long.
+class SigintGuard {
+ public:
+  SigintGuard() {
+    g_interrupted = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND;
+    sigaction(SIGINT, &sa, &old_);
+  }
+  ~SigintGuard() { sigaction(SIGINT, &old_, nullptr); }
+
+ private:
+  struct sigaction old_ {};
+};
+
+// The checkpoint directory a --resume DIR names: DIR itself, DIR/checkpoint (an --out directory), or the copy
+// moved aside while a save was swapping it in.
+std::string find_checkpoint(const std::string& dir) {
+  for (const fs::path& p : {fs::path(dir), fs::path(dir) / "checkpoint", fs::path(dir) / "checkpoint.old"})
+    if (fs::exists(p / "trainer_state.json")) return p.string();
+  fail("--resume ", dir, ": no training checkpoint there (expected trainer_state.json in it or in its checkpoint/)");
+}
+
+std::string fmt(const char* f, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, x);
+  return buf;
+}
+
+std::string duration(double s) {
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  std::ostringstream o;
+  if (t >= 3600) o << t / 3600 << "h";
+  if (t >= 60) o << (t / 60) % 60 << "m";
+  o << t % 60 << "s";
+  return o.str();
+}
+
+std::string csv_row(const LogRow& r) {
+  std::ostringstream o;
+  o << r.step << "," << fmt("%.9g", r.loss) << "," << fmt("%.9g", r.lr) << "," << fmt("%.9g", r.grad_norm) << ","
+    << r.tokens << "," << fmt("%.6g", r.seconds) << "\n";
+  return o.str();
+}
+
+// The rows of an earlier log up to step `upto` (a resumed run continues its log).
+std::vector<LogRow> read_log(const std::string& path, int64_t upto) {
+  std::vector<LogRow> rows;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    LogRow r{};
+    if (std::sscanf(line.c_str(), "%ld,%lf,%lf,%lf,%ld,%lf", &r.step, &r.loss, &r.lr, &r.grad_norm, &r.tokens,
+                    &r.seconds) == 6 &&
+        r.step <= upto)
+      rows.push_back(r);
+  }
+  return rows;
+}
+
+std::string svg_path(const std::string& csv) {
+  fs::path p(csv);
+  return p.replace_extension(".svg").string();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  AtomicFile f(path);
+  f.write(text);
+  f.commit();
+}
+
+}  // namespace
+
+CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
+  CLI::App* tr = app.add_subcommand("train", "train on JSONL token sequences (CPU fp32, AdamW)");
+  tr->add_option("--config", a.config, "config.json of a new model (random init from --seed)");
+  tr->add_option("--model", a.model, "model directory to start from (fresh optimizer)");
+  tr->add_option("--data", a.data, "JSONL, one {\"tokens\": [...], \"loss_mask\": [0/1...]} per line")->required();
+  tr->add_option("--out", a.out, "output directory (checkpoint/, train_log.csv, train_log.svg)")->required();
+  tr->add_option("--steps", a.steps, "optimizer steps in total")->capture_default_str();
+  tr->add_option("--lr", a.lr, "peak learning rate")->capture_default_str();
+  tr->add_option("--warmup", a.warmup, "linear warmup steps (then cosine decay to lr/10)")->capture_default_str();
+  tr->add_option("--batch-tokens", a.batch_tokens, "tokens per packed micro-batch, at most")->capture_default_str();
+  tr->add_option("--grad-accum", a.grad_accum, "micro-batches per step")->capture_default_str();
+  tr->add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  tr->add_option("--clip", a.clip, "global gradient-norm bound (0 = none)")->capture_default_str();
+  tr->add_option("--seed", a.seed, "seed of the init and the data order")->capture_default_str();
+  tr->add_option("--save-every", a.save_every, "checkpoint every N steps (0 = only at the end)")->capture_default_str();
+  tr->add_option("--resume", a.resume, "continue from this checkpoint (or --out directory)");
+  tr->add_option("--threads", a.threads, "CPU threads (default: all)");
+  tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
+  return tr;
+}
+
+int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
+  // Everything that can be checked is checked before the output directory is created.
+  const int sources = !a.config.empty() + !a.model.empty() + !a.resume.empty();
+  if (sources != 1) throw TrainUsageError("give exactly one of --config, --model and --resume");
+  auto given = [&](const char* flag) { return cmd.get_option(flag)->count() > 0; };
+  if (a.steps < 0) throw TrainUsageError("--steps must be >= 0");
+  if (!(a.lr > 0)) throw TrainUsageError("--lr must be > 0");
+  if (a.warmup < 0) throw TrainUsageError("--warmup must be >= 0");
+  if (a.batch_tokens < 2) throw TrainUsageError("--batch-tokens must be >= 2");
+  if (a.grad_accum < 1) throw TrainUsageError("--grad-accum must be >= 1");
+  if (!(a.weight_decay >= 0)) throw TrainUsageError("--weight-decay must be >= 0");
+  if (!(a.clip >= 0)) throw TrainUsageError("--clip must be >= 0");
+  if (a.save_every < 0) throw TrainUsageError("--save-every must be >= 0");
+  if (a.threads < 0 || a.threads > 1024) throw TrainUsageError("--threads must be from 1 to 1024");
+  std::error_code ec;
+  check(!fs::exists(a.out, ec) || fs::is_directory(a.out, ec), "--out ", a.out, " exists and is not a directory");
+  fs::path out_parent = fs::absolute(a.out, ec).parent_path();
+  check(fs::is_directory(out_parent, ec), "--out ", a.out, ": directory ", out_parent.string(), " does not exist");
+  const std::string ckpt_dir = (fs::path(a.out) / "checkpoint").string();
+  std::string resume_dir;
+  if (!a.resume.empty()) resume_dir = find_checkpoint(a.resume);
+  if (fs::exists(ckpt_dir, ec) && (resume_dir.empty() || !fs::equivalent(fs::path(resume_dir).parent_path(), a.out, ec)))
+    fail("--out ", a.out, " already holds a checkpoint; continue it with --resume ", a.out, " or choose another --out");
+  const std::string log = a.log.empty() ? (fs::path(a.out) / "train_log.csv").string() : a.log;
+  if (!a.log.empty()) {
+    fs::path lp = fs::absolute(a.log, ec).parent_path();
+    check(!fs::is_directory(a.log, ec), "--log ", a.log, " is a directory");
+    check(fs::is_directory(lp, ec), "--log ", a.log, ": directory ", lp.string(), " does not exist");
+  }
+
+  cpu::set_num_threads(a.threads);
+  TrainOptions opt;
+  if (!resume_dir.empty()) opt = Trainer::stored_options(resume_dir);
+  // On --resume the stored options stand unless a flag is given (same options, same run).
+  if (resume_dir.empty() || given("--steps")) opt.steps = a.steps;
+  if (resume_dir.empty() || given("--warmup")) opt.warmup = a.warmup;
+  if (resume_dir.empty() || given("--batch-tokens")) opt.batch_tokens = a.batch_tokens;
+  if (resume_dir.empty() || given("--grad-accum")) opt.grad_accum = a.grad_accum;
+  if (resume_dir.empty() || given("--clip")) opt.clip = a.clip;
+  if (resume_dir.empty() || given("--seed")) opt.seed = a.seed;
+  if (resume_dir.empty() || given("--lr")) opt.adamw.lr = a.lr;
+  if (resume_dir.empty() || given("--weight-decay")) opt.adamw.weight_decay = a.weight_decay;
+
+  std::optional<Model> model;
+  ModelConfig cfg;
+  if (!a.config.empty()) {
+    cfg = load_config(a.config);
+  } else {
+    const std::string dir = a.model.empty() ? resume_dir : a.model;
+    check(fs::is_directory(dir, ec), "model directory ", dir, " does not exist");
+    cfg = load_config((fs::path(dir) / "config.json").string());
+  }
+  std::vector<TrainExample> data = read_train_jsonl(a.data, cfg.vocab_size, opt.batch_tokens);
+  std::optional<Trainer> trainer;
+  if (!resume_dir.empty()) {
+    trainer.emplace(Trainer::resume(resume_dir, std::move(data), opt));
+  } else {
+    Model m = a.config.empty() ? Model::load(a.model) : Model(cfg, init_weights(cfg, opt.seed));
+    trainer.emplace(std::move(m), std::move(data), opt);
+  }
+
+  // Outputs from here on; from now on ctrl-C ends with a checkpoint.
+  SigintGuard guard;
+  fs::create_directories(a.out, ec);
+  check(!ec, "cannot create --out ", a.out, ": ", ec.message());
+  std::vector<LogRow> rows = read_log(log, trainer->steps_done());
+  std::string csv = "step,loss,lr,grad_norm,tokens,seconds\n";
+  for (const LogRow& r : rows) csv += csv_row(r);
+  write_text(log, csv);
+  std::FILE* logf = std::fopen(log.c_str(), "a");
+  check(logf != nullptr, "cannot append to ", log);
+  struct Closer {
+    std::FILE* f;
+    ~Closer() { std::fclose(f); }
+  } closer{logf};
+  auto save = [&] {
+    trainer->save(ckpt_dir);
+    write_text(svg_path(log), loss_curve_svg(rows));
+  };
+
+  const Model& mdl = trainer->model();
+  std::cerr << "training " << mdl.num_parameters() << " parameters, steps " << trainer->steps_done() << " -> "
+            << opt.steps << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step\n";
+  double elapsed = 0.0;
+  int64_t done_here = 0;
+  while (trainer->steps_done() < opt.steps && !g_interrupted) {
+    const StepStats st = trainer->step();
+    elapsed += st.seconds;
+    ++done_here;
+    const LogRow r{st.step, st.loss, st.lr, st.grad_norm, st.tokens, st.seconds};
+    rows.push_back(r);
+    const std::string line = csv_row(r);
+    check(std::fwrite(line.data(), 1, line.size(), logf) == line.size() && std::fflush(logf) == 0,
+          "cannot write ", log);
+    const double eta = elapsed / done_here * static_cast<double>(opt.steps - st.step);
+    std::cerr << "step " << st.step << "/" << opt.steps << "  loss " << fmt("%.4f", st.loss) << "  lr "
+              << fmt("%.3g", st.lr) << "  grad_norm " << fmt("%.3g", st.grad_norm) << "  tok/s "
+              << fmt("%.0f", st.tokens / st.seconds) << "  eta " << duration(eta) << "\n";
+    if (a.save_every > 0 && st.step % a.save_every == 0 && st.step < opt.steps) save();
+  }
+  save();
+  if (g_interrupted) {
+    std::cerr << "interrupted after step " << trainer->steps_done() << "; checkpoint saved in " << ckpt_dir
+              << " (continue with --resume " << a.out << ")\n";
+    return 130;
+  }
+  std::cerr << "done: " << trainer->steps_done() << " steps in " << duration(elapsed) << "; model and checkpoint in "
+            << ckpt_dir << ", log " << log << "\n";
+  return 0;
+}
+
+}  // namespace nextlm

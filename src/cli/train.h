@@ -1,0 +1,32 @@
+// `nextlm train`: CPU fp32 training of a glm5_next model from a config (random init) or a checkpoint.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "core/error.h"
+
+namespace nextlm {
+
+struct TrainArgs {
+  std::string config, model, data, out, resume, log;
+  int64_t steps = 100, warmup = 10, batch_tokens = 2048, grad_accum = 1, save_every = 0;
+  double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
+  uint64_t seed = 0;
+  int threads = 0;
+};
+
+// A bad combination of train's flags (exit status 2, like CLI11's own parse errors).
+struct TrainUsageError : Error {
+  using Error::Error;
+};
+
+// Adds the `train` subcommand and its flags to app.
+CLI::App* add_train_command(CLI::App& app, TrainArgs& a);
+
+// Runs it. `cmd` is the parsed subcommand (to tell which flags were given: on --resume only those override the
+// checkpoint's stored options). Returns the exit status: 0 when done, 130 when stopped by SIGINT (after saving).
+int cmd_train(const TrainArgs& a, const CLI::App& cmd);
+
+}  // namespace nextlm

@@ -1,0 +1,334 @@
+// The CPU training loop: data, packing, accumulation, AdamW steps, and checkpoints that resume bit for bit.
+#include "model/trainer.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+#include "model/init.h"
+#include "model/train.h"
+
+namespace nextlm {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::vector<TrainExample> read_train_jsonl(const std::string& path, int64_t vocab_size, int64_t max_len) {
+  check(max_len >= 2, "batch size of ", max_len, " tokens is too small (at least 2)");
+  std::error_code ec;
+  check(!fs::is_directory(path, ec), "data ", path, " is a directory, not a JSONL file");
+  std::ifstream in(path);
+  if (!in.good()) fail("cannot read data file ", path, ": ", std::strerror(errno));
+  std::vector<TrainExample> out;
+  std::string line;
+  int64_t lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    check(line.find_first_not_of(" \t") != std::string::npos, path, ":", lineno, ": empty line");
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    check(!j.is_discarded(), path, ":", lineno, ": not valid JSON");
+    check(j.is_object() && j.contains("tokens") && j.at("tokens").is_array(), path, ":", lineno,
+          ": expected an object with a \"tokens\" list");
+    const json& toks = j.at("tokens");
+    check(!toks.empty(), path, ":", lineno, ": \"tokens\" is empty");
+    TrainExample ex;
+    for (size_t i = 0; i < toks.size(); ++i) {
+      const json& v = toks[i];
+      check(v.is_number_integer(), path, ":", lineno, ": token ", i, " is not an integer");
+      const bool too_big = v.is_number_unsigned() && v.get<uint64_t>() >= static_cast<uint64_t>(vocab_size);
+      const int64_t id = too_big ? vocab_size : v.get<int64_t>();
+      check(id >= 0 && id < vocab_size, path, ":", lineno, ": token id ", v.dump(), " at position ", i,
+            " is outside the vocabulary [0, ", vocab_size, ")");
+      ex.tokens.push_back(static_cast<int32_t>(id));
+    }
+    if (j.contains("loss_mask")) {
+      const json& m = j.at("loss_mask");
+      check(m.is_array() && m.size() == toks.size(), path, ":", lineno, ": \"loss_mask\" must be a list of ",
+            toks.size(), " values (one per token)");
+      for (size_t i = 0; i < m.size(); ++i) {
+        check(m[i].is_number() && (m[i].get<double>() == 0.0 || m[i].get<double>() == 1.0), path, ":", lineno,
+              ": loss_mask value ", i, " must be 0 or 1, got ", m[i].dump());
+        ex.mask.push_back(static_cast<float>(m[i].get<double>()));
+      }
+    }
+    for (const auto& kv : j.items())
+      check(kv.key() == "tokens" || kv.key() == "loss_mask", path, ":", lineno, ": unknown key \"", kv.key(),
+            "\" (expected tokens and loss_mask)");
+    // Cut into pieces that fit a micro-batch.
+    const int64_t T = static_cast<int64_t>(ex.tokens.size());
+    for (int64_t b = 0; b < T; b += max_len) {
+      const int64_t e = std::min(T, b + max_len);
+      if (e - b < 2) continue;
+      TrainExample piece;
+      piece.tokens.assign(ex.tokens.begin() + b, ex.tokens.begin() + e);
+      if (!ex.mask.empty()) piece.mask.assign(ex.mask.begin() + b, ex.mask.begin() + e);
+      out.push_back(std::move(piece));
+    }
+  }
+  check(!in.bad(), "error reading ", path);
+  check(!out.empty(), path, ": no sequence of at least 2 tokens to train on");
+  return out;
+}
+
+std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  Rng rng(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(epoch) + 1);
+  for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.next() % static_cast<uint64_t>(i + 1)]);
+  return order;
+}
+
+Trainer::Trainer(Model model, std::vector<TrainExample> data, TrainOptions opt)
+    : model_(std::move(model)),
+      data_(std::move(data)),
+      opt_(opt),
+      grads_(zeros_like(model_.weights())),
+      adam_({}, opt.adamw) {
+  check(!data_.empty(), "no training data");
+  check(opt_.steps >= 0 && opt_.warmup >= 0 && opt_.grad_accum >= 1 && opt_.batch_tokens >= 2,
+        "invalid training options");
+  reset_params();
+  adam_ = AdamW(params_, opt_.adamw);
+  order_ = epoch_order(static_cast<int64_t>(data_.size()), opt_.seed, pos_.epoch);
+}
+
+void Trainer::reset_params() {
+  params_ = trainable_params(model_.config(), model_.mutable_weights(), grads_, "model.language_model.");
+}
+
+PackedBatch Trainer::next_batch() {
+  // Whole sequences in epoch order until the next would not fit; every sequence fits alone (read_train_jsonl).
+  PackedBatch b;
+  const int64_t n = static_cast<int64_t>(data_.size());
+  bool any_mask = false;
+  while (true) {
+    if (pos_.cursor == n) {
+      pos_.cursor = 0;
+      order_ = epoch_order(n, opt_.seed, ++pos_.epoch);
+    }
+    const TrainExample& ex = data_[order_[pos_.cursor]];
+    if (b.num_tokens() > 0 && b.num_tokens() + static_cast<int64_t>(ex.tokens.size()) > opt_.batch_tokens) break;
+    if (!ex.mask.empty() && !any_mask) {
+      any_mask = true;
+      b.target_weight.assign(b.tokens.size(), 1.0f);
+    }
+    if (any_mask) {
+      if (ex.mask.empty()) {
+        b.target_weight.insert(b.target_weight.end(), ex.tokens.size(), 1.0f);
+      } else {
+        b.target_weight.insert(b.target_weight.end(), ex.mask.begin(), ex.mask.end());
+      }
+    }
+    b.add(ex.tokens);
+    ++pos_.cursor;
+  }
+  return b;
+}
+
+StepStats Trainer::step() {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
+  double loss = 0.0, weight = 0.0;
+  int64_t tokens = 0;
+  for (int64_t a = 0; a < opt_.grad_accum; ++a) {
+    const PackedBatch b = next_batch();
+    loss += model_forward_backward(model_, b, grads_);
+    tokens += b.num_tokens();
+    // The number of predictions (weighted): every token but each sequence's first.
+    for (int64_t s = 0; s < b.num_seqs(); ++s)
+      for (int64_t t = b.cu_seqlens[s] + 1; t < b.cu_seqlens[s + 1]; ++t)
+        weight += b.target_weight.empty() ? 1.0 : b.target_weight[t];
+  }
+  // The per-token mean makes the step size independent of the batch size; a step with nothing to predict (every
+  // token masked) still counts as a step and leaves the weights alone apart from weight decay.
+  const float inv = weight > 0 ? static_cast<float>(1.0 / weight) : 0.0f;
+  for (ParamRef& p : params_)
+    for (int64_t i = 0; i < p.n; ++i) p.g[i] *= inv;
+  StepStats st;
+  st.grad_norm = clip_grad_norm(params_, opt_.clip);
+  st.lr = lr_at(adam_.steps(), opt_.steps, opt_.warmup, opt_.adamw.lr, opt_.min_lr_ratio);
+  adam_.step(params_, st.lr);
+  ModelWeights& w = model_.mutable_weights();
+  if (model_.config().tie_word_embeddings) w.lm_head.data = w.embed.data;  // same size: no reallocation
+  st.step = adam_.steps();
+  st.loss = weight > 0 ? loss / weight : 0.0;
+  st.tokens = tokens;
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+namespace {
+
+json options_json(const TrainOptions& o) {
+  return json{{"steps", o.steps},          {"warmup", o.warmup}, {"batch_tokens", o.batch_tokens},
+              {"grad_accum", o.grad_accum}, {"clip", o.clip},     {"min_lr_ratio", o.min_lr_ratio},
+              {"seed", o.seed},            {"lr", o.adamw.lr},   {"beta1", o.adamw.beta1},
+              {"beta2", o.adamw.beta2},    {"eps", o.adamw.eps}, {"weight_decay", o.adamw.weight_decay}};
+}
+
+TrainOptions options_from_json(const json& j) {
+  TrainOptions o;
+  o.steps = j.at("steps").get<int64_t>();
+  o.warmup = j.at("warmup").get<int64_t>();
+  o.batch_tokens = j.at("batch_tokens").get<int64_t>();
+  o.grad_accum = j.at("grad_accum").get<int64_t>();
+  o.clip = j.at("clip").get<double>();
+  o.min_lr_ratio = j.at("min_lr_ratio").get<double>();
+  o.seed = j.at("seed").get<uint64_t>();
+  o.adamw.lr = j.at("lr").get<double>();
+  o.adamw.beta1 = j.at("beta1").get<double>();
+  o.adamw.beta2 = j.at("beta2").get<double>();
+  o.adamw.eps = j.at("eps").get<double>();
+  o.adamw.weight_decay = j.at("weight_decay").get<double>();
+  return o;
+}
+
+json read_state(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "trainer_state.json").string();
+  std::ifstream in(path);
+  check(in.good(), "cannot resume from ", dir, ": no trainer_state.json (not a training checkpoint)");
+  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  check(!j.is_discarded() && j.is_object(), path, ": not valid JSON");
+  return j;
+}
+
+// Swaps the complete directory `tmp` in as `dir` atomically: renameat2(RENAME_EXCHANGE) when dir exists (then the
+// old checkpoint, now at tmp, is removed); where the file system cannot exchange, the old one is moved aside first
+// (resume() also looks for it there).
+void swap_in(const std::string& tmp, const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) {
+    if (std::rename(tmp.c_str(), dir.c_str()) != 0) fail("cannot rename ", tmp, " to ", dir, ": ", std::strerror(errno));
+    return;
+  }
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp, ec);
+    return;
+  }
+  const std::string old = dir + ".old";
+  fs::remove_all(old, ec);
+  if (std::rename(dir.c_str(), old.c_str()) != 0) fail("cannot rename ", dir, " to ", old, ": ", std::strerror(errno));
+  if (std::rename(tmp.c_str(), dir.c_str()) != 0) fail("cannot rename ", tmp, " to ", dir, ": ", std::strerror(errno));
+  fs::remove_all(old, ec);
+}
+
+}  // namespace
+
+void Trainer::save(const std::string& dir) const {
+  const std::string tmp = dir + ".tmp." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  check(fs::create_directories(tmp, ec) && !ec, "cannot create ", tmp, ": ", ec.message());
+  try {
+    save_model(tmp, model_.config(), model_.weights());
+    std::vector<TensorToWrite> moments;
+    for (size_t k = 0; k < params_.size(); ++k) {
+      moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
+      moments.push_back({"exp_avg_sq." + params_[k].name, DType::F32, params_[k].shape, adam_.v()[k].data()});
+    }
+    write_safetensors((fs::path(tmp) / "optimizer.safetensors").string(), moments, {{"producer", "nextlm train"}});
+    const json state{{"step", adam_.steps()},
+                     {"data_epoch", pos_.epoch},
+                     {"data_cursor", pos_.cursor},
+                     {"num_sequences", data_.size()},
+                     {"options", options_json(opt_)}};
+    AtomicFile f((fs::path(tmp) / "trainer_state.json").string());
+    f.write(state.dump(2) + "\n");
+    f.commit();
+    swap_in(tmp, dir);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+}
+
+TrainOptions Trainer::stored_options(const std::string& dir) {
+  try {
+    return options_from_json(read_state(dir).at("options"));
+  } catch (const json::exception& e) {
+    fail(dir, "/trainer_state.json: ", e.what());
+  }
+}
+
+Trainer Trainer::resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt) {
+  const json st = read_state(dir);
+  Trainer tr(Model::load(dir), std::move(data), opt);
+  try {
+    check(st.at("num_sequences").get<size_t>() == tr.data_.size(), "cannot resume from ", dir, ": it was trained on ",
+          st.at("num_sequences").get<size_t>(), " sequences, the data now has ", tr.data_.size(),
+          " (use the same --data and --batch-tokens)");
+    tr.adam_.set_steps(st.at("step").get<int64_t>());
+    tr.pos_.epoch = st.at("data_epoch").get<int64_t>();
+    tr.pos_.cursor = st.at("data_cursor").get<int64_t>();
+  } catch (const json::exception& e) {
+    fail(dir, "/trainer_state.json: ", e.what());
+  }
+  check(tr.pos_.cursor >= 0 && tr.pos_.cursor <= static_cast<int64_t>(tr.data_.size()) && tr.pos_.epoch >= 0,
+        dir, "/trainer_state.json: bad data position");
+  tr.order_ = epoch_order(static_cast<int64_t>(tr.data_.size()), tr.opt_.seed, tr.pos_.epoch);
+  const SafetensorsFile f((fs::path(dir) / "optimizer.safetensors").string());
+  for (size_t k = 0; k < tr.params_.size(); ++k) {
+    const ParamRef& p = tr.params_[k];
+    for (auto [key, dst] : {std::pair{"exp_avg.", &tr.adam_.m()[k]}, std::pair{"exp_avg_sq.", &tr.adam_.v()[k]}}) {
+      const TensorView* t = f.buffer().find(key + p.name);
+      check(t && t->shape == p.shape && t->dtype == DType::F32, f.path(), ": missing or mis-shaped ", key, p.name);
+      *dst = to_f32(*t);
+    }
+  }
+  return tr;
+}
+
+std::string loss_curve_svg(const std::vector<LogRow>& rows) {
+  // A 640×400 line chart: loss against step, with the axes' ranges written at their ends.
+  const double W = 640, H = 400, L = 60, R = 20, T = 30, B = 40;
+  std::ostringstream o;
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" viewBox=\"0 0 " << W
+    << " " << H << "\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << W / 2 << "\" y=\"20\" text-anchor=\"middle\" font-family=\"sans-serif\" font-size=\"14\">"
+    << "training loss (nats per token)</text>\n";
+  o << "<line x1=\"" << L << "\" y1=\"" << H - B << "\" x2=\"" << W - R << "\" y2=\"" << H - B
+    << "\" stroke=\"black\"/>\n<line x1=\"" << L << "\" y1=\"" << T << "\" x2=\"" << L << "\" y2=\"" << H - B
+    << "\" stroke=\"black\"/>\n";
+  if (!rows.empty()) {
+    double s0 = rows.front().step, s1 = rows.back().step, lo = rows.front().loss, hi = lo;
+    for (const LogRow& r : rows) lo = std::min(lo, r.loss), hi = std::max(hi, r.loss);
+    if (s1 <= s0) s1 = s0 + 1;
+    if (hi <= lo) hi = lo + 1;
+    auto x = [&](double s) { return L + (W - L - R) * (s - s0) / (s1 - s0); };
+    auto y = [&](double v) { return H - B - (H - T - B) * (v - lo) / (hi - lo); };
+    o << "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"";
+    for (const LogRow& r : rows) o << x(r.step) << "," << y(r.loss) << " ";
+    o << "\"/>\n";
+    auto label = [&](double px, double py, const char* anchor, double v) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.4g", v);
+      o << "<text x=\"" << px << "\" y=\"" << py << "\" text-anchor=\"" << anchor
+        << "\" font-family=\"sans-serif\" font-size=\"12\">" << buf << "</text>\n";
+    };
+    label(L - 5, y(hi) + 4, "end", hi);
+    label(L - 5, y(lo) + 4, "end", lo);
+    label(L, H - B + 16, "middle", s0);
+    label(W - R, H - B + 16, "middle", s1);
+    o << "<text x=\"" << W / 2 << "\" y=\"" << H - 8
+      << "\" text-anchor=\"middle\" font-family=\"sans-serif\" font-size=\"12\">step</text>\n";
+  }
+  o << "</svg>\n";
+  return o.str();
+}
+
+}  // namespace nextlm

@@ -1,0 +1,109 @@
+// CPU fp32 training of a glm5_next model: JSONL data with optional loss masks, packed batches, gradient
+// accumulation, AdamW (optim.h) and checkpoints that resume bit for bit.
+#pragma once
+#include <csignal>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "model/optim.h"
+
+namespace nextlm {
+
+// One training sequence: its tokens and, optionally, a 0/1 (or any non-negative) weight per token saying whether
+// the token is predicted (PackedBatch::target_weight; prompt tokens 0). Empty mask: every token counts.
+struct TrainExample {
+  std::vector<int32_t> tokens;
+  std::vector<float> mask;
+};
+
+// Reads JSONL lines {"tokens": [...], "loss_mask": [...]} ("loss_mask" optional, same length, values 0 or 1). A
+// sequence longer than max_len is cut into pieces of at most max_len tokens (a packed batch holds at most
+// --batch-tokens tokens); a 1-token piece predicts nothing and is dropped. Errors name the file and line.
+std::vector<TrainExample> read_train_jsonl(const std::string& path, int64_t vocab_size, int64_t max_len);
+
+struct TrainOptions {
+  int64_t steps = 100;          // optimizer steps in total (the schedule's length)
+  int64_t warmup = 10;          // linear warmup steps
+  int64_t batch_tokens = 2048;  // tokens per packed micro-batch, at most
+  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  double clip = 1.0;            // global grad-norm bound (0: none)
+  double min_lr_ratio = 0.1;    // the cosine's floor, as a fraction of the peak lr
+  uint64_t seed = 0;            // init (with --config) and data order
+  AdamWOptions adamw;
+};
+
+// Where the data stream stands: epoch e visits the sequences in a permutation drawn from (seed, e); cursor is the
+// next index into it. This, with the step count, is all a resume needs (no other random state is used).
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t cursor = 0;
+};
+
+struct StepStats {
+  int64_t step = 0;         // 1-based number of the step just taken
+  double loss = 0.0;        // mean loss per predicted token over the step's micro-batches (nats)
+  double lr = 0.0;
+  double grad_norm = 0.0;   // before clipping, of the per-token-mean gradient
+  int64_t tokens = 0;       // tokens in the step's batches
+  double seconds = 0.0;     // wall time of the step
+};
+
+class Trainer {
+ public:
+  // Starts from `model` with fresh optimizer state. data must not be empty.
+  Trainer(Model model, std::vector<TrainExample> data, TrainOptions opt);
+  // params_ points into model_ and grads_: a move keeps those buffers (std::vector moves its storage), a copy would
+  // not.
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+  Trainer(Trainer&&) = default;
+
+  // One optimizer step: grad_accum packed micro-batches, gradients averaged over their predicted tokens, clipped,
+  // one AdamW update at the schedule's learning rate.
+  StepStats step();
+
+  // Writes DIR (created, or replaced as a whole): config.json + model.safetensors (a model dir Model::load reads),
+  // optimizer.safetensors (moments, under the tensors' names) and trainer_state.json (step, data position,
+  // options). The new checkpoint is built beside DIR and swapped in with one rename, so DIR is always a complete
+  // checkpoint, old or new.
+  void save(const std::string& dir) const;
+  // A trainer in exactly the state save() recorded; `opt` replaces the stored options (pass stored_options(dir)
+  // to keep them).
+  static Trainer resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt);
+  static TrainOptions stored_options(const std::string& dir);
+
+  const Model& model() const { return model_; }
+  const TrainOptions& options() const { return opt_; }
+  int64_t steps_done() const { return adam_.steps(); }
+  DataPosition data_position() const { return pos_; }
+
+ private:
+  PackedBatch next_batch();
+  void reset_params();
+
+  Model model_;
+  std::vector<TrainExample> data_;
+  TrainOptions opt_;
+  ModelWeights grads_;
+  std::vector<ParamRef> params_;
+  AdamW adam_;
+  DataPosition pos_;
+  std::vector<int64_t> order_;  // the current epoch's permutation
+};
+
+// The order in which epoch `epoch` visits n sequences (Fisher–Yates from a generator seeded by seed and epoch).
+std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch);
+
+// A training log row, and the loss curve of a log as a standalone SVG picture (plain text, no dependencies).
+struct LogRow {
+  int64_t step;
+  double loss, lr, grad_norm;
+  int64_t tokens;
+  double seconds;
+};
+std::string loss_curve_svg(const std::vector<LogRow>& rows);
+
+}  // namespace nextlm

@@ -1,0 +1,228 @@
+// The serve scheduler: a job queue, one thread that steps every running job by one token, and the text helpers
+// that streaming relies on (UTF-8 cut points, stop-string hold-back).
+#include "serve/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "cpu/linear.h"
+
+namespace nextlm::serve {
+
+bool Job::append(Sample s) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const int32_t token = s.token;
+  samples_.push_back(std::move(s));
+  const auto& stops = request.stop_tokens;
+  if (request.byte_level) bytes_.push_back(static_cast<char>(token));
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+    finished_ = true, reason_ = "stop", kept_ = samples_.size();
+  } else {
+    // A stop string is found at its end, one byte after the other, so the first occurrence is the one cut.
+    for (const std::string& stop : request.stop_strings) {
+      if (bytes_.size() >= stop.size() && bytes_.compare(bytes_.size() - stop.size(), stop.size(), stop) == 0) {
+        finished_ = true, reason_ = "stop", kept_ = bytes_.size() - stop.size();
+        break;
+      }
+    }
+    if (!finished_ && static_cast<int64_t>(samples_.size()) >= request.max_tokens)
+      finished_ = true, reason_ = "length", kept_ = samples_.size();
+  }
+  cv_.notify_all();
+  return finished_;
+}
+
+void Job::finish(const std::string& reason) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (finished_) return;
+  finished_ = true, reason_ = reason, kept_ = samples_.size();
+  cv_.notify_all();
+}
+
+void Job::fail(const std::string& message) {
+  std::lock_guard<std::mutex> lk(mu_);
+  error_ = message;
+  finished_ = true, reason_ = "error", kept_ = samples_.size();
+  cv_.notify_all();
+}
+
+void Job::cancel() {
+  cancelled_ = true;
+  std::lock_guard<std::mutex> lk(mu_);
+  cv_.notify_all();
+}
+
+Job::Snapshot Job::snapshot() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Snapshot s;
+  s.samples = samples_;
+  s.finished = finished_;
+  s.finish_reason = reason_;
+  s.error = error_;
+  if (finished_) {
+    s.shown = kept_;
+  } else if (request.byte_level) {
+    s.shown = bytes_.size() - stop_holdback(bytes_, request.stop_strings);
+  } else {
+    s.shown = samples_.size();
+  }
+  return s;
+}
+
+void Job::wait(size_t seen, int timeout_ms) const {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms),
+               [&] { return finished_ || samples_.size() > seen || cancelled_.load(); });
+}
+
+namespace {
+
+// Length of the well-formed UTF-8 sequence starting at bytes[i]: n > 0 when complete, 0 when the byte cannot start
+// or continue one (it is replaced), −1 when it is well-formed up to the end of the input but incomplete.
+int utf8_sequence(const std::string& bytes, size_t i) {
+  const unsigned char b = bytes[i];
+  int n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the allowed range of the second byte (Unicode table 3-7)
+  if (b < 0x80) return 1;
+  if (b >= 0xC2 && b <= 0xDF) n = 2;
+  else if (b == 0xE0) n = 3, lo = 0xA0;
+  else if (b >= 0xE1 && b <= 0xEC) n = 3;
+  else if (b == 0xED) n = 3, hi = 0x9F;
+  else if (b >= 0xEE && b <= 0xEF) n = 3;
+  else if (b == 0xF0) n = 4, lo = 0x90;
+  else if (b >= 0xF1 && b <= 0xF3) n = 4;
+  else if (b == 0xF4) n = 4, hi = 0x8F;
+  else return 0;
+  for (int j = 1; j < n; ++j) {
+    if (i + j >= bytes.size()) return -1;
+    const unsigned char c = bytes[i + j];
+    if (c < (j == 1 ? lo : 0x80) || c > (j == 1 ? hi : 0xBF)) return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
+std::string utf8_text(const std::string& bytes, bool final, size_t* consumed) {
+  std::string out;
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const int n = utf8_sequence(bytes, i);
+    if (n < 0 && !final) break;
+    if (n > 0) {
+      out.append(bytes, i, n);
+      i += n;
+    } else {
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      i += 1;
+    }
+  }
+  if (consumed) *consumed = i;
+  return out;
+}
+
+size_t stop_holdback(const std::string& bytes, const std::vector<std::string>& stops) {
+  size_t best = 0;
+  for (const std::string& stop : stops)
+    for (size_t k = std::min(stop.size() - 1, bytes.size()); k > best; --k)
+      if (bytes.compare(bytes.size() - k, k, stop, 0, k) == 0) {
+        best = k;
+        break;
+      }
+  return best;
+}
+
+struct Scheduler::Running {
+  Running(const Model& model, std::shared_ptr<Job> j)
+      : job(std::move(j)), state(model), sampler(job->request.sampling) {}
+  std::shared_ptr<Job> job;
+  DecodeState state;
+  Sampler sampler;
+  bool prefilled = false;
+  int32_t last = 0;   // the last sampled token, fed to the next decode step
+  bool done = false;  // finished or cancelled: leaves the running set after this step
+};
+
+Scheduler::Scheduler(const Model& model, int64_t max_batch, int threads)
+    : model_(model), max_batch_(max_batch), threads_(threads) {
+  thread_ = std::thread([this] { run(); });
+}
+
+Scheduler::~Scheduler() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Scheduler::submit(std::shared_ptr<Job> job) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+int64_t Scheduler::active() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return active_count_;
+}
+
+int64_t Scheduler::queued() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+// The same calls in the same order as generate(): prefill, sample, then (while not finished) decode_step, sample.
+void Scheduler::step(Running& r) {
+  if (r.job->cancelled()) {
+    r.job->finish("cancelled");
+    r.done = true;
+    return;
+  }
+  const int64_t V = model_.config().vocab_size;
+  try {
+    if (r.job->request.max_tokens == 0) {
+      r.job->finish("length");
+      r.done = true;
+      return;
+    }
+    const std::vector<float> logits = r.prefilled ? decode_step(r.state, r.last) : prefill(r.state, r.job->request.prompt);
+    r.prefilled = true;
+    Sample s = r.sampler.sample(logits.data(), V);
+    r.last = s.token;
+    r.done = r.job->append(std::move(s));
+  } catch (const std::exception& e) {
+    r.job->fail(e.what());
+    r.done = true;
+  }
+}
+
+void Scheduler::run() {
+  cpu::set_num_threads(threads_);
+  std::vector<std::unique_ptr<Running>> running;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty() || !running.empty(); });
+      if (stop_ && queue_.empty() && running.empty()) return;
+      // Newcomers join between steps, up to max_batch running at once; the rest wait in arrival order.
+      while (static_cast<int64_t>(running.size()) < max_batch_ && !queue_.empty()) {
+        std::shared_ptr<Job> job = std::move(queue_.front());
+        queue_.pop_front();
+        try {
+          running.push_back(std::make_unique<Running>(model_, job));
+        } catch (const std::exception& e) {  // bad sampling options (the HTTP layer checks them first)
+          job->fail(e.what());
+        }
+      }
+      active_count_ = static_cast<int64_t>(running.size());
+    }
+    for (auto& r : running) step(*r);
+    std::erase_if(running, [](const std::unique_ptr<Running>& r) { return r->done; });
+  }
+}
+
+}  // namespace nextlm::serve

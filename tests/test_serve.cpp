@@ -1,0 +1,526 @@
+// Tests of `nextlm serve` (src/serve), run as a separate process on a free loopback port with the bundled byte-level
+// model: completions and chat equal `nextlm generate` for the same seed, streamed chunks add up to the whole answer,
+// logprobs equal `score`'s, every validation error gives its status and OpenAI-style body, concurrent requests each
+// equal their single-request result, and SIGTERM lets the request in flight finish and exits 0. Also unit tests of
+// the UTF-8 and stop-string helpers that streaming relies on.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "cpu/linear.h"
+#include "model/model.h"
+#include "serve/scheduler.h"
+#include "test_util.h"
+
+namespace nextlm::test {
+namespace {
+
+using nlohmann::json;
+
+const std::string kModel = std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next";
+
+// `nextlm serve --port 0 …` as a child process; the port is read from its "listening on" line.
+class ServerProcess {
+ public:
+  explicit ServerProcess(const std::vector<std::string>& extra) {
+    int out[2];
+    if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
+    std::vector<std::string> args = {NEXTLM_BINARY, "serve", "--model", kModel, "--port", "0", "--threads", "1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(out[1], 1);
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      ::dup2(devnull, 2);
+      ::close(out[0]);
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    out_ = out[0];
+    // Read "listening on http://127.0.0.1:PORT\n", for at most 30 s.
+    std::string line;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+      pollfd p = {out_, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      char buf[256];
+      const ssize_t n = ::read(out_, buf, sizeof buf);
+      if (n <= 0) break;
+      line.append(buf, n);
+    }
+    const size_t colon = line.rfind(':');
+    if (line.rfind("listening on http://127.0.0.1:", 0) != 0 || colon == std::string::npos)
+      throw std::runtime_error("the server did not start: \"" + line + "\"");
+    port_ = std::stoi(line.substr(colon + 1));
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) stop(SIGKILL);
+    if (out_ >= 0) ::close(out_);
+  }
+
+  int port() const { return port_; }
+
+  // Sends the signal and returns the exit status (−1 when it did not exit within 15 s; it is then killed).
+  int stop(int sig) {
+    ::kill(pid_, sig);
+    int status = 0;
+    for (int i = 0; i < 1500; ++i) {
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  int port_ = 0;
+};
+
+std::unique_ptr<httplib::Client> client(int port) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", port);
+  c->set_connection_timeout(5);
+  c->set_read_timeout(30);
+  c->set_write_timeout(5);
+  return c;
+}
+
+struct Reply {
+  int status = 0;
+  json body;
+  std::string raw;
+};
+
+Reply post(int port, const std::string& path, const std::string& body) {
+  auto res = client(port)->Post(path.c_str(), body, "application/json");
+  if (!res) return {0, json(), "no response: " + httplib::to_string(res.error())};
+  Reply r{res->status, json(), res->body};
+  r.body = json::parse(res->body, nullptr, false);
+  return r;
+}
+
+Reply post(int port, const std::string& path, const json& body) { return post(port, path, body.dump()); }
+
+std::vector<int32_t> bytes(const std::string& s) {
+  std::vector<int32_t> v;
+  for (unsigned char c : s) v.push_back(c);
+  return v;
+}
+
+std::string text_of(const std::vector<int32_t>& tokens) {
+  std::string s;
+  for (int32_t t : tokens) s.push_back(static_cast<char>(t));
+  return serve::utf8_text(s, true);
+}
+
+// `nextlm generate --format json` for a byte prompt.
+std::vector<int32_t> cli_generate(const std::string& prompt, const std::string& flags) {
+  std::string out, err;
+  const int rc = run_command(std::string(NEXTLM_BINARY) + " generate --model " + kModel + " --prompt '" + prompt +
+                                 "' --format json --threads 1 " + flags,
+                             &out, &err);
+  EXPECT_EQ(rc, 0) << err;
+  return json::parse(out)["tokens"].get<std::vector<int32_t>>();
+}
+
+class Serve : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    cpu::set_num_threads(1);
+    server_ = new ServerProcess({"--max-batch", "3", "--max-tokens", "200"});
+    model_ = new Model(Model::load(kModel));
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete model_;
+  }
+  static int port() { return server_->port(); }
+  static ServerProcess* server_;
+  static Model* model_;
+};
+ServerProcess* Serve::server_ = nullptr;
+Model* Serve::model_ = nullptr;
+
+TEST_F(Serve, HealthAndModels) {
+  auto res = client(port())->Get("/health");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(json::parse(res->body)["status"], "ok");
+  res = client(port())->Get("/v1/models");
+  ASSERT_TRUE(res);
+  const json m = json::parse(res->body);
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "tiny-glm5-next");
+  res = client(port())->Get("/v1/nothing");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+  EXPECT_TRUE(json::parse(res->body)["error"]["message"].is_string());
+}
+
+TEST_F(Serve, GreedyCompletionEqualsGenerate) {
+  const Reply r = post(port(), "/v1/completions",
+                       json{{"model", "x"}, {"prompt", "Hello, world"}, {"max_tokens", 24}, {"temperature", 0}});
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const std::vector<int32_t> expected = cli_generate("Hello, world", "--max-new-tokens 24 --temperature 0");
+  const json& c = r.body["choices"][0];
+  EXPECT_EQ(c["tokens"].get<std::vector<int32_t>>(), expected);
+  EXPECT_EQ(c["text"], text_of(expected));
+  EXPECT_EQ(c["finish_reason"], "length");
+  EXPECT_EQ(c["index"], 0);
+  EXPECT_TRUE(c["logprobs"].is_null());
+  EXPECT_EQ(r.body["object"], "text_completion");
+  EXPECT_TRUE(r.body["id"].is_string() && r.body["created"].is_number_integer());
+  EXPECT_EQ(r.body["usage"], (json{{"prompt_tokens", 12}, {"completion_tokens", 24}, {"total_tokens", 36}}));
+}
+
+TEST_F(Serve, SampledCompletionWithTokenPromptEqualsGenerate) {
+  const json req = {{"prompt", bytes("Once upon")}, {"max_tokens", 30}, {"temperature", 0.9}, {"top_k", 40},
+                    {"top_p", 0.95}, {"min_p", 0.01}, {"seed", 1234}};
+  const Reply r = post(port(), "/v1/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const std::vector<int32_t> expected = cli_generate(
+      "Once upon", "--max-new-tokens 30 --temperature 0.9 --top-k 40 --top-p 0.95 --min-p 0.01 --seed 1234");
+  EXPECT_EQ(r.body["choices"][0]["tokens"].get<std::vector<int32_t>>(), expected);
+
+  // A stop token: generation ends on it and it is part of the output, as generate's --stop-tokens.
+  json stop_req = req;
+  stop_req["stop_token_ids"] = {expected[5]};
+  const Reply s = post(port(), "/v1/completions", stop_req);
+  ASSERT_EQ(s.status, 200) << s.raw;
+  const auto& got = s.body["choices"][0]["tokens"];
+  const size_t first = std::find(expected.begin(), expected.end(), expected[5]) - expected.begin();
+  EXPECT_EQ(got.get<std::vector<int32_t>>(), std::vector<int32_t>(expected.begin(), expected.begin() + first + 1));
+  EXPECT_EQ(s.body["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(Serve, LogprobsEqualScore) {
+  const std::vector<int32_t> prompt = bytes("The cat sat");
+  const Reply r = post(port(), "/v1/completions",
+                       json{{"prompt", prompt}, {"max_tokens", 20}, {"temperature", 1.0}, {"seed", 5}, {"logprobs", 3}});
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const json& lp = r.body["choices"][0]["logprobs"];
+  const auto tokens = r.body["choices"][0]["tokens"].get<std::vector<int32_t>>();
+  ASSERT_EQ(lp["token_logprobs"].size(), tokens.size());
+  ASSERT_EQ(lp["top_logprobs"].size(), tokens.size());
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), tokens.begin(), tokens.end());
+  PackedBatch batch;
+  batch.add(all);
+  const std::vector<double> score = model_->next_token_logprobs(batch)[0];
+  // Decode against the full forward: the difference is float rounding in a different order (test_decode.cpp).
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), score[prompt.size() - 1 + i], 1e-5) << "token " << i;
+    EXPECT_EQ(lp["top_logprobs"][i].size(), 3u);
+    EXPECT_EQ(lp["token_ids"][i], tokens[i]);
+  }
+}
+
+// Reads an SSE body into its JSON events; the last line must be "data: [DONE]".
+std::vector<json> read_events(const std::string& body) {
+  std::vector<json> events;
+  size_t pos = 0;
+  bool done = false;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos) << "unterminated event";
+    if (end == std::string::npos) break;
+    const std::string ev = body.substr(pos, end - pos);
+    EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
+    EXPECT_FALSE(done) << "event after [DONE]";
+    if (ev == "data: [DONE]") done = true;
+    else events.push_back(json::parse(ev.substr(6)));
+    pos = end + 2;
+  }
+  EXPECT_TRUE(done) << "no data: [DONE]";
+  return events;
+}
+
+TEST_F(Serve, StreamReassemblesToTheWholeAnswer) {
+  for (const bool chat : {false, true}) {
+    for (const json& stop : {json(nullptr), json("e"), json({"th", "ou", "\n"})}) {
+      json req = {{"max_tokens", 40}, {"temperature", 1.0}, {"seed", 11}, {"stop", stop}};
+      if (chat) {
+        req["messages"] = {{{"role", "user"}, {"content", "Tell me a story"}}};
+        req["logprobs"] = true;
+      } else {
+        req["prompt"] = "A story: ";
+        req["logprobs"] = 0;
+      }
+      const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
+      const Reply whole = post(port(), path, req);
+      ASSERT_EQ(whole.status, 200) << whole.raw;
+      req["stream"] = true;
+      req["stream_options"] = {{"include_usage", true}};
+      auto res = client(port())->Post(path.c_str(), req.dump(), "application/json");
+      ASSERT_TRUE(res);
+      ASSERT_EQ(res->status, 200) << res->body;
+      EXPECT_NE(res->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+      const std::vector<json> events = read_events(res->body);
+      ASSERT_GE(events.size(), 2u);
+      std::string text, finish;
+      std::vector<int32_t> tokens;
+      size_t logprobs = 0;
+      for (const json& e : events) {
+        EXPECT_EQ(e["object"], chat ? "chat.completion.chunk" : "text_completion");
+        if (e["choices"].empty()) continue;  // the usage chunk
+        const json& c = e["choices"][0];
+        text += chat ? c["delta"].value("content", "") : c["text"].get<std::string>();
+        if (c.contains("tokens"))
+          for (int32_t t : c["tokens"]) tokens.push_back(t);
+        if (!c["logprobs"].is_null())
+          logprobs += chat ? c["logprobs"]["content"].size() : c["logprobs"]["token_logprobs"].size();
+        if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+      }
+      const json& w = whole.body["choices"][0];
+      const std::string wtext = chat ? w["message"]["content"].get<std::string>() : w["text"].get<std::string>();
+      EXPECT_EQ(text, wtext) << "chat " << chat << " stop " << stop;
+      EXPECT_EQ(tokens, w["tokens"].get<std::vector<int32_t>>());
+      EXPECT_EQ(logprobs, tokens.size());
+      EXPECT_EQ(finish, w["finish_reason"]);
+      EXPECT_EQ(events.back()["usage"], whole.body["usage"]);
+      if (!stop.is_null()) {  // a stop string never shows in the text
+        for (const std::string s : (stop.is_string() ? json::array({stop}) : stop))
+          EXPECT_EQ(wtext.find(s), std::string::npos);
+      }
+    }
+  }
+}
+
+// Stop strings taken from the output itself, so that they surely occur: the text ends before the first one, the
+// finish_reason is "stop", and the stream (which holds back a byte that may start a longer stop string) agrees.
+TEST_F(Serve, StopStringsCutTheText) {
+  json req = {{"prompt", "Stop here: "}, {"max_tokens", 60}, {"temperature", 1.0}, {"seed", 21}};
+  const Reply free = post(port(), "/v1/completions", req);
+  ASSERT_EQ(free.status, 200) << free.raw;
+  const auto tokens = free.body["choices"][0]["tokens"].get<std::vector<int32_t>>();
+  std::vector<size_t> ascii;  // positions of printable ASCII bytes (after the first token)
+  for (size_t i = 1; i < tokens.size(); ++i)
+    if (tokens[i] >= 0x21 && tokens[i] < 0x7f) ascii.push_back(i);
+  ASSERT_GE(ascii.size(), 2u) << "pick another seed: too few ASCII bytes in " << free.raw;
+  const size_t k = ascii[0], j = ascii[1];
+  const std::string never = std::string(1, static_cast<char>(tokens[k])) + "\x01\x02";  // held back, then released
+  const std::string hit = std::string(1, static_cast<char>(tokens[j]));
+  // The first occurrence of `hit` may be before j (at k, when the bytes are equal).
+  size_t cut = 0;
+  while (tokens[cut] != tokens[j]) ++cut;
+  req["stop"] = {never, hit};
+  const Reply r = post(port(), "/v1/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const json& c = r.body["choices"][0];
+  EXPECT_EQ(c["finish_reason"], "stop");
+  EXPECT_EQ(c["tokens"].get<std::vector<int32_t>>(), std::vector<int32_t>(tokens.begin(), tokens.begin() + cut));
+  EXPECT_EQ(c["text"], text_of(std::vector<int32_t>(tokens.begin(), tokens.begin() + cut)));
+  EXPECT_EQ(r.body["usage"]["completion_tokens"], cut + 1);  // the stop string's tokens were generated
+
+  req["stream"] = true;
+  auto res = client(port())->Post("/v1/completions", req.dump(), "application/json");
+  ASSERT_TRUE(res);
+  std::string text, finish;
+  for (const json& e : read_events(res->body)) {
+    text += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(text, c["text"]);
+  EXPECT_EQ(finish, "stop");
+}
+
+TEST_F(Serve, ChatEqualsGenerateOnTheRenderedPrompt) {
+  const json req = {{"messages",
+                     {{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "Hi"}}}},
+                    {"max_completion_tokens", 16},
+                    {"temperature", 0}};
+  const Reply r = post(port(), "/v1/chat/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const std::string rendered = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n";
+  GenerateOptions opt;
+  opt.max_new_tokens = 16;
+  opt.sampling.temperature = 0;
+  const Generation g = generate(*model_, bytes(rendered), opt);
+  EXPECT_EQ(r.body["object"], "chat.completion");
+  const json& c = r.body["choices"][0];
+  EXPECT_EQ(c["message"]["role"], "assistant");
+  EXPECT_EQ(c["message"]["content"], text_of(g.tokens));
+  EXPECT_EQ(c["finish_reason"], "length");
+  EXPECT_EQ(r.body["usage"]["prompt_tokens"], rendered.size());
+}
+
+TEST_F(Serve, ValidationErrors) {
+  struct Case {
+    std::string path, body;
+    int status;
+    std::string param, code;
+  };
+  const std::string C = "/v1/completions", H = "/v1/chat/completions";
+  const std::vector<Case> cases = {
+      {C, "{not json", 400, "", "invalid_json"},
+      {C, "[1, 2]", 400, "", "invalid_type"},
+      {C, R"({"max_tokens": 4})", 400, "prompt", "missing_field"},
+      {C, R"({"prompt": 5})", 400, "prompt", "invalid_type"},
+      {C, R"({"prompt": []})", 400, "prompt", "invalid_value"},
+      {C, R"({"prompt": [[1, 2]]})", 400, "prompt", "invalid_type"},
+      {C, R"({"prompt": [1, 256]})", 400, "prompt", "invalid_value"},
+      {C, R"({"prompt": [-1]})", 400, "prompt", "invalid_value"},
+      {C, R"({"prompt": "hi", "model": 3})", 400, "model", "invalid_type"},
+      {C, R"({"prompt": "hi", "max_tokens": "4"})", 400, "max_tokens", "invalid_type"},
+      {C, R"({"prompt": "hi", "max_tokens": 2.5})", 400, "max_tokens", "invalid_type"},
+      {C, R"({"prompt": "hi", "max_tokens": -1})", 400, "max_tokens", "invalid_value"},
+      {C, R"({"prompt": "hi", "max_tokens": 199})", 400, "max_tokens", "context_length_exceeded"},
+      {C, R"({"prompt": "hi", "max_tokens": 1000})", 400, "max_tokens", "invalid_value"},
+      {C, R"({"prompt": "hi", "temperature": -0.5})", 400, "temperature", "invalid_value"},
+      {C, R"({"prompt": "hi", "temperature": "hot"})", 400, "temperature", "invalid_type"},
+      {C, R"({"prompt": "hi", "top_p": 0})", 400, "top_p", "invalid_value"},
+      {C, R"({"prompt": "hi", "top_p": 1.5})", 400, "top_p", "invalid_value"},
+      {C, R"({"prompt": "hi", "top_k": -2})", 400, "top_k", "invalid_value"},
+      {C, R"({"prompt": "hi", "min_p": 2})", 400, "min_p", "invalid_value"},
+      {C, R"({"prompt": "hi", "seed": -3})", 400, "seed", "invalid_value"},
+      {C, R"({"prompt": "hi", "seed": "x"})", 400, "seed", "invalid_type"},
+      {C, R"({"prompt": "hi", "n": 2})", 400, "n", "invalid_value"},
+      {C, R"({"prompt": "hi", "stream": "yes"})", 400, "stream", "invalid_type"},
+      {C, R"({"prompt": "hi", "stop": 7})", 400, "stop", "invalid_type"},
+      {C, R"({"prompt": "hi", "stop": [""]})", 400, "stop", "invalid_value"},
+      {C, R"({"prompt": "hi", "stop_token_ids": [300]})", 400, "stop_token_ids", "invalid_value"},
+      {C, R"({"prompt": "hi", "stop_token_ids": 3})", 400, "stop_token_ids", "invalid_type"},
+      {C, R"({"prompt": "hi", "logprobs": 21})", 400, "logprobs", "invalid_value"},
+      {C, R"({"prompt": "hi", "logprobs": true})", 400, "logprobs", "invalid_type"},
+      {H, R"({"max_tokens": 4})", 400, "messages", "missing_field"},
+      {H, R"({"messages": []})", 400, "messages", "invalid_type"},
+      {H, R"({"messages": [{"role": "user"}]})", 400, "messages", "invalid_type"},
+      {H, R"({"messages": [{"role": "robot", "content": "x"}]})", 400, "messages", "invalid_value"},
+      {H, R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", 400, "top_logprobs",
+       "invalid_value"},
+  };
+  for (const Case& c : cases) {
+    const Reply r = post(port(), c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.body << " -> " << r.raw;
+    ASSERT_TRUE(r.body.is_object() && r.body.contains("error")) << c.body << " -> " << r.raw;
+    const json& e = r.body["error"];
+    EXPECT_TRUE(e["message"].is_string() && !e["message"].get<std::string>().empty()) << r.raw;
+    EXPECT_EQ(e["type"], "invalid_request_error") << r.raw;
+    EXPECT_EQ(e["param"], c.param.empty() ? json(nullptr) : json(c.param)) << c.body << " -> " << r.raw;
+    EXPECT_EQ(e["code"], c.code) << c.body << " -> " << r.raw;
+  }
+  // Unknown model names are accepted (one model), and the limit is prompt + max_tokens ≤ --max-tokens exactly.
+  const Reply ok = post(port(), C, std::string(R"({"prompt": "hi", "model": "gpt-4", "max_tokens": 198, "temperature": 0,
+                                      "stop_token_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]})"));
+  EXPECT_EQ(ok.status, 200) << ok.raw;
+}
+
+// 8 clients at once (more than --max-batch 3, so some queue): each answer equals the same request sent alone.
+TEST_F(Serve, ConcurrentRequestsEqualTheirSingleResults) {
+  constexpr int kClients = 8;
+  std::vector<json> reqs;
+  for (int i = 0; i < kClients; ++i)
+    reqs.push_back({{"prompt", "Request number " + std::to_string(i)},
+                    {"max_tokens", 8 + 3 * i},
+                    {"temperature", i % 3 == 0 ? 0.0 : 0.8},
+                    {"seed", 100 + i},
+                    {"stream", i % 2 == 1}});
+  auto text_of_reply = [](const json& req, const httplib::Result& res) {
+    if (!res || res->status != 200) return std::string("failed");
+    if (!req["stream"].get<bool>()) return json::parse(res->body)["choices"][0]["text"].get<std::string>();
+    std::string t;
+    for (const json& e : read_events(res->body)) t += e["choices"][0]["text"].get<std::string>();
+    return t;
+  };
+  std::vector<std::string> alone(kClients), together(kClients);
+  for (int i = 0; i < kClients; ++i)
+    alone[i] = text_of_reply(reqs[i], client(port())->Post("/v1/completions", reqs[i].dump(), "application/json"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i)
+    threads.emplace_back([&, i] {
+      together[i] = text_of_reply(reqs[i], client(port())->Post("/v1/completions", reqs[i].dump(), "application/json"));
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_NE(alone[i], "failed");
+    EXPECT_EQ(together[i], alone[i]) << "client " << i;
+  }
+}
+
+// SIGTERM while a request runs: it still gets its whole answer, new connections are refused, and the exit is 0.
+TEST(ServeShutdown, FinishesInFlightRequestsAndExitsZero) {
+  ServerProcess server({"--max-batch", "2"});
+  Reply reply;
+  std::thread t([&] {
+    reply = post(server.port(), "/v1/completions",
+                 json{{"prompt", "Shutdown"}, {"max_tokens", 500}, {"temperature", 0}});
+  });
+  // Wait until the request is running (500 tokens take about half a second).
+  bool running = false;
+  for (int i = 0; i < 500 && !running; ++i) {
+    auto res = client(server.port())->Get("/health");
+    running = res && json::parse(res->body)["active"] == 1;
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_TRUE(running);
+  const int port = server.port();
+  EXPECT_EQ(server.stop(SIGTERM), 0);
+  t.join();
+  ASSERT_EQ(reply.status, 200) << reply.raw;
+  EXPECT_EQ(reply.body["usage"]["completion_tokens"], 500);
+  EXPECT_FALSE(client(port)->Get("/health"));
+}
+
+TEST(ServeText, Utf8CutsAddUpToTheWhole) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::string bytes;
+    const int n = rng() % 12;
+    for (int i = 0; i < n; ++i) {
+      // Mostly the bytes that make or break UTF-8 sequences.
+      static const unsigned char pool[] = {'a', 0x80, 0xBF, 0xC2, 0xDF, 0xE0, 0xED, 0xA0, 0x9F, 0xF0, 0x90, 0xF4, 0x8F, 0xFF};
+      bytes.push_back(static_cast<char>(pool[rng() % sizeof pool]));
+    }
+    const std::string whole = serve::utf8_text(bytes, true);
+    // Feed the bytes one at a time, emitting what is decided, as a stream does.
+    std::string streamed;
+    size_t sent = 0;
+    for (size_t end = 1; end <= bytes.size(); ++end) {
+      size_t used = 0;
+      streamed += serve::utf8_text(bytes.substr(sent, end - sent), end == bytes.size(), &used);
+      sent += used;
+    }
+    ASSERT_EQ(streamed, whole) << trial;
+    ASSERT_EQ(sent, bytes.size());
+    EXPECT_TRUE(json(whole).dump().size() > 0);  // valid UTF-8: nlohmann would throw otherwise
+  }
+  EXPECT_EQ(serve::utf8_text("h\xC3\xA9", true), "h\xC3\xA9");
+  size_t used = 0;
+  EXPECT_EQ(serve::utf8_text("h\xC3", false, &used), "h");
+  EXPECT_EQ(used, 1u);
+  EXPECT_EQ(serve::utf8_text("h\xC3", true), "h\xEF\xBF\xBD");
+}
+
+TEST(ServeText, StopHoldback) {
+  EXPECT_EQ(serve::stop_holdback("hello wor", {"world"}), 3u);
+  EXPECT_EQ(serve::stop_holdback("hello", {"world"}), 0u);
+  EXPECT_EQ(serve::stop_holdback("ab", {"xyz", "bq"}), 1u);
+  EXPECT_EQ(serve::stop_holdback("a", {"a"}), 0u);  // a whole match is not held back: it ends the job
+}
+
+}  // namespace
+}  // namespace nextlm::test

@@ -1,0 +1,221 @@
+// Training pieces on the CPU: random init (distributions of transformers' _init_weights, determinism), saving in hub
+// layout and reading back bit for bit, the loss mask, data loading, and checkpoint resume reproducing the next step
+// exactly.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+#include "core/error.h"
+#include "model/init.h"
+#include "model/model.h"
+#include "model/train.h"
+#include "model/trainer.h"
+#include "test_util.h"
+
+namespace nextlm::test {
+namespace {
+
+ModelConfig fortunes_config() {
+  return load_config(std::string(NEXTLM_SOURCE_DIR) + "/examples/fortunes/config.json");
+}
+
+// Byte sequences of English text, cut in pieces of varied length.
+std::vector<TrainExample> text_examples() {
+  const std::string text =
+      "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. Where there is a will there is a "
+      "way. All that glitters is not gold. Fortune favours the bold.";
+  std::vector<TrainExample> out;
+  for (size_t b = 0, len = 20; b + 2 < text.size(); b += len, len = 20 + (len * 7) % 23) {
+    TrainExample ex;
+    for (size_t i = b; i < std::min(text.size(), b + len); ++i) ex.tokens.push_back(static_cast<unsigned char>(text[i]));
+    out.push_back(ex);
+  }
+  return out;
+}
+
+bool same_weights(const ModelConfig& c, const ModelWeights& a, const ModelWeights& b) {
+  const auto ta = hub_tensors(c, a), tb = hub_tensors(c, b);
+  if (ta.size() != tb.size()) return false;
+  for (size_t i = 0; i < ta.size(); ++i) {
+    if (ta[i].name != tb[i].name || ta[i].shape != tb[i].shape) return false;
+    if (std::memcmp(ta[i].data, tb[i].data, Tensor::count(ta[i].shape) * sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
+// Gradients hold only the trainable tensors (hub_gradients' list); bitwise equality.
+bool same_grads(const ModelConfig& c, const ModelWeights& a, const ModelWeights& b) {
+  const auto ta = hub_gradients(c, a, ""), tb = hub_gradients(c, b, "");
+  if (ta.size() != tb.size()) return false;
+  for (size_t i = 0; i < ta.size(); ++i)
+    if (std::memcmp(ta[i].data, tb[i].data, Tensor::count(ta[i].shape) * sizeof(float)) != 0) return false;
+  return true;
+}
+
+TEST(Init, DistributionsFollowTransformersInitWeights) {
+  ModelConfig c = fortunes_config();
+  const ModelWeights w = init_weights(c, 7);
+  auto stats = [](const Tensor& t, double& mean, double& sd) {
+    double s = 0, s2 = 0;
+    for (float x : t.data) s += x, s2 += double(x) * x;
+    mean = s / t.numel();
+    sd = std::sqrt(s2 / t.numel() - mean * mean);
+  };
+  double mean, sd;
+  stats(w.embed, mean, sd);  // 256·64 samples of normal(0, 0.02): sd within a few %
+  EXPECT_NEAR(sd, 0.02, 0.001);
+  EXPECT_NEAR(mean, 0.0, 0.001);
+  stats(w.layers[1].hc_attn.fn, mean, sd);
+  EXPECT_NEAR(sd, 0.02, 0.002);
+  for (float x : w.final_norm.data) EXPECT_EQ(x, 1.0f);
+  const LayerWeights& l0 = w.layers[0];
+  for (float x : l0.hc_ffn.base.data) EXPECT_EQ(x, 0.0f);
+  for (float x : l0.hc_ffn.scale.data) EXPECT_EQ(x, 1.0f);
+  const KdaWeights& k = *l0.kda;
+  for (float x : k.A_log.data) EXPECT_EQ(x, 0.0f);  // safe gate
+  for (float x : k.o_norm.data) EXPECT_EQ(x, 1.0f);
+  for (float x : k.dt_bias.data) {  // softplus(dt_bias) = dt ∈ [1e-3, 1e-1]
+    const double dt = std::log1p(std::exp(double(x)));
+    EXPECT_GE(dt, 1e-3 * (1 - 1e-5));
+    EXPECT_LE(dt, 1e-1 * (1 + 1e-5));
+  }
+  const float bound = 1.0f / std::sqrt(float(c.linear_conv_kernel_dim));
+  for (float x : k.q_conv.data) EXPECT_LE(std::abs(x), bound);
+  stats(k.q_conv, mean, sd);
+  EXPECT_NEAR(sd, bound / std::sqrt(3.0f), 0.1 * bound);  // U(−b, b) has sd b/√3
+  const MoeWeights& moe = *w.layers[1].moe;
+  for (float x : moe.correction_bias.data) EXPECT_EQ(x, 0.0f);
+  const IndexerWeights& ix = *w.layers[3].dsa->indexer;
+  for (float x : ix.ape.data) EXPECT_EQ(x, 0.0f);
+  for (float x : ix.gate.data) EXPECT_EQ(x, 1.0f);
+  for (float x : ix.k_norm_w.data) EXPECT_EQ(x, 1.0f);
+  for (float x : ix.k_norm_b.data) EXPECT_EQ(x, 0.0f);
+
+  // The softplus gate: A_log = log U(1, 16).
+  c.linear_lower_bound.reset();
+  const ModelWeights ws = init_weights(c, 7);
+  for (float x : ws.layers[0].kda->A_log.data) {
+    EXPECT_GE(x, 0.0f);
+    EXPECT_LE(x, std::log(16.0f));
+  }
+  // The pad row of the embedding is zero.
+  c.pad_token_id = 3;
+  const ModelWeights wp = init_weights(c, 7);
+  for (int64_t d = 0; d < c.hidden_size; ++d) EXPECT_EQ(wp.embed.data[3 * c.hidden_size + d], 0.0f);
+}
+
+TEST(Init, SameSeedSameModelOtherSeedOther) {
+  const ModelConfig c = fortunes_config();
+  EXPECT_TRUE(same_weights(c, init_weights(c, 1), init_weights(c, 1)));
+  EXPECT_FALSE(same_weights(c, init_weights(c, 1), init_weights(c, 2)));
+}
+
+TEST(Init, SavedModelLoadsBackBitForBit) {
+  for (bool tie : {false, true}) {
+    ModelConfig c = fortunes_config();
+    c.tie_word_embeddings = tie;
+    const ModelWeights w = init_weights(c, 3);
+    TempDir dir;
+    save_model(dir.str(), c, w);
+    const Model m = Model::load(dir.str());
+    EXPECT_EQ(m.config().layer_types, c.layer_types);
+    EXPECT_EQ(m.config().mlp_layer_types, c.mlp_layer_types);
+    EXPECT_EQ(m.config().indexer_types, c.indexer_types);
+    EXPECT_EQ(m.config().hidden_size, c.hidden_size);
+    EXPECT_EQ(m.config().tie_word_embeddings, tie);
+    EXPECT_EQ(m.config().initializer_range, c.initializer_range);
+    EXPECT_EQ(m.config().linear_lower_bound, c.linear_lower_bound);
+    EXPECT_TRUE(same_weights(c, m.weights(), w)) << "tie " << tie;
+    EXPECT_EQ(std::memcmp(m.weights().lm_head.ptr(), w.lm_head.ptr(), w.lm_head.numel() * 4), 0);
+    // And the config.json written is what parse_config reads to the same config again.
+    EXPECT_EQ(config_to_json(m.config()), config_to_json(c));
+  }
+}
+
+TEST(LossMask, WeightsSelectWhichPredictionsCount) {
+  const ModelConfig c = fortunes_config();
+  const Model model(c, init_weights(c, 5));
+  PackedBatch b;
+  b.add({72, 101, 108, 108, 111, 32, 119});
+  b.add({116, 104, 101, 114, 101});
+  ModelWeights g0 = zeros_like(model.weights()), g1 = zeros_like(model.weights()), g2 = zeros_like(model.weights());
+  const double plain = model_forward_backward(model, b, g0);
+  // All ones: the same loss and gradients bit for bit (the `grad` path is unchanged).
+  PackedBatch ones = b;
+  ones.target_weight.assign(b.tokens.size(), 1.0f);
+  EXPECT_EQ(model_forward_backward(model, ones, g1), plain);
+  EXPECT_TRUE(same_grads(c, g0, g1));
+  // A prompt mask: only tokens 4.. of sequence 0 and all of sequence 1 count.
+  PackedBatch masked = b;
+  masked.target_weight = {0, 0, 0, 0, 1, 1, 1, /*seq 1*/ 0, 1, 1, 1, 1};
+  const double loss = model_forward_backward(model, masked, g2);
+  const auto lps = model.next_token_logprobs(b);  // lps[n][t] predicts token t + 1
+  double expect = 0;
+  for (int t = 3; t < 6; ++t) expect -= lps[0][t];
+  for (double lp : lps[1]) expect -= lp;
+  EXPECT_NEAR(loss, expect, 1e-4 * std::abs(expect));
+  EXPECT_LT(loss, plain);
+}
+
+TEST(Data, ReadsMasksCutsLongSequencesAndNamesBadLines) {
+  TempDir dir;
+  const std::string p = dir.str("d.jsonl");
+  std::ofstream(p) << "{\"tokens\": [1, 2, 3, 4, 5, 6, 7]}\n{\"tokens\": [9, 8], \"loss_mask\": [0, 1]}\n";
+  const auto ex = read_train_jsonl(p, 256, 3);
+  ASSERT_EQ(ex.size(), 3u);  // [1 2 3] [4 5 6] ([7] alone predicts nothing) [9 8]
+  EXPECT_EQ(ex[1].tokens, (std::vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(ex[2].mask, (std::vector<float>{0, 1}));
+  for (const std::string& bad : {std::string("{\"tokens\": [1, 2], \"loss_mask\": [1]}"),
+                                 std::string("{\"tokens\": [1, 2], \"loss_mask\": [1, 2]}"),
+                                 std::string("{\"tokens\": [1, 300]}"), std::string("{\"tokens\": [1, 2], \"x\": 1}")}) {
+    std::ofstream(p) << "{\"tokens\": [1, 2]}\n" << bad << "\n";
+    try {
+      read_train_jsonl(p, 256, 16);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(p + ":2:"), std::string::npos) << e.what();
+    }
+  }
+  // The epoch order is a permutation, fixed by (seed, epoch).
+  const auto o = epoch_order(10, 4, 2);
+  EXPECT_EQ(o, epoch_order(10, 4, 2));
+  EXPECT_NE(o, epoch_order(10, 4, 3));
+  std::vector<int64_t> sorted = o;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(sorted[i], i);
+}
+
+TEST(Trainer, ResumeReproducesTheNextStepBitForBit) {
+  const ModelConfig c = fortunes_config();
+  TrainOptions opt;
+  opt.steps = 6;
+  opt.warmup = 2;
+  opt.batch_tokens = 48;  // several batches per epoch: the data position matters
+  opt.grad_accum = 2;
+  opt.adamw.lr = 1e-2;
+  opt.seed = 11;
+  Trainer a(Model(c, init_weights(c, opt.seed)), text_examples(), opt);
+  std::vector<double> losses;
+  for (int i = 0; i < 3; ++i) losses.push_back(a.step().loss);
+  TempDir dir;
+  a.save(dir.str("ckpt"));
+  const StepStats next = a.step();
+  Trainer b = Trainer::resume(dir.str("ckpt"), text_examples(), Trainer::stored_options(dir.str("ckpt")));
+  EXPECT_EQ(b.steps_done(), 3);
+  const StepStats again = b.step();
+  EXPECT_EQ(again.loss, next.loss);
+  EXPECT_EQ(again.lr, next.lr);
+  EXPECT_EQ(again.grad_norm, next.grad_norm);
+  EXPECT_TRUE(same_weights(c, a.model().weights(), b.model().weights()));
+  // Training does something: the loss of the same data goes down.
+  EXPECT_LT(a.step().loss, losses[0]);
+  // Saving again over the same directory replaces it whole.
+  b.save(dir.str("ckpt"));
+  EXPECT_EQ(Trainer::resume(dir.str("ckpt"), text_examples(), opt).steps_done(), 4);
+  EXPECT_FALSE(std::filesystem::exists(dir.str("ckpt.old")));
+}
+
+}  // namespace
+}  // namespace nextlm::test

@@ -1,0 +1,180 @@
+// End-to-end tests of `nextlm train`: a tiny model trained from its config on a small text lowers its loss and
+// leaves a loadable model, a CSV log and an SVG curve; bad input leaves no output; ctrl-C (SIGINT) saves a
+// checkpoint that --resume continues.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace nextlm::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int rc = -1;
+  std::string out, err;
+};
+
+Result nextlm(const std::string& args) {
+  Result r;
+  r.rc = run_command(std::string("'") + NEXTLM_BINARY + "' " + args, &r.out, &r.err);
+  return r;
+}
+
+std::string config() { return std::string(NEXTLM_SOURCE_DIR) + "/examples/fortunes/config.json"; }
+
+// A small text as byte-level JSONL, one sentence per line.
+std::string write_text_data(const TempDir& dir) {
+  const std::vector<std::string> lines = {
+      "the cat sat on the mat and the dog sat on the log.", "the cat and the dog sat on the mat.",
+      "a cat sat on a mat; a dog sat on a log.", "the dog and the cat sat on the log and the mat."};
+  const std::string path = dir.str("data.jsonl");
+  std::ofstream f(path);
+  for (const std::string& l : lines) {
+    f << "{\"tokens\": [";
+    for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
+    f << "]}\n";
+  }
+  return path;
+}
+
+std::vector<double> csv_losses(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "step,loss,lr,grad_norm,tokens,seconds");
+  std::vector<double> out;
+  while (std::getline(in, line)) {
+    std::stringstream s(line);
+    std::string step, loss;
+    std::getline(s, step, ',');
+    std::getline(s, loss, ',');
+    out.push_back(std::stod(loss));
+  }
+  return out;
+}
+
+TEST(TrainCli, TinyModelLearnsAndLeavesAModelLogAndCurve) {
+  TempDir dir;
+  const std::string data = write_text_data(dir), out = dir.str("run");
+  const Result r = nextlm("train --config '" + config() + "' --data '" + data + "' --out '" + out +
+                          "' --steps 12 --warmup 2 --lr 1e-2 --batch-tokens 256 --threads 2 --seed 1");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("step 12/12"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("tok/s"), std::string::npos);
+  EXPECT_NE(r.err.find("eta"), std::string::npos);
+  for (const char* f : {"checkpoint/config.json", "checkpoint/model.safetensors", "checkpoint/optimizer.safetensors",
+                        "checkpoint/trainer_state.json", "train_log.csv", "train_log.svg"})
+    EXPECT_TRUE(fs::exists(fs::path(out) / f)) << f;
+  const std::vector<double> losses = csv_losses(out + "/train_log.csv");
+  ASSERT_EQ(losses.size(), 12u);
+  EXPECT_NEAR(losses.front(), std::log(256.0), 0.3);  // a fresh model is close to uniform over bytes
+  EXPECT_LT(losses.back(), losses.front() - 1.0) << "loss did not fall";
+  std::ifstream svg(out + "/train_log.svg");
+  const std::string s((std::istreambuf_iterator<char>(svg)), {});
+  EXPECT_EQ(s.rfind("<svg", 0), 0u);
+  EXPECT_NE(s.find("<polyline"), std::string::npos);
+  // The trained model is a model directory the other commands read.
+  const Result sc = nextlm("score --model '" + out + "/checkpoint' --input '" + data + "'");
+  EXPECT_EQ(sc.rc, 0) << sc.err;
+  // Starting again into the same --out without --resume would overwrite the run: refused.
+  const Result again = nextlm("train --config '" + config() + "' --data '" + data + "' --out '" + out + "' --steps 1");
+  EXPECT_EQ(again.rc, 1);
+  EXPECT_NE(again.err.find("--resume"), std::string::npos) << again.err;
+}
+
+TEST(TrainCli, BadInputGivesOneLineErrorAndNoOutput) {
+  TempDir dir;
+  const std::string data = write_text_data(dir), out = dir.str("run");
+  std::ofstream(dir.str("bad.jsonl")) << "{\"tokens\": [1, 2, 3]}\n{\"tokens\": [1, 2], \"loss_mask\": [1]}\n";
+  struct Case {
+    std::string args;
+    int rc;
+    std::string mention;
+  };
+  const std::vector<Case> cases = {
+      {"--config '" + config() + "' --data '" + dir.str("bad.jsonl") + "'", 1, "bad.jsonl:2"},
+      {"--config '" + config() + "' --data '" + dir.str("missing.jsonl") + "'", 1, "missing.jsonl"},
+      {"--config '" + dir.str("nope.json") + "' --data '" + data + "'", 1, "nope.json"},
+      {"--config '" + config() + "' --model x --data '" + data + "'", 2, "exactly one of"},
+      {"--config '" + config() + "' --data '" + data + "' --lr -1", 2, "--lr"},
+      {"--config '" + config() + "' --data '" + data + "' --grad-accum 0", 2, "--grad-accum"},
+      {"--resume '" + dir.str("nothing") + "' --data '" + data + "'", 1, "--resume"},
+  };
+  for (const Case& c : cases) {
+    const Result r = nextlm("train " + c.args + " --out '" + out + "' --steps 2");
+    EXPECT_EQ(r.rc, c.rc) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.err.rfind("error:", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find(c.mention), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(out)) << c.args;
+  }
+}
+
+TEST(TrainCli, SigintSavesACheckpointThatResumes) {
+  TempDir dir;
+  const std::string data = write_text_data(dir), out = dir.str("run");
+  // Start a long run as a child process, wait for its second logged step, then send it ctrl-C's signal.
+  const std::vector<std::string> args = {NEXTLM_BINARY, "train", "--config", config(), "--data", data, "--out", out,
+                                         "--steps", "100000", "--batch-tokens", "64", "--threads", "1"};
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int fd = open(dir.str("err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream log(out + "/train_log.csv");
+    std::string all((std::istreambuf_iterator<char>(log)), {});
+    if (std::count(all.begin(), all.end(), '\n') >= 3) break;  // header + 2 steps
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(pid, SIGINT);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+
+  std::ifstream errf(dir.str("err"));
+  const std::string err((std::istreambuf_iterator<char>(errf)), {});
+  EXPECT_EQ(rc, 130) << err;
+  EXPECT_NE(err.find("interrupted after step"), std::string::npos) << err;
+  std::ifstream st(out + "/checkpoint/trainer_state.json");
+  ASSERT_TRUE(st.good());
+  const nlohmann::json state = nlohmann::json::parse(st);
+  const int64_t step = state.at("step").get<int64_t>();
+  EXPECT_GE(step, 2);
+  for (const auto& e : fs::directory_iterator(out))  // no temporary left behind
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  // --resume continues from there to the new total.
+  const Result r = nextlm("train --resume '" + out + "' --data '" + data + "' --out '" + out + "' --steps " +
+                          std::to_string(step + 1) + " --threads 1");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("step " + std::to_string(step + 1) + "/"), std::string::npos) << r.err;
+  EXPECT_EQ(csv_losses(out + "/train_log.csv").size(), static_cast<size_t>(step + 1));
+}
+
+}  // namespace
+}  // namespace nextlm::test
