@@ -24,22 +24,8 @@ using nlohmann::json;
 
 constexpr int64_t kVocab = 256;
 
-struct Result {
-  int rc = -1;
-  std::string out, err;
-};
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
-Result nextlm(const std::string& args) {
-  Result r;
-  r.rc = run_command(quote(NEXTLM_BINARY) + " " + args, &r.out, &r.err);
-  return r;
-}
 
 std::string model_dir() { return golden_dir("fp32_tail_off"); }
 
@@ -64,10 +50,10 @@ std::vector<std::string> split_lines(const std::string& s) {
   return lines;
 }
 
-std::string describe(const Result& r) { return "rc=" + std::to_string(r.rc) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err; }
+std::string describe(const CliResult& r) { return "rc=" + std::to_string(r.rc) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err; }
 
 // Exactly one line on stderr, starting with "error:", naming every string of `mentions`, and the exit code `rc`.
-void expect_error(const Result& r, int rc, const std::vector<std::string>& mentions) {
+void expect_error(const CliResult& r, int rc, const std::vector<std::string>& mentions) {
   EXPECT_EQ(r.rc, rc) << describe(r);
   ASSERT_FALSE(r.err.empty()) << describe(r);
   EXPECT_EQ(r.err.rfind("error:", 0), 0u) << describe(r);
@@ -133,13 +119,13 @@ class Cli : public ::testing::Test {
     write_file(p, text);
     return p;
   }
-  std::string score_args(const std::string& in) { return "score --model " + quote(model_dir()) + " --input " + quote(in); }
+  std::string score_args(const std::string& in) { return "score --model " + shell_quote(model_dir()) + " --input " + shell_quote(in); }
 };
 
 // ---------------------------------------------------------------------------------------------------- score: success
 
 TEST_F(Cli, ScoreJsonlToStdout) {
-  const Result r = nextlm(score_args(input(jsonl_of(kSeqs))));
+  const CliResult r = run_nextlm(score_args(input(jsonl_of(kSeqs))));
   ASSERT_EQ(r.rc, 0) << describe(r);
   const auto scores = parse_scores(r.out, kSeqs);
   ASSERT_EQ(scores.size(), kSeqs.size());
@@ -161,13 +147,13 @@ TEST_F(Cli, ScoreJsonlToStdout) {
 }
 
 TEST_F(Cli, ScoreDoesNotDependOnBatchingOrThreads) {
-  const Result all = nextlm(score_args(input(jsonl_of(kSeqs))));
+  const CliResult all = run_nextlm(score_args(input(jsonl_of(kSeqs))));
   ASSERT_EQ(all.rc, 0) << describe(all);
   const auto batched = parse_scores(all.out, kSeqs);
   ASSERT_EQ(batched.size(), kSeqs.size());
   // Each sequence alone gives what it gave in the packed batch (sequences must not see each other).
   for (size_t n = 0; n < kSeqs.size(); ++n) {
-    const Result one = nextlm(score_args(input(jsonl_of({kSeqs[n]}), "one.jsonl")) + " --threads 1");
+    const CliResult one = run_nextlm(score_args(input(jsonl_of({kSeqs[n]}), "one.jsonl")) + " --threads 1");
     ASSERT_EQ(one.rc, 0) << describe(one);
     const auto alone = parse_scores(one.out, {kSeqs[n]});
     ASSERT_EQ(alone.size(), 1u);
@@ -176,13 +162,13 @@ TEST_F(Cli, ScoreDoesNotDependOnBatchingOrThreads) {
       EXPECT_NEAR(alone[0].logprobs[t], batched[n].logprobs[t], 1e-5) << "sequence " << n << " position " << t;
   }
   // The same sequence twice scores the same.
-  const Result twice = nextlm(score_args(input(jsonl_of({kSeqs[3], kSeqs[3]}), "twice.jsonl")) + " --threads 2");
+  const CliResult twice = run_nextlm(score_args(input(jsonl_of({kSeqs[3], kSeqs[3]}), "twice.jsonl")) + " --threads 2");
   ASSERT_EQ(twice.rc, 0) << describe(twice);
   const auto tw = parse_scores(twice.out, {kSeqs[3], kSeqs[3]});
   ASSERT_EQ(tw.size(), 2u);
   for (size_t t = 0; t < tw[0].logprobs.size(); ++t) EXPECT_NEAR(tw[0].logprobs[t], tw[1].logprobs[t], 1e-5);
   // A different prefix changes the prediction (the model does look at the context).
-  const Result ctx = nextlm(score_args(input(jsonl_of({{1, 2, 3}, {9, 2, 3}}), "ctx.jsonl")));
+  const CliResult ctx = run_nextlm(score_args(input(jsonl_of({{1, 2, 3}, {9, 2, 3}}), "ctx.jsonl")));
   ASSERT_EQ(ctx.rc, 0) << describe(ctx);
   const auto c = parse_scores(ctx.out, {{1, 2, 3}, {9, 2, 3}});
   ASSERT_EQ(c.size(), 2u);
@@ -190,18 +176,18 @@ TEST_F(Cli, ScoreDoesNotDependOnBatchingOrThreads) {
 }
 
 TEST_F(Cli, ScoreAcceptsCrlfAndMissingFinalNewline) {
-  const Result a = nextlm(score_args(input("{\"tokens\": [1, 2, 3]}\r\n{\"tokens\":[4,5]}")));
+  const CliResult a = run_nextlm(score_args(input("{\"tokens\": [1, 2, 3]}\r\n{\"tokens\":[4,5]}")));
   ASSERT_EQ(a.rc, 0) << describe(a);
   EXPECT_EQ(parse_scores(a.out, {{1, 2, 3}, {4, 5}}).size(), 2u);
 }
 
 TEST_F(Cli, OutputFileHasTheBytesOfStdout) {
   const std::string in = input(jsonl_of(kSeqs));
-  const Result to_stdout = nextlm(score_args(in));
+  const CliResult to_stdout = run_nextlm(score_args(in));
   ASSERT_EQ(to_stdout.rc, 0) << describe(to_stdout);
   const std::string out = tmp.str("scores.jsonl");
   write_file(out, "old content\n");  // an existing file is replaced
-  const Result to_file = nextlm(score_args(in) + " --output " + quote(out));
+  const CliResult to_file = run_nextlm(score_args(in) + " --output " + shell_quote(out));
   ASSERT_EQ(to_file.rc, 0) << describe(to_file);
   EXPECT_TRUE(to_file.out.empty()) << "with --output nothing goes to stdout:\n" << to_file.out;
   EXPECT_EQ(read_file(out), to_stdout.out);
@@ -213,7 +199,7 @@ TEST_F(Cli, OutputFileHasTheBytesOfStdout) {
 TEST_F(Cli, LogitsOutMatchesTheLogprobs) {
   const std::string in = input(jsonl_of(kSeqs));
   const std::string logits_path = tmp.str("logits.safetensors"), out = tmp.str("scores.jsonl");
-  const Result r = nextlm(score_args(in) + " --logits-out " + quote(logits_path) + " --output " + quote(out));
+  const CliResult r = run_nextlm(score_args(in) + " --logits-out " + shell_quote(logits_path) + " --output " + shell_quote(out));
   ASSERT_EQ(r.rc, 0) << describe(r);
   const auto scores = parse_scores(read_file(out), kSeqs);
   ASSERT_EQ(scores.size(), kSeqs.size());
@@ -241,7 +227,7 @@ TEST_F(Cli, LogitsOutMatchesTheLogprobs) {
   }
   // --logits-out alone (stdout JSONL) works too and gives the same file contents.
   const std::string logits2 = tmp.str("logits2.safetensors");
-  const Result r2 = nextlm(score_args(in) + " --logits-out " + quote(logits2));
+  const CliResult r2 = run_nextlm(score_args(in) + " --logits-out " + shell_quote(logits2));
   ASSERT_EQ(r2.rc, 0) << describe(r2);
   EXPECT_EQ(r2.out, read_file(out));
   SafetensorsFile f2(logits2);
@@ -257,11 +243,11 @@ TEST_F(Cli, LogitsOutMatchesTheLogprobs) {
 
 TEST_F(Cli, TextFormatPrintsPerplexity) {
   const std::string in = input(jsonl_of(kSeqs));
-  const Result js = nextlm(score_args(in));
+  const CliResult js = run_nextlm(score_args(in));
   ASSERT_EQ(js.rc, 0) << describe(js);
   const auto scores = parse_scores(js.out, kSeqs);
   ASSERT_EQ(scores.size(), kSeqs.size());
-  const Result tx = nextlm(score_args(in) + " --format text");
+  const CliResult tx = run_nextlm(score_args(in) + " --format text");
   ASSERT_EQ(tx.rc, 0) << describe(tx);
   std::vector<double> ppl;
   for (const std::string& line : split_lines(tx.out)) {
@@ -276,7 +262,7 @@ TEST_F(Cli, TextFormatPrintsPerplexity) {
   for (size_t i = 0; i < ppl.size(); ++i) EXPECT_NEAR(ppl[i], expected[i], 1e-6 * expected[i]) << tx.out;
   // Text and JSONL are different outputs; text is not JSON.
   EXPECT_NE(tx.out, js.out);
-  const Result jx = nextlm(score_args(in) + " --format jsonl");
+  const CliResult jx = run_nextlm(score_args(in) + " --format jsonl");
   ASSERT_EQ(jx.rc, 0) << describe(jx);
   EXPECT_EQ(jx.out, js.out);
 }
@@ -284,7 +270,7 @@ TEST_F(Cli, TextFormatPrintsPerplexity) {
 // ---------------------------------------------------------------------------------------------- info, help, version
 
 TEST_F(Cli, InfoPrintsPatternAndParameterCounts) {
-  const Result r = nextlm("info --model " + quote(model_dir()));
+  const CliResult r = run_nextlm("info --model " + shell_quote(model_dir()));
   ASSERT_EQ(r.rc, 0) << describe(r);
   // layer_types K, D, D, K with index_topk_pattern FFSF: layer 1 has its own indexer, layer 2 shares it.
   std::string pattern_line, param_line;
@@ -317,15 +303,15 @@ TEST_F(Cli, InfoPrintsPatternAndParameterCounts) {
 }
 
 TEST_F(Cli, HelpAndVersion) {
-  const Result h = nextlm("--help");
+  const CliResult h = run_nextlm("--help");
   EXPECT_EQ(h.rc, 0) << describe(h);
   EXPECT_NE(h.out.find("score"), std::string::npos) << h.out;
   EXPECT_NE(h.out.find("info"), std::string::npos) << h.out;
-  const Result sh = nextlm("score --help");
+  const CliResult sh = run_nextlm("score --help");
   EXPECT_EQ(sh.rc, 0) << describe(sh);
   EXPECT_NE(sh.out.find("--logits-out"), std::string::npos) << sh.out;
   EXPECT_NE(sh.out.find("--threads"), std::string::npos) << sh.out;
-  const Result v = nextlm("--version");
+  const CliResult v = run_nextlm("--version");
   EXPECT_EQ(v.rc, 0) << describe(v);
   EXPECT_EQ(v.out.rfind("nextlm ", 0), 0u) << v.out;
   EXPECT_EQ(std::count(v.out.begin(), v.out.end(), '\n'), 1) << v.out;
@@ -335,7 +321,7 @@ TEST_F(Cli, HelpAndVersion) {
 
 TEST_F(Cli, UsageErrors) {
   const std::string in = input(jsonl_of(kSeqs));
-  const std::string m = quote(model_dir());
+  const std::string m = shell_quote(model_dir());
   const std::string ok = score_args(in);
   struct Case {
     std::string args;
@@ -349,10 +335,10 @@ TEST_F(Cli, UsageErrors) {
       {ok + " --bogus 3", {"--bogus"}},
       {ok + " extra_positional", {"extra_positional"}},
       {"--bogus", {"--bogus"}},
-      {"score --input " + quote(in), {"--model"}},
+      {"score --input " + shell_quote(in), {"--model"}},
       {"score --model " + m, {"--input"}},
       {"score --model", {"--model"}},
-      {"score --model " + m + " --model " + m + " --input " + quote(in), {"--model"}},
+      {"score --model " + m + " --model " + m + " --input " + shell_quote(in), {"--model"}},
       {"info", {"--model"}},
       {"info --model " + m + " --input x", {"--input"}},
       {ok + " --threads 0", {"--threads", "0"}},
@@ -369,11 +355,11 @@ TEST_F(Cli, UsageErrors) {
       {ok + " --device ''", {"--device"}},
       {ok + " --output ''", {"--output"}},
       {ok + " --logits-out ''", {"--logits-out"}},
-      {"score --model '' --input " + quote(in), {"--model"}},
+      {"score --model '' --input " + shell_quote(in), {"--model"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE("nextlm " + c.args);
-    expect_error(nextlm(c.args), 2, c.mentions);
+    expect_error(run_nextlm(c.args), 2, c.mentions);
   }
 }
 
@@ -416,12 +402,12 @@ TEST_F(Cli, BadInputLines) {
     SCOPED_TRACE("input: " + c.text.substr(0, 80));
     const std::string in = input(c.text);
     const std::string out = tmp.str("out.jsonl"), logits = tmp.str("logits.safetensors");
-    expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(logits)), 1, c.mentions);
+    expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(logits)), 1, c.mentions);
     EXPECT_FALSE(fs::exists(out));
     EXPECT_FALSE(fs::exists(logits));
     EXPECT_EQ(listing(tmp.path()), std::vector<std::string>{"in.jsonl"});
     // The same failure without --output: nothing on stdout.
-    expect_error(nextlm(score_args(in)), 1, c.mentions);
+    expect_error(run_nextlm(score_args(in)), 1, c.mentions);
   }
 }
 
@@ -430,13 +416,13 @@ TEST_F(Cli, FailureLeavesExistingOutputsUntouched) {
   const std::string out = tmp.str("out.jsonl"), logits = tmp.str("logits.safetensors");
   write_file(out, "precious output\n");
   write_file(logits, "precious logits\n");
-  expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(logits)), 1,
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(logits)), 1,
                {"in.jsonl:2", "999"});
   EXPECT_EQ(read_file(out), "precious output\n");
   EXPECT_EQ(read_file(logits), "precious logits\n");
   EXPECT_EQ(listing(tmp.path()), (std::vector<std::string>{"in.jsonl", "logits.safetensors", "out.jsonl"}));
   // A usage error does not touch them either.
-  expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(logits) + " --threads 0"),
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(logits) + " --threads 0"),
                2, {"--threads"});
   EXPECT_EQ(read_file(out), "precious output\n");
   EXPECT_EQ(read_file(logits), "precious logits\n");
@@ -449,27 +435,27 @@ TEST_F(Cli, UnwritableOutputsFailWithoutLeavingTheOther) {
   fs::create_directory(tmp.str("adir"));
   const std::string a_dir = tmp.str("adir");
   // --output unwritable: the logits must not appear.
-  expect_error(nextlm(score_args(in) + " --output " + quote(missing_dir + "o.jsonl") + " --logits-out " + quote(logits)),
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(missing_dir + "o.jsonl") + " --logits-out " + shell_quote(logits)),
                1, {"o.jsonl"});
   EXPECT_FALSE(fs::exists(logits));
-  expect_error(nextlm(score_args(in) + " --output " + quote(a_dir) + " --logits-out " + quote(logits)), 1, {"adir"});
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(a_dir) + " --logits-out " + shell_quote(logits)), 1, {"adir"});
   EXPECT_FALSE(fs::exists(logits));
   EXPECT_TRUE(fs::is_directory(a_dir));
   // --logits-out unwritable: the JSONL must not appear.
-  expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(missing_dir + "l.st")), 1,
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(missing_dir + "l.st")), 1,
                {"l.st"});
   EXPECT_FALSE(fs::exists(out));
-  expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(a_dir)), 1, {"adir"});
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(a_dir)), 1, {"adir"});
   EXPECT_FALSE(fs::exists(out));
   // Both naming the same file, or an output naming the input: usage errors, and the input is not touched.
-  expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(out)), 2, {"out.jsonl"});
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(out)), 2, {"out.jsonl"});
   EXPECT_FALSE(fs::exists(out));
-  expect_error(nextlm(score_args(in) + " --output " + quote(out) + " --logits-out " + quote(tmp.str("./out.jsonl"))), 2,
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(out) + " --logits-out " + shell_quote(tmp.str("./out.jsonl"))), 2,
                {"out.jsonl"});
   EXPECT_FALSE(fs::exists(out));
-  const Result rel = [&] {
-    Result r;
-    r.rc = run_command("cd " + quote(tmp.str()) + " && " + quote(NEXTLM_BINARY) + " " + score_args(in) +
+  const CliResult rel = [&] {
+    CliResult r;
+    r.rc = run_command("cd " + shell_quote(tmp.str()) + " && " + shell_quote(NEXTLM_BINARY) + " " + score_args(in) +
                            " --output o.jsonl --logits-out ./o.jsonl",
                        &r.out, &r.err);
     return r;
@@ -477,33 +463,33 @@ TEST_F(Cli, UnwritableOutputsFailWithoutLeavingTheOther) {
   expect_error(rel, 2, {"o.jsonl"});
   EXPECT_FALSE(fs::exists(tmp.str("o.jsonl")));
   const std::string before = read_file(in);
-  expect_error(nextlm(score_args(in) + " --output " + quote(in)), 2, {"in.jsonl", "--input"});
-  expect_error(nextlm(score_args(in) + " --logits-out " + quote(in)), 2, {"in.jsonl", "--input"});
+  expect_error(run_nextlm(score_args(in) + " --output " + shell_quote(in)), 2, {"in.jsonl", "--input"});
+  expect_error(run_nextlm(score_args(in) + " --logits-out " + shell_quote(in)), 2, {"in.jsonl", "--input"});
   EXPECT_EQ(read_file(in), before);
   EXPECT_EQ(listing(tmp.path()), (std::vector<std::string>{"adir", "in.jsonl"}));
   EXPECT_TRUE(listing(a_dir).empty());
 }
 
 TEST_F(Cli, BadInputFiles) {
-  const std::string m = quote(model_dir());
-  expect_error(nextlm("score --model " + m + " --input " + quote(tmp.str("missing.jsonl"))), 1, {"missing.jsonl"});
+  const std::string m = shell_quote(model_dir());
+  expect_error(run_nextlm("score --model " + m + " --input " + shell_quote(tmp.str("missing.jsonl"))), 1, {"missing.jsonl"});
   fs::create_directory(tmp.str("indir"));
-  expect_error(nextlm("score --model " + m + " --input " + quote(tmp.str("indir"))), 1, {"indir"});
-  expect_error(nextlm("score --model " + m + " --input /dev/null"), 1, {"/dev/null"});
+  expect_error(run_nextlm("score --model " + m + " --input " + shell_quote(tmp.str("indir"))), 1, {"indir"});
+  expect_error(run_nextlm("score --model " + m + " --input /dev/null"), 1, {"/dev/null"});
   // A line break in a path does not break the one-line message.
-  expect_error(nextlm("score --model " + m + " --input " + quote(tmp.str("bad\nname.jsonl"))), 1, {"name.jsonl"});
-  expect_error(nextlm("info --model " + quote(tmp.str("bad\nmodel"))), 1, {"model"});
+  expect_error(run_nextlm("score --model " + m + " --input " + shell_quote(tmp.str("bad\nname.jsonl"))), 1, {"name.jsonl"});
+  expect_error(run_nextlm("info --model " + shell_quote(tmp.str("bad\nmodel"))), 1, {"model"});
   const std::string long_name(5000, 'x');
-  expect_error(nextlm("score --model " + m + " --input " + long_name), 1, {"xxxxxxxx"});
+  expect_error(run_nextlm("score --model " + m + " --input " + long_name), 1, {"xxxxxxxx"});
 }
 
 TEST_F(Cli, BadModelDirectories) {
-  const std::string in = quote(input(jsonl_of(kSeqs)));
+  const std::string in = shell_quote(input(jsonl_of(kSeqs)));
   const std::string out = tmp.str("out.jsonl");
   auto score = [&](const std::string& dir) {
-    return nextlm("score --model " + quote(dir) + " --input " + in + " --output " + quote(out));
+    return run_nextlm("score --model " + shell_quote(dir) + " --input " + in + " --output " + shell_quote(out));
   };
-  auto info = [&](const std::string& dir) { return nextlm("info --model " + quote(dir)); };
+  auto info = [&](const std::string& dir) { return run_nextlm("info --model " + shell_quote(dir)); };
 
   const std::string missing = tmp.str("no_such_model");
   expect_error(score(missing), 1, {"no_such_model"});
@@ -542,18 +528,18 @@ TEST_F(Cli, BadModelDirectories) {
 TEST_F(Cli, TruncatedSafetensorsIsAnError) {
   const std::string dir = tmp.str("truncated");
   copy_dir(model_dir(), dir);
-  const std::string in = quote(input(jsonl_of(kSeqs)));
+  const std::string in = shell_quote(input(jsonl_of(kSeqs)));
   const std::string out = tmp.str("out.jsonl"), logits = tmp.str("logits.safetensors");
   const uintmax_t size = fs::file_size(dir + "/model.safetensors");
   for (uintmax_t new_size : {size - 1, size / 2, uintmax_t{100}, uintmax_t{5}, uintmax_t{0}}) {
     SCOPED_TRACE("truncated to " + std::to_string(new_size));
     fs::resize_file(dir + "/model.safetensors", new_size);
-    expect_error(nextlm("score --model " + quote(dir) + " --input " + in + " --output " + quote(out) +
-                        " --logits-out " + quote(logits)),
+    expect_error(run_nextlm("score --model " + shell_quote(dir) + " --input " + in + " --output " + shell_quote(out) +
+                        " --logits-out " + shell_quote(logits)),
                  1, {"model.safetensors"});
     EXPECT_FALSE(fs::exists(out));
     EXPECT_FALSE(fs::exists(logits));
-    expect_error(nextlm("info --model " + quote(dir)), 1, {"model.safetensors"});
+    expect_error(run_nextlm("info --model " + shell_quote(dir)), 1, {"model.safetensors"});
   }
 }
 

@@ -27,28 +27,14 @@ using nlohmann::json;
 // difference to scoring by ~5e-4; measured ≤ 3e-5.
 constexpr double kLogprobTol = 1e-4;
 
-struct Result {
-  int rc = -1;
-  std::string out, err;
-};
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
-Result nextlm(const std::string& args) {
-  Result r;
-  r.rc = run_command(quote(NEXTLM_BINARY) + " " + args, &r.out, &r.err);
-  return r;
-}
 
-std::string describe(const Result& r) {
+std::string describe(const CliResult& r) {
   return "rc=" + std::to_string(r.rc) + "\nstdout:\n" + r.out + "\nstderr:\n" + r.err;
 }
 
-void expect_error(const Result& r, int rc, const std::vector<std::string>& mentions) {
+void expect_error(const CliResult& r, int rc, const std::vector<std::string>& mentions) {
   EXPECT_EQ(r.rc, rc) << describe(r);
   ASSERT_FALSE(r.err.empty()) << describe(r);
   EXPECT_EQ(r.err.rfind("error:", 0), 0u) << describe(r);
@@ -80,7 +66,7 @@ struct Generated {
 
 // Runs generate with --format json and parses its one line.
 Generated generate_json(const std::string& model, const std::string& args) {
-  const Result r = nextlm("generate --model " + quote(model) + " --format json --threads 1 " + args);
+  const CliResult r = run_nextlm("generate --model " + shell_quote(model) + " --format json --threads 1 " + args);
   EXPECT_EQ(r.rc, 0) << describe(r);
   Generated g;
   EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
@@ -96,7 +82,7 @@ Generated generate_json(const std::string& model, const std::string& args) {
 std::vector<double> score(const std::string& model, const std::vector<int32_t>& seq) {
   TempDir tmp;
   std::ofstream(tmp.str("in.jsonl")) << json{{"tokens", seq}}.dump() << "\n";
-  const Result r = nextlm("score --model " + quote(model) + " --threads 1 --input " + quote(tmp.str("in.jsonl")));
+  const CliResult r = run_nextlm("score --model " + shell_quote(model) + " --threads 1 --input " + shell_quote(tmp.str("in.jsonl")));
   EXPECT_EQ(r.rc, 0) << describe(r);
   return json::parse(r.out).at("logprobs").get<std::vector<double>>();
 }
@@ -153,12 +139,12 @@ TEST(GenerateCli, SampledLogprobsMatchScoreAndSeedsRepeat) {
 TEST(GenerateCli, PromptTextIsItsUtf8BytesAndTextOutputIsBytes) {
   const std::string text = "h\xC3\xA9llo, world";  // "héllo, world"
   const std::string common = " --max-new-tokens 25 --temperature 0.7 --seed 3";
-  const Generated from_text = generate_json(tiny(), "--prompt " + quote(text) + common);
+  const Generated from_text = generate_json(tiny(), "--prompt " + shell_quote(text) + common);
   const Generated from_ids = generate_json(tiny(), "--prompt-tokens " + ids(bytes(text)) + common);
   EXPECT_EQ(from_text.tokens, from_ids.tokens);
   EXPECT_EQ(from_text.logprobs, from_ids.logprobs);
   // Text format prints the new tokens as raw bytes, then a newline.
-  const Result r = nextlm("generate --model " + quote(tiny()) + " --threads 1 --prompt " + quote(text) + common);
+  const CliResult r = run_nextlm("generate --model " + shell_quote(tiny()) + " --threads 1 --prompt " + shell_quote(text) + common);
   ASSERT_EQ(r.rc, 0) << describe(r);
   std::string expected;
   for (int32_t t : from_text.tokens) expected += static_cast<char>(t);
@@ -179,7 +165,7 @@ TEST(GenerateCli, StopTokensAndLimits) {
   EXPECT_EQ(stopped.logprobs, std::vector<double>(all.logprobs.begin(), all.logprobs.begin() + first + 1));
   const Generated one = generate_json(tiny(), base + "1");
   EXPECT_EQ(one.tokens, std::vector<int32_t>{all.tokens[0]});
-  const Result zero = nextlm("generate --model " + quote(tiny()) + " --format json " + base + "0");
+  const CliResult zero = run_nextlm("generate --model " + shell_quote(tiny()) + " --format json " + base + "0");
   EXPECT_EQ(zero.rc, 0) << describe(zero);
   EXPECT_EQ(zero.out, "{\"tokens\": [], \"logprobs\": []}\n");
 }
@@ -214,13 +200,13 @@ void make_wide_vocab_model(const std::string& dir) {
 TEST(GenerateCli, ModelsWithoutByteVocabularyTakeTokenIds) {
   TempDir tmp;
   make_wide_vocab_model(tmp.str());
-  expect_error(nextlm("generate --model " + quote(tmp.str()) + " --prompt hi --max-new-tokens 2"), 1,
+  expect_error(run_nextlm("generate --model " + shell_quote(tmp.str()) + " --prompt hi --max-new-tokens 2"), 1,
                {"--prompt", "tokenizer", "not available", "300"});
   const std::string args = "--prompt-tokens 299,3,150 --max-new-tokens 6 --temperature 0";
   const Generated g = generate_json(tmp.str(), args);
   ASSERT_EQ(g.tokens.size(), 6u);
   // Text format prints the ids, space-separated.
-  const Result r = nextlm("generate --model " + quote(tmp.str()) + " --threads 1 " + args);
+  const CliResult r = run_nextlm("generate --model " + shell_quote(tmp.str()) + " --threads 1 " + args);
   ASSERT_EQ(r.rc, 0) << describe(r);
   std::string expected;
   for (size_t i = 0; i < g.tokens.size(); ++i) {
@@ -232,38 +218,38 @@ TEST(GenerateCli, ModelsWithoutByteVocabularyTakeTokenIds) {
 }
 
 TEST(GenerateCli, BadArguments) {
-  const std::string m = " --model " + quote(tiny());
+  const std::string m = " --model " + shell_quote(tiny());
   const std::string ok = m + " --prompt-tokens 1,2 --max-new-tokens 2";
   // Usage errors: exit 2.
-  expect_error(nextlm("generate" + m + " --max-new-tokens 2"), 2, {"no prompt"});
-  expect_error(nextlm("generate" + ok + " --prompt hi"), 2, {"--prompt-tokens", "--prompt", "not both"});
-  expect_error(nextlm("generate" + m + " --prompt-tokens 1,2"), 2, {"--max-new-tokens"});
-  expect_error(nextlm("generate" + m + " --prompt-tokens 1,2 --max-new-tokens -1"), 2, {"--max-new-tokens"});
-  expect_error(nextlm("generate" + m + " --prompt-tokens 1,2 --max-new-tokens x"), 2, {"--max-new-tokens"});
+  expect_error(run_nextlm("generate" + m + " --max-new-tokens 2"), 2, {"no prompt"});
+  expect_error(run_nextlm("generate" + ok + " --prompt hi"), 2, {"--prompt-tokens", "--prompt", "not both"});
+  expect_error(run_nextlm("generate" + m + " --prompt-tokens 1,2"), 2, {"--max-new-tokens"});
+  expect_error(run_nextlm("generate" + m + " --prompt-tokens 1,2 --max-new-tokens -1"), 2, {"--max-new-tokens"});
+  expect_error(run_nextlm("generate" + m + " --prompt-tokens 1,2 --max-new-tokens x"), 2, {"--max-new-tokens"});
   for (const char* list : {"1,,2", "a", "-1", "1.5", "1,", "99999999999"})
-    expect_error(nextlm("generate" + m + " --max-new-tokens 2 --prompt-tokens " + quote(list)), 2,
+    expect_error(run_nextlm("generate" + m + " --max-new-tokens 2 --prompt-tokens " + shell_quote(list)), 2,
                  {"--prompt-tokens", "not a token id"});
-  expect_error(nextlm("generate" + m + " --max-new-tokens 2 --prompt-tokens ''"), 2, {"--prompt-tokens"});
-  expect_error(nextlm("generate" + m + " --max-new-tokens 2 --prompt ''"), 2, {"--prompt"});
-  expect_error(nextlm("generate" + ok + " --stop-tokens 3,x"), 2, {"--stop-tokens", "\"x\""});
-  expect_error(nextlm("generate" + ok + " --temperature -1"), 2, {"--temperature"});
-  expect_error(nextlm("generate" + ok + " --temperature nan"), 2, {"--temperature"});
-  expect_error(nextlm("generate" + ok + " --temperature abc"), 2, {"--temperature"});
-  expect_error(nextlm("generate" + ok + " --top-k -1"), 2, {"--top-k"});
-  expect_error(nextlm("generate" + ok + " --top-p 0"), 2, {"--top-p"});
-  expect_error(nextlm("generate" + ok + " --top-p 1.5"), 2, {"--top-p"});
-  expect_error(nextlm("generate" + ok + " --min-p -0.5"), 2, {"--min-p"});
-  expect_error(nextlm("generate" + ok + " --min-p 2"), 2, {"--min-p"});
-  expect_error(nextlm("generate" + ok + " --seed -5"), 2, {"--seed"});
-  expect_error(nextlm("generate" + ok + " --format xml"), 2, {"--format", "xml"});
-  expect_error(nextlm("generate" + ok + " --device tpu"), 2, {"--device", "tpu"});
-  expect_error(nextlm("generate" + ok + " --threads 0"), 2, {"--threads"});
-  expect_error(nextlm("generate --prompt-tokens 1 --max-new-tokens 2"), 2, {"--model"});
+  expect_error(run_nextlm("generate" + m + " --max-new-tokens 2 --prompt-tokens ''"), 2, {"--prompt-tokens"});
+  expect_error(run_nextlm("generate" + m + " --max-new-tokens 2 --prompt ''"), 2, {"--prompt"});
+  expect_error(run_nextlm("generate" + ok + " --stop-tokens 3,x"), 2, {"--stop-tokens", "\"x\""});
+  expect_error(run_nextlm("generate" + ok + " --temperature -1"), 2, {"--temperature"});
+  expect_error(run_nextlm("generate" + ok + " --temperature nan"), 2, {"--temperature"});
+  expect_error(run_nextlm("generate" + ok + " --temperature abc"), 2, {"--temperature"});
+  expect_error(run_nextlm("generate" + ok + " --top-k -1"), 2, {"--top-k"});
+  expect_error(run_nextlm("generate" + ok + " --top-p 0"), 2, {"--top-p"});
+  expect_error(run_nextlm("generate" + ok + " --top-p 1.5"), 2, {"--top-p"});
+  expect_error(run_nextlm("generate" + ok + " --min-p -0.5"), 2, {"--min-p"});
+  expect_error(run_nextlm("generate" + ok + " --min-p 2"), 2, {"--min-p"});
+  expect_error(run_nextlm("generate" + ok + " --seed -5"), 2, {"--seed"});
+  expect_error(run_nextlm("generate" + ok + " --format xml"), 2, {"--format", "xml"});
+  expect_error(run_nextlm("generate" + ok + " --device tpu"), 2, {"--device", "tpu"});
+  expect_error(run_nextlm("generate" + ok + " --threads 0"), 2, {"--threads"});
+  expect_error(run_nextlm("generate --prompt-tokens 1 --max-new-tokens 2"), 2, {"--model"});
   // Input and model errors: exit 1.
-  expect_error(nextlm("generate" + m + " --prompt-tokens 1,256 --max-new-tokens 2"), 1,
+  expect_error(run_nextlm("generate" + m + " --prompt-tokens 1,256 --max-new-tokens 2"), 1,
                {"--prompt-tokens", "256", "outside the vocabulary"});
-  expect_error(nextlm("generate" + ok + " --stop-tokens 300000"), 1, {"--stop-tokens", "300000", "outside"});
-  expect_error(nextlm("generate --model /nonexistent/model --prompt-tokens 1 --max-new-tokens 2"), 1,
+  expect_error(run_nextlm("generate" + ok + " --stop-tokens 300000"), 1, {"--stop-tokens", "300000", "outside"});
+  expect_error(run_nextlm("generate --model /nonexistent/model --prompt-tokens 1 --max-new-tokens 2"), 1,
                {"/nonexistent/model"});
 }
 

@@ -128,22 +128,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GradGolden, ::testing::Values("bf16_sharded", "f
 
 // ---- nextlm grad ------------------------------------------------------------------------------------------------
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char ch : s) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return q + "'";
-}
-
-struct CliResult {
-  int rc = -1;
-  std::string out, err;
-};
-
-CliResult nextlm(const std::string& args) {
-  CliResult r;
-  r.rc = test::run_command(quote(NEXTLM_BINARY) + " " + args, &r.out, &r.err);
-  return r;
-}
+using test::CliResult;
+using test::run_nextlm;
+using test::shell_quote;
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
@@ -166,8 +153,9 @@ TEST(GradCli, WritesTheGoldenGradients) {
   const std::string dir = test::golden_dir("fp32_tail_off");
   test::TempDir tmp;
   write_text(tmp.str("in.jsonl"), jsonl_of(golden_tokens(dir)));
-  const CliResult r = nextlm("grad --model " + quote(dir) + " --input " + quote(tmp.str("in.jsonl")) + " --out " +
-                       quote(tmp.str("g.safetensors")) + " --threads 2");
+  const CliResult r =
+      run_nextlm("grad --model " + shell_quote(dir) + " --input " + shell_quote(tmp.str("in.jsonl")) +
+                       " --out " + shell_quote(tmp.str("g.safetensors")) + " --threads 2");
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_TRUE(r.out.empty());
   SafetensorsFile mine(tmp.str("g.safetensors")), ref(dir + "/golden_grads.safetensors");
@@ -204,29 +192,29 @@ TEST(GradCli, BadInputLeavesNoOutput) {
     int rc;
     std::string mention;
   };
-  const std::string model = " --model " + quote(dir);
+  const std::string model = " --model " + shell_quote(dir);
   const std::vector<Case> cases = {
-      {"grad" + model + " --input " + quote(tmp.str("bad_json.jsonl")) + " --out " + quote(out), 1, "bad_json.jsonl:2"},
-      {"grad" + model + " --input " + quote(tmp.str("bad_id.jsonl")) + " --out " + quote(out), 1, "256"},
-      {"grad" + model + " --input " + quote(tmp.str("empty_line.jsonl")) + " --out " + quote(out), 1, "empty_line.jsonl:2"},
-      {"grad" + model + " --input " + quote(tmp.str("missing.jsonl")) + " --out " + quote(out), 1, "missing.jsonl"},
-      {"grad --model " + quote(tmp.str("nomodel")) + " --input " + quote(tmp.str("ok.jsonl")) + " --out " + quote(out),
+      {"grad" + model + " --input " + shell_quote(tmp.str("bad_json.jsonl")) + " --out " + shell_quote(out), 1, "bad_json.jsonl:2"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("bad_id.jsonl")) + " --out " + shell_quote(out), 1, "256"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("empty_line.jsonl")) + " --out " + shell_quote(out), 1, "empty_line.jsonl:2"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("missing.jsonl")) + " --out " + shell_quote(out), 1, "missing.jsonl"},
+      {"grad --model " + shell_quote(tmp.str("nomodel")) + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out),
        1, "nomodel"},
-      {"grad" + model + " --input " + quote(tmp.str("ok.jsonl")) + " --out " + quote(tmp.str("nodir/g.safetensors")),
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(tmp.str("nodir/g.safetensors")),
        1, "nodir"},
-      {"grad" + model + " --input " + quote(tmp.str("ok.jsonl")) + " --out " + quote(tmp.str("")), 1, "directory"},
-      {"grad" + model + " --input " + quote(tmp.str("ok.jsonl")) + " --out " + quote(tmp.str("ok.jsonl")), 2, "--out"},
-      {"grad" + model + " --input " + quote(tmp.str("ok.jsonl")) + " --out " + quote(out) + " --device cuda", 2,
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(tmp.str("")), 1, "directory"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(tmp.str("ok.jsonl")), 2, "--out"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --device cuda", 2,
        "--device"},
-      {"grad" + model + " --input " + quote(tmp.str("ok.jsonl")) + " --out " + quote(out) + " --threads 0", 2,
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --threads 0", 2,
        "--threads"},
-      {"grad" + model + " --input " + quote(tmp.str("ok.jsonl")), 2, "--out"},
-      {"grad" + model + " --input " + quote(tmp.str("bad_id.jsonl")) + " --out " +
-           quote(tmp.str("existing.safetensors")),
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")), 2, "--out"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("bad_id.jsonl")) + " --out " +
+           shell_quote(tmp.str("existing.safetensors")),
        1, "256"},
   };
   for (const Case& c : cases) {
-    const CliResult r = nextlm(c.args);
+    const CliResult r = run_nextlm(c.args);
     EXPECT_EQ(r.rc, c.rc) << c.args << "\n" << r.err;
     EXPECT_EQ(r.err.rfind("error:", 0), 0u) << c.args << "\n" << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << c.args << "\n" << r.err;

@@ -27,16 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int rc = -1;
-  std::string out, err;
-};
 
-Result nextlm(const std::string& args) {
-  Result r;
-  r.rc = run_command(std::string("'") + NEXTLM_BINARY + "' " + args, &r.out, &r.err);
-  return r;
-}
 
 std::string config() { return std::string(NEXTLM_SOURCE_DIR) + "/examples/fortunes/config.json"; }
 
@@ -74,7 +65,7 @@ std::vector<double> csv_losses(const std::string& path) {
 TEST(TrainCli, TinyModelLearnsAndLeavesAModelLogAndCurve) {
   TempDir dir;
   const std::string data = write_text_data(dir), out = dir.str("run");
-  const Result r = nextlm("train --config '" + config() + "' --data '" + data + "' --out '" + out +
+  const CliResult r = run_nextlm("train --config '" + config() + "' --data '" + data + "' --out '" + out +
                           "' --steps 12 --warmup 2 --lr 1e-2 --batch-tokens 256 --threads 2 --seed 1");
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.err.find("step 12/12"), std::string::npos) << r.err;
@@ -92,10 +83,10 @@ TEST(TrainCli, TinyModelLearnsAndLeavesAModelLogAndCurve) {
   EXPECT_EQ(s.rfind("<svg", 0), 0u);
   EXPECT_NE(s.find("<polyline"), std::string::npos);
   // The trained model is a model directory the other commands read.
-  const Result sc = nextlm("score --model '" + out + "/checkpoint' --input '" + data + "'");
+  const CliResult sc = run_nextlm("score --model '" + out + "/checkpoint' --input '" + data + "'");
   EXPECT_EQ(sc.rc, 0) << sc.err;
   // Starting again into the same --out without --resume would overwrite the run: refused.
-  const Result again = nextlm("train --config '" + config() + "' --data '" + data + "' --out '" + out + "' --steps 1");
+  const CliResult again = run_nextlm("train --config '" + config() + "' --data '" + data + "' --out '" + out + "' --steps 1");
   EXPECT_EQ(again.rc, 1);
   EXPECT_NE(again.err.find("--resume"), std::string::npos) << again.err;
 }
@@ -119,7 +110,7 @@ TEST(TrainCli, BadInputGivesOneLineErrorAndNoOutput) {
       {"--resume '" + dir.str("nothing") + "' --data '" + data + "'", 1, "--resume"},
   };
   for (const Case& c : cases) {
-    const Result r = nextlm("train " + c.args + " --out '" + out + "' --steps 2");
+    const CliResult r = run_nextlm("train " + c.args + " --out '" + out + "' --steps 2");
     EXPECT_EQ(r.rc, c.rc) << c.args << "\n" << r.err;
     EXPECT_EQ(r.err.rfind("error:", 0), 0u) << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
@@ -169,7 +160,7 @@ TEST(TrainCli, SigintSavesACheckpointThatResumes) {
   for (const auto& e : fs::directory_iterator(out))  // no temporary left behind
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
   // --resume continues from there to the new total.
-  const Result r = nextlm("train --resume '" + out + "' --data '" + data + "' --out '" + out + "' --steps " +
+  const CliResult r = run_nextlm("train --resume '" + out + "' --data '" + data + "' --out '" + out + "' --steps " +
                           std::to_string(step + 1) + " --threads 1");
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.err.find("step " + std::to_string(step + 1) + "/"), std::string::npos) << r.err;

@@ -107,6 +107,28 @@ int run_command(const std::string& cmd, std::string* out, std::string* err) {
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char ch : s) {
+    if (ch == '\'') {
+      q.append("'\\''");
+    } else {
+      q.push_back(ch);
+    }
+  }
+  q.push_back('\'');
+  return q;
+}
+
+CliResult run_nextlm(const std::string& args) {
+  std::string cmd = shell_quote(NEXTLM_BINARY);
+  cmd.push_back(' ');
+  cmd.append(args);
+  CliResult r;
+  r.rc = run_command(cmd, &r.out, &r.err);
+  return r;
+}
+
 void copy_dir(const std::string& from, const std::string& to) {
   std::filesystem::create_directories(to);
   std::filesystem::copy(from, to, std::filesystem::copy_options::recursive |

@@ -37,6 +37,16 @@ std::vector<float> randn(size_t n, unsigned seed, float scale = 1.0f);
 // Runs a command through the shell; returns the exit status and fills stdout/stderr text.
 int run_command(const std::string& cmd, std::string* out, std::string* err);
 
+// The built nextlm binary run with `args` (shell words, quoted as needed with shell_quote): exit status, stdout,
+// stderr.
+struct CliResult {
+  int rc = -1;
+  std::string out, err;
+};
+CliResult run_nextlm(const std::string& args);
+// s as one single-quoted shell word.
+std::string shell_quote(const std::string& s);
+
 // Copies a checkpoint directory.
 void copy_dir(const std::string& from, const std::string& to);
 
