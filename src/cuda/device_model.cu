@@ -428,6 +428,15 @@ struct CudaModel::Impl {
     moe_combine(y, out, slot_of, weights, T, k, D, stream);
   }
 
+  // The mHC parameters of one site of layer L (the attention one, or the feed-forward one when ffn), with the
+  // RMSNorm of the sub-layer that follows it.
+  cuda::MhcParams mhc_params(const cuda::DLayer& L, bool ffn, int64_t T) const {
+    const cuda::DHc& hc = ffn ? L.hc_ffn : L.hc_attn;
+    return cuda::MhcParams{hc.fn, hc.base, hc.scale, ffn ? L.post_norm : L.in_norm, T, cfg.hc_mult, cfg.hidden_size,
+                           static_cast<float>(cfg.rms_norm_eps), static_cast<float>(cfg.hc_eps),
+                           static_cast<int>(cfg.hc_sinkhorn_iters)};
+  }
+
   // Runs every layer; returns the final normed hidden states bf16 [T, D] (arena memory).
   cuda::bf16* hidden(const cuda::Plan& p) {
     using namespace cuda;
@@ -445,9 +454,7 @@ struct CudaModel::Impl {
     for (size_t i = 0; i < layers.size(); ++i) {
       const DLayer& L = layers[i];
       mark_begin("mhc");
-      cuda::mhc_pre(MhcParams{L.hc_attn.fn, L.hc_attn.base, L.hc_attn.scale, L.in_norm, T, S, D, eps,
-                        static_cast<float>(cfg.hc_eps), static_cast<int>(cfg.hc_sinkhorn_iters)},
-              h, post, comb, a, stream);
+      cuda::mhc_pre(mhc_params(L, false, T), h, post, comb, a, stream);
       mark_end("mhc");
       mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
       if (L.kda_layer) {
@@ -458,9 +465,7 @@ struct CudaModel::Impl {
       mark_end(L.kda_layer ? "kda layer" : "dsa layer");
       mark_begin("mhc");
       mhc_post(h, y, post, comb, T, S, D, stream);
-      cuda::mhc_pre(MhcParams{L.hc_ffn.fn, L.hc_ffn.base, L.hc_ffn.scale, L.post_norm, T, S, D, eps,
-                        static_cast<float>(cfg.hc_eps), static_cast<int>(cfg.hc_sinkhorn_iters)},
-              h, post, comb, a, stream);
+      cuda::mhc_pre(mhc_params(L, true, T), h, post, comb, a, stream);
       mark_end("mhc");
       mark_begin(L.moe_layer ? "moe" : "dense mlp");
       if (L.moe_layer) {
@@ -600,15 +605,11 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
   m.arena.reset();
   const int64_t S = m.cfg.hc_mult, D = m.cfg.hidden_size, T = static_cast<int64_t>(h.size()) / (S * D);
   const cuda::DLayer& L = m.layers.at(layer);
-  const cuda::DHc& hc = ffn ? L.hc_ffn : L.hc_attn;
   float* hd = to_device(m.arena, h, m.stream);
   float* pd = m.arena.alloc<float>(T * S);
   float* cd = m.arena.alloc<float>(T * S * S);
   cuda::bf16* ad = m.arena.alloc<cuda::bf16>(T * D);
-  cuda::mhc_pre(cuda::MhcParams{hc.fn, hc.base, hc.scale, ffn ? L.post_norm : L.in_norm, T, S, D,
-                                static_cast<float>(m.cfg.rms_norm_eps), static_cast<float>(m.cfg.hc_eps),
-                                static_cast<int>(m.cfg.hc_sinkhorn_iters)},
-                hd, pd, cd, ad, m.stream);
+  cuda::mhc_pre(m.mhc_params(L, ffn, T), hd, pd, cd, ad, m.stream);
   post = to_host(pd, T * S, m.stream);
   comb = to_host(cd, T * S * S, m.stream);
   std::vector<cuda::bf16> a16 = to_host(ad, T * D, m.stream);

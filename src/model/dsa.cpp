@@ -103,6 +103,22 @@ Selection indexer_forward(const IndexerWeights& w, const ModelConfig& c, const f
   return sel;
 }
 
+void attention_weights(const float* qh, const float* kv, int64_t NH, int64_t h, int64_t dqk, int64_t dkv, int64_t t0,
+                       const std::vector<int32_t>& keys, bool uniform, float scale, std::vector<float>& p) {
+  p.resize(keys.size());
+  float mx = -INFINITY;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const float* kh = kv + ((t0 + keys[i]) * NH + h) * dkv;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < dqk; ++d) dot += qh[d] * kh[d];
+    p[i] = uniform ? 0.0f : dot * scale;
+    mx = std::max(mx, p[i]);
+  }
+  float den = 0.0f;
+  for (float& x : p) den += (x = std::exp(x - mx));
+  for (float& x : p) x /= den;
+}
+
 void dsa_layer_forward(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
                        const std::vector<int64_t>& cu, Selection& sel, float* y) {
   dsa_layer_forward(w, c, a, T, cu, sel, y, EmptySelection::AllKeys);
@@ -140,24 +156,14 @@ void dsa_layer_forward(const DsaWeights& w, const ModelConfig& c, const float* a
         keys.resize(empty == EmptySelection::AllKeys ? L : t + 1);
         std::iota(keys.begin(), keys.end(), 0);
       }
-      std::vector<float> p(keys.size());
+      std::vector<float> p;
       for (int64_t h = 0; h < NH; ++h) {
-        const float* qh = q.data() + ((t0 + t) * NH + h) * dqk;
-        float mx = -INFINITY;
-        for (size_t i = 0; i < keys.size(); ++i) {
-          const float* kh = kv.data() + ((t0 + keys[i]) * NH + h) * dkv;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < dqk; ++d) dot += qh[d] * kh[d];
-          p[i] = uniform ? 0.0f : dot * scale;
-          mx = std::max(mx, p[i]);
-        }
-        float den = 0.0f;
-        for (float& x : p) den += (x = std::exp(x - mx));
+        attention_weights(q.data() + ((t0 + t) * NH + h) * dqk, kv.data(), NH, h, dqk, dkv, t0, keys, uniform, scale,
+                          p);
         float* oh = o.data() + ((t0 + t) * NH + h) * dv;
         for (size_t i = 0; i < keys.size(); ++i) {
           const float* vh = kv.data() + ((t0 + keys[i]) * NH + h) * dkv + dqk;
-          const float pi = p[i] / den;
-          for (int64_t d = 0; d < dv; ++d) oh[d] += pi * vh[d];
+          for (int64_t d = 0; d < dv; ++d) oh[d] += p[i] * vh[d];
         }
       }
     }

@@ -20,6 +20,11 @@ using Selection = std::vector<std::vector<int32_t>>;  // [T][≤ index_topk + kp
 Selection indexer_forward(const IndexerWeights& w, const ModelConfig& c, const float* a, const float* qr, int64_t T,
                           const std::vector<int64_t>& cu_seqlens);
 
+// Softmax weights p [keys] of query head h (qh [dqk]) over the given sequence-relative keys of kv [T, NH, dqk+dv]
+// (t0 = the sequence's first token), with scale dqk^-1/2; equal weights when `uniform` (an all-masked row).
+void attention_weights(const float* qh, const float* kv, int64_t NH, int64_t h, int64_t dqk, int64_t dkv, int64_t t0,
+                       const std::vector<int32_t>& keys, bool uniform, float scale, std::vector<float>& p);
+
 // The attention sub-layer. `sel` is read when this is a shared-indexer layer and written by a full one.
 // A query whose selection is empty (index_kpool > 1 without the tail: the first kpool−1 queries of a sequence)
 // attends uniformly to every key of its sequence, as transformers' eager attention does with an all-masked row.

@@ -28,23 +28,6 @@ std::vector<int32_t> keys_of(const Selection& sel, int64_t t0, int64_t t, int64_
   return keys;
 }
 
-// Softmax weights p [keys] of query head qh over the keys (uniform for an empty selection), as the forward.
-void attention_weights(const float* qh, const float* kv, int64_t NH, int64_t h, int64_t dqk, int64_t dkv, int64_t t0,
-                       const std::vector<int32_t>& keys, bool uniform, float scale, std::vector<float>& p) {
-  p.resize(keys.size());
-  float mx = -INFINITY;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const float* kh = kv + ((t0 + keys[i]) * NH + h) * dkv;
-    float dot = 0.0f;
-    for (int64_t d = 0; d < dqk; ++d) dot += qh[d] * kh[d];
-    p[i] = uniform ? 0.0f : dot * scale;
-    mx = std::max(mx, p[i]);
-  }
-  float den = 0.0f;
-  for (float& x : p) den += (x = std::exp(x - mx));
-  for (float& x : p) x /= den;
-}
-
 }  // namespace
 
 void dsa_layer_forward_train(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
