@@ -46,17 +46,22 @@ int main(int argc, char** argv) {
   std::vector<Case> cases{
       {"kda_fwd_T8192_H64",
        [&](const std::string& n) {
-         emit(n, nextlm::cuda_testing::time_kda_forward({8192}, H, K, 20), kda_floor_ms(8192, H, K),
-              "safe gate kernel + chunked delta rule, fp32 q/k/v/g inputs");
+         emit(n, nextlm::cuda_testing::time_kda_forward_tc({8192}, H, K, 20), kda_floor_ms(8192, H, K),
+              "tensor cores (mma.sync bf16): prepare + state kernels, bf16 q/k/v/raw gate, safe gate in the kernel");
        }},
       {"kda_fwd_varlen",
        [&](const std::string& n) {
-         emit(n, nextlm::cuda_testing::time_kda_forward(varlen, H, K, 20), kda_floor_ms(8192, H, K),
+         emit(n, nextlm::cuda_testing::time_kda_forward_tc(varlen, H, K, 20), kda_floor_ms(8192, H, K),
               "[1300,547,2048,963,271,3063]");
        }},
       {"kda_fwd_T32768_H64",
        [&](const std::string& n) {
-         emit(n, nextlm::cuda_testing::time_kda_forward({32768}, H, K, 5), kda_floor_ms(32768, H, K), "");
+         emit(n, nextlm::cuda_testing::time_kda_forward_tc({32768}, H, K, 10), kda_floor_ms(32768, H, K), "");
+       }},
+      {"kda_fwd_T8192_H64_fp32",
+       [&](const std::string& n) {
+         emit(n, nextlm::cuda_testing::time_kda_forward({8192}, H, K, 5), kda_floor_ms(8192, H, K),
+              "the fp32 CUDA-core kernels (softplus-gate fallback)");
        }},
   };
   for (const Case& c : cases)

@@ -313,26 +313,21 @@ struct CudaModel::Impl {
   void kda(const cuda::DKda& w, const cuda::Plan& p, const cuda::bf16* a, float* y) {
     using namespace cuda;
     const int64_t T = p.T, D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K;
+    const bool has_bound = cfg.linear_lower_bound.has_value();
+    const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
+    // The tensor-core path (bf16 q/k/v, gate in the kernel) for the safe gate; the fp32 kernels otherwise.
+    const bool tc = kda_tc_supported(K, has_bound, bound);
     float* raw = arena.alloc<float>(T * 3 * HK);
-    float *q = arena.alloc<float>(T * HK), *k = arena.alloc<float>(T * HK), *v = arena.alloc<float>(T * HK);
     gemm->run(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, T);
-    kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
     float* fa = arena.alloc<float>(T * K);
     bf16* fa16 = arena.alloc<bf16>(T * K);
     float* g = arena.alloc<float>(T * HK);
     gemm->run(a, D, w.f_a.w, K, D, fa, K, T);
     to_bf16(fa, fa16, T * K, stream);
     gemm->run(fa16, K, w.f_b.w, HK, K, g, HK, T);
-    kda_gate(g, w.dt_bias, w.A_log, T, H, K, cfg.linear_lower_bound.has_value(),
-             static_cast<float>(cfg.linear_lower_bound.value_or(0.0)), stream);
     float* beta = arena.alloc<float>(T * H);
     gemm->run(a, D, w.b.w, H, D, beta, H, T);
     sigmoid_inplace(beta, T * H, stream);
-    float* o = arena.alloc<float>(T * HK);
-    float* work = arena.alloc<float>(kda_workspace_floats(p.chunks.num_chunks, H, K));
-    mark_begin("kda core");
-    kda_chunked(q, k, v, g, beta, o, p.chunks, work, T, H, K, stream);
-    mark_end("kda core");
     float* ga = arena.alloc<float>(T * K);
     bf16* ga16 = arena.alloc<bf16>(T * K);
     float* gate = arena.alloc<float>(T * HK);
@@ -340,7 +335,27 @@ struct CudaModel::Impl {
     to_bf16(ga, ga16, T * K, stream);
     gemm->run(ga16, K, w.g_b.w, HK, K, gate, HK, T);
     bf16* o16 = arena.alloc<bf16>(T * HK);
-    kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
+    if (tc) {
+      bf16 *q = arena.alloc<bf16>(T * HK), *k = arena.alloc<bf16>(T * HK), *v = arena.alloc<bf16>(T * HK);
+      kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
+      bf16* o = arena.alloc<bf16>(T * HK);
+      void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(p.chunks.num_chunks, H, K));
+      mark_begin("kda core");
+      kda_chunked_tc(q, k, v, g, beta, w.dt_bias, w.A_log, bound, o, p.chunks,
+                     kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, nullptr, nullptr, stream);
+      mark_end("kda core");
+      kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
+    } else {
+      float *q = arena.alloc<float>(T * HK), *k = arena.alloc<float>(T * HK), *v = arena.alloc<float>(T * HK);
+      kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
+      kda_gate(g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, stream);
+      float* o = arena.alloc<float>(T * HK);
+      float* work = arena.alloc<float>(kda_workspace_floats(p.chunks.num_chunks, H, K));
+      mark_begin("kda core");
+      kda_chunked(q, k, v, g, beta, o, p.chunks, work, T, H, K, stream);
+      mark_end("kda core");
+      kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
+    }
     gemm->run(o16, HK, w.o.w, D, HK, y, D, T);
   }
 

@@ -9,9 +9,15 @@ namespace {
 
 constexpr int kC = 64;  // chunk length
 
+__device__ __forceinline__ void put(float* p, float x) { *p = x; }
+__device__ __forceinline__ void put(bf16* p, float x) { *p = __float2bfloat16(x); }
+__device__ __forceinline__ float get(const float* p) { return *p; }
+__device__ __forceinline__ float get(const bf16* p) { return __bfloat162float(*p); }
+
 // One warp per (token, head, which of q/k/v). Each lane owns K/32 channels.
-__global__ void conv_norm_kernel(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k,
-                                 float* v, int64_t T, int64_t H, int64_t K, int64_t W) {
+template <class OutT>
+__global__ void conv_norm_kernel(const float* raw, const float* conv, const int32_t* seq_start, OutT* q, OutT* k,
+                                 OutT* v, int64_t T, int64_t H, int64_t K, int64_t W) {
   const int64_t warp_id = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp_id >= T * H * 3) return;
@@ -33,14 +39,14 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
     vals[i] = acc;
     ss += acc * acc;
   }
-  float* out = which == 0 ? q : (which == 1 ? k : v);
+  OutT* out = which == 0 ? q : (which == 1 ? k : v);
   float scale = 1.0f;
   if (which < 2) {
     ss = warp_sum(ss);
     scale = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
   }
   for (int i = 0; i < per; ++i)
-    if (lane + 32 * i < K) out[(t * H + h) * K + lane + 32 * i] = vals[i] * scale;
+    if (lane + 32 * i < K) put(out + (t * H + h) * K + lane + 32 * i, vals[i] * scale);
 }
 
 __global__ void gate_kernel(float* g, const float* dt_bias, const float* A_log, int64_t n, int64_t H, int64_t K,
@@ -210,28 +216,39 @@ __global__ void chunk_state_kernel(const float* work, KdaChunks ch, float* o, in
 }
 
 // One warp per (token, head): RMSNorm over K with weight, times sigmoid(gate), to bf16.
-__global__ void out_norm_kernel(const float* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H,
+template <class InT>
+__global__ void out_norm_kernel(const InT* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H,
                                 int64_t K, float eps) {
   const int64_t warp_id = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp_id >= T * H) return;
-  const float* row = o + warp_id * K;
+  const InT* row = o + warp_id * K;
   float ss = 0.0f;
-  for (int64_t d = lane; d < K; d += 32) ss += row[d] * row[d];
+  for (int64_t d = lane; d < K; d += 32) ss += get(row + d) * get(row + d);
   const float r = rsqrtf(warp_sum(ss) / K + eps);
   for (int64_t d = lane; d < K; d += 32) {
     const float gt = gate[warp_id * K + d];
-    out[warp_id * K + d] = __float2bfloat16(w[d] * (row[d] * r) * (1.0f / (1.0f + expf(-gt))));
+    out[warp_id * K + d] = __float2bfloat16(w[d] * (get(row + d) * r) * (1.0f / (1.0f + expf(-gt))));
   }
 }
 
 }  // namespace
 
-void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k, float* v,
-                   int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st) {
+template <class OutT>
+void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, OutT* q, OutT* k, OutT* v, int64_t T,
+               int64_t H, int64_t K, int64_t W, cudaStream_t st) {
   check(K <= 256, "CUDA KDA: linear_head_dim must be at most 256, got ", K);
   const int64_t warps = T * H * 3;
   if (warps) conv_norm_kernel<<<ceil_div(warps * 32, 256), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, W);
+}
+
+void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k, float* v,
+                   int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st) {
+  conv_norm(raw, conv, seq_start, q, k, v, T, H, K, W, st);
+}
+void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, bf16* q, bf16* k, bf16* v,
+                   int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st) {
+  conv_norm(raw, conv, seq_start, q, k, v, T, H, K, W, st);
 }
 
 void kda_gate(float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K, bool has_bound,
@@ -266,6 +283,11 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
 }
 
 void kda_out_norm(const float* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H, int64_t K,
+                  float eps, cudaStream_t st) {
+  const int64_t warps = T * H;
+  if (warps) out_norm_kernel<<<ceil_div(warps * 32, 256), 256, 0, st>>>(o, gate, w, out, T, H, K, eps);
+}
+void kda_out_norm(const bf16* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H, int64_t K,
                   float eps, cudaStream_t st) {
   const int64_t warps = T * H;
   if (warps) out_norm_kernel<<<ceil_div(warps * 32, 256), 256, 0, st>>>(o, gate, w, out, T, H, K, eps);

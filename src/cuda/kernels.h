@@ -39,6 +39,8 @@ void to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st);
 // is the first token of t's sequence), SiLU, and for q, k the L2 norm (q also times K^-1/2). conv fp32 [3·HK, W].
 void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k, float* v,
                    int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st);
+void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, bf16* q, bf16* k, bf16* v,
+                   int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st);
 // g [T, HK] in place: from f_b output to the log decay (safe gate when has_bound, else softplus form).
 void kda_gate(float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K, bool has_bound,
               float bound, cudaStream_t st);
@@ -58,6 +60,26 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
 // o [T, H, K] ← RMSNorm_K(o; w)·sigmoid(gate), written as bf16 [T, HK].
 void kda_out_norm(const float* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H, int64_t K,
                   float eps, cudaStream_t st);
+void kda_out_norm(const bf16* o, const float* gate, const float* w, bf16* out, int64_t T, int64_t H, int64_t K,
+                  float eps, cudaStream_t st);
+
+// The chunked delta rule on tensor cores (src/cuda/kda_tc.cu) for the safe gate: q, k, v bf16 [T, H, K] as
+// kda_conv_norm leaves them, graw [T, HK] the f_b output before dt_bias (fp32 or bf16), beta [T, H] after the
+// sigmoid; o bf16 [T, H, K]. s_in / s_out (either may be null): fp32 states [num_seqs, H, K, K] to start from / to
+// leave. The workspace holds per (chunk, head) factors: kda_tc_workspace_bytes bytes, carved by kda_tc_workspace.
+struct KdaTcWork {
+  bf16 *w, *u, *qg, *kd, *aqk;
+  float* gl;
+};
+bool kda_tc_supported(int64_t K, bool has_bound, float bound);
+size_t kda_tc_workspace_bytes(int64_t num_chunks, int64_t H, int64_t K);
+KdaTcWork kda_tc_workspace(void* base, int64_t num_chunks, int64_t H, int64_t K);
+void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
+                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st);
+void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
+                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st);
 
 // ---- DSA ----
 void layernorm_rows(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, cudaStream_t st);

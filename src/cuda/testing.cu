@@ -14,6 +14,10 @@ namespace {
 struct Buf {
   void* p = nullptr;
   explicit Buf(size_t bytes) { NEXTLM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1))); }
+  Buf(Buf&& o) noexcept : p(o.p) { o.p = nullptr; }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  Buf& operator=(Buf&&) = delete;
   ~Buf() { cudaFree(p); }
   template <class T>
   T* as() {
@@ -26,6 +30,12 @@ Buf upload(const std::vector<T>& v) {
   Buf b(v.size() * sizeof(T));
   NEXTLM_CUDA_CHECK(cudaMemcpy(b.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return b;
+}
+
+std::vector<cuda::bf16> to_bf16(const std::vector<float>& x) {
+  std::vector<cuda::bf16> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = __float2bfloat16(x[i]);
+  return y;
 }
 
 struct Chunks {
@@ -61,6 +71,97 @@ std::vector<float> kda_chunked(const std::vector<float>& q, const std::vector<fl
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   NEXTLM_CUDA_CHECK(cudaMemcpy(out.data(), o.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return out;
+}
+
+std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                                  const std::vector<float>& graw, const std::vector<float>& beta,
+                                  const std::vector<float>& A_log, const std::vector<float>& dt_bias, float bound,
+                                  const std::vector<int64_t>& cu, int64_t H, int64_t K, const std::vector<float>& s_in,
+                                  std::vector<float>* s_out) {
+  const int64_t T = cu.back(), N = static_cast<int64_t>(cu.size()) - 1;
+  Chunks ch(cu);
+  Buf dq = upload(to_bf16(q)), dk = upload(to_bf16(k)), dv = upload(to_bf16(v)), dg = upload(graw), db = upload(beta);
+  Buf da = upload(A_log), dd = upload(dt_bias);
+  Buf cs = upload(ch.cs), cl = upload(ch.cl), sf = upload(ch.sf), sn = upload(ch.sn);
+  Buf o = upload(std::vector<cuda::bf16>(T * H * K, __float2bfloat16(NAN)));
+  Buf si = upload(s_in);
+  Buf so = upload(std::vector<float>(N * H * K * K, NAN));
+  const int64_t nc = static_cast<int64_t>(ch.cs.size());
+  Buf work(cuda::kda_tc_workspace_bytes(nc, H, K));
+  cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(), nc, N};
+  cuda::kda_chunked_tc(dq.as<cuda::bf16>(), dk.as<cuda::bf16>(), dv.as<cuda::bf16>(), dg.as<float>(), db.as<float>(),
+                       dd.as<float>(), da.as<float>(), bound, o.as<cuda::bf16>(), kc,
+                       cuda::kda_tc_workspace(work.p, nc, H, K), H, K, s_in.empty() ? nullptr : si.as<float>(),
+                       so.as<float>(), nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  std::vector<cuda::bf16> out16(T * H * K);
+  NEXTLM_CUDA_CHECK(cudaMemcpy(out16.data(), o.p, out16.size() * 2, cudaMemcpyDeviceToHost));
+  if (s_out) {
+    s_out->resize(N * H * K * K);
+    NEXTLM_CUDA_CHECK(cudaMemcpy(s_out->data(), so.p, s_out->size() * sizeof(float), cudaMemcpyDeviceToHost));
+  }
+  std::vector<float> out(out16.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = __bfloat162float(out16[i]);
+  return out;
+}
+
+double time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {
+  std::vector<int64_t> cu{0};
+  for (int64_t L : seqlens) cu.push_back(cu.back() + L);
+  const int64_t T = cu.back(), n = T * H * K;
+  std::mt19937 gen(1);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto rnd = [&](int64_t m, float scale) {
+    std::vector<float> x(m);
+    for (float& e : x) e = nd(gen) * scale;
+    return x;
+  };
+  std::vector<float> q = rnd(n, 1.0f), k = rnd(n, 1.0f);
+  for (int64_t r = 0; r < T * H; ++r) {
+    double sq = 0, sk = 0;
+    for (int64_t d = 0; d < K; ++d) sq += q[r * K + d] * q[r * K + d], sk += k[r * K + d] * k[r * K + d];
+    for (int64_t d = 0; d < K; ++d) q[r * K + d] /= std::sqrt(sq * K), k[r * K + d] /= std::sqrt(sk);
+  }
+  std::vector<float> beta = rnd(T * H, 1.0f);
+  for (float& b : beta) b = 1.0f / (1.0f + std::exp(-b));
+  Chunks ch(cu);
+  const int64_t nc = static_cast<int64_t>(ch.cs.size());
+  // Several input sets, rotated, so that the timed runs do not find their inputs in L2.
+  constexpr int kSets = 3;
+  std::vector<Buf> bq, bk, bv, bg;
+  for (int i = 0; i < kSets; ++i) {
+    bq.push_back(upload(to_bf16(q)));
+    bk.push_back(upload(to_bf16(k)));
+    bv.push_back(upload(to_bf16(rnd(n, 1.0f))));
+    bg.push_back(upload(to_bf16(rnd(n, 1.0f))));
+  }
+  Buf db = upload(beta), dt = upload(rnd(H * K, 0.5f)), alog = upload(rnd(H, 0.5f));
+  Buf o(n * 2), work(cuda::kda_tc_workspace_bytes(nc, H, K));
+  Buf cs = upload(ch.cs), cl = upload(ch.cl), sf = upload(ch.sf), sn = upload(ch.sn);
+  cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(), nc,
+                     static_cast<int64_t>(seqlens.size())};
+  const cuda::KdaTcWork w = cuda::kda_tc_workspace(work.p, nc, H, K);
+  cudaEvent_t a, b;
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int it = 0; it < iters + 3; ++it) {
+    const int s = it % kSets;
+    NEXTLM_CUDA_CHECK(cudaEventRecord(a));
+    cuda::kda_chunked_tc(bq[s].as<cuda::bf16>(), bk[s].as<cuda::bf16>(), bv[s].as<cuda::bf16>(),
+                         bg[s].as<cuda::bf16>(), db.as<float>(), dt.as<float>(), alog.as<float>(), -5.0f,
+                         o.as<cuda::bf16>(), kc, w, H, K, nullptr, nullptr, nullptr);
+    NEXTLM_CUDA_CHECK(cudaEventRecord(b));
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    float t = 0;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    if (it >= 3) ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {

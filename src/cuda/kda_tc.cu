@@ -1,0 +1,539 @@
+// The chunked KDA forward on tensor cores (mma.sync bf16 → fp32), for the safe gate, in two kernels:
+//
+// 1. prepare, parallel over (chunk, head): the gate from the raw f_b output, its cumulative sum gc within the chunk
+//    (fp32), the decay-weighted scores Akk = (k∘e^gc)(k∘e^−gc)ᵀ and Aqk = (q∘e^gc)(k∘e^−gc)ᵀ on tensor cores, the
+//    inverse T = (I + β·strict(Akk))⁻¹ in fp32, and W = T(βk∘e^gc), U = T(βv) on tensor cores; written as bf16 with
+//    qg = q∘e^gc, kd = k∘e^(gl−gc), Aqk (causal) and gl = gc of the last row (fp32).
+// 2. state, sequential over the chunks of a sequence, parallel over (sequence, head, value tile): carries the fp32
+//    state S[:, tile] in registers and per chunk computes v_new = U − W·S, o = qg·S + Aqk·v_new and
+//    S ← e^gl∘S + kdᵀ·v_new, with the chunk's factors double-buffered into shared memory by cp.async.
+//
+// Overflow: e^gc and e^−gc are never formed across a whole chunk. Row block I (16 rows) uses the reference
+// m_I = gc[16I + 8]; left factors e^(gc_i − m_I) and right factors e^(m_I − gc_j) are at most e^(8·|bound|) on the
+// diagonal block and at most 1 off it, so with the safe gate (bound ≥ −10) nothing overflows fp32 or bf16, and what
+// underflows is a product below 1e-21. The softplus gate has no bound: it uses the fp32 kernels of kda.cu.
+#include "cuda/kernels.h"
+#include "cuda/mma.cuh"
+
+namespace nextlm::cuda {
+
+namespace {
+
+constexpr int kC = 64;         // chunk length
+constexpr int kThreads = 128;  // four warps; warp w owns rows 16w..16w+15 of a chunk
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+template <class T>
+__device__ __forceinline__ float to_f(T x);
+template <>
+__device__ __forceinline__ float to_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_f<bf16>(bf16 x) {
+  return __bfloat162float(x);
+}
+
+__device__ __forceinline__ void store2(bf16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+template <int K>
+struct PrepLayout {
+  static constexpr int KS = K + 8;  // bf16 row stride of the [64][K] tiles (keeps ldmatrix free of bank conflicts)
+  static constexpr int tile = kC * KS;
+  static constexpr int IS = kC + 1;  // fp32 row stride of the 64×64 matrices of the inversion
+  // One region reused three times: the raw gate, then the right factors R_I (16(I+1) rows each, 160 in all), then
+  // Akk·β, its inverse and a 3×16×16 scratch.
+  static constexpr int region =
+      cmax(cmax(kC * K * 4, 160 * KS * 2), (2 * kC * IS + 3 * 16 * 17) * 4);
+  static constexpr int bytes = 4 * tile * 2 + region + kC * 4;
+};
+
+template <int K, class GT>
+__global__ void __launch_bounds__(kThreads)
+    prepare_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                   const GT* __restrict__ graw, const float* __restrict__ beta, const float* __restrict__ dt_bias,
+                   const float* __restrict__ A_log, float bound, KdaChunks ch, KdaTcWork w, int H) {
+  using L = PrepLayout<K>;
+  constexpr int KS = L::KS, IS = L::IS;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* QT = reinterpret_cast<bf16*>(smem);  // q, then q∘e^(gc − m_I)
+  bf16* KT = QT + L::tile;                   // k, then k∘e^(gc − m_I)
+  bf16* VT = KT + L::tile;                   // v, then βv
+  bf16* KB = VT + L::tile;                   // βk∘e^gc
+  unsigned char* region = smem + 4 * L::tile * 2;
+  GT* gst = reinterpret_cast<GT*>(region);
+  bf16* R = reinterpret_cast<bf16*>(region);
+  float* Bm = reinterpret_cast<float*>(region);
+  float* Tm = Bm + kC * IS;
+  float* Xs = Tm + kC * IS;
+  float* bt = reinterpret_cast<float*>(region + L::region);
+
+  const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int64_t t0 = ch.chunk_start[c];
+  const int n = ch.chunk_len[c];
+  const int64_t HK = int64_t(H) * K;
+  const int64_t ch_head = int64_t(c) * H + h;
+
+  // Stage q, k, v and the raw gate (rows past the chunk's end zero-filled).
+  constexpr int qp = K / 8;
+  for (int i = tid; i < kC * qp; i += kThreads) {
+    const int r = i / qp, p = i % qp;
+    const bool in = r < n;
+    const int64_t src = (t0 + (in ? r : 0)) * HK + int64_t(h) * K + p * 8;
+    cp_async16(QT + r * KS + p * 8, q + src, in);
+    cp_async16(KT + r * KS + p * 8, k + src, in);
+    cp_async16(VT + r * KS + p * 8, v + src, in);
+  }
+  constexpr int gper = 16 / int(sizeof(GT)), gp = K / gper;
+  for (int i = tid; i < kC * gp; i += kThreads) {
+    const int r = i / gp, p = i % gp;
+    const bool in = r < n;
+    cp_async16(gst + r * K + p * gper, graw + (t0 + (in ? r : 0)) * HK + int64_t(h) * K + p * gper, in);
+  }
+  cp_async_commit();
+  if (tid < kC) bt[tid] = tid < n ? beta[(t0 + tid) * H + h] : 0.0f;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Thread d owns channel d: the gate and its running sum down the chunk, in registers.
+  const int d = tid;
+  const bool active = d < K;
+  float gcol[kC];
+  if (active) {
+    const float rate = expf(A_log[h]), bias = dt_bias[h * K + d];
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      float gi = 0.0f;
+      if (i < n) gi = bound / (1.0f + expf(-rate * (to_f(gst[i * K + d]) + bias)));
+      acc += gi;
+      gcol[i] = acc;
+    }
+  }
+  __syncthreads();  // the gate staging is now free for R
+
+  if (active) {
+    const float gl = gcol[kC - 1];
+    float m[4];
+#pragma unroll
+    for (int I = 0; I < 4; ++I) m[I] = gcol[16 * I + 8];
+    const int64_t out0 = ch_head * kC * K + d;
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      const int I = i / 16;
+      const float kv = __bfloat162float(KT[i * KS + d]), qv = __bfloat162float(QT[i * KS + d]);
+      const float vv = __bfloat162float(VT[i * KS + d]), b = bt[i];
+      const float e = __expf(gcol[i]), left = __expf(gcol[i] - m[I]);
+      KT[i * KS + d] = __float2bfloat16(kv * left);
+      QT[i * KS + d] = __float2bfloat16(qv * left);
+      VT[i * KS + d] = __float2bfloat16(b * vv);
+      KB[i * KS + d] = __float2bfloat16(b * kv * e);
+#pragma unroll
+      for (int J = I; J < 4; ++J) R[(8 * J * (J + 1) + i) * KS + d] = __float2bfloat16(kv * __expf(m[J] - gcol[i]));
+      w.qg[out0 + i * K] = __float2bfloat16(qv * e);
+      w.kd[out0 + i * K] = __float2bfloat16(kv * __expf(gl - gcol[i]));
+    }
+    w.gl[ch_head * K + d] = gl;
+  }
+  __syncthreads();
+
+  // Row block I = warp: Akk and Aqk against column blocks J ≤ I. Aqk goes out (causal, bf16); Akk stays in registers.
+  const int I = warp;
+  const bf16* RI = R + 8 * I * (I + 1) * KS;
+  bf16* aqk = w.aqk + ch_head * kC * kC;
+  float akk[4][2][4];
+#pragma unroll
+  for (int J = 0; J < 4; ++J) {
+    if (J > I) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          store2(aqk + (16 * I + gq + 8 * hf) * kC + 16 * J + 8 * nt + 2 * tq, 0.0f, 0.0f);
+          akk[J][nt][2 * hf] = akk[J][nt][2 * hf + 1] = 0.0f;
+        }
+      continue;
+    }
+    float ck[2][4] = {}, cq[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      uint32_t ak[4], aq[4], b[4];
+      load_a(ak, KT + 16 * I * KS + 16 * kk, KS);
+      load_a(aq, QT + 16 * I * KS + 16 * kk, KS);
+      load_b_nk(b, RI + 16 * J * KS + 16 * kk, KS);
+      mma_bf16(ck[0], ak, b[0], b[1]);
+      mma_bf16(ck[1], ak, b[2], b[3]);
+      mma_bf16(cq[0], aq, b[0], b[1]);
+      mma_bf16(cq[1], aq, b[2], b[3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * I + gq + 8 * hf, j = 16 * J + 8 * nt + 2 * tq;
+        store2(aqk + i * kC + j, j <= i ? cq[nt][2 * hf] : 0.0f, j + 1 <= i ? cq[nt][2 * hf + 1] : 0.0f);
+        akk[J][nt][2 * hf] = ck[nt][2 * hf];
+        akk[J][nt][2 * hf + 1] = ck[nt][2 * hf + 1];
+      }
+  }
+  __syncthreads();  // R is dead: the region now holds Bm = β·strict(Akk), Tm = (I + Bm)⁻¹ and Xs
+#pragma unroll
+  for (int J = 0; J < 4; ++J)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * I + gq + 8 * hf, j = 16 * J + 8 * nt + 2 * tq;
+        Bm[i * IS + j] = j < i ? bt[i] * akk[J][nt][2 * hf] : 0.0f;
+        Bm[i * IS + j + 1] = j + 1 < i ? bt[i] * akk[J][nt][2 * hf + 1] : 0.0f;
+      }
+  __syncthreads();
+
+  // Diagonal blocks of T by forward substitution, one warp each; lane j (mod 16) owns column j.
+  {
+    const int w0 = 16 * warp, j = lane & 15;
+    float tc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tc[i] = i == j ? 1.0f : 0.0f;
+#pragma unroll
+    for (int i = 1; i < 16; ++i) {
+      float s = 0.0f;
+#pragma unroll
+      for (int mm = 0; mm < i; ++mm) s += Bm[(w0 + i) * IS + w0 + mm] * tc[mm];
+      if (i > j) tc[i] = -s;
+    }
+    if (lane < 16)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Tm[(w0 + i) * IS + w0 + j] = tc[i];
+  }
+  __syncthreads();
+  // Off-diagonal blocks, block row by block row: T_IJ = −T_II · Σ_{J≤M<I} Bm_IM · T_MJ.
+#pragma unroll 1
+  for (int BI = 1; BI < 4; ++BI) {
+    for (int e = tid; e < BI * 256; e += kThreads) {
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      float s = 0.0f;
+      for (int M = J; M < BI; ++M)
+#pragma unroll
+        for (int mm = 0; mm < 16; ++mm) s += Bm[(16 * BI + r) * IS + 16 * M + mm] * Tm[(16 * M + mm) * IS + 16 * J + cc];
+      Xs[(J * 16 + r) * 17 + cc] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < BI * 256; e += kThreads) {
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      float s = 0.0f;
+      for (int q2 = 0; q2 <= r; ++q2) s += Tm[(16 * BI + r) * IS + 16 * BI + q2] * Xs[(J * 16 + q2) * 17 + cc];
+      Tm[(16 * BI + r) * IS + 16 * J + cc] = -s;
+    }
+    __syncthreads();
+  }
+
+  // W = T·KB and U = T·VT: warp w computes rows 16w..16w+15 over the column blocks kb ≤ w (T is lower triangular).
+  const int r0 = 16 * warp;
+  const int64_t base = ch_head * kC * K;
+#pragma unroll 1
+  for (int which = 0; which < 2; ++which) {
+    const bf16* Bt = which ? VT : KB;
+    bf16* out = (which ? w.u : w.w) + base;
+    float acc[K / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int kb = 0; kb <= warp; ++kb) {
+      const float* tr0 = Tm + (r0 + gq) * IS + 16 * kb + 2 * tq;
+      const float* tr1 = tr0 + 8 * IS;
+      const uint32_t a[4] = {pack_bf16(tr0[0], tr0[1]), pack_bf16(tr1[0], tr1[1]), pack_bf16(tr0[8], tr0[9]),
+                             pack_bf16(tr1[8], tr1[9])};
+#pragma unroll
+      for (int np = 0; np < K / 16; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, Bt + 16 * kb * KS + 16 * np, KS);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      store2(out + (r0 + gq) * K + 8 * nt + 2 * tq, acc[nt][0], acc[nt][1]);
+      store2(out + (r0 + gq + 8) * K + 8 * nt + 2 * tq, acc[nt][2], acc[nt][3]);
+    }
+  }
+}
+
+template <int K, int TV>
+struct StateLayout {
+  static constexpr int KS = K + 8, AS = kC + 8, VS = TV + 8;
+  static constexpr int stage_elems = 3 * kC * KS + kC * AS + kC * VS;  // W, QG, KD, AQ, U (bf16), then GL (fp32)
+  static constexpr int stage_bytes = stage_elems * 2 + K * 4;
+  static constexpr int bytes = 2 * stage_bytes + K * VS * 2 + kC * VS * 2;
+};
+
+template <int K, int TV>
+__global__ void __launch_bounds__(kThreads)
+    state_kernel(KdaTcWork w, KdaChunks ch, bf16* __restrict__ o, const float* __restrict__ s_in,
+                 float* __restrict__ s_out, int H) {
+  using L = StateLayout<K, TV>;
+  constexpr int KS = L::KS, AS = L::AS, VS = L::VS;
+  constexpr int MT = K / 16, MTW = (MT + 3) / 4, NT = TV / 8;
+  static_assert(L::stage_bytes % 16 == 0 && (L::stage_elems * 2) % 16 == 0, "16-byte aligned stages");
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Sb = reinterpret_cast<bf16*>(smem + 2 * L::stage_bytes);  // S as bf16 [K][VS]
+  bf16* VN = Sb + K * VS;                                         // v_new as bf16 [64][VS]
+
+  const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * TV;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int64_t HK = int64_t(H) * K;
+  const int first = ch.seq_first_chunk[seq], count = ch.seq_num_chunks[seq];
+  const int64_t state0 = (int64_t(seq) * H + h) * K * K;
+
+  float s[MTW][NT][4];
+#pragma unroll
+  for (int qi = 0; qi < MTW; ++qi)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
+        s[qi][nt][x] = (s_in && mt < MT) ? s_in[state0 + int64_t(dd) * K + e] : 0.0f;
+      }
+
+  auto stage_ptr = [&](int st) { return smem + st * L::stage_bytes; };
+  auto load_stage = [&](int cidx, int st) {
+    bf16* Ws = reinterpret_cast<bf16*>(stage_ptr(st));
+    bf16* Qs = Ws + kC * KS;
+    bf16* Ks = Qs + kC * KS;
+    bf16* As = Ks + kC * KS;
+    bf16* Us = As + kC * AS;
+    float* Gs = reinterpret_cast<float*>(stage_ptr(st) + L::stage_elems * 2);
+    const int64_t ch_head = int64_t(cidx) * H + h;
+    const bf16* gw = w.w + ch_head * kC * K;
+    const bf16* gqg = w.qg + ch_head * kC * K;
+    const bf16* gkd = w.kd + ch_head * kC * K;
+    constexpr int kp = K / 8;
+    for (int i = tid; i < kC * kp; i += kThreads) {
+      const int r = i / kp, p = i % kp;
+      cp_async16(Ws + r * KS + p * 8, gw + r * K + p * 8, true);
+      cp_async16(Qs + r * KS + p * 8, gqg + r * K + p * 8, true);
+      cp_async16(Ks + r * KS + p * 8, gkd + r * K + p * 8, true);
+    }
+    const bf16* ga = w.aqk + ch_head * kC * kC;
+    for (int i = tid; i < kC * (kC / 8); i += kThreads) {
+      const int r = i / (kC / 8), p = i % (kC / 8);
+      cp_async16(As + r * AS + p * 8, ga + r * kC + p * 8, true);
+    }
+    const bf16* gu = w.u + ch_head * kC * K + c0;
+    for (int i = tid; i < kC * (TV / 8); i += kThreads) {
+      const int r = i / (TV / 8), p = i % (TV / 8);
+      cp_async16(Us + r * VS + p * 8, gu + r * K + p * 8, true);
+    }
+    for (int i = tid; i < K / 4; i += kThreads) cp_async16(Gs + 4 * i, w.gl + ch_head * K + 4 * i, true);
+  };
+
+  if (count > 0) load_stage(first, 0);
+  cp_async_commit();
+  const int r0 = 16 * warp;
+#pragma unroll 1
+  for (int it = 0; it < count; ++it) {
+    const int cidx = first + it, st = it & 1;
+    if (it + 1 < count) load_stage(cidx + 1, st ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    const bf16* Ws = reinterpret_cast<const bf16*>(stage_ptr(st));
+    const bf16* Qs = Ws + kC * KS;
+    const bf16* Ks = Qs + kC * KS;
+    const bf16* As = Ks + kC * KS;
+    const bf16* Us = As + kC * AS;
+    const float* Gs = reinterpret_cast<const float*>(stage_ptr(st) + L::stage_elems * 2);
+    const int64_t t0 = ch.chunk_start[cidx];
+    const int n = ch.chunk_len[cidx];
+
+    // S → bf16 for the products below.
+#pragma unroll
+    for (int qi = 0; qi < MTW; ++qi) {
+      const int mt = warp + 4 * qi;
+      if (mt >= MT) continue;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        store2(Sb + (16 * mt + gq) * VS + 8 * nt + 2 * tq, s[qi][nt][0], s[qi][nt][1]);
+        store2(Sb + (16 * mt + gq + 8) * VS + 8 * nt + 2 * tq, s[qi][nt][2], s[qi][nt][3]);
+      }
+    }
+    __syncthreads();
+
+    // v_new = U − W·S and the first half of o = qg·S.
+    float p[NT][4], oc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) p[nt][x] = oc[nt][x] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      uint32_t aw[4], aq[4];
+      load_a(aw, Ws + r0 * KS + 16 * kk, KS);
+      load_a(aq, Qs + r0 * KS + 16 * kk, KS);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, Sb + 16 * kk * VS + 16 * np, VS);
+        mma_bf16(p[2 * np], aw, b[0], b[1]);
+        mma_bf16(p[2 * np + 1], aw, b[2], b[3]);
+        mma_bf16(oc[2 * np], aq, b[0], b[1]);
+        mma_bf16(oc[2 * np + 1], aq, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = r0 + gq + 8 * hf, col = 8 * nt + 2 * tq;
+        const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(Us + row * VS + col);
+        store2(VN + row * VS + col, __low2float(u) - p[nt][2 * hf], __high2float(u) - p[nt][2 * hf + 1]);
+      }
+    __syncthreads();
+
+    // o += Aqk·v_new (causal: column blocks kb ≤ warp), then out.
+    for (int kb = 0; kb <= warp; ++kb) {
+      uint32_t a[4];
+      load_a(a, As + r0 * AS + 16 * kb, AS);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, VN + 16 * kb * VS + 16 * np, VS);
+        mma_bf16(oc[2 * np], a, b[0], b[1]);
+        mma_bf16(oc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = r0 + gq + 8 * hf;
+        if (row < n)
+          store2(o + (t0 + row) * HK + int64_t(h) * K + c0 + 8 * nt + 2 * tq, oc[nt][2 * hf], oc[nt][2 * hf + 1]);
+      }
+
+    // S ← e^gl∘S + kdᵀ·v_new.
+#pragma unroll
+    for (int qi = 0; qi < MTW; ++qi) {
+      const int mt = warp + 4 * qi;
+      if (mt >= MT) continue;
+      const float e0 = __expf(Gs[16 * mt + gq]), e1 = __expf(Gs[16 * mt + gq + 8]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[qi][nt][0] *= e0;
+        s[qi][nt][1] *= e0;
+        s[qi][nt][2] *= e1;
+        s[qi][nt][3] *= e1;
+      }
+    }
+#pragma unroll
+    for (int kb = 0; kb < kC / 16; ++kb) {
+      uint32_t b[NT / 2][4];
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) load_b_kn(b[np], VN + 16 * kb * VS + 16 * np, VS);
+#pragma unroll
+      for (int qi = 0; qi < MTW; ++qi) {
+        const int mt = warp + 4 * qi;
+        if (mt >= MT) continue;
+        uint32_t a[4];
+        load_a_t(a, Ks + 16 * kb * KS + 16 * mt, KS);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          mma_bf16(s[qi][2 * np], a, b[np][0], b[np][1]);
+          mma_bf16(s[qi][2 * np + 1], a, b[np][2], b[np][3]);
+        }
+      }
+    }
+    __syncthreads();  // everyone is done with this stage and with VN and Sb
+  }
+  cp_async_wait<0>();
+
+  if (s_out) {
+#pragma unroll
+    for (int qi = 0; qi < MTW; ++qi)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
+          if (mt < MT) s_out[state0 + int64_t(dd) * K + e] = s[qi][nt][x];
+        }
+  }
+}
+
+template <int K, int TV, class GT>
+void launch(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta, const float* dt_bias,
+            const float* A_log, float bound, bf16* o, const KdaChunks& ch, const KdaTcWork& w, int64_t H,
+            const float* s_in, float* s_out, cudaStream_t st) {
+  const int prep = PrepLayout<K>::bytes, state = StateLayout<K, TV>::bytes;
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prepare_kernel<K, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, prep));
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(state_kernel<K, TV>, cudaFuncAttributeMaxDynamicSharedMemorySize, state));
+  if (ch.num_chunks)
+    prepare_kernel<K, GT><<<dim3(static_cast<unsigned>(ch.num_chunks), static_cast<unsigned>(H)), kThreads, prep, st>>>(
+        q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, static_cast<int>(H));
+  if (ch.num_seqs)
+    state_kernel<K, TV><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV), kThreads, state,
+                          st>>>(w, ch, o, s_in, s_out, static_cast<int>(H));
+}
+
+template <class GT>
+void dispatch(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta, const float* dt_bias,
+              const float* A_log, float bound, bf16* o, const KdaChunks& ch, const KdaTcWork& w, int64_t H, int64_t K,
+              const float* s_in, float* s_out, cudaStream_t st) {
+  switch (K) {
+    case 16: return launch<16, 16>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
+    case 32: return launch<32, 32>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
+    case 64: return launch<64, 64>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
+    case 128: return launch<128, 64>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
+    default: fail("CUDA KDA (tensor cores): linear_head_dim must be 16, 32, 64 or 128, got ", K);
+  }
+}
+
+}  // namespace
+
+bool kda_tc_supported(int64_t K, bool has_bound, float bound) {
+  return has_bound && bound >= -10.0f && bound < 0.0f && (K == 16 || K == 32 || K == 64 || K == 128);
+}
+
+size_t kda_tc_workspace_bytes(int64_t num_chunks, int64_t H, int64_t K) {
+  // W, U, qg, kd [64, K] and Aqk [64, 64] in bf16, gl [K] in fp32, per (chunk, head); each array 256-byte aligned.
+  const size_t per = static_cast<size_t>(num_chunks * H);
+  auto al = [](size_t b) { return (b + 255) / 256 * 256; };
+  return 4 * al(per * kC * K * 2) + al(per * kC * kC * 2) + al(per * K * 4);
+}
+
+KdaTcWork kda_tc_workspace(void* base, int64_t num_chunks, int64_t H, int64_t K) {
+  const size_t per = static_cast<size_t>(num_chunks * H);
+  auto al = [](size_t b) { return (b + 255) / 256 * 256; };
+  auto* p = static_cast<unsigned char*>(base);
+  KdaTcWork w{};
+  w.w = reinterpret_cast<bf16*>(p);
+  p += al(per * kC * K * 2);
+  w.u = reinterpret_cast<bf16*>(p);
+  p += al(per * kC * K * 2);
+  w.qg = reinterpret_cast<bf16*>(p);
+  p += al(per * kC * K * 2);
+  w.kd = reinterpret_cast<bf16*>(p);
+  p += al(per * kC * K * 2);
+  w.aqk = reinterpret_cast<bf16*>(p);
+  p += al(per * kC * kC * 2);
+  w.gl = reinterpret_cast<float*>(p);
+  return w;
+}
+
+void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
+                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st) {
+  dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, K, s_in, s_out, st);
+}
+
+void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
+                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st) {
+  dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, K, s_in, s_out, st);
+}
+
+}  // namespace nextlm::cuda
