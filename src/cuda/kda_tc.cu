@@ -263,6 +263,262 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+
+// The same prepare with eight warps and two threads per channel (rows 0–31 and 32–63), so that each thread's serial
+// part is half as long and an SM holds twice the warps; and two exponentials per element instead of about six:
+// base = e^(m_I − gc_i) and left = e^(gc_i − m_I), the rest from per-channel constants
+// (e^(m_J − m_I) ≤ 1 for J ≥ I, e^(gl − m_I) ≤ 1, e^(m_I)).
+constexpr int kThreads2 = 256;
+
+template <int K>
+struct Prep2Layout {
+  static constexpr int KS = K + 8, tile = kC * KS, IS = kC + 1;
+  // R is stored unpadded with its 16-byte pieces XOR-swizzled by row (so that the layout fits two blocks per SM).
+  static constexpr int region = cmax(cmax(kC * K * 4, 160 * K * 2), (2 * kC * IS + 3 * 16 * 17) * 4);
+  static constexpr int bytes = 4 * tile * 2 + region + kC * 4 + 5 * K * 4;  // + β, m_I and gl per channel
+};
+
+// Element (row, col) of the swizzled R: piece col/8 of row `row` sits at piece (col/8) ^ (row mod 8) (mod the
+// pieces of a row, which are fewer than 8 when K < 64).
+template <int K>
+__device__ __forceinline__ int rsw(int row, int col) {
+  constexpr int pieces = K / 8, mask = (pieces < 8 ? pieces : 8) - 1;
+  return row * K + (((col >> 3) ^ (row & mask)) << 3) + (col & 7);
+}
+
+template <int K, class GT>
+__global__ void __launch_bounds__(kThreads2, 2)
+    prepare2_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                    const GT* __restrict__ graw, const float* __restrict__ beta, const float* __restrict__ dt_bias,
+                    const float* __restrict__ A_log, float bound, KdaChunks ch, KdaTcWork w, int H) {
+  using L = Prep2Layout<K>;
+  constexpr int KS = L::KS, IS = L::IS;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* QT = reinterpret_cast<bf16*>(smem);
+  bf16* KT = QT + L::tile;
+  bf16* VT = KT + L::tile;
+  bf16* KB = VT + L::tile;
+  unsigned char* region = smem + 4 * L::tile * 2;
+  GT* gst = reinterpret_cast<GT*>(region);
+  bf16* R = reinterpret_cast<bf16*>(region);
+  float* Bm = reinterpret_cast<float*>(region);
+  float* Tm = Bm + kC * IS;
+  float* Xs = Tm + kC * IS;
+  float* bt = reinterpret_cast<float*>(region + L::region);
+  float* mref = bt + kC;      // [4][K]
+  float* glv = mref + 4 * K;  // [K]; first the sum of rows 0–31 per channel, then gl
+
+  const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int64_t t0 = ch.chunk_start[c];
+  const int n = ch.chunk_len[c];
+  const int64_t HK = int64_t(H) * K;
+  const int64_t ch_head = int64_t(c) * H + h;
+
+  constexpr int qp = K / 8;
+  for (int i = tid; i < kC * qp; i += kThreads2) {
+    const int r = i / qp, p = i % qp;
+    const bool in = r < n;
+    const int64_t src = (t0 + (in ? r : 0)) * HK + int64_t(h) * K + p * 8;
+    cp_async16(QT + r * KS + p * 8, q + src, in);
+    cp_async16(KT + r * KS + p * 8, k + src, in);
+    cp_async16(VT + r * KS + p * 8, v + src, in);
+  }
+  constexpr int gper = 16 / int(sizeof(GT)), gp = K / gper;
+  for (int i = tid; i < kC * gp; i += kThreads2) {
+    const int r = i / gp, p = i % gp;
+    const bool in = r < n;
+    cp_async16(gst + r * K + p * gper, graw + (t0 + (in ? r : 0)) * HK + int64_t(h) * K + p * gper, in);
+  }
+  cp_async_commit();
+  if (tid < kC) bt[tid] = tid < n ? beta[(t0 + tid) * H + h] : 0.0f;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Thread (d, hf) owns channel d over rows 32hf..32hf+31.
+  const int d = tid & 127, hf = tid >> 7, i0 = 32 * hf;
+  const bool active = d < K;
+  float gcol[32];
+  if (active) {
+    const float rate = expf(A_log[h]), bias = dt_bias[h * K + d];
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      float gi = 0.0f;
+      if (i0 + i < n) gi = bound / (1.0f + expf(-rate * (to_f(gst[(i0 + i) * K + d]) + bias)));
+      acc += gi;
+      gcol[i] = acc;
+    }
+    if (hf == 0) glv[d] = acc;
+  }
+  __syncthreads();
+  if (active) {
+    if (hf == 1) {
+      const float off = glv[d];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) gcol[i] += off;
+      glv[d] = gcol[31];
+    }
+    mref[(2 * hf) * K + d] = gcol[8];
+    mref[(2 * hf + 1) * K + d] = gcol[24];
+  }
+  __syncthreads();  // the gate staging is free for R; m_I and gl are known
+
+  if (active) {
+    const float gl = glv[d];
+    const int64_t out0 = ch_head * kC * K + d;
+#pragma unroll
+    for (int ii = 0; ii < 2; ++ii) {
+      const int I = 2 * hf + ii;
+      const float mi = mref[I * K + d], em = __expf(mi), eg = __expf(gl - mi);
+      float cj[4];
+#pragma unroll
+      for (int J = 0; J < 4; ++J) cj[J] = __expf(mref[J * K + d] - mi);  // used for J ≥ I only (≤ 1 there)
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int i = 16 * I + r;
+        const float gi = gcol[16 * ii + r];
+        const float kv = __bfloat162float(KT[i * KS + d]), qv = __bfloat162float(QT[i * KS + d]);
+        const float vv = __bfloat162float(VT[i * KS + d]), b = bt[i];
+        const float base = __expf(mi - gi), left = __expf(gi - mi);
+        const float e = em * left;
+        KT[i * KS + d] = __float2bfloat16(kv * left);
+        QT[i * KS + d] = __float2bfloat16(qv * left);
+        VT[i * KS + d] = __float2bfloat16(b * vv);
+        KB[i * KS + d] = __float2bfloat16(b * kv * e);
+        const float kb = kv * base;
+#pragma unroll
+        for (int J = 0; J < 4; ++J)
+          if (J >= I) R[rsw<K>(8 * J * (J + 1) + i, d)] = __float2bfloat16(kb * cj[J]);
+        w.qg[out0 + i * K] = __float2bfloat16(qv * e);
+        w.kd[out0 + i * K] = __float2bfloat16(kb * eg);
+      }
+    }
+    if (hf == 1) w.gl[ch_head * K + d] = gl;
+  }
+  __syncthreads();
+
+  // Score blocks (I, J ≤ I), ten of them: warp w takes pairs w and w + 8.
+  bf16* aqk = w.aqk + ch_head * kC * kC;
+  // Pair p ↔ (I, J) with p = I(I+1)/2 + J.
+  auto pair_i = [](int p) { return p < 1 ? 0 : (p < 3 ? 1 : (p < 6 ? 2 : 3)); };
+  float akk[2][2][4];
+#pragma unroll
+  for (int pi = 0; pi < 2; ++pi) {
+    const int pr = warp + 8 * pi;
+    if (pr >= 10) continue;
+    const int I = pair_i(pr), J = pr - I * (I + 1) / 2;
+    // This lane's row of R for the B fragments ([n][k] layout, as load_b_nk), swizzled.
+    const int rrow = 8 * I * (I + 1) + 16 * J + (lane & 7) + (lane >> 4) * 8, rcol = ((lane >> 3) & 1) * 8;
+    float ck[2][4] = {}, cq[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      uint32_t ak[4], aq[4], b[4];
+      load_a(ak, KT + 16 * I * KS + 16 * kk, KS);
+      load_a(aq, QT + 16 * I * KS + 16 * kk, KS);
+      ldsm_x4(b, R + rsw<K>(rrow, 16 * kk + rcol));
+      mma_bf16(ck[0], ak, b[0], b[1]);
+      mma_bf16(ck[1], ak, b[2], b[3]);
+      mma_bf16(cq[0], aq, b[0], b[1]);
+      mma_bf16(cq[1], aq, b[2], b[3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 16 * I + gq + 8 * hh, j = 16 * J + 8 * nt + 2 * tq;
+        store2(aqk + i * kC + j, j <= i ? cq[nt][2 * hh] : 0.0f, j + 1 <= i ? cq[nt][2 * hh + 1] : 0.0f);
+        akk[pi][nt][2 * hh] = ck[nt][2 * hh];
+        akk[pi][nt][2 * hh + 1] = ck[nt][2 * hh + 1];
+      }
+  }
+  // The six blocks above the diagonal are zero.
+  for (int e = tid; e < 6 * 128; e += kThreads2) {
+    const int blk = e / 128, x = e % 128, r = x / 8, cc = 2 * (x % 8);
+    const int I = blk < 3 ? 0 : (blk < 5 ? 1 : 2), J = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
+    store2(aqk + (16 * I + r) * kC + 16 * J + cc, 0.0f, 0.0f);
+  }
+  __syncthreads();  // R is dead
+#pragma unroll
+  for (int pi = 0; pi < 2; ++pi) {
+    const int pr = warp + 8 * pi;
+    if (pr >= 10) continue;
+    const int I = pair_i(pr), J = pr - I * (I + 1) / 2;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 16 * I + gq + 8 * hh, j = 16 * J + 8 * nt + 2 * tq;
+        Bm[i * IS + j] = j < i ? bt[i] * akk[pi][nt][2 * hh] : 0.0f;
+        Bm[i * IS + j + 1] = j + 1 < i ? bt[i] * akk[pi][nt][2 * hh + 1] : 0.0f;
+      }
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    const int w0 = 16 * warp, j = lane & 15;
+    float tc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tc[i] = i == j ? 1.0f : 0.0f;
+#pragma unroll
+    for (int i = 1; i < 16; ++i) {
+      float s = 0.0f;
+#pragma unroll
+      for (int mm = 0; mm < i; ++mm) s += Bm[(w0 + i) * IS + w0 + mm] * tc[mm];
+      if (i > j) tc[i] = -s;
+    }
+    if (lane < 16)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Tm[(w0 + i) * IS + w0 + j] = tc[i];
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int BI = 1; BI < 4; ++BI) {
+    for (int e = tid; e < BI * 256; e += kThreads2) {
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      float s = 0.0f;
+      for (int M = J; M < BI; ++M)
+#pragma unroll
+        for (int mm = 0; mm < 16; ++mm) s += Bm[(16 * BI + r) * IS + 16 * M + mm] * Tm[(16 * M + mm) * IS + 16 * J + cc];
+      Xs[(J * 16 + r) * 17 + cc] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < BI * 256; e += kThreads2) {
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      float s = 0.0f;
+      for (int q2 = 0; q2 <= r; ++q2) s += Tm[(16 * BI + r) * IS + 16 * BI + q2] * Xs[(J * 16 + q2) * 17 + cc];
+      Tm[(16 * BI + r) * IS + 16 * J + cc] = -s;
+    }
+    __syncthreads();
+  }
+
+  // W = T·KB (warps 0–3) and U = T·VT (warps 4–7), rows 16(w mod 4)..+15.
+  const int rb = warp & 3, r0 = 16 * rb;
+  const bf16* Bt = warp < 4 ? KB : VT;
+  bf16* out = (warp < 4 ? w.w : w.u) + ch_head * kC * K;
+  float acc[K / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  for (int kb = 0; kb <= rb; ++kb) {
+    const float* tr0 = Tm + (r0 + gq) * IS + 16 * kb + 2 * tq;
+    const float* tr1 = tr0 + 8 * IS;
+    const uint32_t a[4] = {pack_bf16(tr0[0], tr0[1]), pack_bf16(tr1[0], tr1[1]), pack_bf16(tr0[8], tr0[9]),
+                           pack_bf16(tr1[8], tr1[9])};
+#pragma unroll
+    for (int np = 0; np < K / 16; ++np) {
+      uint32_t b[4];
+      load_b_kn(b, Bt + 16 * kb * KS + 16 * np, KS);
+      mma_bf16(acc[2 * np], a, b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+    store2(out + (r0 + gq) * K + 8 * nt + 2 * tq, acc[nt][0], acc[nt][1]);
+    store2(out + (r0 + gq + 8) * K + 8 * nt + 2 * tq, acc[nt][2], acc[nt][3]);
+  }
+}
+
 template <int K, int TV>
 struct StateLayout {
   static constexpr int KS = K + 8, AS = kC + 8, VS = TV + 8;
@@ -340,17 +596,7 @@ __global__ void __launch_bounds__(kThreads)
     const int cidx = first + it, st = it & 1;
     if (it + 1 < count) load_stage(cidx + 1, st ^ 1);
     cp_async_commit();
-    cp_async_wait<1>();
-    const bf16* Ws = reinterpret_cast<const bf16*>(stage_ptr(st));
-    const bf16* Qs = Ws + kC * KS;
-    const bf16* Ks = Qs + kC * KS;
-    const bf16* As = Ks + kC * KS;
-    const bf16* Us = As + kC * AS;
-    const float* Gs = reinterpret_cast<const float*>(stage_ptr(st) + L::stage_elems * 2);
-    const int64_t t0 = ch.chunk_start[cidx];
-    const int n = ch.chunk_len[cidx];
-
-    // S → bf16 for the products below.
+    // S → bf16 for the products below (Sb is free: the last iteration ended with a barrier).
 #pragma unroll
     for (int qi = 0; qi < MTW; ++qi) {
       const int mt = warp + 4 * qi;
@@ -361,7 +607,16 @@ __global__ void __launch_bounds__(kThreads)
         store2(Sb + (16 * mt + gq + 8) * VS + 8 * nt + 2 * tq, s[qi][nt][2], s[qi][nt][3]);
       }
     }
+    cp_async_wait<1>();
     __syncthreads();
+    const bf16* Ws = reinterpret_cast<const bf16*>(stage_ptr(st));
+    const bf16* Qs = Ws + kC * KS;
+    const bf16* Ks = Qs + kC * KS;
+    const bf16* As = Ks + kC * KS;
+    const bf16* Us = As + kC * AS;
+    const float* Gs = reinterpret_cast<const float*>(stage_ptr(st) + L::stage_elems * 2);
+    const int64_t t0 = ch.chunk_start[cidx];
+    const int n = ch.chunk_len[cidx];
 
     // v_new = U − W·S and the first half of o = qg·S.
     float p[NT][4], oc[NT][4];
@@ -464,30 +719,57 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int K, int TV, class GT>
-void launch(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta, const float* dt_bias,
-            const float* A_log, float bound, bf16* o, const KdaChunks& ch, const KdaTcWork& w, int64_t H,
-            const float* s_in, float* s_out, cudaStream_t st) {
-  const int prep = PrepLayout<K>::bytes, state = StateLayout<K, TV>::bytes;
-  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prepare_kernel<K, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, prep));
-  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(state_kernel<K, TV>, cudaFuncAttributeMaxDynamicSharedMemorySize, state));
-  if (ch.num_chunks)
-    prepare_kernel<K, GT><<<dim3(static_cast<unsigned>(ch.num_chunks), static_cast<unsigned>(H)), kThreads, prep, st>>>(
-        q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, static_cast<int>(H));
-  if (ch.num_seqs)
-    state_kernel<K, TV><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV), kThreads, state,
-                          st>>>(w, ch, o, s_in, s_out, static_cast<int>(H));
+KdaTcTuning g_tuning;
+
+template <int K, class GT>
+void launch_prepare(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
+                    int64_t H, cudaStream_t st) {
+  if (!ch.num_chunks) return;
+  const dim3 grid(static_cast<unsigned>(ch.num_chunks), static_cast<unsigned>(H));
+  if (g_tuning.prepare == 1) {
+    const int bytes = PrepLayout<K>::bytes;
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prepare_kernel<K, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    prepare_kernel<K, GT><<<grid, kThreads, bytes, st>>>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w,
+                                                          static_cast<int>(H));
+  } else {
+    const int bytes = Prep2Layout<K>::bytes;
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prepare2_kernel<K, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    prepare2_kernel<K, GT><<<grid, kThreads2, bytes, st>>>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w,
+                                                            static_cast<int>(H));
+  }
+}
+
+template <int K, int TV>
+void launch_state_tv(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const float* s_in, float* s_out,
+                     cudaStream_t st) {
+  if (!ch.num_seqs) return;
+  const int bytes = StateLayout<K, TV>::bytes;
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(state_kernel<K, TV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  state_kernel<K, TV><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV), kThreads, bytes,
+                        st>>>(w, ch, o, s_in, s_out, static_cast<int>(H));
+}
+
+template <int K>
+void launch_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const float* s_in, float* s_out,
+                  cudaStream_t st) {
+  if constexpr (K >= 64) {
+    if (g_tuning.tv == 32) return launch_state_tv<K, 32>(ch, w, o, H, s_in, s_out, st);
+    return launch_state_tv<K, 64>(ch, w, o, H, s_in, s_out, st);
+  } else {
+    return launch_state_tv<K, K>(ch, w, o, H, s_in, s_out, st);
+  }
 }
 
 template <class GT>
-void dispatch(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta, const float* dt_bias,
-              const float* A_log, float bound, bf16* o, const KdaChunks& ch, const KdaTcWork& w, int64_t H, int64_t K,
-              const float* s_in, float* s_out, cudaStream_t st) {
+void prepare_dispatch(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta,
+                      const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
+                      int64_t H, int64_t K, cudaStream_t st) {
   switch (K) {
-    case 16: return launch<16, 16>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
-    case 32: return launch<32, 32>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
-    case 64: return launch<64, 64>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
-    case 128: return launch<128, 64>(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, s_in, s_out, st);
+    case 16: return launch_prepare<16>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
+    case 32: return launch_prepare<32>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
+    case 64: return launch_prepare<64>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
+    case 128: return launch_prepare<128>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
     default: fail("CUDA KDA (tensor cores): linear_head_dim must be 16, 32, 64 or 128, got ", K);
   }
 }
@@ -524,16 +806,47 @@ KdaTcWork kda_tc_workspace(void* base, int64_t num_chunks, int64_t H, int64_t K)
   return w;
 }
 
+void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
+                    int64_t H, int64_t K, cudaStream_t st) {
+  prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
+}
+void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
+                    const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
+                    int64_t H, int64_t K, cudaStream_t st) {
+  prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
+}
+
+void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const float* s_in,
+                  float* s_out, cudaStream_t st) {
+  switch (K) {
+    case 16: return launch_state<16>(ch, w, o, H, s_in, s_out, st);
+    case 32: return launch_state<32>(ch, w, o, H, s_in, s_out, st);
+    case 64: return launch_state<64>(ch, w, o, H, s_in, s_out, st);
+    case 128: return launch_state<128>(ch, w, o, H, s_in, s_out, st);
+    default: fail("CUDA KDA (tensor cores): linear_head_dim must be 16, 32, 64 or 128, got ", K);
+  }
+}
+
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
                     const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st) {
-  dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, K, s_in, s_out, st);
+  kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
+  kda_tc_state(ch, w, o, H, K, s_in, s_out, st);
 }
 
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
                     const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st) {
-  dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, o, ch, w, H, K, s_in, s_out, st);
+  kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
+  kda_tc_state(ch, w, o, H, K, s_in, s_out, st);
+}
+
+KdaTcTuning kda_tc_tuning() { return g_tuning; }
+void set_kda_tc_tuning(const KdaTcTuning& t) {
+  check(t.prepare == 1 || t.prepare == 2, "KDA tuning: prepare kernel must be 1 or 2");
+  check(t.tv == 32 || t.tv == 64, "KDA tuning: value tile must be 32 or 64");
+  g_tuning = t;
 }
 
 }  // namespace nextlm::cuda

@@ -105,7 +105,12 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
   return out;
 }
 
-double time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {
+void set_kda_tc_variant(int prepare, int tv) { cuda::set_kda_tc_tuning(cuda::KdaTcTuning{prepare, tv}); }
+
+KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters, int prepare,
+                              int tv) {
+  const cuda::KdaTcTuning saved = cuda::kda_tc_tuning();
+  cuda::set_kda_tc_tuning(cuda::KdaTcTuning{prepare, tv});
   std::vector<int64_t> cu{0};
   for (int64_t L : seqlens) cu.push_back(cu.back() + L);
   const int64_t T = cu.back(), n = T * H * K;
@@ -144,24 +149,35 @@ double time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64
   cudaEvent_t a, b;
   NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
   NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int it = 0; it < iters + 3; ++it) {
-    const int s = it % kSets;
-    NEXTLM_CUDA_CHECK(cudaEventRecord(a));
-    cuda::kda_chunked_tc(bq[s].as<cuda::bf16>(), bk[s].as<cuda::bf16>(), bv[s].as<cuda::bf16>(),
-                         bg[s].as<cuda::bf16>(), db.as<float>(), dt.as<float>(), alog.as<float>(), -5.0f,
-                         o.as<cuda::bf16>(), kc, w, H, K, nullptr, nullptr, nullptr);
-    NEXTLM_CUDA_CHECK(cudaEventRecord(b));
-    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
-    NEXTLM_CUDA_CHECK(cudaGetLastError());
-    float t = 0;
-    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    if (it >= 3) ms.push_back(t);
-  }
+  // part 0: both kernels; 1: prepare only; 2: state only (on the factors the last prepare left).
+  auto timed = [&](int part) {
+    std::vector<float> ms;
+    for (int it = 0; it < iters + 3; ++it) {
+      const int s = it % kSets;
+      NEXTLM_CUDA_CHECK(cudaEventRecord(a));
+      if (part != 2)
+        cuda::kda_tc_prepare(bq[s].as<cuda::bf16>(), bk[s].as<cuda::bf16>(), bv[s].as<cuda::bf16>(),
+                             bg[s].as<cuda::bf16>(), db.as<float>(), dt.as<float>(), alog.as<float>(), -5.0f, kc, w, H,
+                             K, nullptr);
+      if (part != 1) cuda::kda_tc_state(kc, w, o.as<cuda::bf16>(), H, K, nullptr, nullptr, nullptr);
+      NEXTLM_CUDA_CHECK(cudaEventRecord(b));
+      NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+      float t = 0;
+      NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      if (it >= 3) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return static_cast<double>(ms[ms.size() / 2]);
+  };
+  KdaTiming r{};
+  r.total_ms = timed(0);
+  r.prepare_ms = timed(1);
+  r.state_ms = timed(2);
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  cuda::set_kda_tc_tuning(saved);
+  return r;
 }
 
 double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {
