@@ -8,6 +8,7 @@
 
 #include "cuda/device_model.h"
 #include "cuda/testing.h"
+#include "slice4.h"
 
 namespace {
 
@@ -37,6 +38,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "device: %s\n", dev.c_str());
+  if (only == "parity") return nextlm::bench::slice4_parity(argc - 2, argv + 2);
   struct Case {
     std::string name;
     std::function<void(const std::string&)> run;
@@ -75,8 +77,12 @@ int main(int argc, char** argv) {
          emit(n, nextlm::cuda_testing::time_kda_forward({8192}, H, K, 5), kda_floor_ms(8192, H, K),
               "the fp32 CUDA-core kernels (softplus-gate fallback)");
        }},
+      // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
+      {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
+      {"mhc", nextlm::bench::mhc_share_case},
   };
+  // `only` may name several cases, comma-separated.
   for (const Case& c : cases)
-    if (only.empty() || c.name == only) c.run(c.name);
+    if (only.empty() || ("," + only + ",").find("," + c.name + ",") != std::string::npos) c.run(c.name);
   return 0;
 }

@@ -1,15 +1,20 @@
-// Orchestrates the bf16 forward on one GPU: uploads weights, plans a packed batch (sequence offsets, KDA chunks,
-// indexer pools), and runs the layers on one stream out of a reusable arena (no cudaMalloc once warmed up).
+// Orchestrates the bf16 forward on one GPU: uploads weights (from a host model, a checkpoint or a device-side
+// random init), plans a packed batch (sequence offsets, KDA chunks, indexer pools), and runs the layers on one
+// stream out of a reusable arena (no cudaMalloc once warmed up).
 #include "cuda/device_model.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 
+#include "cuda/distribution_compare.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/random_init.h"
 #include "io/safetensors.h"
+#include "model/init.h"
 
 namespace nextlm {
 
@@ -53,30 +58,18 @@ class Arena {
   size_t chunk_ = 0, offset_ = 0;
 };
 
-// Device copies of host data, freed with the model.
+// Device memory of the weights (one allocation per tensor), freed with the model.
 class Store {
  public:
   ~Store() {
     for (void* p : ptrs_) cudaFree(p);
   }
   template <class T>
-  T* put(const std::vector<T>& v) {
+  T* alloc(int64_t n) {
     T* p = nullptr;
-    NEXTLM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)));
-    NEXTLM_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    NEXTLM_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T)));
     ptrs_.push_back(p);
     return p;
-  }
-  float* f32(const Tensor& t) { return put(t.data); }
-  bf16* bf(const std::vector<const Tensor*>& parts) {  // row-wise concatenation
-    std::vector<bf16> v;
-    for (const Tensor* t : parts)
-      for (float x : t->data) {
-        __nv_bfloat16_raw raw;
-        raw.x = f32_to_bf16(x);
-        v.push_back(bf16(raw));
-      }
-    return put(v);
   }
 
  private:
@@ -87,13 +80,6 @@ struct DLinear {
   bf16* w = nullptr;
   int64_t out = 0, in = 0;
 };
-DLinear linear(Store& s, std::vector<const Tensor*> parts) {
-  DLinear l;
-  l.in = parts[0]->dim(1);
-  for (const Tensor* t : parts) l.out += t->dim(0);
-  l.w = s.bf(parts);
-  return l;
-}
 
 struct DHc {
   float *fn, *base, *scale;
@@ -133,9 +119,129 @@ struct DLayer {
   DMoe moe;
 };
 
-DMlp upload_mlp(Store& s, const MlpWeights& m) {
-  return DMlp{linear(s, {&m.gate, &m.up}), linear(s, {&m.down}), m.gate.dim(0)};
+// Where the weights come from. The model asks for every tensor by its checkpoint name (text-model prefix included,
+// `lm_head.weight` at the top) with the shape it expects and the distribution a random init would draw it from; a
+// source writes it into device memory as bf16 or fp32.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  // "model.language_model." or "model." (text-only checkpoints).
+  virtual std::string prefix() const = 0;
+  virtual bool has(const std::string& name) const = 0;
+  virtual void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                         bf16* dst) = 0;
+  virtual void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                        float* dst) = 0;
+};
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
 }
+
+std::vector<uint16_t> to_bf16_bits(const float* x, int64_t n) {
+  std::vector<uint16_t> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = f32_to_bf16(x[i]);
+  return v;
+}
+
+// The fp32 weights of a loaded host model, under their hub names (hub_tensors), converted to bf16 on the way.
+class HostSource : public WeightSource {
+ public:
+  explicit HostSource(const Model& m) {
+    for (const TensorToWrite& t : hub_tensors(m.config(), m.weights()))
+      tensors_[t.name] = {static_cast<const float*>(t.data), numel_of(t.shape)};
+    // Always the model's own lm_head (hub_tensors leaves it out when tied; it is then a copy of the embedding).
+    tensors_["lm_head.weight"] = {m.weights().lm_head.ptr(), m.weights().lm_head.numel()};
+  }
+  std::string prefix() const override { return "model.language_model."; }
+  bool has(const std::string& name) const override { return tensors_.count(name) != 0; }
+  void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec&, bf16* dst) override {
+    const auto& t = get(name, shape);
+    const std::vector<uint16_t> v = to_bf16_bits(t.first, t.second);
+    NEXTLM_CUDA_CHECK(cudaMemcpy(dst, v.data(), v.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  }
+  void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec&, float* dst) override {
+    const auto& t = get(name, shape);
+    NEXTLM_CUDA_CHECK(cudaMemcpy(dst, t.first, t.second * sizeof(float), cudaMemcpyHostToDevice));
+  }
+
+ private:
+  // The host model was checked when it was loaded; its conv weights are [C, W] where the hub has [C, 1, W], so
+  // only the element count is compared here.
+  const std::pair<const float*, int64_t>& get(const std::string& name, const std::vector<int64_t>& shape) const {
+    auto it = tensors_.find(name);
+    check(it != tensors_.end(), "host model has no tensor ", name);
+    check(it->second.second == numel_of(shape), "host tensor ", name, " has ", it->second.second,
+          " elements, expected ", numel_of(shape));
+    return it->second;
+  }
+  std::map<std::string, std::pair<const float*, int64_t>> tensors_;
+};
+
+// A checkpoint directory, read tensor by tensor from the mapped files: bf16 stays bf16 (copied byte for byte), other
+// float types are converted exactly as Model::load converts them (to fp32, then to bf16 where the device wants it).
+class CheckpointSource : public WeightSource {
+ public:
+  explicit CheckpointSource(const std::string& dir) : ckpt_(dir) {
+    prefix_ = "model.language_model.";
+    if (!ckpt_.find(prefix_ + "embed_tokens.weight") && ckpt_.find("model.embed_tokens.weight")) prefix_ = "model.";
+  }
+  std::string prefix() const override { return prefix_; }
+  bool has(const std::string& name) const override { return ckpt_.find(name) != nullptr; }
+  void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec&, bf16* dst) override {
+    const TensorView& t = get(name, shape);
+    if (t.dtype == DType::BF16) {
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, t.data, t.nbytes, cudaMemcpyHostToDevice));
+    } else {
+      const std::vector<float> f = to_f32(t);
+      const std::vector<uint16_t> v = to_bf16_bits(f.data(), static_cast<int64_t>(f.size()));
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, v.data(), v.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    }
+  }
+  void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec&, float* dst) override {
+    const TensorView& t = get(name, shape);
+    if (t.dtype == DType::F32) {
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, t.data, t.nbytes, cudaMemcpyHostToDevice));
+    } else {
+      const std::vector<float> f = to_f32(t);
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, f.data(), f.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+  }
+
+ private:
+  const TensorView& get(const std::string& name, const std::vector<int64_t>& shape) const {
+    const TensorView* t = ckpt_.find(name);
+    check(t != nullptr, "checkpoint ", ckpt_.dir(), " is missing tensor ", name);
+    check(t->shape == shape, "tensor ", name, " in ", t->file, " has shape ", shape_str(t->shape), ", expected ",
+          shape_str(shape));
+    return *t;
+  }
+  Checkpoint ckpt_;
+  std::string prefix_;
+};
+
+// Random weights drawn on the device: every tensor from its own stream (seed, name).
+class RandomSource : public WeightSource {
+ public:
+  RandomSource(const ModelConfig& c, uint64_t seed, cudaStream_t st) : c_(c), seed_(seed), stream_(st) {}
+  std::string prefix() const override { return "model.language_model."; }
+  bool has(const std::string& name) const override { return !(name == "lm_head.weight" && c_.tie_word_embeddings); }
+  void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                 bf16* dst) override {
+    fill_random(dst, true, numel_of(shape), init, tensor_key(seed_, name), stream_);
+  }
+  void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                float* dst) override {
+    fill_random(dst, false, numel_of(shape), init, tensor_key(seed_, name), stream_);
+  }
+
+ private:
+  const ModelConfig& c_;
+  uint64_t seed_;
+  cudaStream_t stream_;
+};
 
 // The plan of a packed batch, shared by every layer.
 struct Plan {
@@ -161,74 +267,140 @@ struct CudaModel::Impl {
   std::vector<std::pair<std::string, double>> prof;
   std::map<std::string, std::pair<cudaEvent_t, cudaEvent_t>> events;
 
-  Impl(const Model& m, int dev) : cfg(m.config()), device(dev) {
+  cudaEvent_t fwd_begin = nullptr, fwd_end = nullptr;
+  double last_ms = 0.0;
+
+  Impl(const ModelConfig& c, int dev) : cfg(c), device(dev) {
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
     NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
     NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_begin));
+    NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_end));
     gemm = std::make_unique<cuda::Gemm>(stream);
-    upload(m.weights());
   }
   ~Impl() {
     for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
+    if (fwd_begin) cudaEventDestroy(fwd_begin);
+    if (fwd_end) cudaEventDestroy(fwd_end);
     if (stream) cudaStreamDestroy(stream);
   }
 
-  void upload(const ModelWeights& w) {
+  // Allocates and fills every weight from `src`, layer by layer in checkpoint order. Each tensor names the
+  // distribution a random init draws it from (init_weights' choices, src/model/init.h).
+  void build(cuda::WeightSource& src) {
     using namespace cuda;
-    embed = store.bf({&w.embed});
-    lm_head = store.bf({&w.lm_head});
-    final_norm = store.f32(w.final_norm);
-    for (const LayerWeights& lw : w.layers) {
+    const ModelConfig& c = cfg;
+    const std::string P = src.prefix();
+    const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+    const float std_lin = static_cast<float>(c.initializer_range);
+    const DistSpec normal{Dist::Normal, std_lin}, ones{Dist::Const, 1.0f}, zeros{Dist::Const, 0.0f};
+    // A linear [Σ rows, in] from parts stacked row-wise (q | k | v, gate | up).
+    auto linear = [&](const std::vector<std::pair<std::string, int64_t>>& parts, int64_t in,
+                      const DistSpec* init = nullptr) {
+      const DistSpec d = init ? *init : normal;
+      DLinear l;
+      l.in = in;
+      for (const auto& p : parts) l.out += p.second;
+      l.w = store.alloc<bf16>(l.out * in);
+      int64_t row = 0;
+      for (const auto& p : parts) {
+        src.bf16_into(p.first, {p.second, in}, d, l.w + row * in);
+        row += p.second;
+      }
+      return l;
+    };
+    auto vec = [&](const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init) {
+      float* p = store.alloc<float>(numel_of(shape));
+      src.f32_into(name, shape, init, p);
+      return p;
+    };
+    auto mlp = [&](const std::string& p, int64_t I) {
+      return DMlp{linear({{p + "gate_proj.weight", I}, {p + "up_proj.weight", I}}, D),
+                  linear({{p + "down_proj.weight", D}}, I), I};
+    };
+
+    DLinear emb = linear({{P + "embed_tokens.weight", V}}, D);
+    embed = emb.w;
+    if (c.pad_token_id && *c.pad_token_id >= 0 && *c.pad_token_id < V && dynamic_cast<RandomSource*>(&src))
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(embed + *c.pad_token_id * D, 0, D * sizeof(bf16), stream));  // padding_idx
+    final_norm = vec(P + "norm.weight", {D}, ones);
+    lm_head = c.tie_word_embeddings && !src.has("lm_head.weight") ? embed : linear({{"lm_head.weight", V}}, D).w;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const std::string p = P + "layers." + std::to_string(i) + ".";
       DLayer L;
-      L.hc_attn = DHc{store.f32(lw.hc_attn.fn), store.f32(lw.hc_attn.base), store.f32(lw.hc_attn.scale)};
-      L.hc_ffn = DHc{store.f32(lw.hc_ffn.fn), store.f32(lw.hc_ffn.base), store.f32(lw.hc_ffn.scale)};
-      L.in_norm = store.f32(lw.input_norm);
-      L.post_norm = store.f32(lw.post_attention_norm);
-      if (lw.kda) {
-        const KdaWeights& k = *lw.kda;
+      auto hc = [&](const std::string& h) {
+        return DHc{vec(p + h + "_fn", {M, S * D}, DistSpec{Dist::Normal, 0.02f}), vec(p + h + "_base", {M}, zeros),
+                   vec(p + h + "_scale", {3}, ones)};
+      };
+      L.hc_attn = hc("hc_attn");
+      L.hc_ffn = hc("hc_ffn");
+      L.in_norm = vec(p + "input_layernorm.weight", {D}, ones);
+      L.post_norm = vec(p + "post_attention_layernorm.weight", {D}, ones);
+      const std::string a = p + "self_attn.";
+      if (c.layer_types[i] == LayerType::LinearAttention) {
+        const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
         L.kda_layer = true;
-        L.kda.qkv = linear(store, {&k.q_proj, &k.k_proj, &k.v_proj});
-        std::vector<float> conv(k.q_conv.data);
-        conv.insert(conv.end(), k.k_conv.data.begin(), k.k_conv.data.end());
-        conv.insert(conv.end(), k.v_conv.data.begin(), k.v_conv.data.end());
-        L.kda.conv = store.put(conv);
-        L.kda.f_a = linear(store, {&k.f_a});
-        L.kda.f_b = linear(store, {&k.f_b});
-        L.kda.b = linear(store, {&k.b_proj});
-        L.kda.g_a = linear(store, {&k.g_a});
-        L.kda.g_b = linear(store, {&k.g_b});
-        L.kda.o = linear(store, {&k.o_proj});
-        L.kda.dt_bias = store.f32(k.dt_bias);
-        L.kda.A_log = store.f32(k.A_log);
-        L.kda.o_norm = store.f32(k.o_norm);
+        DKda& k = L.kda;
+        k.qkv = linear({{a + "q_proj.weight", HK}, {a + "k_proj.weight", HK}, {a + "v_proj.weight", HK}}, D);
+        // Depthwise conv weights [3·HK, W] (q | k | v); the hub stores each [HK, 1, W]. nn.Conv1d's own init.
+        const float bound = 1.0f / std::sqrt(static_cast<float>(W));
+        k.conv = store.alloc<float>(3 * HK * W);
+        int64_t off = 0;
+        for (const char* n : {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"}) {
+          src.f32_into(a + n, {HK, 1, W}, DistSpec{Dist::Uniform, -bound, bound}, k.conv + off);
+          off += HK * W;
+        }
+        k.f_a = linear({{a + "f_a_proj.weight", K}}, D);
+        k.f_b = linear({{a + "f_b_proj.weight", HK}}, K);
+        k.dt_bias = vec(a + "dt_bias", {HK}, DistSpec{Dist::DtBias, 1e-3f, 1e-1f});
+        k.A_log = vec(a + "A_log", {H}, c.linear_lower_bound ? zeros : DistSpec{Dist::LogUniform, 1.0f, 16.0f});
+        k.b = linear({{a + "b_proj.weight", H}}, D);
+        k.g_a = linear({{a + "g_a_proj.weight", K}}, D);
+        k.g_b = linear({{a + "g_b_proj.weight", HK}}, K);
+        k.o_norm = vec(a + "o_norm.weight", {K}, ones);
+        k.o = linear({{a + "o_proj.weight", D}}, HK);
       } else {
-        const DsaWeights& d = *lw.dsa;
-        L.dsa.q_a = linear(store, {&d.q_a});
-        L.dsa.q_b = linear(store, {&d.q_b});
-        L.dsa.kv_a = linear(store, {&d.kv_a});
-        L.dsa.kv_b = linear(store, {&d.kv_b});
-        L.dsa.o = linear(store, {&d.o_proj});
-        L.dsa.q_a_norm = store.f32(d.q_a_norm);
-        L.dsa.kv_a_norm = store.f32(d.kv_a_norm);
-        if (d.indexer) {
-          const IndexerWeights& ix = *d.indexer;
-          L.dsa.has_indexer = true;
-          L.dsa.idx = DIndexer{linear(store, {&ix.wq_b}), linear(store, {&ix.wk}), linear(store, {&ix.weights_proj}),
-                               linear(store, {&ix.gate}), store.f32(ix.k_norm_w), store.f32(ix.k_norm_b),
-                               store.f32(ix.ape)};
+        const int64_t NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim, QL = c.q_lora_rank,
+                      KL = c.kv_lora_rank;
+        DDsa& d = L.dsa;
+        d.q_a = linear({{a + "q_a_proj.weight", QL}}, D);
+        d.q_a_norm = vec(a + "q_a_layernorm.weight", {QL}, ones);
+        d.q_b = linear({{a + "q_b_proj.weight", NH * dqk}}, QL);
+        d.kv_a = linear({{a + "kv_a_proj_with_mqa.weight", KL}}, D);
+        d.kv_a_norm = vec(a + "kv_a_layernorm.weight", {KL}, ones);
+        d.kv_b = linear({{a + "kv_b_proj.weight", NH * (dqk + dv)}}, KL);
+        d.o = linear({{a + "o_proj.weight", D}}, NH * dv);
+        if (c.indexer_types[i] == IndexerType::Full) {
+          const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
+          const std::string q = a + "indexer.";
+          d.has_indexer = true;
+          d.idx.wq_b = linear({{q + "wq_b.weight", IH * ID}}, QL);
+          d.idx.wk = linear({{q + "wk.weight", ID}}, D);
+          d.idx.k_norm_w = vec(q + "k_norm.weight", {ID}, ones);
+          d.idx.k_norm_b = vec(q + "k_norm.bias", {ID}, zeros);
+          d.idx.weights = linear({{q + "weights_proj.weight", IH}}, D);
+          d.idx.ape = vec(q + "index_kpool_compress_ape", {c.index_kpool, ID}, zeros);
+          d.idx.gate = linear({{q + "index_kpool_compress_gate", ID}}, D, &ones);
         }
       }
-      if (lw.moe) {
+      const std::string m = p + "mlp.";
+      if (c.mlp_layer_types[i] == MlpType::Sparse) {
+        const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
         L.moe_layer = true;
-        L.moe.router = linear(store, {&lw.moe->router});
-        L.moe.bias = store.f32(lw.moe->correction_bias);
-        for (const MlpWeights& e : lw.moe->experts) L.moe.experts.push_back(upload_mlp(store, e));
-        if (lw.moe->shared) L.moe.has_shared = true, L.moe.shared = upload_mlp(store, *lw.moe->shared);
+        L.moe.router = linear({{m + "gate.weight", E}}, D);
+        L.moe.bias = vec(m + "gate.e_score_correction_bias", {E}, zeros);
+        L.moe.experts.reserve(E);
+        for (int64_t e = 0; e < E; ++e) L.moe.experts.push_back(mlp(m + "experts." + std::to_string(e) + ".", I));
+        if (c.n_shared_experts > 0) {
+          L.moe.has_shared = true;
+          L.moe.shared = mlp(m + "shared_experts.", I * c.n_shared_experts);
+        }
       } else {
-        L.mlp = upload_mlp(store, *lw.mlp);
+        L.mlp = mlp(m, c.intermediate_size);
       }
       layers.push_back(std::move(L));
     }
+    NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // random fills run on the stream; copies are synchronous
   }
 
   // Profiling: named CUDA-event pairs around each part of the forward.
@@ -501,14 +673,45 @@ struct CudaModel::Impl {
   void start(const PackedBatch& b) {
     arena.reset();
     accum.clear();
+    NEXTLM_CUDA_CHECK(cudaEventRecord(fwd_begin, stream));
   }
+  // Marks the end of the device work of a forward (before its results are copied back).
+  void end_timing() { NEXTLM_CUDA_CHECK(cudaEventRecord(fwd_end, stream)); }
   void finish_profile() {
     prof.assign(accum.begin(), accum.end());
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(fwd_end));
+    float ms = 0.0f;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, fwd_begin, fwd_end));
+    last_ms = ms;
   }
 };
 
-CudaModel::CudaModel(const Model& model, int device) : impl_(std::make_unique<Impl>(model, device)) {}
+CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CudaModel::CudaModel(const Model& model, int device) : impl_(std::make_unique<Impl>(model.config(), device)) {
+  cuda::HostSource src(model);
+  impl_->build(src);
+}
+
+std::unique_ptr<CudaModel> CudaModel::load(const std::string& dir, int device) {
+  const ModelConfig c = load_config((std::filesystem::path(dir) / "config.json").string());
+  auto impl = std::make_unique<Impl>(c, device);
+  cuda::CheckpointSource src(dir);
+  impl->build(src);
+  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+}
+
+std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, uint64_t seed, int device) {
+  validate(config);
+  auto impl = std::make_unique<Impl>(config, device);
+  cuda::RandomSource src(impl->cfg, seed, impl->stream);
+  impl->build(src);
+  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+}
+
 CudaModel::~CudaModel() = default;
+
+double CudaModel::last_forward_ms() const { return impl_->last_ms; }
 
 const ModelConfig& CudaModel::config() const { return impl_->cfg; }
 
@@ -520,6 +723,7 @@ void CudaModel::forward_hidden_only(const PackedBatch& batch) {
   m.start(batch);
   const cuda::Plan p = m.plan(batch);
   m.hidden(p);
+  m.end_timing();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   m.finish_profile();
 }
@@ -539,6 +743,7 @@ Tensor CudaModel::forward(const PackedBatch& batch) {
     NEXTLM_CUDA_CHECK(cudaMemcpyAsync(out.ptr() + r0 * V, lg, rows * V * sizeof(float), cudaMemcpyDeviceToHost, m.stream));
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   }
+  m.end_timing();
   m.finish_profile();
   return out;
 }
@@ -553,11 +758,14 @@ std::vector<std::vector<double>> CudaModel::next_token_logprobs(const PackedBatc
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 26) / V));
   float* lg = m.arena.alloc<float>(block * V);
   double* lp = m.arena.alloc<double>(p.T);
+  m.mark_begin("lm_head");
   for (int64_t r0 = 0; r0 < p.T; r0 += block) {
     const int64_t rows = std::min(block, p.T - r0);
     m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
     cuda::row_logprob(lg, p.targets + r0, lp + r0, rows, V, m.stream);
   }
+  m.mark_end("lm_head");
+  m.end_timing();
   std::vector<double> all(p.T);
   NEXTLM_CUDA_CHECK(cudaMemcpyAsync(all.data(), lp, p.T * sizeof(double), cudaMemcpyDeviceToHost, m.stream));
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
@@ -565,6 +773,54 @@ std::vector<std::vector<double>> CudaModel::next_token_logprobs(const PackedBatc
   for (int64_t n = 0; n < batch.num_seqs(); ++n)
     for (int64_t t = batch.cu_seqlens[n]; t + 1 < batch.cu_seqlens[n + 1]; ++t) out[n].push_back(all[t]);
   m.finish_profile();
+  return out;
+}
+
+std::vector<TokenComparison> CudaModel::compare_with_reference(const PackedBatch& batch,
+                                                               const std::vector<const float*>& ref_logp) {
+  Impl& m = *impl_;
+  check(static_cast<int64_t>(ref_logp.size()) == batch.num_seqs(), "compare_with_reference: ", ref_logp.size(),
+        " reference sequences for a batch of ", batch.num_seqs());
+  m.start(batch);
+  const cuda::Plan p = m.plan(batch);
+  const cuda::bf16* hn = m.hidden(p);
+  const int64_t V = m.cfg.vocab_size, D = m.cfg.hidden_size;
+  // Row blocks as next_token_logprobs, plus the reference rows of the block uploaded beside them.
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 26) / V));
+  float* lg = m.arena.alloc<float>(block * V);
+  float* ref = m.arena.alloc<float>(block * V);
+  double* kl = m.arena.alloc<double>(p.T);
+  double* lp = m.arena.alloc<double>(p.T);
+  int32_t* am = m.arena.alloc<int32_t>(p.T);
+  int32_t* ram = m.arena.alloc<int32_t>(p.T);
+  std::vector<int32_t> seq_of(p.T);
+  for (int64_t n = 0; n < batch.num_seqs(); ++n)
+    for (int64_t t = batch.cu_seqlens[n]; t < batch.cu_seqlens[n + 1]; ++t) seq_of[t] = static_cast<int32_t>(n);
+  for (int64_t r0 = 0; r0 < p.T; r0 += block) {
+    const int64_t rows = std::min(block, p.T - r0);
+    m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
+    // The block's reference rows, a contiguous run per sequence it touches (the copies read host memory that
+    // outlives the call, and the stream orders them before the kernel and before the next block overwrites them).
+    for (int64_t r = r0; r < r0 + rows;) {
+      const int64_t n = seq_of[r], end = std::min<int64_t>(r0 + rows, batch.cu_seqlens[n + 1]);
+      const float* src = ref_logp[n] + (r - batch.cu_seqlens[n]) * V;
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(ref + (r - r0) * V, src, (end - r) * V * sizeof(float),
+                                        cudaMemcpyHostToDevice, m.stream));
+      r = end;
+    }
+    cuda::compare_rows(lg, ref, p.targets + r0, rows, V, kl + r0, am + r0, ram + r0, lp + r0, m.stream);
+  }
+  m.end_timing();
+  std::vector<double> kl_h(p.T), lp_h(p.T);
+  std::vector<int32_t> am_h(p.T), ram_h(p.T);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(kl_h.data(), kl, p.T * sizeof(double), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(lp_h.data(), lp, p.T * sizeof(double), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(am_h.data(), am, p.T * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(ram_h.data(), ram, p.T * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.finish_profile();
+  std::vector<TokenComparison> out(p.T);
+  for (int64_t t = 0; t < p.T; ++t) out[t] = TokenComparison{kl_h[t], am_h[t], ram_h[t], lp_h[t]};
   return out;
 }
 

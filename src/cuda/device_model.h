@@ -1,7 +1,10 @@
 // The bf16 CUDA forward of the glm5_next text model on one GPU (host-facing API: no CUDA headers here).
 // Weights live on the device in bf16, except the tensors the spec keeps in fp32 (conv, dt_bias, A_log, the
 // correction bias) and the small norm / mHC tensors; activations between GEMMs are bf16, everything else fp32.
+// The weights come from a loaded host Model, straight from a checkpoint directory (tensor by tensor from the mapped
+// files, no fp32 host copy), or from a random initialisation done on the device.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,10 +17,27 @@ namespace nextlm {
 // Whether a CUDA device is usable, and its name ("" when not).
 std::string cuda_device_name(int device = 0);
 
+// One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
+struct TokenComparison {
+  double kl = 0;            // KL(ref ‖ ours) over the vocabulary
+  int32_t argmax = 0;       // ours
+  int32_t ref_argmax = 0;   // the reference's
+  double logprob = 0;       // ours, log p(x[t+1] | x[..t]); 0 for a sequence's last token
+};
+
 class CudaModel {
  public:
   // Uploads the weights of a loaded (fp32 host) model.
   explicit CudaModel(const Model& model, int device = 0);
+  // Reads DIR/config.json and the safetensors checkpoint in DIR (hub layout, sharded or not) and uploads every
+  // text-model tensor as stored: bf16 tensors byte for byte, fp32 keep-tensors as fp32 (a tensor stored in another
+  // float type is converted as Model::load would). Names and shapes are checked as Model::load checks them.
+  static std::unique_ptr<CudaModel> load(const std::string& dir, int device = 0);
+  // Random weights drawn on the device with the distributions of init_weights (src/model/init.h): normal(0,
+  // initializer_range) linears, embedding and experts, norms 1, the KDA gate init, conv U(±1/√W), mHC fn
+  // normal(0, 0.02) / base 0 / scale 1, correction bias 0, indexer ape 0 and gate 1. The same seed gives the same
+  // weights; the values differ from init_weights' (another generator).
+  static std::unique_ptr<CudaModel> random(const ModelConfig& config, uint64_t seed, int device = 0);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -39,12 +59,22 @@ class CudaModel {
   void mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, std::vector<float>& post, std::vector<float>& comb,
                std::vector<float>& a);
 
+  // For every token of the batch (packed order), our next-token distribution against a reference log-softmax:
+  // ref_logp[n] points to sequence n's rows, fp32 [T_n, V] on the host. The lm_head runs in row blocks and only
+  // the per-token results come back.
+  std::vector<TokenComparison> compare_with_reference(const PackedBatch& batch,
+                                                      const std::vector<const float*>& ref_logp);
+
   // Per-component milliseconds of the last forward when profiling is on (CUDA events around each part).
   void set_profiling(bool on);
   std::vector<std::pair<std::string, double>> profile() const;
+  // Milliseconds of the last forward / next_token_logprobs / forward_hidden_only on the device's stream, from the
+  // batch upload to the last kernel (CUDA events; host gaps inside the forward count).
+  double last_forward_ms() const;
 
  private:
   struct Impl;
+  explicit CudaModel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

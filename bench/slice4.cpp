@@ -1,0 +1,345 @@
+// The 4-layer full-width slice on the GPU: the prefill benchmark with a per-component breakdown against floors
+// (bytes / 4.14 TB/s or FLOPs / 729 TFLOP/s, ../shared/docs/performance.md), the mHC share of layer time, and the
+// parity mode that scores nextlm's bf16 distributions against transformers' fp32 ones.
+#include "slice4.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "cuda/device_model.h"
+#include "io/safetensors.h"
+#include "model/config.h"
+
+namespace nextlm::bench {
+
+namespace {
+
+constexpr double kBytesPerMs = 4.14e12 / 1e3;
+constexpr double kFlopsPerMs = 729e12 / 1e3;
+constexpr int64_t kT = 4096;
+constexpr int kWarmup = 2, kIters = 10;
+constexpr uint64_t kSeed = 1;
+
+std::string config_path() {
+  if (const char* p = std::getenv("NEXTLM_SLICE4_CONFIG")) return p;
+  if (const char* d = std::getenv("NEXTLM_SOURCE_DIR")) return std::string(d) + "/bench/slice4/config.json";
+#ifdef NEXTLM_SOURCE_DIR
+  if (std::filesystem::exists(NEXTLM_SOURCE_DIR "/bench/slice4/config.json"))
+    return NEXTLM_SOURCE_DIR "/bench/slice4/config.json";
+#endif
+  return "bench/slice4/config.json";
+}
+
+// A roofline cost: the floor is whichever of the bytes and the FLOPs takes longer at the measured ceilings.
+struct Cost {
+  double flops = 0, bytes = 0;
+  double floor_ms() const { return std::max(bytes / kBytesPerMs, flops / kFlopsPerMs); }
+  Cost& operator+=(const Cost& o) {
+    flops += o.flops, bytes += o.bytes;
+    return *this;
+  }
+};
+
+// Costs of the parts the device model profiles (summed over the layers that have them), for one sequence of T
+// tokens. Weights are read once in bf16; activations cross memory once at the precision an ideal kernel would use.
+std::map<std::string, Cost> slice_costs(const ModelConfig& c, int64_t T) {
+  const double t = static_cast<double>(T), D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+  std::map<std::string, Cost> m;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    // mHC: per site, pre reads the streams (fp32) and writes the sub-layer input (bf16); post reads streams and y,
+    // writes streams.
+    m["mhc"] += Cost{2 * (2 * t * M * S * D), 2 * (t * S * D * 4 + t * D * 2 + 2 * t * S * D * 4 + t * D * 4)};
+    const Cost io{0, t * D * 2 + t * D * 4};  // a sub-layer reads a (bf16) and writes y (fp32)
+    if (c.layer_types[i] == LayerType::LinearAttention) {
+      const double H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K;
+      const double params = 3 * HK * D + K * D + HK * K + H * D + K * D + HK * K + D * HK;
+      // The chunked delta rule: ~0.1 TFLOP at T=8192, H=64, K=128 (performance.md), linear in T·H·K².
+      const Cost core{0.1e12 * t * H * K * K / (8192.0 * 64 * 128 * 128), 5 * t * HK * 2};
+      m["kda core"] += core;
+      Cost layer{2 * t * params, 2 * params};
+      layer += core;
+      layer += io;
+      m["kda layer"] += layer;
+    } else {
+      const double NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim, QL = c.q_lora_rank,
+                   KL = c.kv_lora_rank, P = static_cast<double>(c.index_kpool);
+      const double params = QL * D + NH * dqk * QL + KL * D + NH * (dqk + dv) * KL + D * NH * dv;
+      // Selected keys and selectable pools of every query (one sequence from position 0).
+      double sel = 0, pools = 0;
+      for (int64_t q = 0; q < T; ++q) {
+        const int64_t complete = (q + 1) / c.index_kpool;
+        const int64_t chosen = std::min<int64_t>(c.index_topk / c.index_kpool, complete);
+        sel += static_cast<double>(chosen * c.index_kpool +
+                                   (c.index_kpool_always_select_tail ? (q + 1) % c.index_kpool : 0));
+        pools += static_cast<double>(complete);
+      }
+      const Cost attn{2 * sel * NH * (dqk + dv), t * NH * (2 * dqk + dv) * 2 + t * NH * dv * 2};
+      m["sparse attention"] += attn;
+      Cost layer{2 * t * params, 2 * params};
+      layer += attn;
+      layer += io;
+      if (c.indexer_types[i] == IndexerType::Full) {
+        const double IH = c.index_n_heads, ID = c.index_head_dim;
+        const double ip = IH * ID * QL + ID * D + IH * D + ID * D;
+        const Cost idx{2 * t * ip + 2 * pools * IH * ID + t * P * ID * 4, 2 * ip + t * IH * ID * 2 + t * ID * 2};
+        m["indexer"] += idx;
+        layer += idx;
+      }
+      m["dsa layer"] += layer;
+    }
+    if (c.mlp_layer_types[i] == MlpType::Dense) {
+      const double params = 3.0 * c.intermediate_size * D;
+      Cost mlp{2 * t * params, 2 * params};
+      mlp += io;
+      m["dense mlp"] += mlp;
+    } else {
+      const double E = c.n_routed_experts, k = c.num_experts_per_tok, Im = c.moe_intermediate_size;
+      const double per_expert = 3 * Im * D;
+      // Experts that receive at least one token, for uniform routing: E·(1 − (1 − k/E)^T).
+      const double hit = E * (1.0 - std::pow(1.0 - k / E, t));
+      const Cost experts{2 * t * k * per_expert, 2 * hit * per_expert + t * k * (D * 2 + D * 4)};
+      m["experts"] += experts;
+      Cost moe = experts;
+      const double shared = c.n_shared_experts * per_expert;
+      moe += Cost{2 * t * shared + 2 * t * E * D, 2 * shared + 2 * E * D};
+      moe += io;
+      m["moe"] += moe;
+    }
+  }
+  m["lm_head"] = Cost{2 * t * c.vocab_size * D, 2.0 * c.vocab_size * D + t * D * 2};
+  return m;
+}
+
+// The profiled parts that do not overlap: their sum is the whole forward (up to the embedding and final norm).
+const std::vector<std::string> kTopLevel{"mhc", "kda layer", "dsa layer", "dense mlp", "moe", "lm_head"};
+const std::map<std::string, std::string> kWithin{
+    {"kda core", "kda layer"}, {"indexer", "dsa layer"}, {"sparse attention", "dsa layer"}, {"experts", "moe"}};
+
+struct SliceResult {
+  ModelConfig cfg;
+  double median_ms = 0, min_ms = 0, wall_median_ms = 0, init_s = 0, mean_logprob = 0;
+  bool finite = true;
+  std::map<std::string, double> profile;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Runs the slice once per process (both cases read it).
+const SliceResult& slice_result() {
+  static std::optional<SliceResult> cached;
+  if (cached) return *cached;
+  SliceResult r;
+  const std::string path = config_path();
+  r.cfg = load_config(path);
+  std::fprintf(stderr, "slice4: config %s (%lld layers, vocab %lld, %lld experts)\n", path.c_str(),
+               static_cast<long long>(r.cfg.num_hidden_layers), static_cast<long long>(r.cfg.vocab_size),
+               static_cast<long long>(r.cfg.n_routed_experts));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = CudaModel::random(r.cfg, kSeed);
+  r.init_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "slice4: random device weights in %.1f s\n", r.init_s);
+
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(r.cfg.vocab_size) - 1);
+  std::vector<int32_t> seq(kT);
+  for (int32_t& x : seq) x = tok(gen);
+  PackedBatch b;
+  b.add(seq);
+
+  // Warm-up (arena chunks, GEMM algorithm choices), and a sanity check of the output: random tokens under random
+  // weights score about −log V each, never NaN.
+  for (int i = 0; i < kWarmup; ++i) {
+    const auto lp = model->next_token_logprobs(b);
+    double s = 0;
+    for (double x : lp[0]) s += x, r.finite = r.finite && std::isfinite(x);
+    r.mean_logprob = s / static_cast<double>(lp[0].size());
+  }
+  std::fprintf(stderr, "slice4: mean log-prob %.3f (log 1/V = %.3f), finite: %s\n", r.mean_logprob,
+               -std::log(static_cast<double>(r.cfg.vocab_size)), r.finite ? "yes" : "NO");
+  std::vector<double> gpu, wall;
+  for (int i = 0; i < kIters; ++i) {
+    const auto w0 = std::chrono::steady_clock::now();
+    model->next_token_logprobs(b);
+    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count());
+    gpu.push_back(model->last_forward_ms());
+  }
+  r.median_ms = median(gpu);
+  r.min_ms = *std::min_element(gpu.begin(), gpu.end());
+  r.wall_median_ms = median(wall);
+  model->set_profiling(true);
+  model->next_token_logprobs(b);
+  model->set_profiling(false);
+  for (const auto& [name, ms] : model->profile()) r.profile[name] = ms;
+  cached = std::move(r);
+  return *cached;
+}
+
+std::string fmt(const char* f, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, x);
+  return buf;
+}
+
+}  // namespace
+
+void slice4_prefill_case(const std::string& name) {
+  const SliceResult& r = slice_result();
+  const auto costs = slice_costs(r.cfg, kT);
+  double floor = 0, profiled = 0;
+  for (const std::string& part : kTopLevel) {
+    floor += costs.at(part).floor_ms();
+    if (r.profile.count(part)) profiled += r.profile.at(part);
+  }
+  nlohmann::json line{{"case", name},
+                      {"ours_ms", std::round(r.median_ms * 1e4) / 1e4},
+                      {"floor_ms", std::round(floor * 1e4) / 1e4},
+                      {"ratio", std::round(r.median_ms / floor * 100) / 100},
+                      {"target_ms", 30.0},
+                      {"finite", r.finite},
+                      {"note", "4-layer slice (bench/slice4/config.json), random device weights, one sequence of " +
+                                   std::to_string(kT) + " tokens, lm_head + log-probs; median of " +
+                                   std::to_string(kIters) + " CUDA-event timings after " + std::to_string(kWarmup) +
+                                   " warm-ups (min " + fmt("%.2f", r.min_ms) + " ms, host wall median " +
+                                   fmt("%.2f", r.wall_median_ms) + " ms); peer: bench/peers/hf_slice4.py"}};
+  std::printf("%s\n", line.dump().c_str());
+  // The breakdown comes from one more run with an event pair around every part (each part ends in a
+  // synchronisation, so the parts add up to a little more than the plain run).
+  for (const auto& [part, cost] : costs) {
+    const bool top = std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end();
+    const double ms = r.profile.count(part) ? r.profile.at(part) : NAN;
+    // A part the profile lacks (no such layer) prints null.
+    auto num = [](double x, double scale) {
+      return std::isfinite(x) ? nlohmann::json(std::round(x * scale) / scale) : nlohmann::json(nullptr);
+    };
+    nlohmann::json c{{"case", name + "/" + part},
+                     {"ours_ms", num(ms, 1e4)},
+                     {"floor_ms", num(cost.floor_ms(), 1e4)},
+                     {"ratio", num(ms / cost.floor_ms(), 100)},
+                     {"gflop", std::round(cost.flops / 1e9 * 10) / 10},
+                     {"gbytes", std::round(cost.bytes / 1e9 * 1000) / 1000},
+                     {"bound", cost.bytes / kBytesPerMs > cost.flops / kFlopsPerMs ? "bytes" : "flops"}};
+    if (top) {
+      c["share_of_profiled"] = num(ms / profiled, 1000);
+    } else {
+      c["within"] = kWithin.at(part);
+    }
+    std::printf("%s\n", c.dump().c_str());
+  }
+  std::fflush(stdout);
+}
+
+void mhc_share_case(const std::string& name) {
+  const SliceResult& r = slice_result();
+  const auto costs = slice_costs(r.cfg, kT);
+  double layers = 0;  // mHC plus every sub-layer: the layer stack without the lm_head
+  for (const std::string& part : kTopLevel)
+    if (part != "lm_head" && r.profile.count(part)) layers += r.profile.at(part);
+  const double mhc = r.profile.count("mhc") ? r.profile.at("mhc") : NAN;
+  nlohmann::json line{{"case", name},
+                      {"ours_ms", std::round(mhc * 1e4) / 1e4},
+                      {"floor_ms", std::round(costs.at("mhc").floor_ms() * 1e4) / 1e4},
+                      {"pct_of_layer_time", std::round(mhc / layers * 1000) / 10},
+                      {"target_pct", 7.0},
+                      {"note", "slice4 T=" + std::to_string(kT) + ", " + std::to_string(r.cfg.num_hidden_layers) +
+                                   " layers: mHC pre (norm, fn projection, Sinkhorn, collapse) and post (mix) of both "
+                                   "sites, as a share of the profiled layer time " +
+                                   fmt("%.2f", layers) + " ms"}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+int slice4_parity(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: nextlm_bench parity MODEL_DIR REF.safetensors OUT.json\n");
+    return 2;
+  }
+  const std::string dir = argv[0], ref_path = argv[1], out_path = argv[2];
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto model = CudaModel::load(dir);
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const int64_t V = model->config().vocab_size;
+    std::fprintf(stderr, "parity: loaded %s to the GPU in %.1f s\n", dir.c_str(), load_s);
+    SafetensorsFile ref(ref_path);
+    const auto& meta = ref.buffer().metadata();
+    check(meta.count("batches"), ref_path, " has no \"batches\" metadata");
+    const nlohmann::json batches = nlohmann::json::parse(meta.at("batches"));
+    nlohmann::json out{{"model", dir}, {"load_s", load_s}, {"batches", nlohmann::json::array()}};
+    double kl_all = 0, agree_all = 0;
+    int64_t n_all = 0;
+    bool ok = true;
+    for (const auto& bj : batches) {
+      PackedBatch b;
+      std::vector<const float*> rows;
+      for (int64_t i : bj.at("seqs").get<std::vector<int64_t>>()) {
+        const TensorView* tv = ref.buffer().find("tokens." + std::to_string(i));
+        const TensorView* lv = ref.buffer().find("logp." + std::to_string(i));
+        check(tv && lv, ref_path, ": sequence ", i, " lacks tokens or logp");
+        check(tv->dtype == DType::I64 && tv->shape.size() == 1, "tokens.", i, " must be I64 [T]");
+        const int64_t T = tv->shape[0];
+        check(lv->dtype == DType::F32 && lv->shape == std::vector<int64_t>{T, V}, "logp.", i, " must be F32 [", T,
+              ", ", V, "]");
+        std::vector<int64_t> ids(T);
+        std::memcpy(ids.data(), tv->data, T * sizeof(int64_t));
+        b.add(std::vector<int32_t>(ids.begin(), ids.end()));
+        rows.push_back(reinterpret_cast<const float*>(lv->data));
+      }
+      const auto res = model->compare_with_reference(b, rows);
+      double kl = 0, kl_max = 0, agree = 0, dlp = 0;
+      int64_t n_lp = 0;
+      const int64_t T = b.num_tokens();
+      std::vector<double> kl_by_pos;  // mean KL per 512 positions of the packed batch
+      for (int64_t n = 0; n < b.num_seqs(); ++n)
+        for (int64_t t = b.cu_seqlens[n]; t < b.cu_seqlens[n + 1]; ++t) {
+          const TokenComparison& c = res[t];
+          ok = ok && std::isfinite(c.kl) && c.kl > -1e-6;
+          kl += c.kl, kl_max = std::max(kl_max, c.kl), agree += c.argmax == c.ref_argmax;
+          if (t + 1 < b.cu_seqlens[n + 1]) {
+            float ref_lp;
+            std::memcpy(&ref_lp, rows[n] + (t - b.cu_seqlens[n]) * V + b.tokens[t + 1], sizeof(float));
+            dlp += std::fabs(c.logprob - ref_lp), ++n_lp;
+          }
+          if (t % 512 == 0) kl_by_pos.push_back(0);
+          kl_by_pos.back() += c.kl / 512;
+        }
+      nlohmann::json r{{"name", bj.value("name", "")},
+                       {"num_seqs", b.num_seqs()},
+                       {"tokens", T},
+                       {"kl_mean", kl / T},
+                       {"kl_max", kl_max},
+                       {"argmax_agree", agree / T},
+                       {"mean_abs_dlogprob", n_lp ? dlp / n_lp : 0.0},
+                       {"kl_mean_per_512_positions", kl_by_pos},
+                       {"forward_ms", model->last_forward_ms()}};
+      std::fprintf(stderr, "parity: %s\n", r.dump().c_str());
+      out["batches"].push_back(r);
+      kl_all += kl, agree_all += agree, n_all += T;
+    }
+    out["all"] = {{"tokens", n_all}, {"kl_mean", kl_all / n_all}, {"argmax_agree", agree_all / n_all}, {"finite", ok}};
+    std::ofstream(out_path) << out.dump(2) << "\n";
+    std::printf("%s\n", out["all"].dump().c_str());
+    if (!ok) std::fprintf(stderr, "parity: error: a KL value is NaN or negative\n");
+    return ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace nextlm::bench

@@ -1,0 +1,18 @@
+// The 4-layer full-width slice (bench/slice4/config.json): its benchmark cases and the parity mode.
+#pragma once
+#include <string>
+
+namespace nextlm::bench {
+
+// `slice4_prefill_T4096`: one 4096-token prefill with the lm_head (log-probs) on random device weights, median of
+// several CUDA-event timings after warm-up, then one profiled run broken down by component against each floor.
+void slice4_prefill_case(const std::string& name);
+// `mhc`: the mHC share of the slice's layer time (from the same profiled run), target ≤ 7%.
+void mhc_share_case(const std::string& name);
+
+// `nextlm_bench parity MODEL_DIR REF.safetensors OUT.json`: loads the checkpoint straight to the GPU in bf16 and
+// compares its next-token distributions with the reference log-softmax rows in REF (written by
+// bench/peers/hf_slice4.py); writes the per-batch figures to OUT.json. Returns the exit status.
+int slice4_parity(int argc, char** argv);
+
+}  // namespace nextlm::bench
