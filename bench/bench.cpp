@@ -2,12 +2,14 @@
 // floor from the measured ceilings of ../shared/docs/performance.md (4.14 TB/s copy, 729 TFLOP/s bf16 GEMM).
 // Peers run in the same call from bench/run_h200.sh.
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "cuda/device_model.h"
 #include "cuda/testing.h"
+#include "moe_gemm.h"
 #include "slice4.h"
 
 namespace {
@@ -38,6 +40,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "device: %s\n", dev.c_str());
+  // NEXTLM_MOE_GEMM: the MoE expert GEMM of every device model in this process (see set_moe_expert_gemm).
+  if (const char* m = std::getenv("NEXTLM_MOE_GEMM")) nextlm::set_moe_expert_gemm(std::atoi(m));
   if (only == "parity") return nextlm::bench::slice4_parity(argc - 2, argv + 2);
   struct Case {
     std::string name;
@@ -80,6 +84,7 @@ int main(int argc, char** argv) {
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       {"mhc", nextlm::bench::mhc_share_case},
+      {"moe_grouped_gemm", nextlm::bench::moe_grouped_gemm_case},  // bench/moe_gemm.cu
   };
   // `only` may name several cases, comma-separated.
   for (const Case& c : cases)

@@ -26,7 +26,8 @@ rm -rf "$work"
 mkdir -p "$work" "$out"
 cleanup() { [ "${SLICE4_KEEP:-0}" = 1 ] || rm -rf "$work"; }  # 49 GB, in RAM when under /dev/shm
 trap cleanup EXIT
-export LD_LIBRARY_PATH="$PWD/$bin/lib:${LD_LIBRARY_PATH:-}"
+# Only nextlm's binaries see the bundled libraries (python keeps its own OpenSSL, libgomp, ...).
+nx() { LD_LIBRARY_PATH="$PWD/$bin/lib:${LD_LIBRARY_PATH:-}" "$@"; }
 export NEXTLM_SOURCE_DIR="$PWD"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 [ -d peers/fla ] && export PYTHONPATH="$PWD/peers/fla:${PYTHONPATH:-}"
@@ -43,7 +44,7 @@ cp "$work/hf_results.json" "$out/" 2>/dev/null
 parity=1
 if [ "$prep" = 0 ]; then
   stamp "2/4 nextlm: load the checkpoint to the GPU (bf16) and compare with HF fp32"
-  "$bin/nextlm_bench" parity "$work/model" "$work/ref_logp.safetensors" "$out/nextlm_parity.json" 2>&1 |
+  nx "$bin/nextlm_bench" parity "$work/model" "$work/ref_logp.safetensors" "$out/nextlm_parity.json" 2>&1 |
     tee "$out/nextlm_parity.log"
   parity=${PIPESTATUS[0]}
 else
@@ -53,7 +54,7 @@ fi
 
 if [ "${SLICE4_NO_BENCH:-0}" != 1 ]; then
   stamp "3/4 nextlm slice4 benchmark (random device weights)"
-  "$bin/nextlm_bench" slice4_prefill_T4096,mhc 2>"$out/slice4_bench.err" | tee "$out/slice4_bench.jsonl"
+  nx "$bin/nextlm_bench" slice4_prefill_T4096,mhc 2>"$out/slice4_bench.err" | tee "$out/slice4_bench.jsonl"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   cat "$out/slice4_bench.err"
 fi

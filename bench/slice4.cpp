@@ -133,6 +133,7 @@ struct SliceResult {
   double median_ms = 0, min_ms = 0, wall_median_ms = 0, init_s = 0, mean_logprob = 0;
   bool finite = true;
   std::map<std::string, double> profile;
+  std::map<int, double> moe_modes;  // median ms with another MoE expert GEMM (NEXTLM_SLICE4_MOE_MODES)
 };
 
 double median(std::vector<double> v) {
@@ -182,6 +183,24 @@ const SliceResult& slice_result() {
   r.median_ms = median(gpu);
   r.min_ms = *std::min_element(gpu.begin(), gpu.end());
   r.wall_median_ms = median(wall);
+  // The same prefill with other MoE expert GEMMs (set_moe_expert_gemm modes, comma-separated, e.g. "-1,1,2"): the
+  // cuBLASLt loop and the grouped GEMM's variants side by side.
+  if (const char* modes = std::getenv("NEXTLM_SLICE4_MOE_MODES")) {
+    const int saved = moe_expert_gemm();
+    std::string list = modes;
+    for (size_t pos = 0; pos < list.size();) {
+      const size_t end = std::min(list.find(',', pos), list.size());
+      const int mode = std::atoi(list.substr(pos, end - pos).c_str());
+      pos = end + 1;
+      set_moe_expert_gemm(mode);
+      model->next_token_logprobs(b);
+      std::vector<double> t;
+      for (int i = 0; i < kIters; ++i) model->next_token_logprobs(b), t.push_back(model->last_forward_ms());
+      r.moe_modes[mode] = median(t);
+      std::fprintf(stderr, "slice4: MoE expert GEMM mode %d: %.2f ms\n", mode, r.moe_modes[mode]);
+    }
+    set_moe_expert_gemm(saved);
+  }
   model->set_profiling(true);
   model->next_token_logprobs(b);
   model->set_profiling(false);
@@ -217,6 +236,8 @@ void slice4_prefill_case(const std::string& name) {
                                    std::to_string(kIters) + " CUDA-event timings after " + std::to_string(kWarmup) +
                                    " warm-ups (min " + fmt("%.2f", r.min_ms) + " ms, host wall median " +
                                    fmt("%.2f", r.wall_median_ms) + " ms); peer: bench/peers/hf_slice4.py"}};
+  line["moe_expert_gemm"] = moe_expert_gemm();
+  for (const auto& [mode, ms] : r.moe_modes) line["ms_with_moe_expert_gemm_" + std::to_string(mode)] = ms;
   std::printf("%s\n", line.dump().c_str());
   // The breakdown comes from one more run with an event pair around every part (each part ends in a
   // synchronisation, so the parts add up to a little more than the plain run).

@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# Builds the GPU test and benchmark binaries here (the GPU machine has nvcc but not the Debian libraries) and stages
-# them, with the shared libraries the GPU machine lacks, in .devbuild/ (git-ignored) to be carried there and run as
-# `scripts/test_gpu.sh .devbuild`. fla's source for the peer timing goes in peers/fla (also ignored).
+# Builds the GPU test and benchmark binaries here (the GPU machine has nvcc and the CUDA libraries but not the Debian
+# ones) and packs them, with every shared library they need that is not part of the base system or CUDA, into
+# .devbuild/bundle.tar.xz (git-ignored), to be carried there, unpacked with `tar xJf bundle.tar.xz -C .devbuild`
+# and run as `scripts/test_gpu.sh .devbuild`. fla's source for the peer timing goes in peers/fla (also ignored).
+# BUILD_DIR picks the build directory (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DNEXTLM_CUDA=ON >/dev/null
-cmake --build build --target test_cuda nextlm_bench nextlm
-mkdir -p .devbuild/lib
-cp build/tests/test_cuda build/bench/nextlm_bench build/nextlm .devbuild/
-for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
-  cp -L "/usr/lib/x86_64-linux-gnu/$lib" .devbuild/lib/
+build=${BUILD_DIR:-build}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNEXTLM_CUDA=ON >/dev/null
+cmake --build "$build" --target test_cuda nextlm_bench nextlm
+stage=$(mktemp -d)
+mkdir -p "$stage/lib"
+bins=("$build/tests/test_cuda" "$build/bench/nextlm_bench" "$build/nextlm")
+cp "${bins[@]}" "$stage/"
+strip "$stage/test_cuda" "$stage/nextlm_bench" "$stage/nextlm"
+# Libraries from Debian packages (OpenBLAS, ICU, Open MPI, ...); the C/C++ runtime and CUDA are on the GPU machine.
+ldd "${bins[@]}" | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libstdc++.so*|libgcc_s.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*|libcudart.so*|libcublas*|libnccl*|libz.so*) ;;
+    *) cp -L "$lib" "$stage/lib/" ;;
+  esac
 done
-grep -qx '/.devbuild/' .git/info/exclude 2>/dev/null || echo '/.devbuild/' >> .git/info/exclude
+rm -rf .devbuild
+mkdir -p .devbuild
+tar cJf .devbuild/bundle.tar.xz -C "$stage" .
+rm -rf "$stage"
+git_dir=$(git rev-parse --git-common-dir)
+grep -qx '/.devbuild/' "$git_dir/info/exclude" 2>/dev/null || echo '/.devbuild/' >> "$git_dir/info/exclude"
 du -sh .devbuild

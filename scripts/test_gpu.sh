@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the benchmarks on a CUDA machine. With no argument it builds first (scripts/build.sh, which
 # needs the Debian packages of scripts/setup.sh) and uses build/; with a directory argument it runs binaries built
-# elsewhere by scripts/gpu_bundle.sh (test_cuda, nextlm_bench and a lib/ of shared libraries the machine lacks).
+# elsewhere by scripts/gpu_bundle.sh (its bundle.tar.xz: test_cuda, nextlm_bench, nextlm and a lib/ of shared
+# libraries the machine lacks).
 # Writes results under ${OUT:-/tmp/nextlm_gpu}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,8 @@ if [ -z "$bin" ]; then
   tests=build/tests/test_cuda
   bench=build/bench/nextlm_bench
 else
+  # scripts/gpu_bundle.sh packs the binaries and libraries; unpack them on first use.
+  [ -f "$bin/test_cuda" ] || tar xJf "$bin/bundle.tar.xz" -C "$bin"
   tests=$bin/test_cuda
   bench=$bin/nextlm_bench
   export LD_LIBRARY_PATH="$PWD/$bin/lib:${LD_LIBRARY_PATH:-}"
@@ -25,7 +28,7 @@ echo "== GPU tests"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ -z "${NEXTLM_SKIP_MEMCHECK:-}" ]; then
   echo "== compute-sanitizer memcheck on the kernel tests"
-  compute-sanitizer --tool memcheck --error-exitcode 7 "$tests" --gtest_filter='CudaKda*:*tiny*' >"$out/memcheck.log" 2>&1
+  compute-sanitizer --tool memcheck --error-exitcode 7 "$tests" --gtest_filter='CudaKda*:CudaGroupedGemm*:CudaDecode*:*tiny*' >"$out/memcheck.log" 2>&1
   rc=$?
   echo "memcheck exit $rc (7 = memory errors; 1 = a test assertion failed)"; tail -3 "$out/memcheck.log"
   [ "$rc" = 7 ] && status=1

@@ -2,6 +2,7 @@
 // (loss and parameter gradients), `generate` (prompt continuation with the decode state), `train` (src/cli/train.cpp)
 // and `serve` (src/serve/).
 #include "cli/commands.h"
+#include "cli/lora.h"
 #include "cli/train.h"
 
 #include <unistd.h>
@@ -23,11 +24,17 @@
 #include "core/error.h"
 #include "cpu/linear.h"
 #include "io/atomic_file.h"
+#include "io/chat_template.h"
 #include "io/jsonl.h"
 #include "io/safetensors.h"
+#include "io/tokenizer.h"
 #include "model/decode.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "model/train.h"
+#include "dist/parallel_decode.h"
+#include "dist/parallel_model.h"
+#include "dist/parallel_train.h"
 #include "serve/server.h"
 #ifdef NEXTLM_HAVE_CUDA
 #include "cuda/device_model.h"
@@ -39,8 +46,9 @@ namespace {
 namespace fs = std::filesystem;
 
 struct ScoreArgs {
-  std::string model, input, output, logits_out, device = "cpu", format = "jsonl";
+  std::string model, input, output, logits_out, device = "cpu", format = "jsonl", adapter;
   int threads = 0;
+  int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
 
 // A bad combination of command-line arguments found after parsing: exit code 2, like CLI11's parse errors.
@@ -67,7 +75,10 @@ std::string one_line(const std::string& msg) {
   return s;
 }
 
-void print_error(const std::string& msg) { std::cerr << "error: " << one_line(msg) << "\n" << std::flush; }
+// Under mpirun only rank 0 prints (every rank meets the same flag, input and model errors).
+void print_error(const std::string& msg) {
+  if (dist::launcher_rank() == 0) std::cerr << "error: " << one_line(msg) << "\n" << std::flush;
+}
 
 // CLI11 validators: they return an error message or "" and make the value a parse error (exit code 2).
 CLI::Validator non_empty() {
@@ -86,6 +97,20 @@ CLI::Validator thread_count() {
         return std::string();
       },
       "", "1.." + std::to_string(kMaxThreads));
+}
+
+// --tp / --ep: a positive rank count.
+CLI::Validator rank_count() {
+  return CLI::Validator(
+      [](std::string& v) {
+        int n = 0;
+        const char* end = v.data() + v.size();
+        const auto [p, ec] = std::from_chars(v.data(), end, n);
+        if (v.empty() || ec != std::errc() || p != end || n < 1)
+          return "must be a positive integer, got \"" + v + "\"";
+        return std::string();
+      },
+      "", "N>=1");
 }
 
 // The devices this build can run on.
@@ -186,6 +211,10 @@ std::string number(double x) {
   return buf;
 }
 
+int write_score_outputs(const ScoreArgs& a, const std::vector<std::vector<int32_t>>& seqs, const PackedBatch& batch,
+                        const std::vector<std::vector<double>>& lps, const std::vector<Tensor>& logits,
+                        std::optional<AtomicFile>& out_file, std::chrono::steady_clock::time_point t0);
+
 int cmd_score(const ScoreArgs& a) {
   // Argument combinations first (usage errors), then the outputs' places, all before any real work.
   if (!a.output.empty() && !a.logits_out.empty() && same_file(a.output, a.logits_out))
@@ -198,12 +227,39 @@ int cmd_score(const ScoreArgs& a) {
   if (!a.logits_out.empty()) check_output_path("--logits-out", a.logits_out);
   // The JSONL goes to a temporary beside --output, renamed over it only once everything has succeeded.
   std::optional<AtomicFile> out_file;
-  if (!a.output.empty()) out_file.emplace(a.output);
+  if (!a.output.empty() && dist::launcher_rank() == 0) out_file.emplace(a.output);
 
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
   check_model_dir(a.model);
-  const Model model = Model::load(a.model);
+  // Under mpirun, or with --tp/--ep, every rank loads its slices and runs the parallel forward; rank 0 writes.
+  if (a.tp > 1 || a.ep > 1 || dist::launched_by_mpi()) {
+    if (a.device != "cpu") throw UsageError("--tp/--ep and mpirun run on --device cpu only");
+    if (!a.adapter.empty()) throw UsageError("--adapter is not supported with --tp/--ep or mpirun (merge it first)");
+    if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
+      throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
+    // Flag errors before any work: the world size and the model's head and expert counts.
+    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
+    try {
+      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    dist::Mesh mesh(dist::world(), {a.tp, a.ep});
+    const dist::ShardedModel model = dist::load_sharded(a.model, mesh);
+    const auto seqs = read_token_jsonl(a.input, model.config.vocab_size);
+    PackedBatch batch;
+    for (const auto& s : seqs) batch.add(s);
+    const Tensor hidden = dist::parallel_forward_hidden(model, mesh, batch);
+    const std::vector<std::vector<double>> lps = dist::parallel_next_token_logprobs(model, mesh, hidden, batch);
+    std::vector<Tensor> logits;
+    if (!a.logits_out.empty())
+      for (int64_t n = 0; n < batch.num_seqs(); ++n)
+        logits.push_back(dist::parallel_logits(model, mesh, hidden, batch.cu_seqlens[n], batch.cu_seqlens[n + 1]));
+    if (dist::world().rank() != 0) return 0;
+    return write_score_outputs(a, seqs, batch, lps, logits, out_file, t0);
+  }
+  const Model model = load_model_with_adapter(a.model, a.adapter);  // no --adapter: the model as it is
   const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
   PackedBatch batch;
   for (const auto& s : seqs) batch.add(s);
@@ -232,6 +288,14 @@ int cmd_score(const ScoreArgs& a) {
 #endif
   }
 
+  return write_score_outputs(a, seqs, batch, lps, logits, out_file, t0);
+}
+
+// The outputs of `score`: JSONL or the text table, and the --logits-out file, written so that neither appears
+// unless both can.
+int write_score_outputs(const ScoreArgs& a, const std::vector<std::vector<int32_t>>& seqs, const PackedBatch& batch,
+                        const std::vector<std::vector<double>>& lps, const std::vector<Tensor>& logits,
+                        std::optional<AtomicFile>& out_file, std::chrono::steady_clock::time_point t0) {
   std::ostringstream os;
   if (a.format == "text") {
     for (size_t n = 0; n < seqs.size(); ++n) {
@@ -293,6 +357,7 @@ int cmd_score(const ScoreArgs& a) {
 struct GradArgs {
   std::string model, input, out, device = "cpu";
   int threads = 0;
+  int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
 
 // `grad`: L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) of the input sequences and its gradient wrt every trainable tensor,
@@ -303,14 +368,41 @@ int cmd_grad(const GradArgs& a) {
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
   check_model_dir(a.model);
-  const Model model = Model::load(a.model);
-  const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
+  // Under mpirun, or with --tp/--ep: sharded backward, gradients gathered into full tensors, rank 0 writes them.
+  std::optional<Model> model;
+  std::optional<dist::ShardedModel> sharded;
+  std::optional<dist::Mesh> mesh;
+  ModelWeights grads;
+  double loss = 0.0;
+  std::vector<std::vector<int32_t>> seqs;
   PackedBatch batch;
-  for (const auto& s : seqs) batch.add(s);
-  ModelWeights grads = zeros_like(model.weights());
-  const double loss = model_forward_backward(model, batch, grads);
+  if (a.tp > 1 || a.ep > 1 || dist::launched_by_mpi()) {
+    if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
+      throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
+    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
+    try {
+      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    mesh.emplace(dist::world(), dist::ParallelOptions{a.tp, a.ep});
+    sharded = dist::load_sharded(a.model, *mesh);
+    seqs = read_token_jsonl(a.input, cfg.vocab_size);
+    for (const auto& s : seqs) batch.add(s);
+    ModelWeights local = zeros_like(sharded->weights);
+    loss = dist::parallel_forward_backward(*sharded, *mesh, batch, local);
+    grads = dist::gather_gradients(*sharded, *mesh, local);
+    if (dist::world().rank() != 0) return 0;
+  } else {
+    model.emplace(Model::load(a.model));
+    seqs = read_token_jsonl(a.input, model->config().vocab_size);
+    for (const auto& s : seqs) batch.add(s);
+    grads = zeros_like(model->weights());
+    loss = model_forward_backward(*model, batch, grads);
+  }
+  const ModelConfig& config = model ? model->config() : sharded->config;
   std::vector<TensorToWrite> out;
-  for (const GradTensor& g : hub_gradients(model.config(), grads, text_prefix(Checkpoint(a.model))))
+  for (const GradTensor& g : hub_gradients(config, grads, text_prefix(Checkpoint(a.model))))
     out.push_back({g.name, DType::F32, g.shape, g.data});
   out.push_back({"loss", DType::F64, {1}, &loss});
   try {
@@ -331,6 +423,8 @@ struct GenerateArgs {
   int64_t top_k = 0;
   uint64_t seed = 0;
   int threads = 0;
+  bool chat = false;  // --chat: --prompt is one user message in GLM's chat format
+  int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
 
 // "1,2,3" → token ids. Anything but non-negative integers separated by commas is a usage error naming the flag;
@@ -358,6 +452,7 @@ std::vector<int32_t> parse_token_list(const std::string& flag, const std::string
 int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt) {
   if (has_prompt_tokens && has_prompt) throw UsageError("give either --prompt-tokens or --prompt, not both");
   if (!has_prompt_tokens && !has_prompt) throw UsageError("no prompt: give --prompt-tokens or --prompt");
+  if (a.chat && !has_prompt) throw UsageError("--chat needs --prompt (the user message)");
   GenerateOptions opt;
   if (has_prompt_tokens) parse_token_list("--prompt-tokens", a.prompt_tokens);  // usage errors before loading
   if (!a.stop_tokens.empty()) opt.stop_tokens = parse_token_list("--stop-tokens", a.stop_tokens);
@@ -377,15 +472,48 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
   check_model_dir(a.model);
-  const Model model = Model::load(a.model);
-  const int64_t V = model.config().vocab_size;
-  // Byte-level models (a 256-token vocabulary) read and write text as UTF-8 bytes; others need a tokenizer.
-  const bool byte_level = V == 256;
+  // Under mpirun, or with --tp/--ep, every rank decodes with its slices; rank 0 prints.
+  std::optional<Model> model;
+  std::optional<dist::Mesh> mesh;
+  std::optional<dist::ShardedModel> sharded;
+  if (a.tp > 1 || a.ep > 1 || dist::launched_by_mpi()) {
+    if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
+      throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
+    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
+    try {
+      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    mesh.emplace(dist::world(), dist::ParallelOptions{a.tp, a.ep});
+    sharded = dist::load_sharded(a.model, *mesh);
+  } else {
+    model.emplace(Model::load(a.model));
+  }
+  const int64_t V = model ? model->config().vocab_size : sharded->config.vocab_size;
+  // A model directory with tokenizer.json reads and writes text with it; without one, byte-level models (a 256-token
+  // vocabulary) use UTF-8 bytes, and others take token ids only.
+  std::optional<Tokenizer> tokenizer;
+  if (const fs::path tj = fs::path(a.model) / "tokenizer.json"; fs::exists(tj)) {
+    tokenizer = Tokenizer::load(tj.string());
+    check(tokenizer->vocab_size() <= V, tj.string(), " has ids up to ", tokenizer->vocab_size() - 1,
+          ", outside the model's vocabulary [0, ", V, ")");
+  }
+  const bool byte_level = !tokenizer && V == 256;
   std::vector<int32_t> prompt;
   if (has_prompt) {
-    check(byte_level, "--prompt needs a tokenizer, which is not available yet for this model (vocab_size ", V,
-          "); give --prompt-tokens instead");
-    for (unsigned char ch : a.prompt) prompt.push_back(ch);
+    if (a.chat) {
+      check(tokenizer.has_value(), "--chat needs the model's tokenizer.json (GLM's chat format uses its special ",
+            "tokens), and ", a.model, " has none");
+      prompt = tokenizer->encode(render_glm_chat({{"user", a.prompt}}));
+    } else if (tokenizer) {
+      prompt = tokenizer->encode(a.prompt);
+    } else {
+      check(byte_level, "--prompt needs a tokenizer, which is not available for this model (", a.model,
+            " has no tokenizer.json and vocab_size ", V, "); give --prompt-tokens instead");
+      for (unsigned char ch : a.prompt) prompt.push_back(ch);
+    }
+    check(!prompt.empty(), "--prompt encodes to no tokens");
   } else {
     prompt = parse_token_list("--prompt-tokens", a.prompt_tokens);
   }
@@ -394,14 +522,19 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   for (int32_t id : opt.stop_tokens)
     check(id < V, "--stop-tokens: token id ", id, " is outside the vocabulary [0, ", V, ")");
 
-  const Generation g = generate(model, prompt, opt);
+  const Generation g = model ? generate(*model, prompt, opt) : dist::parallel_generate(*sharded, *mesh, prompt, opt);
+  if (dist::world().rank() != 0) return 0;
   std::ostringstream os;
   if (a.format == "json") {
     os << "{\"tokens\": [";
     for (size_t i = 0; i < g.tokens.size(); ++i) os << (i ? ", " : "") << g.tokens[i];
     os << "], \"logprobs\": [";
     for (size_t i = 0; i < g.logprobs.size(); ++i) os << (i ? ", " : "") << number(g.logprobs[i]);
-    os << "]}\n";
+    os << "]";
+    if (tokenizer) os << ", \"text\": " << nlohmann::json(tokenizer->decode(g.tokens)).dump();
+    os << "}\n";
+  } else if (tokenizer) {
+    os << tokenizer->decode(g.tokens) << "\n";
   } else if (byte_level) {
     for (int32_t t : g.tokens) os << static_cast<char>(t);
     os << "\n";
@@ -483,6 +616,11 @@ int run_cli_impl(int argc, char** argv) {
       ->check(one_of({"jsonl", "text"}, "an output format"))
       ->capture_default_str();
   sc->add_option("--threads", score.threads, "CPU threads (default: all)")->check(thread_count());
+  sc->add_option("--adapter", score.adapter, "LoRA adapter directory (PEFT) to apply, merged in fp32")->check(non_empty());
+  sc->add_option("--tp", score.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+      ->check(rank_count())->capture_default_str();
+  sc->add_option("--ep", score.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
+      ->check(rank_count())->capture_default_str();
 
   std::string info_dir;
   CLI::App* in = app.add_subcommand("info", "config summary, layer pattern, parameter counts, skipped tensors");
@@ -497,6 +635,10 @@ int run_cli_impl(int argc, char** argv) {
       ->check(one_of({"cpu"}, "a device grad runs on"))
       ->capture_default_str();
   gr->add_option("--threads", grad.threads, "CPU threads (default: all)")->check(thread_count());
+  gr->add_option("--tp", grad.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+      ->check(rank_count())->capture_default_str();
+  gr->add_option("--ep", grad.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
+      ->check(rank_count())->capture_default_str();
 
   GenerateArgs gen;
   CLI::App* ge = app.add_subcommand("generate", "continue a prompt (greedy or sampled), with log-probabilities");
@@ -504,7 +646,10 @@ int run_cli_impl(int argc, char** argv) {
   CLI::Option* gen_prompt_tokens =
       ge->add_option("--prompt-tokens", gen.prompt_tokens, "prompt token ids, comma-separated")->check(non_empty());
   CLI::Option* gen_prompt =
-      ge->add_option("--prompt", gen.prompt, "prompt text (byte-level models: its UTF-8 bytes)")->check(non_empty());
+      ge->add_option("--prompt", gen.prompt, "prompt text (encoded with the model's tokenizer.json; byte-level models "
+                     "without one: its UTF-8 bytes)")->check(non_empty());
+  ge->add_flag("--chat", gen.chat,
+               "--prompt is one user message, rendered in GLM's chat format (needs tokenizer.json)");
   ge->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate at most")->required();
   ge->add_option("--temperature", gen.temperature, "divides the logits; 0 = greedy")->capture_default_str();
   ge->add_option("--top-k", gen.top_k, "keep the k most likely tokens (0 = all)")->capture_default_str();
@@ -518,10 +663,16 @@ int run_cli_impl(int argc, char** argv) {
   ge->add_option("--device", gen.device, "compute device (cpu)")
       ->check(one_of({"cpu"}, "a device generate runs on"))
       ->capture_default_str();
-  ge->add_option("--format", gen.format, "text (bytes of a byte-level model, else ids) or json")
+  ge->add_option("--format", gen.format,
+                 "text (decoded with tokenizer.json, bytes of a byte-level model, else ids) or json (+ \"text\" "
+                 "with a tokenizer)")
       ->check(one_of({"text", "json"}, "an output format"))
       ->capture_default_str();
   ge->add_option("--threads", gen.threads, "CPU threads (default: all)")->check(thread_count());
+  ge->add_option("--tp", gen.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+      ->check(rank_count())->capture_default_str();
+  ge->add_option("--ep", gen.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
+      ->check(rank_count())->capture_default_str();
 
   serve::ServeOptions srv;
   CLI::App* sv = app.add_subcommand("serve", "OpenAI-compatible HTTP server (completions, chat, streaming)");
@@ -544,6 +695,8 @@ int run_cli_impl(int argc, char** argv) {
 
   TrainArgs train;
   CLI::App* tr = add_train_command(app, train);
+  MergeArgs merge;
+  CLI::App* mg = add_merge_command(app, merge);
 
   // An unknown command would otherwise be reported as an unexpected argument.
   bool known_command = false;
@@ -551,7 +704,7 @@ int run_cli_impl(int argc, char** argv) {
     for (CLI::App* cmd : app.get_subcommands([](CLI::App*) { return true; })) known_command |= cmd->check_name(argv[1]);
   if (argc >= 2 && argv[1][0] != '-' && !known_command) {
     print_error(std::string("unknown command \"") + argv[1] +
-                "\" (commands: score, info, grad, generate, train, serve; run nextlm --help)");
+                "\" (commands: score, info, grad, generate, train, merge, serve; run nextlm --help)");
     return 2;
   }
   try {
@@ -575,6 +728,7 @@ int run_cli_impl(int argc, char** argv) {
     if (*ge) return cmd_generate(gen, gen_prompt_tokens->count() > 0, gen_prompt->count() > 0);
     if (*gr) return cmd_grad(grad);
     if (*tr) return cmd_train(train, *tr);
+    if (*mg) return cmd_merge(merge);
     if (*sv) return serve::run_server(srv);
   } catch (const TrainUsageError& e) {
     print_error(std::string(e.what()) + " (run nextlm train --help)");
@@ -586,7 +740,7 @@ int run_cli_impl(int argc, char** argv) {
     print_error(e.what());
     return 1;
   }
-  print_error("no command given (commands: score, info, grad, generate, train, serve; run nextlm --help)");
+  print_error("no command given (commands: score, info, grad, generate, train, merge, serve; run nextlm --help)");
   return 2;
 }
 

@@ -3,8 +3,10 @@
 // on ctrl-C.
 #include "cli/train.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -66,6 +68,13 @@ std::string duration(double s) {
   return o.str();
 }
 
+// Peak resident memory of the process so far (getrusage's ru_maxrss, KiB on Linux), in MiB.
+double peak_rss_mib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
 std::string csv_row(const LogRow& r) {
   std::ostringstream o;
   o << r.step << "," << fmt("%.9g", r.loss) << "," << fmt("%.9g", r.lr) << "," << fmt("%.9g", r.grad_norm) << ","
@@ -119,6 +128,15 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   tr->add_option("--resume", a.resume, "continue from this checkpoint (or --out directory)");
   tr->add_option("--threads", a.threads, "CPU threads (default: all)");
   tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
+  tr->add_option("--lora-rank", a.lora_rank, "train LoRA adapters of this rank on the --model (frozen) instead");
+  tr->add_option("--lora-alpha", a.lora_alpha, "LoRA alpha: W + (alpha/rank)·B·A (default: the rank)");
+  tr->add_option("--lora-targets", a.lora_targets,
+                 "projections to adapt: all, kda, mla, mlp, shared_experts, experts, a projection (o_proj) or "
+                 "GROUP.PROJECTION (kda.o_proj), comma-separated")
+      ->capture_default_str();
+  tr->add_option("--lora-experts", a.lora_experts, "routed experts: per-expert adapters or one shared per layer")
+      ->capture_default_str();
+  tr->add_flag("--lora-rank-div-topk", a.lora_rank_div_topk, "routed-expert adapters get rank / num_experts_per_tok");
   return tr;
 }
 
@@ -136,6 +154,23 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (!(a.clip >= 0)) throw TrainUsageError("--clip must be >= 0");
   if (a.save_every < 0) throw TrainUsageError("--save-every must be >= 0");
   if (a.threads < 0 || a.threads > 1024) throw TrainUsageError("--threads must be from 1 to 1024");
+  const bool lora_flags = given("--lora-alpha") || given("--lora-targets") || given("--lora-experts") ||
+                          given("--lora-rank-div-topk");
+  if (given("--lora-rank") || lora_flags) {
+    if (!a.resume.empty()) throw TrainUsageError("the --lora-* options cannot change on --resume (they are stored)");
+    if (!given("--lora-rank")) throw TrainUsageError("the --lora-* options need --lora-rank");
+    if (a.lora_rank < 1) throw TrainUsageError("--lora-rank must be >= 1");
+    if (a.model.empty()) throw TrainUsageError("LoRA trains adapters on a base model: give --model, not --config");
+    if (given("--lora-alpha") && !(a.lora_alpha > 0 && std::isfinite(a.lora_alpha)))
+      throw TrainUsageError("--lora-alpha must be > 0");
+    if (a.lora_experts != "per-expert" && a.lora_experts != "shared")
+      throw TrainUsageError("--lora-experts must be per-expert or shared, got \"" + a.lora_experts + "\"");
+    try {
+      parse_lora_targets(a.lora_targets);
+    } catch (const Error& e) {
+      throw TrainUsageError(std::string("--lora-targets: ") + e.what());
+    }
+  }
   std::error_code ec;
   check(!fs::exists(a.out, ec) || fs::is_directory(a.out, ec), "--out ", a.out, " exists and is not a directory");
   fs::path out_parent = fs::absolute(a.out, ec).parent_path();
@@ -164,13 +199,23 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (resume_dir.empty() || given("--seed")) opt.seed = a.seed;
   if (resume_dir.empty() || given("--lr")) opt.adamw.lr = a.lr;
   if (resume_dir.empty() || given("--weight-decay")) opt.adamw.weight_decay = a.weight_decay;
+  if (given("--lora-rank")) {
+    LoraOptions lo;
+    lo.rank = a.lora_rank;
+    lo.alpha = given("--lora-alpha") ? a.lora_alpha : static_cast<double>(a.lora_rank);
+    lo.targets = a.lora_targets;
+    lo.experts = a.lora_experts == "shared" ? LoraExperts::Shared : LoraExperts::PerExpert;
+    lo.rank_div_topk = a.lora_rank_div_topk;
+    opt.lora = lo;
+    opt.base_model = fs::absolute(a.model, ec).lexically_normal().string();
+  }
 
   std::optional<Model> model;
   ModelConfig cfg;
   if (!a.config.empty()) {
     cfg = load_config(a.config);
   } else {
-    const std::string dir = a.model.empty() ? resume_dir : a.model;
+    const std::string dir = !a.model.empty() ? a.model : opt.lora ? opt.base_model : resume_dir;
     check(fs::is_directory(dir, ec), "model directory ", dir, " does not exist");
     cfg = load_config((fs::path(dir) / "config.json").string());
   }
@@ -203,7 +248,10 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   };
 
   const Model& mdl = trainer->model();
-  std::cerr << "training " << mdl.num_parameters() << " parameters, steps " << trainer->steps_done() << " -> "
+  if (trainer->lora())
+    std::cerr << "LoRA: " << trainer->lora()->modules().size() << " adapters of rank " << opt.lora->rank
+              << " on the frozen base " << opt.base_model << " (" << mdl.num_parameters() << " parameters)\n";
+  std::cerr << "training " << trainer->num_trainable() << " parameters, steps " << trainer->steps_done() << " -> "
             << opt.steps << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step\n";
   double elapsed = 0.0;
   int64_t done_here = 0;
@@ -219,7 +267,8 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     const double eta = elapsed / done_here * static_cast<double>(opt.steps - st.step);
     std::cerr << "step " << st.step << "/" << opt.steps << "  loss " << fmt("%.4f", st.loss) << "  lr "
               << fmt("%.3g", st.lr) << "  grad_norm " << fmt("%.3g", st.grad_norm) << "  tok/s "
-              << fmt("%.0f", st.tokens / st.seconds) << "  eta " << duration(eta) << "\n";
+              << fmt("%.0f", st.tokens / st.seconds) << "  eta " << duration(eta) << "  peak_mem "
+              << fmt("%.0f", peak_rss_mib()) << "MiB\n";
     if (a.save_every > 0 && st.step % a.save_every == 0 && st.step < opt.steps) save();
   }
   save();
@@ -228,8 +277,9 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
               << " (continue with --resume " << a.out << ")\n";
     return 130;
   }
-  std::cerr << "done: " << trainer->steps_done() << " steps in " << duration(elapsed) << "; model and checkpoint in "
-            << ckpt_dir << ", log " << log << "\n";
+  std::cerr << "done: " << trainer->steps_done() << " steps in " << duration(elapsed) << "; "
+            << (trainer->lora() ? "adapter" : "model") << " and checkpoint in "
+            << ckpt_dir << ", log " << log << "; peak memory " << fmt("%.0f", peak_rss_mib()) << " MiB\n";
   return 0;
 }
 

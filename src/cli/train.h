@@ -15,6 +15,11 @@ struct TrainArgs {
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
   uint64_t seed = 0;
   int threads = 0;
+  // LoRA (model/lora.h): on when lora_rank > 0; needs --model (the frozen base).
+  int64_t lora_rank = 0;
+  double lora_alpha = 0.0;  // 0: the rank (scale 1)
+  std::string lora_targets = "all", lora_experts = "per-expert";
+  bool lora_rank_div_topk = false;
 };
 
 // A bad combination of train's flags (exit status 2, like CLI11's own parse errors).

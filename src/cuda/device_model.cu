@@ -11,12 +11,25 @@
 
 #include "cuda/distribution_compare.h"
 #include "cuda/gemm.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/random_init.h"
 #include "io/safetensors.h"
 #include "model/init.h"
 
 namespace nextlm {
+
+namespace {
+// How the MoE experts run (set_moe_expert_gemm): a GroupedGemmKernel, or −1 for one cuBLASLt GEMM per expert.
+int g_moe_expert_gemm = 4;  // kWgmma128x256: the fastest on the H200 (bench/results/h200.json)
+}  // namespace
+
+void set_moe_expert_gemm(int mode) {
+  check(mode >= -1 && mode < cuda::kGroupedGemmKernels, "MoE expert GEMM: mode must be -1 (cuBLASLt per expert) or a "
+        "grouped GEMM kernel 0..", cuda::kGroupedGemmKernels - 1, ", got ", mode);
+  g_moe_expert_gemm = mode;
+}
+int moe_expert_gemm() { return g_moe_expert_gemm; }
 
 std::string cuda_device_name(int device) {
   int n = 0;
@@ -106,6 +119,8 @@ struct DMoe {
   DLinear router;
   float* bias;
   std::vector<DMlp> experts;
+  const bf16** gate_up_ptrs = nullptr;  // [E] device arrays of the experts' weight pointers (grouped GEMM)
+  const bf16** down_ptrs = nullptr;
   bool has_shared = false;
   DMlp shared;
 };
@@ -391,6 +406,12 @@ struct CudaModel::Impl {
         L.moe.bias = vec(m + "gate.e_score_correction_bias", {E}, zeros);
         L.moe.experts.reserve(E);
         for (int64_t e = 0; e < E; ++e) L.moe.experts.push_back(mlp(m + "experts." + std::to_string(e) + ".", I));
+        std::vector<const bf16*> gu_ptrs, dn_ptrs;
+        for (const DMlp& x : L.moe.experts) gu_ptrs.push_back(x.gate_up.w), dn_ptrs.push_back(x.down.w);
+        L.moe.gate_up_ptrs = store.alloc<const bf16*>(E);
+        L.moe.down_ptrs = store.alloc<const bf16*>(E);
+        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.gate_up_ptrs, gu_ptrs.data(), E * sizeof(bf16*), cudaMemcpyHostToDevice));
+        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.down_ptrs, dn_ptrs.data(), E * sizeof(bf16*), cudaMemcpyHostToDevice));
         if (c.n_shared_experts > 0) {
           L.moe.has_shared = true;
           L.moe.shared = mlp(m + "shared_experts.", I * c.n_shared_experts);
@@ -567,7 +588,17 @@ struct CudaModel::Impl {
     }
     bf16* o = arena.alloc<bf16>(T * NH * dv);
     mark_begin("sparse attention");
-    mla_sparse_attention(q, kv, sel, count, p.seq_start, p.seq_len, o, T, NH, dqk, dv, max_sel, stream);
+    if (mla_tc_supported(dqk, dv)) {
+      bf16 *q16 = arena.alloc<bf16>(T * NH * dqk), *kv16 = arena.alloc<bf16>(T * NH * (dqk + dv));
+      to_bf16(q, q16, T * NH * dqk, stream);
+      to_bf16(kv, kv16, T * NH * (dqk + dv), stream);
+      const int64_t words = mla_mask_words(p.max_len);
+      uint32_t* mask = arena.alloc<uint32_t>(T * words);
+      mla_sparse_attention_tc(q16, kv16, sel, count, p.seq_start, p.seq_len, o, mask, words, T, NH, dqk, dv, max_sel,
+                              stream);
+    } else {
+      mla_sparse_attention(q, kv, sel, count, p.seq_start, p.seq_len, o, T, NH, dqk, dv, max_sel, stream);
+    }
     mark_end("sparse attention");
     gemm->run(o, NH * dv, w.o.w, D, NH * dv, y, D, T);
   }
@@ -588,23 +619,37 @@ struct CudaModel::Impl {
     const size_t temp_bytes = moe_permute_temp_bytes(n);
     void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
     moe_permute(experts, T, k, E, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes, stream);
-    std::vector<int32_t> off(E + 1);
-    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(off.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
     bf16* xp = arena.alloc<bf16>(n * D);
     gather_rows(a, token_of, xp, n, D, stream);
-    float* gu = arena.alloc<float>(n * 2 * I);
     bf16* act = arena.alloc<bf16>(n * I);
     float* out = arena.alloc<float>(n * D);
-    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));  // the expert boundaries drive the per-expert GEMMs
     mark_begin("experts");
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = off[e], m = off[e + 1] - off[e];
-      if (m) gemm->run(xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, gu + r0 * 2 * I, 2 * I, m);
-    }
-    swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = off[e], m = off[e + 1] - off[e];
-      if (m) gemm->run(act + r0 * I, I, w.experts[e].down.w, D, I, out + r0 * D, D, m);
+    if (g_moe_expert_gemm >= 0) {
+      // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
+      int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(E)));
+      const auto kernel = static_cast<GroupedGemmKernel>(g_moe_expert_gemm);
+      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(E), static_cast<int>(2 * I),
+                     static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
+      grouped_gemm(gu, ws, stream);
+      GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(E), static_cast<int>(D),
+                     static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
+      grouped_gemm(dn, ws, stream);
+    } else {
+      // One cuBLASLt GEMM per expert, after a device-to-host copy of the expert boundaries.
+      std::vector<int32_t> off(E + 1);
+      NEXTLM_CUDA_CHECK(
+          cudaMemcpyAsync(off.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+      float* gu = arena.alloc<float>(n * 2 * I);
+      NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], m = off[e + 1] - off[e];
+        if (m) gemm->run(xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, gu + r0 * 2 * I, 2 * I, m);
+      }
+      swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], m = off[e + 1] - off[e];
+        if (m) gemm->run(act + r0 * I, I, w.experts[e].down.w, D, I, out + r0 * D, D, m);
+      }
     }
     mark_end("experts");
     if (w.has_shared) {

@@ -17,6 +17,12 @@ namespace nextlm {
 // Whether a CUDA device is usable, and its name ("" when not).
 std::string cuda_device_name(int device = 0);
 
+// How the MoE experts run, process-wide (for benchmarks): a cuda::GroupedGemmKernel variant of the grouped GEMM
+// (src/cuda/grouped_gemm.h: no host sync, SwiGLU fused; the default is 4, wgmma 128×256, the fastest on the H200),
+// or −1 for one cuBLASLt GEMM per expert after a host sync of the expert boundaries.
+void set_moe_expert_gemm(int mode);
+int moe_expert_gemm();
+
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {
   double kl = 0;            // KL(ref ‖ ours) over the vocabulary

@@ -230,3 +230,196 @@ double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t 
 }
 
 }  // namespace nextlm::cuda_testing
+
+namespace nextlm::cuda_testing {
+
+void mla_attention_both(const std::vector<float>& q, const std::vector<float>& kv,
+                        const std::vector<std::vector<int32_t>>& sel, const std::vector<int64_t>& cu, int64_t NH,
+                        int64_t dqk, int64_t dv, std::vector<float>& tc, std::vector<float>& ref) {
+  const int64_t T = cu.back();
+  int64_t max_sel = 1, max_len = 1;
+  for (const auto& s : sel) max_sel = std::max<int64_t>(max_sel, static_cast<int64_t>(s.size()));
+  std::vector<int32_t> sel_flat(T * max_sel, 0), count(T), start(T), len(T);
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+      start[t] = static_cast<int32_t>(cu[n]);
+      len[t] = static_cast<int32_t>(cu[n + 1] - cu[n]);
+      max_len = std::max<int64_t>(max_len, len[t]);
+    }
+  for (int64_t t = 0; t < T; ++t) {
+    count[t] = static_cast<int32_t>(sel[t].size());
+    std::copy(sel[t].begin(), sel[t].end(), sel_flat.begin() + t * max_sel);
+  }
+  std::vector<float> q32(q), kv32(kv);  // the CUDA-core kernel gets the same bf16-rounded values in fp32
+  for (float& x : q32) x = __bfloat162float(__float2bfloat16(x));
+  for (float& x : kv32) x = __bfloat162float(__float2bfloat16(x));
+  Buf dq = upload(q32), dkv = upload(kv32), dq16 = upload(to_bf16(q)), dkv16 = upload(to_bf16(kv));
+  Buf ds = upload(sel_flat), dc = upload(count), dst = upload(start), dl = upload(len);
+  const int64_t words = cuda::mla_mask_words(max_len);
+  Buf mask(T * words * sizeof(uint32_t));
+  const std::vector<cuda::bf16> poison(T * NH * dv, __float2bfloat16(NAN));
+  Buf o1 = upload(poison), o2 = upload(poison);
+  cuda::mla_sparse_attention_tc(dq16.as<cuda::bf16>(), dkv16.as<cuda::bf16>(), ds.as<int32_t>(), dc.as<int32_t>(),
+                                dst.as<int32_t>(), dl.as<int32_t>(), o1.as<cuda::bf16>(), mask.as<uint32_t>(), words, T,
+                                NH, dqk, dv, max_sel, nullptr);
+  cuda::mla_sparse_attention(dq.as<float>(), dkv.as<float>(), ds.as<int32_t>(), dc.as<int32_t>(), dst.as<int32_t>(),
+                             dl.as<int32_t>(), o2.as<cuda::bf16>(), T, NH, dqk, dv, max_sel, nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  std::vector<cuda::bf16> h1(T * NH * dv), h2(T * NH * dv);
+  NEXTLM_CUDA_CHECK(cudaMemcpy(h1.data(), o1.p, h1.size() * 2, cudaMemcpyDeviceToHost));
+  NEXTLM_CUDA_CHECK(cudaMemcpy(h2.data(), o2.p, h2.size() * 2, cudaMemcpyDeviceToHost));
+  tc.resize(h1.size());
+  ref.resize(h2.size());
+  for (size_t i = 0; i < h1.size(); ++i) tc[i] = __bfloat162float(h1[i]), ref[i] = __bfloat162float(h2[i]);
+}
+
+}  // namespace nextlm::cuda_testing
+
+// ---- Decoding kernels ----
+#include "cuda/decode_kernels.h"
+
+namespace nextlm::cuda_testing {
+
+namespace {
+
+template <class T>
+std::vector<T> download(const Buf& b, size_t n) {
+  std::vector<T> v(n);
+  NEXTLM_CUDA_CHECK(cudaMemcpy(v.data(), b.p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+std::vector<float> widen(const std::vector<cuda::bf16>& x) {
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = __bfloat162float(x[i]);
+  return y;
+}
+
+}  // namespace
+
+std::vector<float> decode_linear(const std::vector<float>& x, const std::vector<float>& W, int64_t M, int64_t out,
+                                 int64_t in) {
+  Buf dx = upload(to_bf16(x)), dw = upload(to_bf16(W)), dy = upload(std::vector<float>(M * out, NAN));
+  cuda::decode_linear(dx.as<cuda::bf16>(), in, dw.as<cuda::bf16>(), out, in, dy.as<float>(), out, M, false, nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  return download<float>(dy, M * out);
+}
+
+std::vector<float> decode_linear_gathered(const std::vector<float>& x, const std::vector<float>& W,
+                                          const std::vector<int32_t>& expert, int64_t M, int64_t out, int64_t in) {
+  const int64_t E = static_cast<int64_t>(W.size()) / (out * in);
+  std::vector<Buf> mats;
+  std::vector<const cuda::bf16*> table;
+  for (int64_t e = 0; e < E; ++e) {
+    mats.push_back(upload(to_bf16(std::vector<float>(W.begin() + e * out * in, W.begin() + (e + 1) * out * in))));
+    table.push_back(mats.back().as<cuda::bf16>());
+  }
+  Buf dt = upload(table), de = upload(expert), dx = upload(to_bf16(x)), dy = upload(std::vector<float>(M * out, NAN));
+  cuda::decode_linear_gathered(dx.as<cuda::bf16>(), in, 1, dt.as<const cuda::bf16*>(), de.as<int32_t>(), out, in,
+                               dy.as<float>(), out, M, nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  return download<float>(dy, M * out);
+}
+
+std::vector<std::vector<float>> kda_decode_steps(const KdaDecodeSteps& in, std::vector<float>& conv_hist,
+                                                 std::vector<float>& state) {
+  const int64_t H = in.H, K = in.K, HK = H * K;
+  Buf conv = upload(in.conv), dt = upload(in.dt_bias), al = upload(in.A_log);
+  Buf hist = upload(conv_hist), st = upload(state);
+  std::vector<std::vector<float>> out;
+  for (size_t s = 0; s < in.slots.size(); ++s) {
+    const int64_t B = static_cast<int64_t>(in.slots[s].size());
+    Buf raw = upload(in.raw[s]), graw = upload(in.graw[s]), beta = upload(in.beta[s]), slot = upload(in.slots[s]);
+    Buf o = upload(std::vector<float>(B * HK, NAN));
+    cuda::KdaDecodeParams p{raw.as<float>(), conv.as<float>(), graw.as<float>(), dt.as<float>(), al.as<float>(),
+                            beta.as<float>(), slot.as<int32_t>(), hist.as<float>(), st.as<float>(), o.as<float>(),
+                            B, H, K, in.W, in.has_bound, in.bound, in.round_qkv};
+    cuda::kda_decode_step(p, nullptr);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    out.push_back(download<float>(o, B * HK));
+  }
+  conv_hist = download<float>(hist, conv_hist.size());
+  state = download<float>(st, state.size());
+  return out;
+}
+
+std::vector<std::vector<std::vector<int32_t>>> indexer_decode_steps(const IndexerDecodeSteps& in) {
+  const int64_t ID = in.ID, P = in.P, max_sel = in.topk + in.P - 1;
+  Buf ape = upload(in.ape);
+  Buf pk(in.num_slots * P * ID * sizeof(float)), pg(in.num_slots * P * ID * sizeof(float));
+  Buf pool = upload(std::vector<float>(in.num_slots * in.max_pools * ID, NAN));
+  std::vector<int32_t> length(in.num_slots, 0);
+  std::vector<std::vector<std::vector<int32_t>>> out;
+  for (size_t s = 0; s < in.slots.size(); ++s) {
+    const int64_t B = static_cast<int64_t>(in.slots[s].size());
+    std::vector<int32_t> pos(B);
+    int64_t max_selectable = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      pos[b] = length[in.slots[s][b]]++;
+      max_selectable = std::max<int64_t>(max_selectable, (pos[b] + 1) / P);
+    }
+    Buf qi = upload(in.qi[s]), ki = upload(in.ki[s]), gs = upload(in.gs[s]), wts = upload(in.wts[s]);
+    Buf slot = upload(in.slots[s]), dpos = upload(pos), scores(B * in.max_pools * sizeof(float));
+    Buf sel = upload(std::vector<int32_t>(B * max_sel, -1)), count = upload(std::vector<int32_t>(B, -1));
+    cuda::IndexerDecodeParams p{qi.as<float>(), ki.as<float>(), gs.as<float>(), wts.as<float>(), ape.as<float>(),
+                                slot.as<int32_t>(), dpos.as<int32_t>(), pk.as<float>(), pg.as<float>(),
+                                pool.as<float>(), scores.as<float>(), B, in.IH, ID, P, in.topk, in.max_pools,
+                                max_selectable, in.tail};
+    cuda::indexer_decode_append(p, nullptr);
+    cuda::indexer_decode_select(p, sel.as<int32_t>(), count.as<int32_t>(), max_sel, nullptr);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    const std::vector<int32_t> sh = download<int32_t>(sel, B * max_sel), ch = download<int32_t>(count, B);
+    std::vector<std::vector<int32_t>> rows(B);
+    for (int64_t b = 0; b < B; ++b) {
+      check(ch[b] >= 0 && ch[b] <= max_sel, "indexer decoding wrote no valid count for row ", b);
+      rows[b].assign(sh.begin() + b * max_sel, sh.begin() + b * max_sel + ch[b]);
+    }
+    out.push_back(std::move(rows));
+  }
+  return out;
+}
+
+std::vector<float> mla_decode(const std::vector<float>& q, const std::vector<float>& kv_b,
+                              const std::vector<float>& latent, const std::vector<float>& new_latent,
+                              const std::vector<int32_t>& slots, const std::vector<int32_t>& pos,
+                              const std::vector<std::vector<int32_t>>& sel, int64_t NH, int64_t dqk, int64_t dv,
+                              int64_t KL, int64_t max_len, int64_t max_sel) {
+  const int64_t B = static_cast<int64_t>(slots.size());
+  std::vector<int32_t> sh(B * max_sel, -1), ch(B);
+  for (int64_t b = 0; b < B; ++b) {
+    check(static_cast<int64_t>(sel[b].size()) <= max_sel, "mla_decode: selection too long");
+    std::copy(sel[b].begin(), sel[b].end(), sh.begin() + b * max_sel);
+    ch[b] = static_cast<int32_t>(sel[b].size());
+  }
+  Buf dq = upload(q), dkv = upload(to_bf16(kv_b)), dlat = upload(to_bf16(latent)), dnew = upload(to_bf16(new_latent));
+  Buf dslot = upload(slots), dpos = upload(pos), dsel = upload(sh), dcount = upload(ch);
+  Buf o = upload(std::vector<cuda::bf16>(B * NH * dv, __float2bfloat16(NAN)));
+  cuda::mla_decode_append(dnew.as<cuda::bf16>(), dslot.as<int32_t>(), dpos.as<int32_t>(), dlat.as<cuda::bf16>(), B,
+                          KL, max_len, nullptr);
+  cuda::MlaDecodeParams p{dq.as<float>(), dkv.as<cuda::bf16>(), dlat.as<cuda::bf16>(), dslot.as<int32_t>(),
+                          dpos.as<int32_t>(), dsel.as<int32_t>(), dcount.as<int32_t>(), o.as<cuda::bf16>(),
+                          B, NH, dqk, dv, KL, max_len, max_sel};
+  cuda::mla_decode_attention(p, nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  return widen(download<cuda::bf16>(o, B * NH * dv));
+}
+
+void kda_prefill_caches(const std::vector<float>& raw, const std::vector<float>& q, const std::vector<float>& k,
+                        const std::vector<float>& v, const std::vector<float>& g, const std::vector<float>& beta,
+                        const std::vector<int64_t>& cu, const std::vector<int32_t>& slots, int64_t H, int64_t K,
+                        int64_t W, std::vector<float>& conv_hist, std::vector<float>& state) {
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1;
+  std::vector<int32_t> start(N), len(N);
+  for (int64_t n = 0; n < N; ++n) start[n] = static_cast<int32_t>(cu[n]), len[n] = static_cast<int32_t>(cu[n + 1] - cu[n]);
+  Buf draw = upload(raw), dq = upload(q), dk = upload(k), dv = upload(v), dg = upload(g), db = upload(beta);
+  Buf ds = upload(start), dl = upload(len), dslot = upload(slots), hist = upload(conv_hist), st = upload(state);
+  const cuda::PrefillSeqs ps{ds.as<int32_t>(), dl.as<int32_t>(), dslot.as<int32_t>(), N};
+  cuda::kda_store_conv_hist(draw.as<float>(), ps, hist.as<float>(), H * K, W, nullptr);
+  cuda::kda_final_state(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(), db.as<float>(), ps,
+                        st.as<float>(), H, K, nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  conv_hist = download<float>(hist, conv_hist.size());
+  state = download<float>(st, state.size());
+}
+
+}  // namespace nextlm::cuda_testing

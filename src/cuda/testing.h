@@ -37,3 +37,72 @@ void set_kda_tc_variant(int prepare, int tv);
 double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters);
 
 }  // namespace nextlm::cuda_testing
+
+namespace nextlm::cuda_testing {
+
+// MLA attention over selections on packed sequences, both kernels on the same bf16-rounded q [T, NH, dqk] and
+// kv [T, NH, dqk+dv]: the tensor-core one (mla_tc.cu) and the CUDA-core one (dsa.cu, checked against the CPU).
+// sel[t]: sorted sequence-relative keys of token t (empty: uniform over the sequence). Returns both outputs.
+void mla_attention_both(const std::vector<float>& q, const std::vector<float>& kv,
+                        const std::vector<std::vector<int32_t>>& sel, const std::vector<int64_t>& cu_seqlens,
+                        int64_t NH, int64_t dqk, int64_t dv, std::vector<float>& tc, std::vector<float>& ref);
+
+}  // namespace nextlm::cuda_testing
+
+// ---- Decoding kernels (src/cuda/decode_kernels.h) ----
+namespace nextlm::cuda_testing {
+
+// decode_linear on x [M, in] and W [out, in] (both rounded to bf16 on the way in): y [M, out]. With `gathered`,
+// decode_linear_gathered instead, row m using matrix expert[m] of W ([E, out, in]) and x row m.
+std::vector<float> decode_linear(const std::vector<float>& x, const std::vector<float>& W, int64_t M, int64_t out,
+                                 int64_t in);
+std::vector<float> decode_linear_gathered(const std::vector<float>& x, const std::vector<float>& W,
+                                          const std::vector<int32_t>& expert, int64_t M, int64_t out, int64_t in);
+
+// KDA decoding steps: step s feeds one token to each slot in slots[s] (distinct), with its pre-conv projections
+// raw[s] [B_s, 3·H·K], f_b output graw[s] [B_s, H·K] and beta[s] [B_s, H]. The caches conv_hist
+// [num_slots, 3, W−1, H·K] and state [num_slots, H, K, K] are uploaded, run through every step and returned.
+// Returns o[s] [B_s, H, K]; output buffers are poisoned with NaN first.
+struct KdaDecodeSteps {
+  int64_t H = 0, K = 0, W = 0, num_slots = 0;
+  std::vector<float> conv, dt_bias, A_log;  // [3·HK, W], [HK], [H]
+  bool has_bound = true;
+  float bound = -5.0f;
+  bool round_qkv = false;
+  std::vector<std::vector<int32_t>> slots;
+  std::vector<std::vector<float>> raw, graw, beta;
+};
+std::vector<std::vector<float>> kda_decode_steps(const KdaDecodeSteps& in, std::vector<float>& conv_hist,
+                                                 std::vector<float>& state);
+
+// Indexer decoding steps from empty slots: step s adds one token to each slot in slots[s], with its projections
+// qi[s] [B_s, IH·ID], LayerNormed keys ki[s] [B_s, ID], gate scores gs[s] [B_s, ID] and head weights wts[s]
+// [B_s, IH] (before IH^-1/2). Returns the selection of every row of every step.
+struct IndexerDecodeSteps {
+  int64_t IH = 0, ID = 0, P = 1, topk = 0, num_slots = 0, max_pools = 0;
+  bool tail = true;
+  std::vector<float> ape;  // [P, ID]
+  std::vector<std::vector<int32_t>> slots;
+  std::vector<std::vector<float>> qi, ki, gs, wts;
+};
+std::vector<std::vector<std::vector<int32_t>>> indexer_decode_steps(const IndexerDecodeSteps& in);
+
+// Absorbed MLA decoding for rows b: appends new_latent[b] [KL] at (slots[b], pos[b]) of the latent cache
+// [num_slots, max_len, KL] (rounded to bf16 with the new rows), then attends with q [B, NH, dqk] over sel[b]
+// (empty: uniform over 0 … pos[b]). kv_b [NH·(dqk+dv), KL] is rounded to bf16. Returns o [B, NH, dv] (bf16 widened).
+std::vector<float> mla_decode(const std::vector<float>& q, const std::vector<float>& kv_b,
+                              const std::vector<float>& latent, const std::vector<float>& new_latent,
+                              const std::vector<int32_t>& slots, const std::vector<int32_t>& pos,
+                              const std::vector<std::vector<int32_t>>& sel, int64_t NH, int64_t dqk, int64_t dv,
+                              int64_t KL, int64_t max_len, int64_t max_sel);
+
+// The prefill cache kernels on packed sequences (sequence n into slot slots[n]): kda_store_conv_hist from the
+// pre-conv projections raw [T, 3·H·K], kda_final_state from q, k, v [T, H, K], log decays g [T, H·K] and beta
+// [T, H]. conv_hist [num_slots, 3, W−1, H·K] and state [num_slots, H, K, K] are uploaded (slots not listed keep
+// their values) and returned.
+void kda_prefill_caches(const std::vector<float>& raw, const std::vector<float>& q, const std::vector<float>& k,
+                        const std::vector<float>& v, const std::vector<float>& g, const std::vector<float>& beta,
+                        const std::vector<int64_t>& cu_seqlens, const std::vector<int32_t>& slots, int64_t H,
+                        int64_t K, int64_t W, std::vector<float>& conv_hist, std::vector<float>& state);
+
+}  // namespace nextlm::cuda_testing

@@ -102,13 +102,27 @@ Trainer::Trainer(Model model, std::vector<TrainExample> data, TrainOptions opt)
   check(!data_.empty(), "no training data");
   check(opt_.steps >= 0 && opt_.warmup >= 0 && opt_.grad_accum >= 1 && opt_.batch_tokens >= 2,
         "invalid training options");
+  if (opt_.lora) {
+    lora_.emplace(model_.config(), *opt_.lora, opt_.seed);
+    lora_base_ = lora_->capture(model_.weights());
+    lora_->apply(lora_base_, model_.mutable_weights());  // B = 0: W_eff = W, written the one way it always is
+  }
   reset_params();
   adam_ = AdamW(params_, opt_.adamw);
   order_ = epoch_order(static_cast<int64_t>(data_.size()), opt_.seed, pos_.epoch);
 }
 
+// PEFT module names use transformers' module tree, whose text model is model.language_model.* in 5.x.
+const char* const kPrefix = "model.language_model.";
+
 void Trainer::reset_params() {
-  params_ = trainable_params(model_.config(), model_.mutable_weights(), grads_, "model.language_model.");
+  params_ = lora_ ? lora_->params(kPrefix) : trainable_params(model_.config(), model_.mutable_weights(), grads_, kPrefix);
+}
+
+int64_t Trainer::num_trainable() const {
+  int64_t n = 0;
+  for (const ParamRef& p : params_) n += p.n;
+  return n;
 }
 
 PackedBatch Trainer::next_batch() {
@@ -143,6 +157,9 @@ PackedBatch Trainer::next_batch() {
 StepStats Trainer::step() {
   const auto t0 = std::chrono::steady_clock::now();
   for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
+  if (lora_)  // the full-model weight gradients, from which the adapters' come
+    for (const GradTensor& g : hub_gradients(model_.config(), grads_, ""))
+      std::fill_n(const_cast<float*>(g.data), Tensor::count(g.shape), 0.0f);
   double loss = 0.0, weight = 0.0;
   int64_t tokens = 0;
   for (int64_t a = 0; a < opt_.grad_accum; ++a) {
@@ -154,6 +171,7 @@ StepStats Trainer::step() {
       for (int64_t t = b.cu_seqlens[s] + 1; t < b.cu_seqlens[s + 1]; ++t)
         weight += b.target_weight.empty() ? 1.0 : b.target_weight[t];
   }
+  if (lora_) lora_->backward(grads_);  // dA, dB from dW summed over the micro-batches (linear, so exact)
   // The per-token mean makes the step size independent of the batch size; a step with nothing to predict (every
   // token masked) still counts as a step and leaves the weights alone apart from weight decay.
   const float inv = weight > 0 ? static_cast<float>(1.0 / weight) : 0.0f;
@@ -164,7 +182,11 @@ StepStats Trainer::step() {
   st.lr = lr_at(adam_.steps(), opt_.steps, opt_.warmup, opt_.adamw.lr, opt_.min_lr_ratio);
   adam_.step(params_, st.lr);
   ModelWeights& w = model_.mutable_weights();
-  if (model_.config().tie_word_embeddings) w.lm_head.data = w.embed.data;  // same size: no reallocation
+  if (lora_) {
+    lora_->apply(lora_base_, w);
+  } else if (model_.config().tie_word_embeddings) {
+    w.lm_head.data = w.embed.data;  // same size: no reallocation
+  }
   st.step = adam_.steps();
   st.loss = weight > 0 ? loss / weight : 0.0;
   st.tokens = tokens;
@@ -175,10 +197,15 @@ StepStats Trainer::step() {
 namespace {
 
 json options_json(const TrainOptions& o) {
-  return json{{"steps", o.steps},          {"warmup", o.warmup}, {"batch_tokens", o.batch_tokens},
-              {"grad_accum", o.grad_accum}, {"clip", o.clip},     {"min_lr_ratio", o.min_lr_ratio},
-              {"seed", o.seed},            {"lr", o.adamw.lr},   {"beta1", o.adamw.beta1},
-              {"beta2", o.adamw.beta2},    {"eps", o.adamw.eps}, {"weight_decay", o.adamw.weight_decay}};
+  json j{{"steps", o.steps},          {"warmup", o.warmup}, {"batch_tokens", o.batch_tokens},
+         {"grad_accum", o.grad_accum}, {"clip", o.clip},     {"min_lr_ratio", o.min_lr_ratio},
+         {"seed", o.seed},            {"lr", o.adamw.lr},   {"beta1", o.adamw.beta1},
+         {"beta2", o.adamw.beta2},    {"eps", o.adamw.eps}, {"weight_decay", o.adamw.weight_decay}};
+  if (o.lora) {
+    j["lora"] = lora_options_json(*o.lora);
+    j["base_model"] = o.base_model;
+  }
+  return j;
 }
 
 TrainOptions options_from_json(const json& j) {
@@ -195,6 +222,10 @@ TrainOptions options_from_json(const json& j) {
   o.adamw.beta2 = j.at("beta2").get<double>();
   o.adamw.eps = j.at("eps").get<double>();
   o.adamw.weight_decay = j.at("weight_decay").get<double>();
+  if (j.contains("lora") && !j.at("lora").is_null()) {
+    o.lora = lora_options_from_json(j.at("lora"));
+    o.base_model = j.at("base_model").get<std::string>();
+  }
   return o;
 }
 
@@ -235,7 +266,11 @@ void Trainer::save(const std::string& dir) const {
   fs::remove_all(tmp, ec);
   check(fs::create_directories(tmp, ec) && !ec, "cannot create ", tmp, ": ", ec.message());
   try {
-    save_model(tmp, model_.config(), model_.weights());
+    if (lora_) {
+      lora_->save_peft(tmp, opt_.base_model, kPrefix);
+    } else {
+      save_model(tmp, model_.config(), model_.weights());
+    }
     std::vector<TensorToWrite> moments;
     for (size_t k = 0; k < params_.size(); ++k) {
       moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
@@ -267,7 +302,16 @@ TrainOptions Trainer::stored_options(const std::string& dir) {
 
 Trainer Trainer::resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt) {
   const json st = read_state(dir);
-  Trainer tr(Model::load(dir), std::move(data), opt);
+  if (opt.lora) {
+    std::error_code ec;
+    check(fs::is_directory(opt.base_model, ec), "cannot resume the LoRA run in ", dir, ": its base model ",
+          opt.base_model, " does not exist");
+  }
+  Trainer tr(Model::load(opt.lora ? opt.base_model : dir), std::move(data), opt);
+  if (tr.lora_) {
+    tr.lora_->load_values(dir, kPrefix);
+    tr.lora_->apply(tr.lora_base_, tr.model_.mutable_weights());
+  }
   try {
     check(st.at("num_sequences").get<size_t>() == tr.data_.size(), "cannot resume from ", dir, ": it was trained on ",
           st.at("num_sequences").get<size_t>(), " sequences, the data now has ", tr.data_.size(),

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "model/lora.h"
 #include "model/model.h"
 #include "model/optim.h"
 
@@ -31,8 +32,12 @@ struct TrainOptions {
   int64_t grad_accum = 1;       // micro-batches per optimizer step
   double clip = 1.0;            // global grad-norm bound (0: none)
   double min_lr_ratio = 0.1;    // the cosine's floor, as a fraction of the peak lr
-  uint64_t seed = 0;            // init (with --config) and data order
+  uint64_t seed = 0;            // init (with --config), LoRA init and data order
   AdamWOptions adamw;
+  // LoRA fine-tuning (model/lora.h): only the adapters train, the model given is the frozen base. base_model is
+  // its directory, recorded in the checkpoint so that a resume can load it again.
+  std::optional<LoraOptions> lora;
+  std::string base_model;
 };
 
 // Where the data stream stands: epoch e visits the sequences in a permutation drawn from (seed, e); cursor is the
@@ -53,7 +58,8 @@ struct StepStats {
 
 class Trainer {
  public:
-  // Starts from `model` with fresh optimizer state. data must not be empty.
+  // Starts from `model` with fresh optimizer state (with opt.lora: fresh adapters on `model`, which stays frozen).
+  // data must not be empty.
   Trainer(Model model, std::vector<TrainExample> data, TrainOptions opt);
   // params_ points into model_ and grads_: a move keeps those buffers (std::vector moves its storage), a copy would
   // not.
@@ -69,13 +75,19 @@ class Trainer {
   // optimizer.safetensors (moments, under the tensors' names) and trainer_state.json (step, data position,
   // options). The new checkpoint is built beside DIR and swapped in with one rename, so DIR is always a complete
   // checkpoint, old or new.
+  // With LoRA the checkpoint holds the adapter instead of the model: adapter_model.safetensors +
+  // adapter_config.json (a PEFT directory, for `score --adapter` and `merge`), with the same optimizer and state
+  // files; resume() loads the base model from options().base_model.
   void save(const std::string& dir) const;
   // A trainer in exactly the state save() recorded; `opt` replaces the stored options (pass stored_options(dir)
   // to keep them).
   static Trainer resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt);
   static TrainOptions stored_options(const std::string& dir);
 
+  // The model trained (with LoRA: the base with the adapters merged in, W + s·B·A).
   const Model& model() const { return model_; }
+  const LoraAdapter* lora() const { return lora_ ? &*lora_ : nullptr; }
+  int64_t num_trainable() const;
   const TrainOptions& options() const { return opt_; }
   int64_t steps_done() const { return adam_.steps(); }
   DataPosition data_position() const { return pos_; }
@@ -92,6 +104,8 @@ class Trainer {
   AdamW adam_;
   DataPosition pos_;
   std::vector<int64_t> order_;  // the current epoch's permutation
+  std::optional<LoraAdapter> lora_;
+  std::vector<Tensor> lora_base_;  // the base weights under the adapters (LoraAdapter::capture)
 };
 
 // The order in which epoch `epoch` visits n sequences (Fisher–Yates from a generator seeded by seed and epoch).

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -20,6 +21,8 @@
 
 #include "core/error.h"
 #include "cpu/linear.h"
+#include "io/chat_template.h"
+#include "io/tokenizer.h"
 #include "model/model.h"
 #include "serve/scheduler.h"
 
@@ -57,7 +60,8 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 struct Context {
   std::string model_name;
   int64_t vocab_size = 0;
-  bool byte_level = false;  // vocab_size 256: text is UTF-8 bytes (no tokenizer needed)
+  bool byte_level = false;  // vocab_size 256 and no tokenizer.json: text is UTF-8 bytes
+  const Tokenizer* tokenizer = nullptr;  // the model directory's tokenizer.json, if it has one
   int64_t max_tokens = 0;   // --max-tokens
   int64_t created = 0;      // server start, Unix seconds
 };
@@ -102,11 +106,15 @@ std::vector<int32_t> parse_prompt(const json& body, const Context& ctx) {
   if (!p) bad("prompt", "missing_field", "prompt is required");
   std::vector<int32_t> ids;
   if (p->is_string()) {
-    if (!ctx.byte_level)
-      bad("prompt", "tokenizer_unavailable",
-          "a text prompt needs a tokenizer, which is not available yet for this model (vocab_size " +
-              std::to_string(ctx.vocab_size) + "); send the prompt as a list of token ids");
-    for (unsigned char c : p->get<std::string>()) ids.push_back(c);
+    if (ctx.tokenizer) {
+      ids = ctx.tokenizer->encode(p->get<std::string>());  // JSON strings are valid UTF-8
+    } else {
+      if (!ctx.byte_level)
+        bad("prompt", "tokenizer_unavailable",
+            "a text prompt needs a tokenizer, which is not available for this model (no tokenizer.json, vocab_size " +
+                std::to_string(ctx.vocab_size) + "); send the prompt as a list of token ids");
+      for (unsigned char c : p->get<std::string>()) ids.push_back(c);
+    }
   } else if (p->is_array()) {
     for (size_t i = 0; i < p->size(); ++i) {
       const json& t = (*p)[i];
@@ -127,19 +135,21 @@ std::vector<int32_t> parse_prompt(const json& body, const Context& ctx) {
   return ids;
 }
 
-// Chat rendering for byte-level models (GLM's chat template arrives with the tokenizer): each message becomes
-// "<|role|>\n" + content + "\n", and "<|assistant|>\n" follows the last one.
+// Chat rendering. With a tokenizer: GLM's chat format (io/chat_template.h; a "developer" message is a system
+// message), encoded with the tokenizer. Byte-level models without one: each message becomes "<|role|>\n" + content +
+// "\n", and "<|assistant|>\n" follows the last one, as UTF-8 bytes.
 std::vector<int32_t> render_chat(const json& body, const Context& ctx) {
-  if (!ctx.byte_level)
+  if (!ctx.byte_level && !ctx.tokenizer)
     throw ApiError{400,
-                   "chat needs the model's chat template, which comes with the tokenizer and is not available yet "
-                   "for this model (vocab_size " + std::to_string(ctx.vocab_size) +
+                   "chat needs the model's chat template, which comes with the tokenizer and is not available "
+                   "for this model (no tokenizer.json, vocab_size " + std::to_string(ctx.vocab_size) +
                        "); use /v1/completions with a list of token ids",
                    "messages", "chat_template_unavailable"};
   const json* m = field(body, "messages");
   if (!m) bad("messages", "missing_field", "messages is required");
   if (!m->is_array() || m->empty()) bad("messages", "invalid_type", "messages must be a non-empty list");
   std::string text;
+  std::vector<ChatMessage> messages;
   for (size_t i = 0; i < m->size(); ++i) {
     const json& msg = (*m)[i];
     const std::string where = "messages[" + std::to_string(i) + "]";
@@ -152,7 +162,9 @@ std::vector<int32_t> render_chat(const json& body, const Context& ctx) {
       bad("messages", "invalid_value", where + ".role \"" + r + "\" is not system, developer, user, assistant or tool");
     if (!content || !content->is_string()) bad("messages", "invalid_type", where + ".content must be a string");
     text += "<|" + r + "|>\n" + content->get<std::string>() + "\n";
+    messages.push_back({r == "developer" ? "system" : r, content->get<std::string>()});
   }
+  if (ctx.tokenizer) return ctx.tokenizer->encode(render_glm_chat(messages));
   text += "<|assistant|>\n";
   std::vector<int32_t> ids;
   for (unsigned char c : text) ids.push_back(c);
@@ -162,6 +174,7 @@ std::vector<int32_t> render_chat(const json& body, const Context& ctx) {
 // A validated request.
 struct Parsed {
   JobRequest job;
+  const Tokenizer* tokenizer = nullptr;  // the text of tokens: the tokenizer's bytes, else bytes or ids
   bool chat = false;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
@@ -174,6 +187,7 @@ Parsed parse_request(const json& body, const Context& ctx, bool chat) {
   p.chat = chat;
   JobRequest& r = p.job;
   r.byte_level = ctx.byte_level;
+  p.tokenizer = ctx.tokenizer;
   if (const json* m = field(body, "model"); m && !m->is_string()) bad("model", "invalid_type", "model must be a string");
   r.prompt = chat ? render_chat(body, ctx) : parse_prompt(body, ctx);
   get_int(body, "n", 1, 1, 1);  // one choice per request
@@ -231,7 +245,8 @@ Parsed parse_request(const json& body, const Context& ctx, bool chat) {
       if (x.empty()) bad("stop", "invalid_value", "stop strings must not be empty");
     if (!ctx.byte_level && !r.stop_strings.empty())
       bad("stop", "tokenizer_unavailable",
-          "stop strings need a tokenizer, which is not available yet for this model; use stop_token_ids");
+          ctx.tokenizer ? "stop strings are supported only for byte-level models so far; use stop_token_ids"
+                        : "stop strings need a tokenizer, which is not available for this model; use stop_token_ids");
   }
   if (const json* ids = field(body, "stop_token_ids")) {
     if (!ids->is_array()) bad("stop_token_ids", "invalid_type", "stop_token_ids must be a list of token ids");
@@ -258,9 +273,11 @@ Parsed parse_request(const json& body, const Context& ctx, bool chat) {
   return p;
 }
 
-// A token as text in logprobs: the character of an ASCII byte, "bytes:\xNN" for other bytes (as OpenAI writes
-// partial UTF-8), the id in decimal for a model without a tokenizer.
-std::string token_text(int32_t token, bool byte_level) {
+// A token as text in logprobs: with a tokenizer, its bytes as UTF-8 (ill-formed parts as U+FFFD); else the character
+// of an ASCII byte, "bytes:\xNN" for other bytes (as OpenAI writes partial UTF-8), the id in decimal for a model
+// without a tokenizer.
+std::string token_text(int32_t token, bool byte_level, const Tokenizer* tok) {
+  if (tok) return utf8_lossy(tok->token_bytes(token));
   if (!byte_level) return std::to_string(token);
   if (token < 0x80) return std::string(1, static_cast<char>(token));
   char buf[32];
@@ -268,33 +285,54 @@ std::string token_text(int32_t token, bool byte_level) {
   return buf;
 }
 
-json token_bytes(int32_t token, bool byte_level) { return byte_level ? json::array({token}) : json(nullptr); }
+json token_bytes(int32_t token, bool byte_level, const Tokenizer* tok) {
+  if (tok) {
+    json b = json::array();
+    for (unsigned char c : tok->token_bytes(token)) b.push_back(c);
+    return b;
+  }
+  return byte_level ? json::array({token}) : json(nullptr);
+}
+
+// The UTF-8 bytes of samples [a, b): the tokenizer's bytes of each token, or the tokens as bytes (byte-level).
+std::string bytes_of(const std::vector<Sample>& samples, size_t a, size_t b, const Tokenizer* tok) {
+  std::string s;
+  for (size_t i = a; i < b; ++i) {
+    if (tok) s += tok->token_bytes(samples[i].token);
+    else s.push_back(static_cast<char>(samples[i].token));
+  }
+  return s;
+}
 
 // The logprobs object of samples [a, b): /v1/completions' legacy shape, or chat's {"content": [...]}. Text offsets
 // are byte offsets into the completion (0 for models without a tokenizer).
 json logprobs_json(const std::vector<Sample>& samples, size_t a, size_t b, const Parsed& p) {
   const bool bl = p.job.byte_level;
+  const Tokenizer* tk = p.tokenizer;
   if (p.chat) {
     json content = json::array();
     for (size_t i = a; i < b; ++i) {
       json top = json::array();
       for (const TokenLogprob& t : samples[i].top)
-        top.push_back({{"token", token_text(t.token, bl)}, {"logprob", t.logprob}, {"bytes", token_bytes(t.token, bl)}});
-      content.push_back({{"token", token_text(samples[i].token, bl)},
+        top.push_back({{"token", token_text(t.token, bl, tk)}, {"logprob", t.logprob},
+                       {"bytes", token_bytes(t.token, bl, tk)}});
+      content.push_back({{"token", token_text(samples[i].token, bl, tk)},
                          {"logprob", samples[i].logprob},
-                         {"bytes", token_bytes(samples[i].token, bl)},
+                         {"bytes", token_bytes(samples[i].token, bl, tk)},
                          {"top_logprobs", top}});
     }
     return {{"content", content}};
   }
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array(), ids = json::array();
+  size_t offset = tk ? bytes_of(samples, 0, a, tk).size() : a;  // byte offset of sample i into the completion
   for (size_t i = a; i < b; ++i) {
-    tokens.push_back(token_text(samples[i].token, bl));
+    tokens.push_back(token_text(samples[i].token, bl, tk));
     lps.push_back(samples[i].logprob);
-    offsets.push_back(bl ? i : 0);
+    offsets.push_back(bl || tk ? offset : 0);
+    offset += tk ? tk->token_bytes(samples[i].token).size() : 1;
     ids.push_back(samples[i].token);
     json top = json::object();
-    for (const TokenLogprob& t : samples[i].top) top[token_text(t.token, bl)] = t.logprob;
+    for (const TokenLogprob& t : samples[i].top) top[token_text(t.token, bl, tk)] = t.logprob;
     tops.push_back(top);
   }
   return {{"tokens", tokens},
@@ -302,12 +340,6 @@ json logprobs_json(const std::vector<Sample>& samples, size_t a, size_t b, const
           {"top_logprobs", p.logprobs > 0 ? tops : json(nullptr)},
           {"text_offset", offsets},
           {"token_ids", ids}};
-}
-
-std::string bytes_of(const std::vector<Sample>& samples, size_t a, size_t b) {
-  std::string s;
-  for (size_t i = a; i < b; ++i) s.push_back(static_cast<char>(samples[i].token));
-  return s;
 }
 
 json usage_json(const Parsed& p, size_t completion) {
@@ -386,14 +418,19 @@ class Api {
     return {{"id", id}, {"object", object}, {"created", unix_now()}, {"model", ctx_.model_name}};
   }
 
-  // The choice for samples [a, b): a whole answer (text or message) or a stream chunk (text or delta).
-  json choice(const Parsed& p, const std::vector<Sample>& s, size_t a, size_t b, bool delta, const json& reason) const {
+  // The choice for samples [a, b): a whole answer (text or message) or a stream chunk (text or delta). `text`, when
+  // given, is the chunk's text (a tokenizer's stream is cut at whole characters, which need not fall between
+  // tokens); by default it is the text of samples [a, b).
+  json choice(const Parsed& p, const std::vector<Sample>& s, size_t a, size_t b, bool delta, const json& reason,
+              const std::string* text = nullptr) const {
     json ids = json::array();
     for (size_t i = a; i < b; ++i) ids.push_back(s[i].token);
-    std::string t = ctx_.byte_level ? utf8_text(bytes_of(s, a, b), true) : std::string();
+    std::string t = text                                      ? *text
+                    : ctx_.byte_level || ctx_.tokenizer ? utf8_text(bytes_of(s, a, b, ctx_.tokenizer), true)
+                                                              : std::string();
     json c = {{"index", 0}};
     if (!p.chat) c["text"] = t;
-    else if (delta) c["delta"] = b > a ? json{{"content", t}} : json::object();
+    else if (delta) c["delta"] = b > a || !t.empty() ? json{{"content", t}} : json::object();
     else c["message"] = {{"role", "assistant"}, {"content", t}};
     c["logprobs"] = p.logprobs >= 0 && (b > a || !delta) ? logprobs_json(s, a, b, p) : json(nullptr);
     c["finish_reason"] = reason;
@@ -420,6 +457,7 @@ class Api {
   void stream(httplib::Response& res, std::shared_ptr<const Parsed> p, std::shared_ptr<Job> job) const {
     struct Progress {
       size_t sent = 0;  // tokens sent
+      size_t bytes_sent = 0;  // with a tokenizer: bytes of the output sent as text
       size_t seen = 0;  // tokens seen in the last snapshot
       bool started = false;
     };
@@ -434,9 +472,15 @@ class Api {
           const Job::Snapshot s = job->snapshot();
           pr->seen = s.samples.size();
           size_t end = s.shown;
-          if (ctx_.byte_level && end > pr->sent) {  // cut at a whole character unless finished
+          std::string text;  // with a tokenizer: the text of the whole characters not sent yet
+          if (ctx_.tokenizer) {
+            const std::string bytes = bytes_of(s.samples, 0, end, ctx_.tokenizer);
             size_t used = 0;
-            utf8_text(bytes_of(s.samples, pr->sent, end), s.finished, &used);
+            text = utf8_text(bytes.substr(pr->bytes_sent), s.finished, &used);
+            pr->bytes_sent += used;
+          } else if (ctx_.byte_level && end > pr->sent) {  // cut at a whole character unless finished
+            size_t used = 0;
+            utf8_text(bytes_of(s.samples, pr->sent, end, nullptr), s.finished, &used);
             end = pr->sent + used;
           }
           std::string out;
@@ -448,9 +492,10 @@ class Api {
             out += sse(c);
           }
           pr->started = true;
-          if (end > pr->sent) {
+          if (end > pr->sent || !text.empty()) {
             json c = header(id, object);
-            c["choices"] = json::array({choice(*p, s.samples, pr->sent, end, true, nullptr)});
+            c["choices"] =
+                json::array({choice(*p, s.samples, pr->sent, end, true, nullptr, ctx_.tokenizer ? &text : nullptr)});
             out += sse(c);
             pr->sent = end;
           }
@@ -512,7 +557,16 @@ int run_server(const ServeOptions& opt) {
   Context ctx;
   ctx.model_name = model_name(opt.model_dir);
   ctx.vocab_size = model.config().vocab_size;
-  ctx.byte_level = ctx.vocab_size == 256;
+  // A tokenizer.json beside the checkpoint gives text prompts, chat and text output; without one a byte-level model
+  // (vocab 256) reads and writes UTF-8 bytes.
+  std::optional<Tokenizer> tokenizer;
+  if (const std::string tj = opt.model_dir + "/tokenizer.json"; ::access(tj.c_str(), F_OK) == 0) {
+    tokenizer = Tokenizer::load(tj);
+    check(tokenizer->vocab_size() <= ctx.vocab_size, tj, " has ids up to ", tokenizer->vocab_size() - 1,
+          ", outside the model's vocabulary [0, ", ctx.vocab_size, ")");
+    ctx.tokenizer = &*tokenizer;
+  }
+  ctx.byte_level = !tokenizer && ctx.vocab_size == 256;
   ctx.max_tokens = opt.max_tokens;
   ctx.created = unix_now();
 
@@ -571,7 +625,9 @@ int run_server(const ServeOptions& opt) {
     svr.stop();
   });
 
-  std::cerr << "serve: model " << ctx.model_name << " (vocab " << ctx.vocab_size << "), max batch " << opt.max_batch
+  std::cerr << "serve: model " << ctx.model_name << " (vocab " << ctx.vocab_size
+            << (tokenizer ? ", tokenizer.json" : ctx.byte_level ? ", bytes" : ", token ids only") << "), max batch "
+            << opt.max_batch
             << ", max tokens " << opt.max_tokens << "\n";
   std::cout << "listening on http://" << opt.host << ":" << port << std::endl;
   svr.listen_after_bind();  // returns once stopped and every handler has returned

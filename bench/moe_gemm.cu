@@ -1,0 +1,211 @@
+// `moe_grouped_gemm`: the grouped expert GEMM at the 4-layer slice's shapes against cuBLASLt in the same run.
+// A .cu (not .cpp) because cuda/gemm.h includes common.cuh, whose device helpers only nvcc compiles; it also holds
+// the benchmark's random-fill kernel.
+#include "moe_gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/gemm.h"
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels.h"
+
+namespace nextlm::bench {
+
+namespace {
+
+using cuda::bf16;
+
+constexpr double kFlopsPerMs = 729e12 / 1e3;  // ../shared/docs/performance.md
+constexpr double kBytesPerMs = 4.14e12 / 1e3;
+
+// Normal(0, scale) from a counter hash (splitmix64 → Box–Muller), independent of the launch shape.
+__global__ void fill_normal_kernel(bf16* x, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * uint64_t(i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u1 = (float(uint32_t(z >> 40)) + 1.0f) * (1.0f / 16777217.0f);
+    const float u2 = float(uint32_t(z) & 0xFFFFFFu) * (1.0f / 16777216.0f);
+    x[i] = __float2bfloat16(scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
+void fill_normal(bf16* x, int64_t n, uint64_t seed, float scale, cudaStream_t st) {
+  fill_normal_kernel<<<1024, 256, 0, st>>>(x, n, seed, scale);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class T>
+T* dev_alloc(int64_t n) {
+  void* p = nullptr;
+  NEXTLM_CUDA_CHECK(cudaMalloc(&p, size_t(n) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+// Median milliseconds of f() (enqueued on st) after `warm` untimed runs.
+template <class F>
+double median_ms(F&& f, cudaStream_t st, int warm, int iters) {
+  for (int i = 0; i < warm; ++i) f();
+  cudaEvent_t a, b;
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    NEXTLM_CUDA_CHECK(cudaEventRecord(a, st));
+    f();
+    NEXTLM_CUDA_CHECK(cudaEventRecord(b, st));
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// ‖a − b‖ / ‖b‖ over device arrays (bf16 or fp32) copied to the host; NaN gives +inf.
+template <class T>
+double rel_err(const T* a, const T* b, int64_t n) {
+  std::vector<T> ha(n), hb(n);
+  NEXTLM_CUDA_CHECK(cudaMemcpy(ha.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost));
+  NEXTLM_CUDA_CHECK(cudaMemcpy(hb.data(), b, n * sizeof(T), cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double x, y;
+    if constexpr (sizeof(T) == 2) {
+      x = __bfloat162float(ha[i]);
+      y = __bfloat162float(hb[i]);
+    } else {
+      x = ha[i];
+      y = hb[i];
+    }
+    if (!std::isfinite(x) || !std::isfinite(y)) return INFINITY;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+}  // namespace
+
+void moe_grouped_gemm_case(const std::string& name) {
+  const int64_t T = 4096, k = 8, E = 288, D = 4096, I = 2048, n = T * k;
+  const float limit = 10.0f;
+  cudaStream_t st;
+  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
+
+  // Routing: k distinct experts per token, uniformly at random (roughly balanced, ~114 rows per expert).
+  std::mt19937 rng(1234);
+  std::vector<int32_t> count(E, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> chosen;
+    while (int64_t(chosen.size()) < k) {
+      const int32_t e = static_cast<int32_t>(rng() % E);
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+    }
+    for (int32_t e : chosen) ++count[e];
+  }
+  std::vector<int32_t> off(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + count[e];
+  const int32_t min_rows = *std::min_element(count.begin(), count.end());
+  const int32_t max_rows = *std::max_element(count.begin(), count.end());
+
+  // Expert weights (9.7 GB gate_up + 4.8 GB down, far beyond L2), activations, outputs.
+  bf16* w_gu = dev_alloc<bf16>(E * 2 * I * D);
+  bf16* w_dn = dev_alloc<bf16>(E * D * I);
+  bf16* x = dev_alloc<bf16>(n * D);
+  bf16* act = dev_alloc<bf16>(n * I);
+  float* out = dev_alloc<float>(n * D);
+  bf16* act_ref = dev_alloc<bf16>(n * I);
+  float* gu_ref = dev_alloc<float>(n * 2 * I);
+  float* out_ref = dev_alloc<float>(n * D);
+  bf16* dense_gu = dev_alloc<bf16>(n * 2 * I);
+  int32_t* d_off = dev_alloc<int32_t>(E + 1);
+  int32_t* ws = dev_alloc<int32_t>(cuda::grouped_gemm_workspace_ints(static_cast<int>(E)));
+  const bf16** p_gu = dev_alloc<const bf16*>(E);
+  const bf16** p_dn = dev_alloc<const bf16*>(E);
+  fill_normal(w_gu, E * 2 * I * D, 1, 1.0f / std::sqrt(float(D)), st);
+  fill_normal(w_dn, E * D * I, 2, 1.0f / std::sqrt(float(I)), st);
+  fill_normal(x, n * D, 3, 1.0f, st);
+  std::vector<const bf16*> h_gu(E), h_dn(E);
+  for (int64_t e = 0; e < E; ++e) h_gu[e] = w_gu + e * 2 * I * D, h_dn[e] = w_dn + e * D * I;
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d_off, off.data(), (E + 1) * 4, cudaMemcpyHostToDevice, st));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(p_gu, h_gu.data(), E * sizeof(void*), cudaMemcpyHostToDevice, st));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(p_dn, h_dn.data(), E * sizeof(void*), cudaMemcpyHostToDevice, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+
+  const double flops_gu = 2.0 * n * D * 2 * I, flops_dn = 2.0 * n * I * D, flops = flops_gu + flops_dn;
+  // Bytes the grouped pair must move at least: every expert's weights once, x read, act written and read, out written.
+  const double bytes = 2.0 * E * (2 * I * D + D * I) + 2.0 * n * D + 2.0 * 2 * n * I + 4.0 * n * D;
+  const int warm = 3, iters = 15;
+
+  // The current path: one cuBLASLt GEMM per expert (host offsets; the device→host sync is not timed), the separate
+  // SwiGLU kernel, and the dense cuBLASLt GEMMs of the same FLOPs with one weight.
+  cuda::Gemm gemm(st);
+  auto loop = [&] {
+    for (int64_t e = 0; e < E; ++e)
+      if (const int64_t m = off[e + 1] - off[e])
+        gemm.run(x + off[e] * D, D, h_gu[e], 2 * I, D, gu_ref + off[e] * 2 * I, 2 * I, m);
+    cuda::swiglu(gu_ref, act_ref, n, I, limit, st);
+    for (int64_t e = 0; e < E; ++e)
+      if (const int64_t m = off[e + 1] - off[e])
+        gemm.run(act_ref + off[e] * I, I, h_dn[e], D, I, out_ref + off[e] * D, D, m);
+  };
+  const double loop_ms = median_ms(loop, st, 2, 5);
+  const double dense_gu_ms =
+      median_ms([&] { gemm.run_bf16(x, D, w_gu, 2 * I, D, dense_gu, 2 * I, n); }, st, warm, iters);
+  const double dense_dn_ms = median_ms([&] { gemm.run(act_ref, I, w_dn, D, I, out_ref, D, n); }, st, warm, iters);
+  const double dense_ms = dense_gu_ms + dense_dn_ms;
+  loop();  // out_ref again holds the per-expert result (the dense down overwrote it)
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+
+  for (int v = 0; v < cuda::kGroupedGemmKernels; ++v) {
+    const auto kern = static_cast<cuda::GroupedGemmKernel>(v);
+    const cuda::GroupedGemm g_gu{x, d_off, p_gu, act, n, static_cast<int>(E), static_cast<int>(2 * I),
+                                 static_cast<int>(D), cuda::GroupedEpilogue::kSwiGLU, limit, kern};
+    const cuda::GroupedGemm g_dn{act, d_off, p_dn, out, n, static_cast<int>(E), static_cast<int>(D),
+                                 static_cast<int>(I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
+    // Poisoned outputs: the check below also catches unwritten rows.
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(act, 0xFF, n * I * sizeof(bf16), st));
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, n * D * sizeof(float), st));
+    cuda::grouped_gemm(g_gu, ws, st);
+    cuda::grouped_gemm(g_dn, ws, st);
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+    // Same inputs as the per-expert loop; both round act to bf16, so ~1e-3 is expected (bf16 ulps of act).
+    const double err_act = rel_err(act, act_ref, n * I), err_out = rel_err(out, out_ref, n * D);
+    const bool ok = err_act <= 1e-2 && err_out <= 1e-2;
+
+    const double gu_ms = median_ms([&] { cuda::grouped_gemm(g_gu, ws, st); }, st, warm, iters);
+    const double dn_ms = median_ms([&] { cuda::grouped_gemm(g_dn, ws, st); }, st, warm, iters);
+    const double ours = gu_ms + dn_ms;
+    const double tf = flops / ours / 1e9, tf_dense = flops / dense_ms / 1e9;
+    char note[900];
+    std::snprintf(note, sizeof note,
+                  "%s %s: ours %.0f TFLOP/s (gate_up+SwiGLU %.3f ms, down %.3f ms), cuBLAS dense %.0f TFLOP/s "
+                  "(%.3f + %.3f ms) -> ours/dense %.0f%% (target 85%%), per-expert loop %.3f ms (%.2fx ours, "
+                  "sync not timed); byte floor %.3f ms (%.1f GB of expert weights read once); rows/expert %d..%d; "
+                  "check vs per-expert loop: act rel %.2g, out rel %.2g",
+                  ok ? "ok" : "CHECK FAILED", cuda::grouped_gemm_kernel_name(kern), tf, gu_ms, dn_ms, tf_dense,
+                  dense_gu_ms, dense_dn_ms, 100.0 * dense_ms / ours, loop_ms, loop_ms / ours, bytes / kBytesPerMs,
+                  2.0 * E * 3 * I * D / 1e9, min_rows, max_rows, err_act, err_out);
+    const std::string case_name = v == 0 ? name : name + "_" + cuda::grouped_gemm_kernel_name(kern);
+    std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", case_name.c_str(),
+                ours, flops / kFlopsPerMs, note);
+    std::fflush(stdout);
+  }
+
+  for (void* p : std::initializer_list<void*>{w_gu, w_dn, x, act, out, act_ref, gu_ref, out_ref, dense_gu, d_off, ws,
+                                              p_gu, p_dn})
+    cudaFree(p);
+  cudaStreamDestroy(st);
+}
+
+}  // namespace nextlm::bench

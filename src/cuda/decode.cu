@@ -1,0 +1,577 @@
+// Decoding kernels: one new token per cache slot (batch-invariant GEMV, the KDA recurrent step with the conv history,
+// the indexer's incremental pool cache and selection, absorbed MLA over cached bf16 latents). Matches
+// src/model/kda.cpp (kda_layer_forward_cached, recurrent form) and src/model/dsa.cpp (indexer_forward_cached,
+// dsa_layer_forward_cached), with the numerics of the bf16 forward (src/cuda/kda.cu, dsa.cu).
+#include "cuda/decode_kernels.h"
+
+#include <algorithm>
+
+namespace nextlm::cuda {
+
+namespace {
+
+// ---- GEMV ----
+
+constexpr int kLinWarps = 8;  // output elements per block, one per warp
+constexpr int kLinRows = 8;   // input rows per block (each weight chunk is read once for all of them)
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+
+// Output element n of rows m0 … m0+R−1. Each row's sum runs over `in` in the same order (lane l takes chunks
+// l, l+32, …, then the xor-shuffle tree), whatever M, R or the row's neighbours.
+template <bool kVec, int R>
+__global__ void __launch_bounds__(kLinWarps * 32)
+    linear_kernel(const bf16* x, int64_t ldx, int64_t x_div, const bf16* W0, const bf16* const* table,
+                  const int32_t* expert, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M, bool accumulate) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t n = blockIdx.x * int64_t(kLinWarps) + warp;
+  if (n >= out) return;
+  const int64_t m0 = blockIdx.y * int64_t(R);
+  const int rows = static_cast<int>(M - m0 < R ? M - m0 : R);
+  const bf16* W = table ? table[expert[m0]] : W0;  // a table means R = 1
+  const bf16* w = W + n * in;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  if (kVec) {
+    const int64_t nc = in / 8;
+    for (int64_t c = lane; c < nc; c += 32) {
+      float wf[8], xf[8];
+      unpack8(__ldg(reinterpret_cast<const uint4*>(w) + c), wf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+          unpack8(*(reinterpret_cast<const uint4*>(x + ((m0 + r) / x_div) * ldx) + c), xf);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
+        }
+      }
+    }
+  } else {
+    for (int64_t i = lane; i < in; i += 32) {
+      const float wv = __bfloat162float(w[i]);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (r < rows) acc[r] = fmaf(wv, __bfloat162float(x[((m0 + r) / x_div) * ldx + i]), acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r < rows) {
+      const float s = warp_sum(acc[r]);
+      if (lane == 0) {
+        float* dst = y + (m0 + r) * ldy + n;
+        *dst = accumulate ? *dst + s : s;
+      }
+    }
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+__global__ void iota_kernel(int32_t* x, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] = static_cast<int32_t>(i);
+}
+
+// ---- KDA ----
+
+constexpr int kKdaMaxK = 128;
+
+// One delta-rule token on thread (j, r)'s slice s of column j (rows 32r … 32r+31) of a head's state, from q, k, v
+// and the decay factors e^g in shared memory: S ← diag(e^g)·S; u = β(v − Sᵀk); S += k uᵀ; returns (Sᵀq)_j to the
+// threads of group 0. Sums over rows run per group in row order, then over the R groups in order. Every thread of
+// the block calls it.
+__device__ __forceinline__ float delta_token(float (&s)[32], int j, int r, int R, bool active, int64_t K,
+                                            const float* q, const float* k, const float* v, const float* eg,
+                                            float beta, float (*red)[kKdaMaxK]) {
+  float part = 0.0f;
+#pragma unroll
+  for (int ii = 0; ii < 32; ++ii) {
+    const int i = 32 * r + ii;
+    if (active && i < K) {
+      s[ii] *= eg[i];
+      part = fmaf(s[ii], k[i], part);
+    }
+  }
+  red[r][j] = part;
+  __syncthreads();
+  float mem = 0.0f;
+  for (int rr = 0; rr < R; ++rr) mem += red[rr][j];
+  const float u = active ? beta * (v[j] - mem) : 0.0f;
+  __syncthreads();
+  float po = 0.0f;
+#pragma unroll
+  for (int ii = 0; ii < 32; ++ii) {
+    const int i = 32 * r + ii;
+    if (active && i < K) {
+      s[ii] = fmaf(k[i], u, s[ii]);
+      po = fmaf(s[ii], q[i], po);
+    }
+  }
+  red[r][j] = po;
+  __syncthreads();
+  float o = 0.0f;
+  if (r == 0)
+    for (int rr = 0; rr < R; ++rr) o += red[rr][j];
+  __syncthreads();  // red may be reused by the next call
+  return o;
+}
+
+// One block per (row, head): Kp·R threads (Kp = K rounded up to 32, R = ⌈K/32⌉ groups of 32 state rows). Thread
+// (j, r) owns column j of rows 32r … 32r+31 of the head's state; sums over rows are taken per group in row order,
+// then over groups in order.
+__global__ void __launch_bounds__(512) kda_step_kernel(KdaDecodeParams p) {
+  __shared__ float qkv[3][kKdaMaxK];
+  __shared__ float eg[kKdaMaxK];
+  __shared__ float red[4][kKdaMaxK];
+  __shared__ float scale[2];
+  const int64_t b = blockIdx.x, h = blockIdx.y, K = p.K, H = p.H, HK = H * K, W1 = p.W - 1;
+  const int64_t slot = p.slot[b];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  // Conv over [history; new projection], history shifted, SiLU.
+  for (int64_t c = tid; c < 3 * K; c += nt) {
+    const int64_t which = c / K, d = c % K, ch = which * HK + h * K + d;
+    float* hist = p.conv_hist + (slot * 3 + which) * W1 * HK + h * K + d;
+    const float* w = p.conv + ch * p.W;
+    const float xn = p.raw[b * 3 * HK + ch];
+    float acc = 0.0f;
+    for (int64_t i = 0; i < W1; ++i) acc += w[i] * hist[i * HK];
+    acc += w[W1] * xn;
+    for (int64_t i = 0; i + 1 < W1; ++i) hist[i * HK] = hist[(i + 1) * HK];
+    if (W1 > 0) hist[(W1 - 1) * HK] = xn;
+    qkv[which][d] = silu(acc);
+  }
+  // Decay gate (as kda_gate), kept as the factor e^g.
+  for (int64_t d = tid; d < K; d += nt) {
+    const int64_t c = h * K + d;
+    const float rate = expf(p.A_log[h]);
+    const float f = p.graw[b * HK + c] + p.dt_bias[c];
+    const float g = p.has_bound ? p.bound * (1.0f / (1.0f + expf(-rate * f)))
+                                : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
+    eg[d] = expf(g);
+  }
+  __syncthreads();
+  // L2 norms of q and k in the lane order of kda_conv_norm.
+  if (tid < 32) {
+    for (int which = 0; which < 2; ++which) {
+      float ss = 0.0f;
+      for (int64_t d = tid; d < K; d += 32) ss += qkv[which][d] * qkv[which][d];
+      ss = warp_sum(ss);
+      if (tid == 0)
+        scale[which] = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
+    }
+  }
+  __syncthreads();
+  for (int64_t c = tid; c < 3 * K; c += nt) {
+    const int64_t which = c / K, d = c % K;
+    float v = qkv[which][d] * (which < 2 ? scale[which] : 1.0f);
+    if (p.round_qkv) v = __bfloat162float(__float2bfloat16(v));
+    qkv[which][d] = v;
+  }
+  __syncthreads();
+  // S ← diag(e^g)·S; u = β(v − Sᵀk); S += k uᵀ; o = Sᵀq.
+  const int Kp = static_cast<int>((K + 31) / 32 * 32), R = nt / Kp;
+  const int j = tid % Kp, r = tid / Kp;
+  const bool active = j < K;
+  float* S = p.state + (slot * H + h) * K * K;
+  float s[32];
+#pragma unroll
+  for (int ii = 0; ii < 32; ++ii) {
+    const int i = 32 * r + ii;
+    s[ii] = active && i < K ? S[i * K + j] : 0.0f;
+  }
+  const float o = delta_token(s, j, r, R, active, K, qkv[0], qkv[1], qkv[2], eg, p.beta[b * H + h], red);
+#pragma unroll
+  for (int ii = 0; ii < 32; ++ii) {
+    const int i = 32 * r + ii;
+    if (active && i < K) S[i * K + j] = s[ii];
+  }
+  if (r == 0 && active) p.o[(b * H + h) * K + j] = o;
+}
+
+// The delta rule over each prefilled sequence from a zero state, one token at a time in the arithmetic of
+// kda_step_kernel (the state column slices stay in registers); one block per (sequence, head).
+__global__ void __launch_bounds__(512) kda_final_state_kernel(const float* q, const float* k, const float* v,
+                                                              const float* g, const float* beta, PrefillSeqs ps,
+                                                              float* state, int64_t H, int64_t K) {
+  __shared__ float qkv[3][kKdaMaxK];
+  __shared__ float eg[kKdaMaxK];
+  __shared__ float red[4][kKdaMaxK];
+  const int64_t n = blockIdx.x, h = blockIdx.y, s0 = ps.seq_start[n], L = ps.seq_len[n], slot = ps.slot[n];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int Kp = static_cast<int>((K + 31) / 32 * 32), R = nt / Kp;
+  const int j = tid % Kp, r = tid / Kp;
+  const bool active = j < K;
+  float s[32];
+#pragma unroll
+  for (int ii = 0; ii < 32; ++ii) s[ii] = 0.0f;
+  for (int64_t t = s0; t < s0 + L; ++t) {
+    __syncthreads();  // the previous token is done with the shared inputs
+    for (int64_t d = tid; d < K; d += nt) {
+      const int64_t off = (t * H + h) * K + d;
+      qkv[0][d] = q[off];
+      qkv[1][d] = k[off];
+      qkv[2][d] = v[off];
+      eg[d] = expf(g[off]);
+    }
+    __syncthreads();
+    delta_token(s, j, r, R, active, K, qkv[0], qkv[1], qkv[2], eg, beta[t * H + h], red);
+  }
+  float* S = state + (slot * H + h) * K * K;
+#pragma unroll
+  for (int ii = 0; ii < 32; ++ii) {
+    const int i = 32 * r + ii;
+    if (active && i < K) S[i * K + j] = s[ii];
+  }
+}
+
+// One block per sequence: the last W−1 pre-conv projections (zeros before the sequence's start).
+__global__ void store_conv_hist_kernel(const float* raw, PrefillSeqs ps, float* hist, int64_t HK, int64_t W) {
+  const int64_t n = blockIdx.x, s0 = ps.seq_start[n], L = ps.seq_len[n], slot = ps.slot[n], W1 = W - 1;
+  for (int64_t idx = threadIdx.x; idx < 3 * W1 * HK; idx += blockDim.x) {
+    const int64_t which = idx / (W1 * HK), i = (idx / HK) % W1, c = idx % HK;
+    const int64_t t = L - W1 + i;  // sequence-relative token of history row i
+    hist[(slot * 3 + which) * W1 * HK + i * HK + c] = t >= 0 ? raw[(s0 + t) * 3 * HK + which * HK + c] : 0.0f;
+  }
+}
+
+__global__ void copy_rows_kernel(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index,
+                                 int64_t width) {
+  const float* a = src + static_cast<int64_t>(src_index[blockIdx.y]) * width;
+  float* b = dst + static_cast<int64_t>(dst_index[blockIdx.y]) * width;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < width; i += int64_t(gridDim.x) * blockDim.x)
+    b[i] = a[i];
+}
+
+// One block per sequence: complete pools' keys and the incomplete pool's pending rows.
+__global__ void indexer_store_prefill_kernel(const float* ki, const float* gs, const float* pk,
+                                             const int32_t* pool_base, PrefillSeqs ps, float* pending_key,
+                                             float* pending_gate, float* pool_key, int64_t P, int64_t ID,
+                                             int64_t max_pools) {
+  const int64_t n = blockIdx.x, s0 = ps.seq_start[n], L = ps.seq_len[n], slot = ps.slot[n], npool = L / P;
+  for (int64_t idx = threadIdx.x; idx < npool * ID; idx += blockDim.x)
+    pool_key[slot * max_pools * ID + idx] = pk[static_cast<int64_t>(pool_base[n]) * ID + idx];
+  for (int64_t idx = threadIdx.x; idx < (L - npool * P) * ID; idx += blockDim.x) {
+    pending_key[slot * P * ID + idx] = ki[(s0 + npool * P) * ID + idx];
+    pending_gate[slot * P * ID + idx] = gs[(s0 + npool * P) * ID + idx];
+  }
+}
+
+// ---- Indexer ----
+
+// One block per row: the new key and gate score go to the slot's pending row pos % P; the token that completes its
+// pool makes the pool's compressed key (the arithmetic of pool_keys_kernel).
+__global__ void indexer_append_kernel(IndexerDecodeParams p) {
+  const int64_t b = blockIdx.x, slot = p.slot[b], pos = p.pos[b], P = p.P, ID = p.ID, r = pos % P;
+  float* pk = p.pending_key + slot * P * ID;
+  float* pg = p.pending_gate + slot * P * ID;
+  for (int64_t c = threadIdx.x; c < ID; c += blockDim.x) {
+    pk[r * ID + c] = p.ki[b * ID + c];
+    pg[r * ID + c] = p.gs[b * ID + c];
+    if (r == P - 1) {
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < P; ++i) mx = fmaxf(mx, pg[i * ID + c] + p.ape[i * ID + c]);
+      float den = 0.0f, num = 0.0f;
+      for (int64_t i = 0; i < P; ++i) {
+        const float e = expf(pg[i * ID + c] + p.ape[i * ID + c] - mx);
+        den += e;
+        num += e * pk[i * ID + c];
+      }
+      p.pool_key[(slot * p.max_pools + pos / P) * ID + c] = num / den;
+    }
+  }
+}
+
+constexpr int kPoolsPerBlock = 32;
+
+// Blocks of 32 pools per row, one warp per pool: Σ_h w_h·IH^-1/2·ReLU(ID^-1/2·q_h·pk_j), in the order of the
+// forward's select_kernel (so equal inputs give equal scores). Rows whose selectable pools all fit skip this.
+__global__ void indexer_scores_kernel(IndexerDecodeParams p) {
+  extern __shared__ float q[];  // [IH·ID]
+  const int64_t b = blockIdx.y, slot = p.slot[b], selectable = (p.pos[b] + 1) / p.P;
+  const int64_t j0 = blockIdx.x * int64_t(kPoolsPerBlock);
+  if (selectable <= p.topk / p.P || j0 >= selectable) return;
+  for (int64_t i = threadIdx.x; i < p.IH * p.ID; i += blockDim.x) q[i] = p.qi[b * p.IH * p.ID + i];
+  __syncthreads();
+  const float sscale = rsqrtf(static_cast<float>(p.ID)), wscale = rsqrtf(static_cast<float>(p.IH));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const float* pkb = p.pool_key + slot * p.max_pools * p.ID;
+  const int64_t j1 = min(j0 + kPoolsPerBlock, selectable);
+  for (int64_t j = j0 + warp; j < j1; j += nw) {
+    float acc = 0.0f;
+    for (int64_t h = 0; h < p.IH; ++h) {
+      float dot = 0.0f;
+      for (int64_t c = lane; c < p.ID; c += 32) dot += q[h * p.ID + c] * pkb[j * p.ID + c];
+      dot = warp_sum(dot);
+      acc += p.wts[b * p.IH + h] * wscale * fmaxf(dot * sscale, 0.0f);
+    }
+    if (lane == 0) p.scores[b * p.max_pools + j] = acc;
+  }
+}
+
+// Floats ordered as unsigned integers (larger float ⇔ larger key), as in dsa.cu.
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// One block per row: the budget-th largest score by a bitwise radix search, then the chosen pools in ascending
+// order (ties to the lower pool) and the tail.
+__global__ void indexer_select_kernel(IndexerDecodeParams p, int32_t* sel, int32_t* count, int64_t max_sel) {
+  const int64_t b = blockIdx.x, rel = p.pos[b], selectable = (rel + 1) / p.P, budget = p.topk / p.P;
+  const bool choose = selectable > budget;
+  const float* sc = p.scores + b * p.max_pools;
+  __shared__ uint32_t kth;
+  __shared__ int cnt_gt;
+  if (choose) {
+    uint32_t prefix = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const uint32_t cand = prefix | (1u << bit);
+      int local = 0;
+      for (int64_t j = threadIdx.x; j < selectable; j += blockDim.x) local += order_key(sc[j]) >= cand;
+      if (block_sum_int(local) >= budget) prefix = cand;
+    }
+    if (threadIdx.x == 0) kth = prefix;
+    __syncthreads();
+    int local = 0;
+    for (int64_t j = threadIdx.x; j < selectable; j += blockDim.x) local += order_key(sc[j]) > kth;
+    const int gt = block_sum_int(local);
+    if (threadIdx.x == 0) cnt_gt = gt;
+    __syncthreads();
+  }
+  // Warp 0 walks the pools 32 at a time in ascending order: a pool is taken when its key is above the k-th, or equal
+  // to it and among the first (budget − #above) equal ones (ties to the lower pool).
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const uint32_t below = (1u << lane) - 1u;
+    int32_t* out = sel + b * max_sel;
+    int64_t n = 0, eq_left = choose ? budget - cnt_gt : 0;
+    for (int64_t j0 = 0; j0 < selectable; j0 += 32) {
+      const int64_t j = j0 + lane;
+      bool take = false, eq = false;
+      if (j < selectable) {
+        if (choose) {
+          const uint32_t key = order_key(sc[j]);
+          eq = key == kth;
+          take = key > kth;
+        } else {
+          take = true;
+        }
+      }
+      const uint32_t eq_mask = __ballot_sync(0xffffffffu, eq);
+      take = take || (eq && __popc(eq_mask & below) < eq_left);
+      const uint32_t take_mask = __ballot_sync(0xffffffffu, take);
+      if (take) {
+        const int64_t at = n + static_cast<int64_t>(__popc(take_mask & below)) * p.P;
+        for (int64_t i = 0; i < p.P; ++i) out[at + i] = static_cast<int32_t>(j * p.P + i);
+      }
+      n += static_cast<int64_t>(__popc(take_mask)) * p.P;
+      eq_left -= eq_left < __popc(eq_mask) ? eq_left : __popc(eq_mask);
+    }
+    if (p.tail)
+      for (int64_t i = selectable * p.P + lane; i <= rel; i += 32) out[n + i - selectable * p.P] = static_cast<int32_t>(i);
+    if (lane == 0) count[b] = static_cast<int32_t>(n + (p.tail ? rel + 1 - selectable * p.P : 0));
+  }
+}
+
+// ---- MLA ----
+
+__global__ void mla_append_kernel(const bf16* lat, const int32_t* slot, const int32_t* pos, bf16* cache, int64_t KL,
+                                  int64_t max_len) {
+  const int64_t b = blockIdx.x;
+  bf16* dst = cache + (static_cast<int64_t>(slot[b]) * max_len + pos[b]) * KL;
+  for (int64_t l = threadIdx.x; l < KL; l += blockDim.x) dst[l] = lat[b * KL + l];
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = lane < nwarps ? scratch[lane] : -INFINITY;
+  return warp_max(r);
+}
+
+// One block per (row, head).
+__global__ void mla_attention_kernel(MlaDecodeParams p) {
+  extern __shared__ float sm[];
+  __shared__ float scratch[32];
+  const int64_t b = blockIdx.x, h = blockIdx.y, KL = p.KL, dqk = p.dqk, dv = p.dv;
+  const int64_t slot = p.slot[b], pos = p.pos[b];
+  float* qs = sm;             // [dqk]
+  float* qa = qs + dqk;       // [KL]
+  float* cs = qa + KL;        // [KL]
+  float* pr = cs + KL;        // [max_sel]
+  int32_t* keys = reinterpret_cast<int32_t*>(pr + p.max_sel);  // [max_sel]
+  int64_t n = p.count[b];
+  const bool uniform = n == 0;
+  if (uniform) n = pos + 1;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  for (int64_t d = tid; d < dqk; d += nt) qs[d] = p.q[(b * p.NH + h) * dqk + d];
+  for (int64_t i = tid; i < n; i += nt) keys[i] = uniform ? static_cast<int32_t>(i) : p.sel[b * p.max_sel + i];
+  __syncthreads();
+  // Absorbed query qa = W_kᵀ q.
+  const bf16* Wk = p.kv_b + h * (dqk + dv) * KL;
+  const bf16* Wv = Wk + dqk * KL;
+  for (int64_t l = tid; l < KL; l += nt) {
+    float acc = 0.0f;
+    for (int64_t d = 0; d < dqk; ++d) acc = fmaf(qs[d], __bfloat162float(Wk[d * KL + l]), acc);
+    qa[l] = acc;
+  }
+  __syncthreads();
+  const bf16* lat = p.latent + slot * p.max_len * KL;
+  const float scale = rsqrtf(static_cast<float>(dqk));
+  for (int64_t i = warp; i < n; i += nw) {
+    const bf16* c = lat + static_cast<int64_t>(keys[i]) * KL;
+    float dot = 0.0f;
+    for (int64_t l = lane; l < KL; l += 32) dot += qa[l] * __bfloat162float(c[l]);
+    dot = warp_sum(dot);
+    if (lane == 0) pr[i] = uniform ? 0.0f : dot * scale;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int64_t i = tid; i < n; i += nt) mx = fmaxf(mx, pr[i]);
+  mx = block_max(mx, scratch);
+  __syncthreads();
+  float s = 0.0f;
+  for (int64_t i = tid; i < n; i += nt) s += (pr[i] = expf(pr[i] - mx));
+  const float den = block_sum(s, scratch);
+  __syncthreads();
+  // Weighted latent sum, then the value part of kv_b.
+  for (int64_t l = tid; l < KL; l += nt) {
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int64_t i = 0; i < n; ++i) acc = fmaf(pr[i], __bfloat162float(lat[static_cast<int64_t>(keys[i]) * KL + l]), acc);
+    cs[l] = acc / den;
+  }
+  __syncthreads();
+  for (int64_t e = warp; e < dv; e += nw) {
+    float acc = 0.0f;
+    for (int64_t l = lane; l < KL; l += 32) acc += __bfloat162float(Wv[e * KL + l]) * cs[l];
+    acc = warp_sum(acc);
+    if (lane == 0) p.o[(b * p.NH + h) * dv + e] = __float2bfloat16(acc);
+  }
+}
+
+void set_smem(const void* kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(bytes)));
+}
+
+}  // namespace
+
+void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
+                   int64_t M, bool accumulate, cudaStream_t st) {
+  if (!M || !out) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(out, kLinWarps)), static_cast<unsigned>(ceil_div(M, kLinRows)));
+  check(grid.y <= 65535, "decode_linear: too many rows (", M, ")");
+  // The vector path depends on the shapes and the buffers' alignment only, never on M.
+  if (in % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(W)) {
+    linear_kernel<true, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, 1, W, nullptr, nullptr, out, in, y, ldy, M,
+                                                                   accumulate);
+  } else {
+    linear_kernel<false, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, 1, W, nullptr, nullptr, out, in, y, ldy,
+                                                                    M, accumulate);
+  }
+}
+
+void decode_linear_gathered(const bf16* x, int64_t ldx, int64_t x_div, const bf16* const* W_table,
+                            const int32_t* expert, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
+                            cudaStream_t st) {
+  if (!M || !out) return;
+  check(M <= 65535, "decode_linear_gathered: too many rows (", M, ")");
+  const dim3 grid(static_cast<unsigned>(ceil_div(out, kLinWarps)), static_cast<unsigned>(M));
+  // Expert matrices are separate cudaMalloc allocations (256-byte aligned), so rows are aligned when in % 8 == 0.
+  if (in % 8 == 0 && ldx % 8 == 0 && aligned16(x)) {
+    linear_kernel<true, 1><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, x_div, nullptr, W_table, expert, out, in, y, ldy,
+                                                            M, false);
+  } else {
+    linear_kernel<false, 1><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, x_div, nullptr, W_table, expert, out, in, y,
+                                                             ldy, M, false);
+  }
+}
+
+void iota(int32_t* x, int64_t n, cudaStream_t st) {
+  if (n) iota_kernel<<<ceil_div(n, 256), 256, 0, st>>>(x, n);
+}
+
+void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st) {
+  check(p.K >= 1 && p.K <= kKdaMaxK, "CUDA KDA decoding: linear_head_dim must be at most ", kKdaMaxK, ", got ", p.K);
+  check(p.W >= 1, "CUDA KDA decoding: conv kernel size must be positive");
+  if (!p.B) return;
+  const int64_t Kp = (p.K + 31) / 32 * 32, R = (p.K + 31) / 32;
+  kda_step_kernel<<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.H)), static_cast<unsigned>(Kp * R), 0,
+                    st>>>(p);
+}
+
+void indexer_decode_append(const IndexerDecodeParams& p, cudaStream_t st) {
+  if (p.B) indexer_append_kernel<<<p.B, 128, 0, st>>>(p);
+}
+
+void indexer_decode_select(const IndexerDecodeParams& p, int32_t* sel, int32_t* count, int64_t max_sel,
+                           cudaStream_t st) {
+  if (!p.B) return;
+  check(p.max_selectable <= p.max_pools, "indexer decoding: ", p.max_selectable, " pools exceed the capacity ",
+        p.max_pools);
+  if (p.max_selectable > p.topk / p.P) {
+    const size_t smem = p.IH * p.ID * sizeof(float);
+    set_smem(reinterpret_cast<const void*>(indexer_scores_kernel), smem);
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.max_selectable, kPoolsPerBlock)), static_cast<unsigned>(p.B));
+    indexer_scores_kernel<<<grid, 256, smem, st>>>(p);
+  }
+  indexer_select_kernel<<<p.B, 256, 0, st>>>(p, sel, count, max_sel);
+}
+
+void mla_decode_append(const bf16* lat, const int32_t* slot, const int32_t* pos, bf16* cache, int64_t B, int64_t KL,
+                       int64_t max_len, cudaStream_t st) {
+  if (B) mla_append_kernel<<<B, 128, 0, st>>>(lat, slot, pos, cache, KL, max_len);
+}
+
+void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
+  if (!p.B) return;
+  const size_t smem = (p.dqk + 2 * p.KL + p.max_sel) * sizeof(float) + p.max_sel * sizeof(int32_t);
+  set_smem(reinterpret_cast<const void*>(mla_attention_kernel), smem);
+  mla_attention_kernel<<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH)), 256, smem, st>>>(p);
+}
+
+void kda_store_conv_hist(const float* raw, const PrefillSeqs& s, float* conv_hist, int64_t HK, int64_t W,
+                         cudaStream_t st) {
+  if (s.N && W > 1) store_conv_hist_kernel<<<s.N, 256, 0, st>>>(raw, s, conv_hist, HK, W);
+}
+
+void kda_final_state(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                     const PrefillSeqs& s, float* state, int64_t H, int64_t K, cudaStream_t st) {
+  check(K >= 1 && K <= kKdaMaxK, "CUDA KDA decoding: linear_head_dim must be at most ", kKdaMaxK, ", got ", K);
+  if (!s.N) return;
+  const int64_t Kp = (K + 31) / 32 * 32, R = (K + 31) / 32;
+  kda_final_state_kernel<<<dim3(static_cast<unsigned>(s.N), static_cast<unsigned>(H)), static_cast<unsigned>(Kp * R),
+                           0, st>>>(q, k, v, g, beta, s, state, H, K);
+}
+
+void copy_rows(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index, int64_t n,
+               int64_t width, cudaStream_t st) {
+  if (!n || !width) return;
+  check(n <= 65535, "copy_rows: too many rows (", n, ")");
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(width, 256), 1024)), static_cast<unsigned>(n));
+  copy_rows_kernel<<<grid, 256, 0, st>>>(src, src_index, dst, dst_index, width);
+}
+
+void indexer_store_prefill(const float* ki, const float* gs, const float* pk, const int32_t* pool_base,
+                           const PrefillSeqs& s, float* pending_key, float* pending_gate, float* pool_key, int64_t P,
+                           int64_t ID, int64_t max_pools, cudaStream_t st) {
+  if (s.N)
+    indexer_store_prefill_kernel<<<s.N, 256, 0, st>>>(ki, gs, pk, pool_base, s, pending_key, pending_gate, pool_key,
+                                                      P, ID, max_pools);
+}
+
+}  // namespace nextlm::cuda

@@ -1,0 +1,124 @@
+// Launchers of the decoding kernels (src/cuda/decode.cu): one new token for each of B sequences, each sequence in
+// its own cache slot. The GPU counterpart of src/model/decode.cpp (kda_layer_forward_cached with the recurrent form,
+// indexer_forward_cached, dsa_layer_forward_cached). Every output element is computed by one thread, warp or block
+// with a reduction order fixed by the shapes alone, never by B or by the other rows, so a sequence's results are
+// bitwise the same whatever else is in its batch (batch invariance). All pointers are device pointers.
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace nextlm::cuda {
+
+// y[m] = W·x[m] (+ y[m] when accumulate) for M rows: x bf16 [M, in] (row stride ldx), W bf16 [out, in], y fp32
+// [M, out] (row stride ldy), fp32 accumulation. One warp per output element, lanes over `in` in a fixed order:
+// the batch-invariant replacement of Gemm::run for decoding.
+void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
+                   int64_t M, bool accumulate, cudaStream_t st);
+// The same with a weight matrix per row, for the MoE experts: row m reads x[m / x_div] and the matrix
+// W_table[expert[m]] ([out, in] each).
+void decode_linear_gathered(const bf16* x, int64_t ldx, int64_t x_div, const bf16* const* W_table,
+                            const int32_t* expert, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
+                            cudaStream_t st);
+// x[i] = i for i < n (the identity slot map that moe_combine reads when every (token, choice) has its own row).
+void iota(int32_t* x, int64_t n, cudaStream_t st);
+
+// ---- KDA ----
+// One token per row b, in cache slot slot[b]: the causal conv over [the slot's last W−1 pre-conv projections; the
+// new one] (and the history shifted by one), SiLU, L2 norm (q also × K^-1/2), the decay gate from the raw f_b output
+// (as kda_gate), then the delta rule on the slot's fp32 state: S ← diag(e^g)·S; u = β(v − Sᵀk); S += k·uᵀ; o = Sᵀq.
+struct KdaDecodeParams {
+  const float* raw;      // [B, 3·HK] the new q | k | v projections (before the conv)
+  const float* conv;     // [3·HK, W] depthwise conv weights
+  const float* graw;     // [B, HK] f_b output, before dt_bias
+  const float* dt_bias;  // [HK]
+  const float* A_log;    // [H]
+  const float* beta;     // [B, H] after the sigmoid
+  const int32_t* slot;   // [B] cache slot of each row (distinct)
+  float* conv_hist;      // [slots, 3, W−1, HK] pre-conv projections of each slot's last W−1 tokens, oldest first
+  float* state;          // [slots, H, K, K] recurrent state (row = key dim)
+  float* o;              // [B, H, K] output (before the gated output norm)
+  int64_t B, H, K, W;
+  bool has_bound;  // safe gate bound·sigmoid(e^A_log·f), else −e^A_log·softplus(f)
+  float bound;
+  bool round_qkv;  // round q, k, v to bf16 after the norm, as the tensor-core forward stores them
+};
+void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st);
+
+// ---- DSA indexer ----
+// The indexer's per-slot cache, for the next token of each row at sequence position pos[b] (= the tokens already in
+// the slot): its LayerNormed key and gate score wait in the slot's pending rows until their pool completes; the token
+// that completes pool j computes the pool's compressed key once (as pool_keys).
+struct IndexerDecodeParams {
+  const float* qi;      // [B, IH, ID]
+  const float* ki;      // [B, ID] LayerNormed keys
+  const float* gs;      // [B, ID] compress-gate scores
+  const float* wts;     // [B, IH] weights_proj·a (the kernel applies IH^-1/2)
+  const float* ape;     // [P, ID]
+  const int32_t* slot;  // [B]
+  const int32_t* pos;   // [B]
+  float* pending_key;   // [slots, P, ID]
+  float* pending_gate;  // [slots, P, ID]
+  float* pool_key;      // [slots, max_pools, ID]
+  float* scores;        // [B, max_pools] workspace
+  int64_t B, IH, ID, P, topk, max_pools;
+  int64_t max_selectable;  // max over rows of (pos + 1) / P (host-side; sizes the scoring grid)
+  bool tail;
+};
+void indexer_decode_append(const IndexerDecodeParams& p, cudaStream_t st);
+// The selection of each row as indexer_select makes it (sequence-relative positions ascending, ties to the lower
+// pool): sel [B, max_sel], count [B]. Run after indexer_decode_append.
+void indexer_decode_select(const IndexerDecodeParams& p, int32_t* sel, int32_t* count, int64_t max_sel,
+                           cudaStream_t st);
+
+// ---- MLA ----
+// The cache keeps the normed kv latent of every token in bf16: exactly what the forward feeds kv_b (it rounds the
+// latent to bf16 before that GEMM), so decoding sees the same keys and values as the forward, at half the memory of
+// fp32 (KL·2 bytes a token and layer).
+// cache[slot[b], pos[b]] = lat[b]: lat bf16 [B, KL]; cache bf16 [slots, max_len, KL].
+void mla_decode_append(const bf16* lat, const int32_t* slot, const int32_t* pos, bf16* cache, int64_t B, int64_t KL,
+                       int64_t max_len, cudaStream_t st);
+// Absorbed MLA over the cached latents: per (row, head) qa = W_kᵀq, softmax over the selected keys of
+// qa·c_j·dqk^-1/2, cs = Σ p_j c_j, o = W_v·cs. An empty selection attends uniformly to the keys 0 … pos
+// (EmptySelection::SeenKeys).
+struct MlaDecodeParams {
+  const float* q;         // [B, NH, dqk]
+  const bf16* kv_b;       // [NH·(dqk+dv), KL]: per head dqk rows of k, then dv rows of v
+  const bf16* latent;     // [slots, max_len, KL] normed latents, the new token's already appended
+  const int32_t* slot;    // [B]
+  const int32_t* pos;     // [B] the query's position
+  const int32_t* sel;     // [B, max_sel] sequence-relative key positions
+  const int32_t* count;   // [B]
+  bf16* o;                // [B, NH, dv]
+  int64_t B, NH, dqk, dv, KL, max_len, max_sel;
+};
+void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st);
+
+// ---- Filling the caches from a prefill (the packed forward of N prompts, sequence n in slot slot[n]) ----
+// seq_start [N] first packed token, seq_len [N] its length.
+struct PrefillSeqs {
+  const int32_t* seq_start;
+  const int32_t* seq_len;
+  const int32_t* slot;
+  int64_t N;
+};
+// The conv histories: the last W−1 pre-conv projections of each sequence (zeros before its start) from raw
+// [T, 3·HK] into conv_hist [slots, 3, W−1, HK].
+void kda_store_conv_hist(const float* raw, const PrefillSeqs& s, float* conv_hist, int64_t HK, int64_t W,
+                         cudaStream_t st);
+// The final recurrent states, when the forward's kernel does not hand them over (the fp32 chunked path): the delta
+// rule over each sequence from a zero state, in the arithmetic of kda_decode_step. q, k, v fp32 [T, H, K] normed as
+// kda_conv_norm leaves them, g [T, HK] log decay, beta [T, H]; state [slots, H, K, K].
+void kda_final_state(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                     const PrefillSeqs& s, float* state, int64_t H, int64_t K, cudaStream_t st);
+// Copies rows: dst[dst_index[i]] = src[src_index[i]] for i < n, rows of `width` floats (states, pool keys).
+void copy_rows(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index, int64_t n,
+               int64_t width, cudaStream_t st);
+// The indexer caches of each sequence: its complete pools' keys from pk [num_pools, ID] (sequence n's pool 0 at
+// pool_base[n]) into pool_key [slots, max_pools, ID], its incomplete pool's keys and gate scores (ki, gs [T, ID])
+// into pending_key / pending_gate [slots, P, ID].
+void indexer_store_prefill(const float* ki, const float* gs, const float* pk, const int32_t* pool_base,
+                           const PrefillSeqs& s, float* pending_key, float* pending_gate, float* pool_key, int64_t P,
+                           int64_t ID, int64_t max_pools, cudaStream_t st);
+
+}  // namespace nextlm::cuda

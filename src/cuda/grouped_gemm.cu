@@ -1,0 +1,542 @@
+// Grouped expert GEMM (see grouped_gemm.h): a one-block scheduling kernel (per-expert tile counts → prefix sum) and a
+// persistent mma.sync bf16 → fp32 kernel over the global tile list, with fp32, bf16 or fused clamped-SwiGLU stores.
+// The CPU reference is nn.Linear per expert followed by moe.cu's swiglu: act = silu(min(g, L)) · clamp(u, −L, L).
+#include "cuda/grouped_gemm.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+
+namespace nextlm::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;  // eight warps: 2 along M × 4 along N
+constexpr int kScanThreads = 1024;
+
+// BM × BN × BK tile, STAGES-deep cp.async pipeline, MINB CTAs per SM. Shared tiles are [rows][BK] with a row stride
+// of BK + 8 elements: the eight 16-byte rows one ldmatrix phase reads then fall in distinct bank groups (stride 80 or
+// 144 bytes), and every row start stays 16-byte aligned for cp.async.
+template <int BM_, int BN_, int BK_, int STAGES_, int MINB_>
+struct Cfg {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int LDS = BK + 8;
+  static constexpr int WM = BM / 2, WN = BN / 4;  // warp tile
+  static constexpr int MI = WM / 16, NI = WN / 8;  // m16 and n8 MMA tiles per warp
+  static constexpr int CPR = BK / 8;               // 16-byte chunks per tile row
+  static constexpr int RSTEP = kThreads / CPR;     // rows between one thread's successive chunks
+  static constexpr int CA = BM / RSTEP, CB = BN / RSTEP;
+  static constexpr int stage_elems = (BM + BN) * LDS;
+  static constexpr int smem_bytes = STAGES * stage_elems * 2;
+  static_assert(BM % RSTEP == 0 && BN % RSTEP == 0 && MI >= 1 && NI % 2 == 0 && BK % 16 == 0);
+};
+
+using Cfg0 = Cfg<128, 128, 32, 4, 2>;
+using Cfg1 = Cfg<128, 128, 64, 3, 2>;
+using Cfg2 = Cfg<128, 256, 32, 4, 1>;
+
+// start[e] = Σ_{e' < e} tiles(e'), start[E] = total, with tiles(e) = ceil(rows_e / BM) · n_tiles.
+__global__ void __launch_bounds__(kScanThreads) schedule_kernel(const int32_t* __restrict__ offsets, int E, int BM,
+                                                                int n_tiles, int32_t* __restrict__ start) {
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  int carry = 0;
+  for (int base = 0; base < E; base += kScanThreads) {
+    const int e = base + threadIdx.x;
+    const int rows = e < E ? offsets[e + 1] - offsets[e] : 0;
+    const int tiles = (rows + BM - 1) / BM * n_tiles;
+    int excl, total;
+    Scan(tmp).ExclusiveSum(tiles, excl, total);
+    if (e < E) start[e] = carry + excl;
+    carry += total;
+    __syncthreads();  // tmp is reused by the next chunk
+  }
+  if (threadIdx.x == 0) start[E] = carry;
+}
+
+__device__ __forceinline__ void store_bf16x2(bf16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+__device__ __forceinline__ float swiglu(float g, float u, float L) {
+  g = fminf(g, L);
+  u = fminf(fmaxf(u, -L), L);
+  return g / (1.0f + __expf(-g)) * u;
+}
+
+// Weight row held by row r of a tile's B operand. SwiGLU tiles interleave gate and up in blocks of eight rows (n8
+// MMA tiles): block b holds gate rows (b even) or up rows (b odd) of act columns j·BN/2 + (b/2)·8 .. +7, so that one
+// thread's accumulators for n8 tiles 2q and 2q+1 are the gate and the up of the same act columns.
+template <class C>
+__device__ __forceinline__ int b_row(int r, int nt, bool glu, int N, bool* valid) {
+  if (!glu) {
+    const int w = nt * C::BN + r;
+    *valid = w < N;
+    return w;
+  }
+  const int I = N / 2, b = r >> 3;
+  const int col = nt * (C::BN / 2) + (b >> 1) * 8 + (r & 7);
+  *valid = col < I;
+  return (b & 1) * I + col;
+}
+
+// One output tile: expert e, N tile nt, first row row0 (global), rows valid rows (≤ BM).
+struct Tile {
+  int e, nt, rows;
+  int64_t row0;
+};
+
+// Tiles of an expert are numbered N-tile-major with the M tile innermost, so that the M tiles reading the same weight
+// slab are neighbours in the list and run at the same time.
+__device__ __forceinline__ Tile locate(int tile, const int32_t* __restrict__ start,
+                                       const int32_t* __restrict__ offsets, int E, int BM) {
+  // The expert owning this tile: the last e with start[e] ≤ tile (empty experts share their successor's start).
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  const int local = tile - start[lo];
+  const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
+  const int mtiles = (rows_e + BM - 1) / BM;
+  const int mt = local % mtiles;
+  return Tile{lo, local / mtiles, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM};
+}
+
+template <class C>
+__global__ void __launch_bounds__(kThreads, C::MINB)
+    grouped_gemm_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
+                        void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* smem = reinterpret_cast<bf16*>(smem_raw);
+  constexpr int BM = C::BM, BN = C::BN, BK = C::BK, S = C::STAGES, LDS = C::LDS, MI = C::MI, NI = C::NI;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wm = warp >> 2, wn = warp & 3;
+  const int g = lane >> 2, t4 = lane & 3;
+  const bool glu = epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
+  const int total = start[E];
+  const int KT = (K + BK - 1) / BK;
+  const int cc = tid % C::CPR, r0 = tid / C::CPR;  // this thread's chunk column and first row in a tile
+
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const Tile tl = locate(tile, start, offsets, E, BM);
+    const int nt = tl.nt, rows = tl.rows;
+    const int64_t row0 = tl.row0;
+    const bf16* We = W[tl.e];
+    // m16 blocks of this warp holding at least one row: a short last tile of an expert skips the rest's MMAs.
+    const int mact = min(MI, max(0, (rows - wm * C::WM + 15) / 16));
+
+    // Source rows of this thread's chunks (invalid ones read nothing and zero-fill; their address stays in bounds).
+    const bf16* a_src[C::CA];
+    const bf16* b_src[C::CB];
+    uint32_t a_ok = 0, b_ok = 0;
+#pragma unroll
+    for (int s = 0; s < C::CA; ++s) {
+      const int r = r0 + s * C::RSTEP;
+      const bool v = r < rows;
+      a_ok |= uint32_t(v) << s;
+      a_src[s] = A + (row0 + (v ? r : 0)) * K + cc * 8;
+    }
+#pragma unroll
+    for (int s = 0; s < C::CB; ++s) {
+      bool v;
+      const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+      b_ok |= uint32_t(v) << s;
+      b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
+    }
+    auto load_stage = [&](int kt, int stage) {
+      bf16* As = smem + stage * C::stage_elems;
+      bf16* Bs = As + BM * LDS;
+      const int k0 = kt * BK;
+      const bool kin = k0 + cc * 8 < K;
+#pragma unroll
+      for (int s = 0; s < C::CA; ++s)
+        cp_async16(As + (r0 + s * C::RSTEP) * LDS + cc * 8, a_src[s] + (kin ? k0 : 0), kin && (a_ok >> s & 1));
+#pragma unroll
+      for (int s = 0; s < C::CB; ++s)
+        cp_async16(Bs + (r0 + s * C::RSTEP) * LDS + cc * 8, b_src[s] + (kin ? k0 : 0), kin && (b_ok >> s & 1));
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int j = 0; j < NI; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (s < KT) load_stage(s, s);
+      cp_async_commit();
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<S - 2>();  // stage kt has landed (for this thread) …
+      __syncthreads();         // … for every thread, and stage kt−1 is no longer read by anyone
+      if (kt + S - 1 < KT) load_stage(kt + S - 1, (kt + S - 1) % S);
+      cp_async_commit();
+      const bf16* As = smem + (kt % S) * C::stage_elems;
+      const bf16* Bs = As + BM * LDS;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        uint32_t a[MI][4], b[NI / 2][4];
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+          if (i < mact) load_a(a[i], As + (wm * C::WM + i * 16) * LDS + ks * 16, LDS);
+#pragma unroll
+        for (int p = 0; p < NI / 2; ++p) load_b_nk(b[p], Bs + (wn * C::WN + p * 16) * LDS + ks * 16, LDS);
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+          if (i < mact)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+              mma_bf16(acc[i][j], a[i], b[j / 2][(j & 1) * 2], b[j / 2][(j & 1) * 2 + 1]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next tile's prologue overwrites the stages
+
+    // Epilogue straight from the accumulators: c0, c1 at (g, 2t..2t+1), c2, c3 at (g+8, 2t..2t+1).
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wm * C::WM + i * 16 + g + 8 * h;
+        if (r >= rows) continue;
+        const int64_t row = row0 + r;
+        if (glu) {
+          const int I = N / 2;
+          bf16* out = static_cast<bf16*>(Cout) + row * I;
+#pragma unroll
+          for (int q = 0; q < NI / 2; ++q) {
+            const int col = nt * (BN / 2) + ((wn * NI) / 2 + q) * 8 + 2 * t4;
+            if (col < I)
+              store_bf16x2(out + col, swiglu(acc[i][2 * q][2 * h], acc[i][2 * q + 1][2 * h], L),
+                           swiglu(acc[i][2 * q][2 * h + 1], acc[i][2 * q + 1][2 * h + 1], L));
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < NI; ++j) {
+            const int col = nt * BN + wn * C::WN + j * 8 + 2 * t4;
+            if (col >= N) continue;
+            if (epi == static_cast<int>(GroupedEpilogue::kF32))
+              *reinterpret_cast<float2*>(static_cast<float*>(Cout) + row * N + col) =
+                  make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+            else
+              store_bf16x2(static_cast<bf16*>(Cout) + row * N + col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+          }
+        }
+      }
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Hopper (sm_90a): warpgroup MMA. Two warpgroups each own 64 rows of a 128 × BN tile; operands go global → shared by
+// the same cp.async pipeline (BK = 64), stored in the canonical K-major 128-byte-swizzle layout that wgmma reads
+// through shared-memory descriptors: tile row r is 128 bytes at r·128, its 16-byte chunk c at position c ^ (r mod 8),
+// eight rows (1024 bytes, 1024-aligned) per swizzle atom.
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes through the generic proxy, wgmma reads through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
+template <int N>
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, K-major with 128-byte swizzle: start address >> 4 (bits 0–13), leading byte
+// offset 16 (unused by this layout, bits 16–29), stride byte offset 1024 between 8-row groups (bits 32–45), swizzle
+// mode 1 = 128 B (bits 62–63). Advancing along K inside the 128-byte row is adding bytes/16 to the start address.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
+  return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// d[0..63] += A (64×16) · B (16×128), both read from shared memory through descriptors (K-major); asynchronous
+// until wgmma_wait.
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d[0..127] += A (64×16) · B (16×256), both read from shared memory through descriptors (K-major); asynchronous
+// until wgmma_wait.
+__device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+template <int BN>
+__device__ __forceinline__ void wgmma_k16(float* d, uint64_t da, uint64_t db) {
+  if constexpr (BN == 128) wgmma_m64n128k16(d, da, db);
+  else wgmma_m64n256k16(d, da, db);
+}
+
+// KEEP: wgmma groups left in flight while the next k-tile is issued (0 or 1); the prefetch distance is then
+// STAGES − 1 − KEEP k-tiles, since a stage is refilled only once no warpgroup's MMAs can still be reading it.
+template <int BN_, int STAGES_, int MINB_, int KEEP_>
+struct WgCfg {
+  static constexpr int BM = 128, BN = BN_, BK = 64, STAGES = STAGES_, MINB = MINB_, KEEP = KEEP_;
+  static constexpr int PREFETCH = STAGES - 1 - KEEP;
+  static constexpr int CPR = 8, RSTEP = kThreads / CPR, CA = BM / RSTEP, CB = BN / RSTEP;
+  static constexpr int a_bytes = BM * 128, stage_bytes = (BM + BN) * 128;
+  static constexpr int smem_bytes = STAGES * stage_bytes + 1024;  // + slack to align the stages to 1024 bytes
+  static constexpr int NACC = BN / 2;                             // fp32 accumulators per thread (64 × BN / 128)
+  static_assert((BN == 128 || BN == 256) && (KEEP == 0 || KEEP == 1) && PREFETCH >= 1);
+};
+
+using WgCfg0 = WgCfg<128, 3, 2, 0>;
+using WgCfg1 = WgCfg<256, 4, 1, 1>;
+
+template <class C>
+__global__ void __launch_bounds__(kThreads, C::MINB)
+    grouped_gemm_wgmma_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
+                              void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L) {
+  extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
+  const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
+  unsigned char* smem = wg_smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  constexpr int BM = C::BM, BN = C::BN, BK = C::BK, S = C::STAGES, NACC = C::NACC, P = C::PREFETCH;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup (64-row half) and warp within it (16-row quarter)
+  const int g = lane >> 2, t4 = lane & 3;
+  const bool glu = epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
+  const int total = start[E];
+  const int KT = (K + BK - 1) / BK;
+  const int cc = tid % C::CPR, r0 = tid / C::CPR;
+  const int swz = (cc ^ (r0 & 7)) * 16;  // r0 + s·RSTEP ≡ r0 (mod 8): one swizzled chunk position per thread
+
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const Tile tl = locate(tile, start, offsets, E, BM);
+    const int nt = tl.nt, rows = tl.rows;
+    const int64_t row0 = tl.row0;
+    const bf16* We = W[tl.e];
+
+    const bf16* a_src[C::CA];
+    const bf16* b_src[C::CB];
+    uint32_t a_ok = 0, b_ok = 0;
+#pragma unroll
+    for (int s = 0; s < C::CA; ++s) {
+      const int r = r0 + s * C::RSTEP;
+      const bool v = r < rows;
+      a_ok |= uint32_t(v) << s;
+      a_src[s] = A + (row0 + (v ? r : 0)) * K + cc * 8;
+    }
+#pragma unroll
+    for (int s = 0; s < C::CB; ++s) {
+      bool v;
+      const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+      b_ok |= uint32_t(v) << s;
+      b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
+    }
+    auto load_stage = [&](int kt, int stage) {
+      unsigned char* As = smem + stage * C::stage_bytes;
+      unsigned char* Bs = As + C::a_bytes;
+      const int k0 = kt * BK;
+      const bool kin = k0 + cc * 8 < K;
+#pragma unroll
+      for (int s = 0; s < C::CA; ++s)
+        cp_async16(As + (r0 + s * C::RSTEP) * 128 + swz, a_src[s] + (kin ? k0 : 0), kin && (a_ok >> s & 1));
+#pragma unroll
+      for (int s = 0; s < C::CB; ++s)
+        cp_async16(Bs + (r0 + s * C::RSTEP) * 128 + swz, b_src[s] + (kin ? k0 : 0), kin && (b_ok >> s & 1));
+    };
+
+    float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < P; ++s) {
+      if (s < KT) load_stage(s, s);
+      cp_async_commit();
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<P - 1>();
+      fence_proxy_async();
+      __syncthreads();  // stage kt is complete for all; every warpgroup's MMAs on k-tile kt − 1 − KEEP are done
+      // No branch around the MMAs (not even to skip a short tile's empty half): ptxas serialises wgmma in code it
+      // cannot prove warpgroup-uniform.
+      const uint32_t a_s = smem_s + (kt % S) * C::stage_bytes + wg * 64 * 128;
+      const uint32_t b_s = smem_s + (kt % S) * C::stage_bytes + C::a_bytes;
+      fence_regs<NACC>(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) wgmma_k16<BN>(acc, sw128_desc(a_s + ks * 32), sw128_desc(b_s + ks * 32));
+      wgmma_commit();
+      // Refill the stage of k-tile kt − 1 − KEEP while the MMAs run.
+      if (kt + P < KT) load_stage(kt + P, (kt + P) % S);
+      cp_async_commit();
+      wgmma_wait<C::KEEP>();
+      fence_regs<NACC>(acc);
+    }
+    wgmma_wait<0>();
+    fence_regs<NACC>(acc);
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Accumulator layout (per warp as mma.sync's C, per n8 block j): acc[4j + 2h + c] = (row 16·wq + g + 8h,
+    // column 8j + 2·t4 + c) of the warpgroup's 64 × BN.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wg * 64 + wq * 16 + g + 8 * h;
+      if (r >= rows) continue;
+      const int64_t row = row0 + r;
+      if (glu) {
+        const int I = N / 2;
+        bf16* out = static_cast<bf16*>(Cout) + row * I;
+#pragma unroll
+        for (int q = 0; q < BN / 16; ++q) {
+          const int col = nt * (BN / 2) + q * 8 + 2 * t4;
+          if (col < I)
+            store_bf16x2(out + col, swiglu(acc[8 * q + 2 * h], acc[8 * q + 4 + 2 * h], L),
+                         swiglu(acc[8 * q + 2 * h + 1], acc[8 * q + 4 + 2 * h + 1], L));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int col = nt * BN + j * 8 + 2 * t4;
+          if (col >= N) continue;
+          if (epi == static_cast<int>(GroupedEpilogue::kF32))
+            *reinterpret_cast<float2*>(static_cast<float*>(Cout) + row * N + col) =
+                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          else
+            store_bf16x2(static_cast<bf16*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Per-device state set up on the first call, so that later calls (and CUDA graph captures) make no attribute calls.
+constexpr int kMaxDevices = 64;
+
+int current_device() {
+  int dev = 0;
+  NEXTLM_CUDA_CHECK(cudaGetDevice(&dev));
+  check(dev >= 0 && dev < kMaxDevices, "grouped_gemm: device ordinal ", dev, " out of range");
+  return dev;
+}
+
+int sm_count(int dev) {
+  static std::atomic<int> cache[kMaxDevices];
+  int sms = cache[dev].load(std::memory_order_relaxed);
+  if (!sms) {
+    NEXTLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cache[dev].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+template <class C, bool kWgmma>
+void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
+  const bool glu = g.epilogue == GroupedEpilogue::kSwiGLU;
+  const int n_tiles = glu ? static_cast<int>(ceil_div(g.N / 2, C::BN / 2)) : static_cast<int>(ceil_div(g.N, C::BN));
+  schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, start);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  // Each non-empty expert wastes at most one partial M tile, so the tile count is at most this.
+  const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
+  const int dev = current_device();
+  const int grid = static_cast<int>(std::min<int64_t>(bound, int64_t(sm_count(dev)) * C::MINB));
+  void (*kernel)(const bf16*, const int32_t*, const bf16* const*, void*, const int32_t*, int, int, int, int, float);
+  if constexpr (kWgmma) kernel = grouped_gemm_wgmma_kernel<C>;
+  else kernel = grouped_gemm_kernel<C>;
+  // Opt into the dynamic shared memory once per device and kernel (idempotent: a race only repeats the call).
+  static std::atomic<uint64_t> smem_set{0};
+  if (!(smem_set.load(std::memory_order_acquire) >> dev & 1)) {
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem_bytes));
+    smem_set.fetch_or(uint64_t{1} << dev, std::memory_order_release);
+  }
+  kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
+                                                static_cast<int>(g.epilogue), g.limit);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+const char* grouped_gemm_kernel_name(GroupedGemmKernel k) {
+  switch (k) {
+    case GroupedGemmKernel::kMma128x128x32: return "mma128x128x32_s4";
+    case GroupedGemmKernel::kMma128x128x64: return "mma128x128x64_s3";
+    case GroupedGemmKernel::kMma128x256x32: return "mma128x256x32_s4";
+    case GroupedGemmKernel::kWgmma128x128: return "wgmma128x128x64_s3";
+    case GroupedGemmKernel::kWgmma128x256: return "wgmma128x256x64_s4";
+  }
+  return "?";
+}
+
+int64_t grouped_gemm_workspace_ints(int E) { return int64_t(E) + 1; }
+
+void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
+  check(g.K % 8 == 0 && g.K > 0, "grouped_gemm: K must be a positive multiple of 8, got ", g.K);
+  check(g.N % (g.epilogue == GroupedEpilogue::kSwiGLU ? 16 : 8) == 0 && g.N > 0,
+        "grouped_gemm: N must be a positive multiple of 8 (16 with the SwiGLU epilogue), got ", g.N);
+  check(g.E >= 1 && g.n >= 0 && g.n < (int64_t{1} << 31), "grouped_gemm: bad E ", g.E, " or n ", g.n);
+  if (g.n == 0) return;
+  switch (g.kernel) {
+    case GroupedGemmKernel::kMma128x128x32: launch<Cfg0, false>(g, workspace, stream); break;
+    case GroupedGemmKernel::kMma128x128x64: launch<Cfg1, false>(g, workspace, stream); break;
+    case GroupedGemmKernel::kMma128x256x32: launch<Cfg2, false>(g, workspace, stream); break;
+    case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true>(g, workspace, stream); break;
+    case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true>(g, workspace, stream); break;
+    default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
+  }
+}
+
+}  // namespace nextlm::cuda

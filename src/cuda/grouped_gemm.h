@@ -1,0 +1,77 @@
+// Grouped bf16 GEMM for the MoE experts, with no host synchronisation: C[rows of e] = A[rows of e] · W_eᵀ for every
+// expert e, fp32 accumulation, with an fp32, bf16 or fused clamped-SwiGLU epilogue (matches moe.cu's swiglu kernel).
+//
+// Calling it from CudaModel's moe(...) (device_model.cu) in place of the host sync and the two per-expert loops:
+//
+//   // once, at upload: device arrays of the E expert weight pointers (cudaMemcpy of a host std::vector<const bf16*>)
+//   //   const bf16* const* gate_up_ptrs;  // each w.experts[e].gate_up.w, bf16 [2I, D]
+//   //   const bf16* const* down_ptrs;     // each w.experts[e].down.w,    bf16 [D, I]
+//   int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(int(E)));
+//   GroupedGemm gu{xp, offsets, gate_up_ptrs, act, n, int(E), int(2 * I), int(D), GroupedEpilogue::kSwiGLU,
+//                  float(cfg.swiglu_limit)};
+//   grouped_gemm(gu, ws, stream);  // act bf16 [n, I]: replaces the gu buffer, the first loop and swiglu()
+//   GroupedGemm dn{act, offsets, down_ptrs, out, n, int(E), int(D), int(I), GroupedEpilogue::kF32};
+//   grouped_gemm(dn, ws, stream);  // out fp32 [n, D]: replaces the second loop
+//
+// `offsets` is moe_permute's device output, so the cudaMemcpyAsync + cudaStreamSynchronize go away and the whole
+// MoE becomes capturable in a CUDA graph. n = T·k is known on the host; only the split between experts is not.
+//
+// How: a one-block kernel turns offsets into per-expert tile counts and their prefix sum (workspace); a persistent
+// grid then walks the global tile list (expert-major, then N tile, then M tile, so that the M tiles sharing a weight
+// slab run side by side and read it from L2), finding each tile's expert by binary search. Empty experts own no tile.
+//
+// The header includes only host-compilable CUDA headers (no common.cuh), so plain C++ tests and benchmarks can use it.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace nextlm::cuda {
+
+using bf16 = __nv_bfloat16;
+
+enum class GroupedEpilogue {
+  kF32,     // C fp32 [n, N]
+  kBf16,    // C bf16 [n, N]
+  kSwiGLU,  // W = [gate; up] with N = 2I rows; C bf16 act [n, I] = silu(min(gate, L)) · clamp(up, −L, L)
+};
+
+// Kernel variants (all mma.sync m16n8k16 bf16 → fp32, cp.async pipeline, ldmatrix from padded shared memory):
+//   kMma128x128x32: 8 warps, 4 stages, two CTAs per SM (the default; the tested fallback)
+//   kMma128x128x64: 8 warps, 3 stages of BK = 64, two CTAs per SM (fewer barriers, more bytes in flight)
+//   kMma128x256x32: 8 warps, 4 stages, one CTA per SM (each A fragment feeds twice the MMAs)
+// and Hopper warpgroup MMA (wgmma.mma_async, sm_90a; same cp.async pipeline into 128-byte-swizzled shared memory):
+//   kWgmma128x128:  two warpgroups × m64n128k16, BK = 64, 3 stages, two CTAs per SM
+//   kWgmma128x256:  two warpgroups × m64n256k16, BK = 64, 4 stages, one CTA per SM, one MMA batch kept in flight
+enum class GroupedGemmKernel {
+  kMma128x128x32 = 0,
+  kMma128x128x64 = 1,
+  kMma128x256x32 = 2,
+  kWgmma128x128 = 3,
+  kWgmma128x256 = 4,
+};
+constexpr int kGroupedGemmKernels = 5;
+const char* grouped_gemm_kernel_name(GroupedGemmKernel k);
+
+struct GroupedGemm {
+  const bf16* A;               // [n, K] row-major: the permuted token rows, rows of expert e contiguous
+  const int32_t* offsets;      // [E+1] device: rows of expert e are offsets[e] .. offsets[e+1]-1, offsets[E] = n
+  const bf16* const* W;        // [E] device array of device pointers, each bf16 [N, K] row-major (nn.Linear out×in)
+  void* C;                     // output, see GroupedEpilogue (row stride N, or N/2 for kSwiGLU)
+  int64_t n;                   // total rows (= offsets[E]); the host only needs it to size the grid
+  int E;                       // experts
+  int N;                       // output features of W (2I for kSwiGLU); a multiple of 8 (16 for kSwiGLU)
+  int K;                       // input features; a multiple of 8 (16-byte rows for cp.async)
+  GroupedEpilogue epilogue = GroupedEpilogue::kF32;
+  float limit = 0.0f;          // the SwiGLU clamp L (kSwiGLU only)
+  GroupedGemmKernel kernel = GroupedGemmKernel::kMma128x128x32;
+};
+
+// int32 elements of device workspace grouped_gemm needs (the per-expert tile prefix sum); E + 1.
+int64_t grouped_gemm_workspace_ints(int E);
+// Enqueues the scheduling kernel and the GEMM on `stream`; asynchronous, no host sync. `workspace` holds
+// grouped_gemm_workspace_ints(E) int32 and may be reused as soon as the GEMM has run (stream order).
+void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream);
+
+}  // namespace nextlm::cuda

@@ -1,0 +1,237 @@
+// MLA attention over the indexer's selection on tensor cores (mma.sync bf16 → fp32), flash-attention style: each
+// block takes 64 consecutive packed tokens and one head, walks the keys in blocks of 64 with an online softmax, and
+// masks every (query, key) pair by the query's selection, kept as a bitmask over its sequence's positions. Key
+// blocks that no query of the block selects are skipped. A query whose selection is empty attends with equal weights
+// to every key of its sequence (transformers' eager softmax of an all-masked row), as attention_kernel in dsa.cu.
+#include <algorithm>
+
+#include "cuda/kernels.h"
+#include "cuda/mma.cuh"
+
+namespace nextlm::cuda {
+
+namespace {
+
+constexpr int kRows = 64, kKeys = 64, kThreads = 128;
+
+__global__ void selection_mask_kernel(const int32_t* sel, const int32_t* count, uint32_t* mask, int64_t T,
+                                      int64_t max_sel, int64_t words) {
+  const int64_t t = blockIdx.x;
+  const int64_t n = count[t];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t j = sel[t * max_sel + i];
+    atomicOr(mask + t * words + (j >> 5), 1u << (j & 31));
+  }
+}
+
+// Bits p … p+63 of a row of `words` 32-bit words (0 outside the row); p may be negative.
+__device__ __forceinline__ uint64_t window64(const uint32_t* row, int64_t words, int64_t p) {
+  const int64_t q = p >> 5;  // floor division, also for negative p
+  const int r = static_cast<int>(p & 31);
+  auto get = [&](int64_t i) -> uint64_t { return i >= 0 && i < words ? row[i] : 0u; };
+  const uint64_t lo = get(q) | (get(q + 1) << 32);
+  return r ? (lo >> r) | (get(q + 2) << (64 - r)) : lo;
+}
+
+// Bits for positions p … p+63 that fall in [0, len).
+__device__ __forceinline__ uint64_t range64(int64_t p, int64_t len) {
+  const int64_t a = p < 0 ? -p : 0, b = len - p;  // in-window bit range [a, min(b, 64))
+  if (b <= a || a >= 64) return 0;
+  const uint64_t hi = b >= 64 ? ~0ull : ((1ull << b) - 1);
+  return hi & ~((1ull << a) - 1);
+}
+
+template <int DQK, int DV>
+struct MlaLayout {
+  static constexpr int QS = DQK + 8, VS = DV + 8;
+  static constexpr int bytes = (kRows * QS + kKeys * QS + kKeys * VS) * 2;
+};
+
+template <int DQK, int DV>
+__global__ void __launch_bounds__(kThreads)
+    mla_tc_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const uint32_t* __restrict__ mask,
+                  int64_t words, const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
+                  const int32_t* __restrict__ seq_len, bf16* __restrict__ o, int64_t T, int NH, float scale_log2) {
+  using L = MlaLayout<DQK, DV>;
+  constexpr int QS = L::QS, VS = L::VS, DKV = DQK + DV;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* Ks = Qs + kRows * QS;
+  bf16* Vs = Ks + kKeys * QS;
+  __shared__ int64_t key_lo, key_hi;
+
+  const int64_t r0 = int64_t(blockIdx.x) * kRows;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  if (tid == 0) key_lo = INT64_MAX, key_hi = 0;
+
+  for (int i = tid; i < kRows * (DQK / 8); i += kThreads) {
+    const int r = i / (DQK / 8), p = i % (DQK / 8);
+    const bool in = r0 + r < T;
+    cp_async16(Qs + r * QS + p * 8, q + ((in ? r0 + r : 0) * NH + h) * DQK + p * 8, in);
+  }
+  cp_async_commit();
+
+  // This thread's two rows (g and g+8 of its warp's 16).
+  int64_t row[2], s0[2], len[2];
+  bool valid[2], uniform[2];
+  for (int hf = 0; hf < 2; ++hf) {
+    row[hf] = r0 + 16 * warp + gq + 8 * hf;
+    valid[hf] = row[hf] < T;
+    const int64_t t = valid[hf] ? row[hf] : 0;
+    s0[hf] = seq_start[t];
+    len[hf] = seq_len[t];
+    uniform[hf] = valid[hf] && count[t] == 0;
+  }
+  __syncthreads();  // key_lo / key_hi initialised
+  for (int hf = 0; hf < 2; ++hf)
+    if (valid[hf]) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&key_lo), static_cast<unsigned long long>(s0[hf]));
+      const int64_t end = uniform[hf] ? s0[hf] + len[hf] : row[hf] + 1;
+      atomicMax(reinterpret_cast<unsigned long long*>(&key_hi), static_cast<unsigned long long>(end));
+    }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int64_t klo = key_lo, khi = key_hi;
+
+  float oc[DV / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < DV / 8; ++nt) oc[nt][0] = oc[nt][1] = oc[nt][2] = oc[nt][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  for (int64_t j0 = klo; j0 < khi; j0 += kKeys) {
+    uint64_t bits[2];
+    for (int hf = 0; hf < 2; ++hf) {
+      if (!valid[hf]) {
+        bits[hf] = 0;
+      } else if (uniform[hf]) {
+        bits[hf] = range64(j0 - s0[hf], len[hf]);
+      } else {
+        bits[hf] = window64(mask + row[hf] * words, words, j0 - s0[hf]);
+      }
+    }
+    // A barrier (the last block's K/V reads are done) that also tells whether any query selects a key here.
+    if (!__syncthreads_or((bits[0] | bits[1]) != 0)) continue;
+    for (int i = tid; i < kKeys * (DQK / 8); i += kThreads) {
+      const int r = i / (DQK / 8), p = i % (DQK / 8);
+      const bool in = j0 + r < T;
+      cp_async16(Ks + r * QS + p * 8, kv + ((in ? j0 + r : 0) * NH + h) * DKV + p * 8, in);
+    }
+    for (int i = tid; i < kKeys * (DV / 8); i += kThreads) {
+      const int r = i / (DV / 8), p = i % (DV / 8);
+      const bool in = j0 + r < T;
+      cp_async16(Vs + r * VS + p * 8, kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + p * 8, in);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Scores of this warp's 16 rows against the 64 keys.
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, Qs + 16 * warp * QS + 16 * kk, QS);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, Ks + 16 * np * QS + 16 * kk, QS);
+        mma_bf16(s[2 * np], a, b[0], b[1]);
+        mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    // Mask, scale (log2 domain), online softmax per row.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 8 * nt + 2 * tq + e;
+          float& x = s[nt][2 * hf + e];
+          x = (bits[hf] >> j) & 1 ? (uniform[hf] ? 0.0f : x * scale_log2) : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[hf], mx);
+      const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m[hf] - mnew);  // m = −inf → 0
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * hf + e];
+          x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
+          sum += x;
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l[hf] = l[hf] * alpha + sum;
+      m[hf] = mnew;
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) oc[nt][2 * hf] *= alpha, oc[nt][2 * hf + 1] *= alpha;
+    }
+    // o += P·V, P straight from the score fragments.
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < DV / 16; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, Vs + 16 * kk * VS + 16 * np, VS);
+        mma_bf16(oc[2 * np], a, b[0], b[1]);
+        mma_bf16(oc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  for (int hf = 0; hf < 2; ++hf) {
+    if (!valid[hf]) continue;
+    const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
+    bf16* out = o + (row[hf] * NH + h) * DV;
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt)
+      *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt + 2 * tq) =
+          __floats2bfloat162_rn(oc[nt][2 * hf] * inv, oc[nt][2 * hf + 1] * inv);
+  }
+}
+
+template <int DQK, int DV>
+void launch(const bf16* q, const bf16* kv, const uint32_t* mask, int64_t words, const int32_t* count,
+            const int32_t* seq_start, const int32_t* seq_len, bf16* o, int64_t T, int64_t NH, cudaStream_t st) {
+  const int bytes = MlaLayout<DQK, DV>::bytes;
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(DQK));
+  mla_tc_kernel<DQK, DV><<<dim3(static_cast<unsigned>(ceil_div(T, kRows)), static_cast<unsigned>(NH)), kThreads,
+                           bytes, st>>>(q, kv, mask, words, count, seq_start, seq_len, o, T, static_cast<int>(NH),
+                                        scale_log2);
+}
+
+}  // namespace
+
+bool mla_tc_supported(int64_t dqk, int64_t dv) {
+  return (dqk == 64 && dv == 64) || (dqk == 128 && dv == 128) || (dqk == 192 && dv == 128) ||
+         (dqk == 256 && dv == 256);
+}
+
+int64_t mla_mask_words(int64_t max_len) { return ceil_div(std::max<int64_t>(max_len, 1), 32); }
+
+void mla_sparse_attention_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
+                             const int32_t* seq_start, const int32_t* seq_len, bf16* o, uint32_t* mask,
+                             int64_t words, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
+                             cudaStream_t st) {
+  if (!T) return;
+  NEXTLM_CUDA_CHECK(cudaMemsetAsync(mask, 0, static_cast<size_t>(T * words) * sizeof(uint32_t), st));
+  selection_mask_kernel<<<static_cast<unsigned>(T), 128, 0, st>>>(sel, count, mask, T, max_sel, words);
+  if (dqk == 64 && dv == 64) return launch<64, 64>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
+  if (dqk == 128 && dv == 128) return launch<128, 128>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
+  if (dqk == 192 && dv == 128) return launch<192, 128>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
+  if (dqk == 256 && dv == 256) return launch<256, 256>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
+  fail("MLA attention on tensor cores: unsupported head dims ", dqk, "/", dv);
+}
+
+}  // namespace nextlm::cuda

@@ -1,0 +1,440 @@
+// Tensor/expert-parallel loss and gradients on the CPU (see parallel_train.h); the structure follows
+// model_forward_backward in model/train.cpp: a forward keeping the streams entering each mHC site, the selections
+// and the expert choices, then one layer at a time recomputed and walked back.
+#include "dist/parallel_train.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "cpu/linear.h"
+#include "cpu/linear_backward.h"
+#include "model/mhc.h"
+#include "model/moe.h"
+#include "model/norm.h"
+
+namespace nextlm::dist {
+namespace {
+
+void add_into(float* dst, const float* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// The expert part of the MoE backward for the experts this rank holds, on all T tokens (every rank holds them):
+// returns their input gradient in dx_experts [T, D] and dL/d(routing weight) in dweights [T, k], both partial (this
+// rank's experts only) until all-reduced over the EP group.
+void experts_backward(const MoeWeights& w, const ShardedModel& m, const float* x, int64_t T, const Routing& r,
+                      const std::vector<float>& weights, const float* dy, float* dx_experts, float* dweights,
+                      MoeWeights& dw) {
+  const ModelConfig& c = m.config;
+  const int64_t D = c.hidden_size, k = c.num_experts_per_tok;
+  const float L = static_cast<float>(c.swiglu_limit);
+  for (int64_t e = m.experts.begin; e < m.experts.end; ++e) {
+    std::vector<std::pair<int64_t, int64_t>> list;  // (token, slot) in token order, as moe_backward
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < k; ++i)
+        if (r.experts[t * k + i] == e) list.emplace_back(t, i);
+    if (list.empty()) continue;
+    const int64_t n = static_cast<int64_t>(list.size());
+    const MlpWeights& ew = w.experts[e - m.experts.begin];
+    std::vector<float> xin(n * D), out(n * D), dout(n * D), dxin(n * D, 0.0f);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
+    mlp_forward(ew, L, xin.data(), n, D, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = list[i].first, slot = t * k + list[i].second;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        acc += dy[t * D + d] * out[i * D + d];
+        dout[i * D + d] = weights[slot] * dy[t * D + d];
+      }
+      dweights[slot] = acc;
+    }
+    mlp_backward(ew, L, xin.data(), n, D, dout.data(), dxin.data(), dw.experts[e - m.experts.begin]);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < D; ++d) dx_experts[list[i].first * D + d] += dxin[i * D + d];
+  }
+}
+
+// Backward of the MoE sub-layer: da [T, D] += …, with the collectives of parallel_train.h.
+void moe_parallel_backward(const MoeWeights& w, const ShardedModel& m, const Mesh& mesh, const float* x, int64_t T,
+                           const Routing& r, const float* dy, float* da, MoeWeights& dw) {
+  const ModelConfig& c = m.config;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
+  const float L = static_cast<float>(c.swiglu_limit), rsf = static_cast<float>(c.routed_scaling_factor);
+  // Router scores and routing weights (as route_forward / moe_backward's routed_weights).
+  std::vector<float> s(T * E), weights(T * k);
+  cpu::linear(x, T, D, w.router, s.data());
+  for (float& v : s) v = sigmoidf(v);
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) sum += s[t * E + r.experts[t * k + i]];
+    for (int64_t i = 0; i < k; ++i) {
+      float wt = s[t * E + r.experts[t * k + i]];
+      if (c.norm_topk_prob) wt /= sum + 1e-20f;
+      weights[t * k + i] = wt * rsf;
+    }
+  }
+  // Shared expert: tensor-parallel, its input gradient partial over TP.
+  std::vector<float> dx_shared(T * D, 0.0f);
+  if (w.shared) {
+    mlp_backward(*w.shared, L, x, T, D, dy, dx_shared.data(), *dw.shared);
+    mesh.tp->all_reduce_sum(dx_shared.data(), dx_shared.size());
+  }
+  // Routed experts: partial over EP.
+  std::vector<float> dx_experts(T * D, 0.0f), dweights(T * k, 0.0f);
+  experts_backward(w, m, x, T, r, weights, dy, dx_experts.data(), dweights.data(), dw);
+  mesh.ep->all_reduce_sum(dx_experts.data(), dx_experts.size());
+  mesh.ep->all_reduce_sum(dweights.data(), dweights.size());
+  add_into(da, dx_shared.data(), dx_shared.size());
+  add_into(da, dx_experts.data(), dx_experts.size());
+  // Router (replicated): dlogits from the routing-weight gradients, as moe_backward.
+  std::vector<float> dlogits(T * E, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f, wdot = 0.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float se = s[t * E + r.experts[t * k + i]];
+      sum += se;
+      wdot += dweights[t * k + i] * se;
+    }
+    const float Z = sum + 1e-20f;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t e = r.experts[t * k + i];
+      const float ds = c.norm_topk_prob ? rsf * (dweights[t * k + i] / Z - wdot / (Z * Z)) : rsf * dweights[t * k + i];
+      dlogits[t * E + e] += ds * s[t * E + e] * (1.0f - s[t * E + e]);
+    }
+  }
+  cpu::linear_backward(x, T, D, w.router, dlogits.data(), da, &dw.router);
+}
+
+// The vocab-parallel head: mean over streams, final RMSNorm, lm_head slice, cross-entropy with the log-sum-exp
+// reduced over TP. Returns the loss (the same on every rank); dh [T, S, D] += …; dw.final_norm, dw.lm_head += ….
+double head_parallel_backward(const ShardedModel& m, const Mesh& mesh, const float* h, const PackedBatch& batch,
+                              float* dh, ModelWeights& dw) {
+  const ModelConfig& c = m.config;
+  const ModelWeights& w = m.weights;
+  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  const int64_t Vl = m.vocab.size(), v0 = m.vocab.begin;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float* tw = batch.target_weight.empty() ? nullptr : batch.target_weight.data();
+  Comm& tp = *mesh.tp;
+  std::vector<float> hm(T * D), hn(T * D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
+      hm[t * D + d] = acc / static_cast<float>(S);
+    }
+  rmsnorm_forward(hm.data(), w.final_norm.ptr(), hn.data(), T, D, eps);
+  std::vector<int64_t> target(T, -1);
+  for (int64_t n = 0; n < batch.num_seqs(); ++n)
+    for (int64_t t = batch.cu_seqlens[n]; t + 1 < batch.cu_seqlens[n + 1]; ++t) target[t] = batch.tokens[t + 1];
+
+  std::vector<float> dhn(T * D, 0.0f), lg;
+  double loss = 0.0;
+  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 24) / V);
+  for (int64_t b0 = 0; b0 < T; b0 += block) {
+    const int64_t b1 = std::min(T, b0 + block), rows = b1 - b0;
+    lg.assign(static_cast<size_t>(rows * Vl), 0.0f);
+    cpu::linear(hn.data() + b0 * D, rows, D, w.lm_head, lg.data());
+    std::vector<float> mx(rows, -INFINITY);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < Vl; ++v) mx[i] = std::max(mx[i], lg[i * Vl + v]);
+    tp.all_reduce_max(mx.data(), mx.size());
+    std::vector<double> red(2 * rows, 0.0);  // [Σexp | target logit]
+    for (int64_t i = 0; i < rows; ++i) {
+      double sum = 0.0;
+      for (int64_t v = 0; v < Vl; ++v) sum += std::exp(static_cast<double>(lg[i * Vl + v]) - mx[i]);
+      red[i] = sum;
+      const int64_t tgt = target[b0 + i];
+      if (tgt >= v0 && tgt < v0 + Vl) red[rows + i] = lg[i * Vl + (tgt - v0)];
+    }
+    tp.all_reduce_sum(red.data(), red.size());
+    for (int64_t i = 0; i < rows; ++i) {
+      float* row = lg.data() + i * Vl;
+      const int64_t tgt = target[b0 + i];
+      const float wt = tw && tgt >= 0 ? tw[b0 + i + 1] : 1.0f;  // row t predicts t + 1
+      if (tgt < 0 || wt == 0.0f) {
+        std::fill(row, row + Vl, 0.0f);
+        continue;
+      }
+      const double lse = mx[i] + std::log(red[i]);
+      const float tlogit = static_cast<float>(red[rows + i]);
+      loss += tw ? wt * (lse - tlogit) : lse - tlogit;
+      for (int64_t v = 0; v < Vl; ++v) row[v] = static_cast<float>(std::exp(static_cast<double>(row[v]) - lse));
+      if (tgt >= v0 && tgt < v0 + Vl) row[tgt - v0] -= 1.0f;
+      if (tw)
+        for (int64_t v = 0; v < Vl; ++v) row[v] *= wt;
+    }
+    cpu::linear_backward(hn.data() + b0 * D, rows, D, w.lm_head, lg.data(), dhn.data() + b0 * D, &dw.lm_head);
+  }
+  tp.all_reduce_sum(dhn.data(), dhn.size());
+  std::vector<float> dhm(T * D, 0.0f);
+  rmsnorm_backward(hm.data(), w.final_norm.ptr(), dhn.data(), T, D, eps, dhm.data(), dw.final_norm.ptr());
+  const float inv = 1.0f / static_cast<float>(S);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t d = 0; d < D; ++d) dh[(t * S + s) * D + d] += dhm[t * D + d] * inv;
+  return loss;
+}
+
+}  // namespace
+
+double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const PackedBatch& batch,
+                                 ModelWeights& grads) {
+  const ModelConfig& c = m.config;
+  const ModelConfig& lc = m.local;
+  const ModelWeights& w = m.weights;
+  validate_batch(batch, c.vocab_size);
+  check(grads.layers.size() == w.layers.size(), "gradients have ", grads.layers.size(), " layers, the model ",
+        w.layers.size());
+  check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
+        batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
+  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, Lyr = c.num_hidden_layers;
+  const size_t TSD = static_cast<size_t>(T * S * D), TD = static_cast<size_t>(T * D);
+  const float eps = static_cast<float>(c.rms_norm_eps), limit = static_cast<float>(c.swiglu_limit);
+  const auto& cu = batch.cu_seqlens;
+  Comm& tp = *mesh.tp;
+
+  // Forward (as parallel_forward_hidden), keeping the streams entering each site, the selections and the routing.
+  std::vector<std::vector<float>> h_attn(Lyr), h_ffn(Lyr);
+  std::vector<Selection> sels(Lyr);
+  std::vector<Routing> routes(Lyr);
+  std::vector<float> h(TSD), a(TD), y(TD);
+  {
+    std::vector<float> e(TD, 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t v = batch.tokens[t];
+      if (v >= m.vocab.begin && v < m.vocab.end)
+        std::copy_n(w.embed.ptr() + (v - m.vocab.begin) * D, D, e.data() + t * D);
+    }
+    tp.all_reduce_sum(e.data(), e.size());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t s = 0; s < S; ++s) std::copy_n(e.data() + t * D, D, h.data() + (t * S + s) * D);
+  }
+  Selection sel;
+  HcMix mix;
+  for (int64_t i = 0; i < Lyr; ++i) {
+    const LayerWeights& lw = w.layers[i];
+    h_attn[i] = h;
+    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
+    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
+    if (lw.kda) {
+      kda_layer_forward(*lw.kda, lc, a.data(), T, cu, y.data());
+    } else {
+      dsa_layer_forward(*lw.dsa, lc, a.data(), T, cu, sel, y.data());
+      sels[i] = sel;
+    }
+    tp.all_reduce_sum(y.data(), TD);
+    mhc_post_forward(mix, h_attn[i].data(), y.data(), T, S, D, h.data());
+
+    h_ffn[i] = h;
+    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
+    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a.data(), T, D, y.data());
+      tp.all_reduce_sum(y.data(), TD);
+    } else {
+      routes[i] = route_forward(*lw.moe, c, a.data(), T);
+      moe_parallel_forward(*lw.moe, m, mesh, a.data(), T, y.data());
+    }
+    mhc_post_forward(mix, h_ffn[i].data(), y.data(), T, S, D, h.data());
+    if (!(lw.dsa && lw.dsa->indexer)) sel.clear();
+  }
+
+  // Head and loss.
+  std::vector<float> dh(TSD, 0.0f), dh_prev(TSD), a_raw(TD), da(TD), da_raw(TD), dy(TD);
+  double loss = 0.0;
+  if (c.tie_word_embeddings) {
+    Tensor dlm(grads.lm_head.shape, 0.0f);
+    std::swap(grads.lm_head, dlm);
+    loss = head_parallel_backward(m, mesh, h.data(), batch, dh.data(), grads);
+    std::swap(grads.lm_head, dlm);
+    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
+  } else {
+    loss = head_parallel_backward(m, mesh, h.data(), batch, dh.data(), grads);
+  }
+
+  // Backward, one layer at a time from the last. `forward` gives the full sub-layer output; `backward` adds the
+  // full input gradient (its collectives inside).
+  std::vector<float> dpost(T * S), dcomb(T * S * S);
+  auto site_backward = [&](const HcWeights& hc, HcWeights& dhc, const Tensor& norm, Tensor& dnorm,
+                           const std::vector<float>& h_in, auto&& forward, auto&& backward) {
+    mhc_pre_forward(hc, c, h_in.data(), T, mix, a_raw.data());
+    rmsnorm_forward(a_raw.data(), norm.ptr(), a.data(), T, D, eps);
+    forward(a.data(), y.data());
+    std::fill(dh_prev.begin(), dh_prev.end(), 0.0f);
+    std::fill(dy.begin(), dy.end(), 0.0f);
+    std::fill(dpost.begin(), dpost.end(), 0.0f);
+    std::fill(dcomb.begin(), dcomb.end(), 0.0f);
+    mhc_post_backward(mix, h_in.data(), y.data(), T, S, D, dh.data(), dh_prev.data(), dy.data(), dpost.data(),
+                      dcomb.data());
+    std::fill(da.begin(), da.end(), 0.0f);
+    backward(a.data(), dy.data(), da.data());
+    std::fill(da_raw.begin(), da_raw.end(), 0.0f);
+    rmsnorm_backward(a_raw.data(), norm.ptr(), da.data(), T, D, eps, da_raw.data(), dnorm.ptr());
+    mhc_pre_backward(hc, c, h_in.data(), T, dpost.data(), dcomb.data(), da_raw.data(), dh_prev.data(), dhc);
+    dh.swap(dh_prev);
+  };
+  for (int64_t i = Lyr - 1; i >= 0; --i) {
+    const LayerWeights& lw = w.layers[i];
+    LayerWeights& gl = grads.layers[i];
+    if (lw.mlp) {
+      site_backward(
+          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
+          [&](const float* x, float* out) {
+            mlp_forward(*lw.mlp, limit, x, T, D, out);
+            tp.all_reduce_sum(out, TD);
+          },
+          [&](const float* x, const float* g, float* dx) {
+            mlp_backward(*lw.mlp, limit, x, T, D, g, dx, *gl.mlp);
+            tp.all_reduce_sum(dx, TD);
+          });
+    } else {
+      site_backward(
+          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
+          [&](const float* x, float* out) { moe_parallel_forward(*lw.moe, m, mesh, x, T, out); },
+          [&](const float* x, const float* g, float* dx) {
+            moe_parallel_backward(*lw.moe, m, mesh, x, T, routes[i], g, dx, *gl.moe);
+          });
+    }
+    if (lw.kda) {
+      KdaActs acts;
+      site_backward(
+          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
+          [&](const float* x, float* out) {
+            kda_layer_forward_train(*lw.kda, lc, x, T, cu, acts, out);
+            tp.all_reduce_sum(out, TD);
+          },
+          [&](const float* x, const float* g, float* dx) {
+            kda_layer_backward(*lw.kda, lc, x, T, cu, acts, g, dx, *gl.kda);
+            tp.all_reduce_sum(dx, TD);
+          });
+    } else {
+      DsaActs acts;
+      site_backward(
+          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
+          [&](const float* x, float* out) {
+            dsa_layer_forward_train(*lw.dsa, lc, x, T, cu, sels[i], acts, out);
+            tp.all_reduce_sum(out, TD);
+          },
+          [&](const float* x, const float* g, float* dx) {
+            dsa_layer_backward(*lw.dsa, lc, x, T, cu, sels[i], acts, g, dx, *gl.dsa);
+            tp.all_reduce_sum(dx, TD);
+          });
+    }
+  }
+  // Vocab-parallel embedding: this rank's rows.
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t v = batch.tokens[t];
+    if (c.pad_token_id && v == *c.pad_token_id) continue;
+    if (v < m.vocab.begin || v >= m.vocab.end) continue;
+    float* row = grads.embed.ptr() + (v - m.vocab.begin) * D;
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t d = 0; d < D; ++d) row[d] += dh[(t * S + s) * D + d];
+  }
+  return loss;
+}
+
+namespace {
+
+// The full tensor from every TP rank's slice along `dim` (0: rows, 1: columns of a 2-D tensor), in rank order.
+Tensor gather_dim(Comm& comm, const Tensor& local, int dim) {
+  const int P = comm.size();
+  const std::vector<int64_t> ext = comm.all_gather_value<int64_t>(local.shape.at(dim));
+  std::vector<size_t> counts(P);
+  int64_t total = 0, other_dim = 1;  // other_dim: the product of the other dimensions
+  for (size_t i = 0; i < local.shape.size(); ++i)
+    if (static_cast<int>(i) != dim) other_dim *= local.shape[i];
+  for (int q = 0; q < P; ++q) {
+    counts[q] = static_cast<size_t>(ext[q] * other_dim) * sizeof(float);
+    total += ext[q];
+  }
+  std::vector<float> all(static_cast<size_t>(total * other_dim));
+  comm.all_gatherv(local.ptr(), all.data(), counts);
+  Tensor out;
+  out.shape = local.shape;
+  out.shape[dim] = total;
+  if (dim == 0) {
+    out.data = std::move(all);
+    return out;
+  }
+  const int64_t R = local.shape[0];
+  out.data.assign(static_cast<size_t>(R * total), 0.0f);
+  int64_t off = 0, col = 0;
+  for (int q = 0; q < P; ++q) {
+    for (int64_t r = 0; r < R; ++r)
+      std::copy_n(all.data() + off + r * ext[q], ext[q], out.ptr() + r * total + col);
+    off += R * ext[q];
+    col += ext[q];
+  }
+  return out;
+}
+
+MlpWeights gather_mlp(Comm& tp, const MlpWeights& g) {
+  return MlpWeights{gather_dim(tp, g.gate, 0), gather_dim(tp, g.up, 0), gather_dim(tp, g.down, 1)};
+}
+
+// Sums the gradients of the replicated tensors that only this rank's heads used.
+void reduce_partial(Comm& tp, Tensor& t) { tp.all_reduce_sum(t.ptr(), t.data.size()); }
+
+}  // namespace
+
+ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const ModelWeights& g) {
+  Comm& tp = *mesh.tp;
+  Comm& ep = *mesh.ep;
+  ModelWeights out;
+  out.embed = gather_dim(tp, g.embed, 0);
+  out.final_norm = g.final_norm;
+  out.lm_head = g.lm_head.empty() ? g.lm_head : gather_dim(tp, g.lm_head, 0);
+  for (const LayerWeights& l : g.layers) {
+    LayerWeights o;
+    o.hc_attn = l.hc_attn;
+    o.hc_ffn = l.hc_ffn;
+    o.input_norm = l.input_norm;
+    o.post_attention_norm = l.post_attention_norm;
+    if (l.kda) {
+      KdaWeights k = *l.kda;
+      for (Tensor* t : {&k.q_proj, &k.k_proj, &k.v_proj, &k.q_conv, &k.k_conv, &k.v_conv, &k.f_b, &k.dt_bias,
+                        &k.A_log, &k.b_proj, &k.g_b})
+        *t = gather_dim(tp, *t, 0);
+      k.o_proj = gather_dim(tp, k.o_proj, 1);
+      for (Tensor* t : {&k.f_a, &k.g_a, &k.o_norm}) reduce_partial(tp, *t);
+      o.kda = std::move(k);
+    }
+    if (l.dsa) {
+      DsaWeights d = *l.dsa;
+      d.q_b = gather_dim(tp, d.q_b, 0);
+      d.kv_b = gather_dim(tp, d.kv_b, 0);
+      d.o_proj = gather_dim(tp, d.o_proj, 1);
+      for (Tensor* t : {&d.q_a, &d.q_a_norm, &d.kv_a, &d.kv_a_norm}) reduce_partial(tp, *t);
+      o.dsa = std::move(d);
+    }
+    if (l.mlp) o.mlp = gather_mlp(tp, *l.mlp);
+    if (l.moe) {
+      MoeWeights mo;
+      mo.router = l.moe->router;
+      if (l.moe->shared) mo.shared = gather_mlp(tp, *l.moe->shared);
+      // Experts: each EP rank's block of whole experts, in rank order (= expert order).
+      std::vector<float> mine;
+      for (const MlpWeights& e : l.moe->experts)
+        for (const Tensor* t : {&e.gate, &e.up, &e.down}) mine.insert(mine.end(), t->data.begin(), t->data.end());
+      std::vector<float> all(mine.size() * static_cast<size_t>(ep.size()));
+      ep.all_gather(mine.data(), mine.size() * sizeof(float), all.data());
+      const MlpWeights& shape = l.moe->experts.front();
+      size_t off = 0;
+      for (int64_t e = 0; e < m.config.n_routed_experts; ++e) {
+        MlpWeights x{Tensor(shape.gate.shape), Tensor(shape.up.shape), Tensor(shape.down.shape)};
+        for (Tensor* t : {&x.gate, &x.up, &x.down}) {
+          std::copy_n(all.data() + off, t->data.size(), t->ptr());
+          off += t->data.size();
+        }
+        mo.experts.push_back(std::move(x));
+      }
+      o.moe = std::move(mo);
+    }
+    out.layers.push_back(std::move(o));
+  }
+  return out;
+}
+
+}  // namespace nextlm::dist

@@ -1,0 +1,424 @@
+// GPU decoding against the CPU decode path (runs on a GPU machine, CTest label "gpu"): the decoding kernels against
+// the CPU references one at a time (kda_recurrent_forward with the conv history, indexer_forward_cached, the expanded
+// attention of attention_weights), each also checked for batch invariance (a row alone gives the same bits).
+// Kernel outputs are poisoned with NaN first, so an unwritten element fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "cpu/linear.h"
+#include "cuda/testing.h"
+#include "model/dsa.h"
+#include "model/kda.h"
+#include "model/norm.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+float bf16r(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---- GEMV ----
+
+TEST(CudaDecode, LinearMatchesCpuAndIsBatchInvariant) {
+  // in = 72 takes the vectorised path, in = 50 the scalar one.
+  for (int64_t in : {72, 50}) {
+    const int64_t M = 13, out = 37;
+    const std::vector<float> x = test::randn(M * in, 1), W = test::randn(out * in, 2);
+    const std::vector<float> y = cuda_testing::decode_linear(x, W, M, out, in);
+    std::vector<float> want(M * out);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < out; ++n) {
+        double acc = 0;
+        for (int64_t i = 0; i < in; ++i) acc += double(bf16r(x[m * in + i])) * bf16r(W[n * in + i]);
+        want[m * out + n] = static_cast<float>(acc);
+      }
+    const double err = test::norm_rel_error(y.data(), want.data(), want.size());
+    std::printf("[cuda decode] linear in=%lld: ||dy||/||y|| = %.2e\n", static_cast<long long>(in), err);
+    EXPECT_LE(err, 1e-5);  // fp32 accumulation of exact bf16 products
+    for (int64_t m : {0, 5, 12}) {
+      const std::vector<float> row(x.begin() + m * in, x.begin() + (m + 1) * in);
+      const std::vector<float> alone = cuda_testing::decode_linear(row, W, 1, out, in);
+      EXPECT_TRUE(bitwise_equal(alone, std::vector<float>(y.begin() + m * out, y.begin() + (m + 1) * out)))
+          << "row " << m << " differs when computed alone (in=" << in << ")";
+    }
+    // The gathered form (an expert matrix per row) gives the same bits as the plain one on that matrix.
+    const int64_t E = 3;
+    const std::vector<float> We = test::randn(E * out * in, 3);
+    const std::vector<int32_t> expert{2, 0, 1, 1, 2, 0, 0};
+    const int64_t Mg = static_cast<int64_t>(expert.size());
+    const std::vector<float> xg(x.begin(), x.begin() + Mg * in);
+    const std::vector<float> yg = cuda_testing::decode_linear_gathered(xg, We, expert, Mg, out, in);
+    for (int64_t m = 0; m < Mg; ++m) {
+      const std::vector<float> Wm(We.begin() + expert[m] * out * in, We.begin() + (expert[m] + 1) * out * in);
+      const std::vector<float> row(x.begin() + m * in, x.begin() + (m + 1) * in);
+      EXPECT_TRUE(bitwise_equal(cuda_testing::decode_linear(row, Wm, 1, out, in),
+                                std::vector<float>(yg.begin() + m * out, yg.begin() + (m + 1) * out)))
+          << "gathered row " << m;
+    }
+  }
+}
+
+// ---- KDA ----
+
+struct KdaStepCase {
+  int64_t K;
+  bool has_bound;
+  bool round_qkv;  // as the decoder runs it beside the tensor-core forward
+};
+
+void PrintTo(const KdaStepCase& c, std::ostream* os) {
+  *os << "K=" << c.K << (c.has_bound ? " safe" : " softplus") << (c.round_qkv ? " bf16 qkv" : "");
+}
+
+class CudaDecodeKda : public ::testing::TestWithParam<KdaStepCase> {};
+
+// The CPU reference of one token of one slot: conv over [history; raw] (history shifted), SiLU, L2 norms, the gate,
+// then kda_recurrent_forward on the slot's state. Mirrors kda_layer_forward_cached's core.
+std::vector<float> cpu_kda_token(const cuda_testing::KdaDecodeSteps& in, const float* raw, const float* graw,
+                                 const float* beta, float* hist, float* state) {
+  const int64_t H = in.H, K = in.K, HK = H * K, W = in.W, W1 = W - 1;
+  std::vector<float> qkv(3 * HK), g(HK), o(HK);
+  for (int64_t ch = 0; ch < 3 * HK; ++ch) {
+    const int64_t which = ch / HK, c = ch % HK;
+    float* hs = hist + which * W1 * HK + c;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < W1; ++i) acc += in.conv[ch * W + i] * hs[i * HK];
+    acc += in.conv[ch * W + W1] * raw[ch];
+    for (int64_t i = 0; i + 1 < W1; ++i) hs[i * HK] = hs[(i + 1) * HK];
+    if (W1 > 0) hs[(W1 - 1) * HK] = raw[ch];
+    qkv[ch] = acc / (1.0f + std::exp(-acc));
+  }
+  for (int which = 0; which < 2; ++which)
+    for (int64_t h = 0; h < H; ++h) {
+      float* x = qkv.data() + which * HK + h * K;
+      double ss = 0;
+      for (int64_t d = 0; d < K; ++d) ss += double(x[d]) * x[d];
+      const float inv = (which == 0 ? 1.0f / std::sqrt(float(K)) : 1.0f) / std::sqrt(float(ss) + 1e-6f);
+      for (int64_t d = 0; d < K; ++d) x[d] *= inv;
+    }
+  if (in.round_qkv)
+    for (float& x : qkv) x = bf16r(x);
+  for (int64_t c = 0; c < HK; ++c) {
+    const float rate = std::exp(in.A_log[c / K]), f = graw[c] + in.dt_bias[c];
+    g[c] = in.has_bound ? in.bound / (1.0f + std::exp(-rate * f))
+                        : -rate * (f > 20.0f ? f : std::log(1.0f + std::exp(f)));
+  }
+  for (int64_t h = 0; h < H; ++h)
+    kda_recurrent_forward(KdaSeq{qkv.data() + h * K, qkv.data() + HK + h * K, qkv.data() + 2 * HK + h * K,
+                                 g.data() + h * K, beta + h, 1, K, HK, H, o.data() + h * K},
+                          state + h * K * K);
+  return o;
+}
+
+TEST_P(CudaDecodeKda, StepMatchesCpuRecurrenceAndIsBatchInvariant) {
+  const KdaStepCase pc = GetParam();
+  cuda_testing::KdaDecodeSteps in;
+  in.H = 3, in.K = pc.K, in.W = 4, in.num_slots = 5, in.has_bound = pc.has_bound, in.round_qkv = pc.round_qkv;
+  const int64_t H = in.H, K = in.K, HK = H * K, W1 = in.W - 1, NS = in.num_slots;
+  in.conv = test::randn(3 * HK * in.W, 1, 0.5f);
+  in.dt_bias = test::randn(HK, 2, 0.5f);
+  in.A_log = test::randn(H, 3, 0.5f);
+  // Slot 2 never steps (its caches must stay as they are); the others join and pause in a staggered pattern.
+  const int steps = 70;
+  std::mt19937 gen(7);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<int32_t> sl;
+    for (int32_t slot : {4, 0, 3, 1})
+      if ((s + slot) % 4 != 0) sl.push_back(slot);
+    const int64_t B = static_cast<int64_t>(sl.size());
+    in.slots.push_back(sl);
+    in.raw.push_back(test::randn(B * 3 * HK, 100 + s));
+    in.graw.push_back(test::randn(B * HK, 300 + s));
+    std::vector<float> beta = test::randn(B * H, 500 + s);
+    for (float& b : beta) b = 1.0f / (1.0f + std::exp(-b));
+    in.beta.push_back(beta);
+  }
+  std::vector<float> hist0 = test::randn(NS * 3 * W1 * HK, 8, 0.5f), state0 = test::randn(NS * H * K * K, 9, 0.1f);
+  std::vector<float> hist = hist0, state = state0;
+  const std::vector<std::vector<float>> gpu = cuda_testing::kda_decode_steps(in, hist, state);
+
+  std::vector<float> hist_cpu = hist0, state_cpu = state0;
+  double num = 0, den = 0;
+  for (int s = 0; s < steps; ++s)
+    for (size_t b = 0; b < in.slots[s].size(); ++b) {
+      const int64_t slot = in.slots[s][b];
+      const std::vector<float> o =
+          cpu_kda_token(in, in.raw[s].data() + b * 3 * HK, in.graw[s].data() + b * HK, in.beta[s].data() + b * H,
+                        hist_cpu.data() + slot * 3 * W1 * HK, state_cpu.data() + slot * H * K * K);
+      for (int64_t i = 0; i < HK; ++i) {
+        const double d = double(gpu[s][b * HK + i]) - o[i];
+        ASSERT_TRUE(std::isfinite(gpu[s][b * HK + i])) << "step " << s << " row " << b;
+        num += d * d, den += double(o[i]) * o[i];
+      }
+    }
+  const double eo = std::sqrt(num / den);
+  const double es = test::norm_rel_error(state.data(), state_cpu.data(), state.size());
+  const double eh = test::max_rel_error(hist.data(), hist_cpu.data(), hist.size());
+  std::printf("[cuda decode] KDA step K=%lld %s gate%s: output %.2e, final state %.2e, conv history %.2e\n",
+              static_cast<long long>(K), pc.has_bound ? "safe" : "softplus", pc.round_qkv ? ", bf16 q/k/v" : "", eo,
+              es, eh);
+  // Both fp32 (after the same bf16 rounding of q, k, v where asked); the GPU's SiLU uses a fast exp and its sums run
+  // in another order: ~1e-6 relative (a rounding that lands on the other side of a bf16 tie moves a little more).
+  EXPECT_LE(eo, pc.round_qkv ? 1e-3 : 1e-4);
+  EXPECT_LE(es, pc.round_qkv ? 1e-3 : 1e-4);
+  EXPECT_EQ(eh, 0.0);  // the history is moved, never computed
+  const int64_t s2 = 2 * H * K * K;
+  EXPECT_TRUE(std::equal(state.begin() + s2, state.begin() + s2 + H * K * K, state0.begin() + s2)) << "idle slot";
+
+  // Batch invariance: every row stepped alone gives the same bits.
+  cuda_testing::KdaDecodeSteps alone = in;
+  alone.slots.clear(), alone.raw.clear(), alone.graw.clear(), alone.beta.clear();
+  for (int s = 0; s < steps; ++s)
+    for (size_t b = 0; b < in.slots[s].size(); ++b) {
+      alone.slots.push_back({in.slots[s][b]});
+      alone.raw.emplace_back(in.raw[s].begin() + b * 3 * HK, in.raw[s].begin() + (b + 1) * 3 * HK);
+      alone.graw.emplace_back(in.graw[s].begin() + b * HK, in.graw[s].begin() + (b + 1) * HK);
+      alone.beta.emplace_back(in.beta[s].begin() + b * H, in.beta[s].begin() + (b + 1) * H);
+    }
+  std::vector<float> hist1 = hist0, state1 = state0;
+  const std::vector<std::vector<float>> one = cuda_testing::kda_decode_steps(alone, hist1, state1);
+  size_t r = 0;
+  for (int s = 0; s < steps; ++s)
+    for (size_t b = 0; b < in.slots[s].size(); ++b, ++r)
+      ASSERT_TRUE(bitwise_equal(one[r], std::vector<float>(gpu[s].begin() + b * HK, gpu[s].begin() + (b + 1) * HK)))
+          << "step " << s << " slot " << in.slots[s][b] << " differs when stepped alone";
+  EXPECT_TRUE(bitwise_equal(state1, state));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeKda,
+                         ::testing::Values(KdaStepCase{16, true, false}, KdaStepCase{64, false, false},
+                                           KdaStepCase{128, true, true}),
+                         [](const auto& info) {
+                           return "K" + std::to_string(info.param.K) + (info.param.has_bound ? "_safe" : "_softplus") +
+                                  (info.param.round_qkv ? "_bf16qkv" : "");
+                         });
+
+// The caches a prefill leaves: each sequence's last W−1 pre-conv projections (zeros before its start) and its final
+// recurrent state, against the CPU recurrence over the whole sequence; an unlisted slot keeps its contents.
+TEST(CudaDecode, KdaPrefillCachesMatchCpu) {
+  const int64_t H = 2, K = 32, W = 4, W1 = W - 1, HK = H * K, NS = 5;
+  const std::vector<int64_t> lens{1, 2, 70, 5};
+  const std::vector<int32_t> slots{3, 0, 4, 1};
+  std::vector<int64_t> cu{0};
+  for (int64_t L : lens) cu.push_back(cu.back() + L);
+  const int64_t T = cu.back(), N = static_cast<int64_t>(lens.size());
+  std::vector<float> raw = test::randn(T * 3 * HK, 1), q = test::randn(T * HK, 2), k = test::randn(T * HK, 3),
+                     v = test::randn(T * HK, 4), g = test::randn(T * HK, 5), beta = test::randn(T * H, 6);
+  for (int64_t r = 0; r < T * H; ++r) {
+    double sq = 0, sk = 0;
+    for (int64_t d = 0; d < K; ++d) sq += q[r * K + d] * q[r * K + d], sk += k[r * K + d] * k[r * K + d];
+    for (int64_t d = 0; d < K; ++d) q[r * K + d] /= std::sqrt(sq * K), k[r * K + d] /= std::sqrt(sk);
+    beta[r] = 1.0f / (1.0f + std::exp(-beta[r]));
+  }
+  for (float& x : g) x = -5.0f / (1.0f + std::exp(-x));
+  const std::vector<float> hist0 = test::randn(NS * 3 * W1 * HK, 7), state0 = test::randn(NS * H * K * K, 8);
+  std::vector<float> hist = hist0, state = state0;
+  cuda_testing::kda_prefill_caches(raw, q, k, v, g, beta, cu, slots, H, K, W, hist, state);
+  std::vector<float> want_hist = hist0, want_state = state0, o(T * HK);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t s0 = cu[n], L = lens[n], slot = slots[n];
+    for (int64_t which = 0; which < 3; ++which)
+      for (int64_t i = 0; i < W1; ++i)
+        for (int64_t c = 0; c < HK; ++c) {
+          const int64_t t = L - W1 + i;
+          want_hist[((slot * 3 + which) * W1 + i) * HK + c] = t >= 0 ? raw[(s0 + t) * 3 * HK + which * HK + c] : 0.0f;
+        }
+    for (int64_t h = 0; h < H; ++h) {
+      float* st = want_state.data() + (slot * H + h) * K * K;
+      std::fill(st, st + K * K, 0.0f);
+      const int64_t off = s0 * HK + h * K;
+      kda_recurrent_forward(KdaSeq{q.data() + off, k.data() + off, v.data() + off, g.data() + off,
+                                   beta.data() + s0 * H + h, L, K, HK, H, o.data() + off},
+                            st);
+    }
+  }
+  EXPECT_TRUE(bitwise_equal(hist, want_hist)) << "conv histories";
+  const double es = test::norm_rel_error(state.data(), want_state.data(), state.size());
+  std::printf("[cuda decode] KDA prefill caches: final states %.2e (norm-relative)\n", es);
+  EXPECT_LE(es, 1e-4);  // fp32 both, other summation order
+  const int64_t s2 = 2 * H * K * K;
+  EXPECT_TRUE(std::equal(state.begin() + s2, state.begin() + s2 + H * K * K, state0.begin() + s2)) << "unlisted slot";
+}
+
+// ---- Indexer ----
+
+struct IndexerCase {
+  int64_t P, topk;
+  bool tail;
+};
+
+void PrintTo(const IndexerCase& c, std::ostream* os) {
+  *os << "P=" << c.P << " topk=" << c.topk << (c.tail ? " tail" : " no tail");
+}
+
+class CudaDecodeIndexer : public ::testing::TestWithParam<IndexerCase> {};
+
+// Three sequences in slots 2, 0, 1 joining at steps 0, 5 and 10, up to 100 tokens: pools complete, the top-k starts
+// choosing once a query has more than topk/P selectable pools, and the tail grows and empties.
+TEST_P(CudaDecodeIndexer, SelectionsEqualCpuCached) {
+  const IndexerCase pc = GetParam();
+  ModelConfig c;
+  c.hidden_size = 24, c.q_lora_rank = 20, c.index_n_heads = 8, c.index_head_dim = 40;
+  c.index_kpool = pc.P, c.index_topk = pc.topk, c.index_kpool_always_select_tail = pc.tail;
+  const int64_t D = c.hidden_size, QL = c.q_lora_rank, IH = c.index_n_heads, ID = c.index_head_dim, P = pc.P;
+  auto tensor = [](std::vector<int64_t> shape, unsigned seed, float scale) {
+    Tensor t(shape);
+    t.data = test::randn(t.data.size(), seed, scale);
+    return t;
+  };
+  IndexerWeights w;
+  w.wq_b = tensor({IH * ID, QL}, 1, 0.3f);
+  w.wk = tensor({ID, D}, 2, 0.3f);
+  w.k_norm_w = tensor({ID}, 3, 0.2f);
+  for (float& x : w.k_norm_w.data) x += 1.0f;
+  w.k_norm_b = tensor({ID}, 4, 0.1f);
+  w.weights_proj = tensor({IH, D}, 5, 0.3f);
+  w.ape = tensor({P, ID}, 6, 0.5f);
+  w.gate = tensor({ID, D}, 7, 0.3f);
+
+  const int steps = 110, max_len = 100;
+  const std::vector<int32_t> order{2, 0, 1};
+  cuda_testing::IndexerDecodeSteps in;
+  in.IH = IH, in.ID = ID, in.P = P, in.topk = pc.topk, in.num_slots = 3, in.max_pools = max_len / P + 1;
+  in.tail = pc.tail, in.ape = w.ape.data;
+  std::vector<DsaCache> cache(3);
+  std::vector<std::vector<std::vector<int32_t>>> want;
+  int64_t chosen = 0;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<int32_t> sl;
+    for (int32_t i = 0; i < 3; ++i)
+      if (s >= 5 * i && s - 5 * i < max_len) sl.push_back(order[i]);
+    const int64_t B = static_cast<int64_t>(sl.size());
+    const std::vector<float> a = test::randn(B * D, 1000 + s), qr = test::randn(B * QL, 2000 + s);
+    std::vector<float> qi(B * IH * ID), ki(B * ID), gs(B * ID), wts(B * IH);
+    cpu::linear(qr.data(), B, QL, w.wq_b, qi.data());
+    cpu::linear(a.data(), B, D, w.wk, ki.data());
+    layernorm_forward(ki.data(), w.k_norm_w.ptr(), w.k_norm_b.ptr(), ki.data(), B, ID, 1e-6f);
+    cpu::linear(a.data(), B, D, w.gate, gs.data());
+    cpu::linear(a.data(), B, D, w.weights_proj, wts.data());
+    in.slots.push_back(sl), in.qi.push_back(qi), in.ki.push_back(ki), in.gs.push_back(gs), in.wts.push_back(wts);
+    std::vector<std::vector<int32_t>> rows;
+    for (int64_t b = 0; b < B; ++b) {
+      DsaCache& dc = cache[sl[b]];
+      if ((dc.length + 1) / P > pc.topk / P) ++chosen;
+      Selection sel = indexer_forward_cached(w, c, a.data() + b * D, qr.data() + b * QL, 1, dc);
+      dc.length += 1;
+      rows.push_back(sel[0]);
+    }
+    want.push_back(rows);
+  }
+  const auto got = cuda_testing::indexer_decode_steps(in);
+  int64_t rows = 0, mismatched = 0;
+  for (int s = 0; s < steps; ++s)
+    for (size_t b = 0; b < in.slots[s].size(); ++b, ++rows)
+      if (got[s][b] != want[s][b]) {
+        if (++mismatched <= 3) ADD_FAILURE() << "step " << s << " slot " << in.slots[s][b] << ": selection differs";
+      }
+  std::printf("[cuda decode] indexer P=%lld topk=%lld tail=%d: %lld rows (%lld chose by score), %lld mismatched\n",
+              static_cast<long long>(P), static_cast<long long>(pc.topk), pc.tail, static_cast<long long>(rows),
+              static_cast<long long>(chosen), static_cast<long long>(mismatched));
+  EXPECT_GT(chosen, 50);  // the top-k path was exercised
+  EXPECT_EQ(mismatched, 0);
+
+  // Batch invariance: the sequence in slot 0 alone.
+  cuda_testing::IndexerDecodeSteps alone = in;
+  alone.slots.clear(), alone.qi.clear(), alone.ki.clear(), alone.gs.clear(), alone.wts.clear();
+  std::vector<std::vector<int32_t>> want0;
+  for (int s = 0; s < steps; ++s)
+    for (size_t b = 0; b < in.slots[s].size(); ++b)
+      if (in.slots[s][b] == 0) {
+        alone.slots.push_back({0});
+        alone.qi.emplace_back(in.qi[s].begin() + b * IH * ID, in.qi[s].begin() + (b + 1) * IH * ID);
+        alone.ki.emplace_back(in.ki[s].begin() + b * ID, in.ki[s].begin() + (b + 1) * ID);
+        alone.gs.emplace_back(in.gs[s].begin() + b * ID, in.gs[s].begin() + (b + 1) * ID);
+        alone.wts.emplace_back(in.wts[s].begin() + b * IH, in.wts[s].begin() + (b + 1) * IH);
+        want0.push_back(got[s][b]);
+      }
+  const auto one = cuda_testing::indexer_decode_steps(alone);
+  for (size_t i = 0; i < want0.size(); ++i) EXPECT_EQ(one[i][0], want0[i]) << "token " << i << " alone";
+}
+
+INSTANTIATE_TEST_SUITE_P(Pools, CudaDecodeIndexer,
+                         ::testing::Values(IndexerCase{4, 32, true}, IndexerCase{1, 16, true},
+                                           IndexerCase{4, 16, false}),
+                         [](const auto& info) {
+                           return "P" + std::to_string(info.param.P) + "_topk" + std::to_string(info.param.topk) +
+                                  (info.param.tail ? "_tail" : "_notail");
+                         });
+
+// ---- MLA ----
+
+// Absorbed attention over cached bf16 latents against the expanded form (k, v = kv_b·c, attention_weights), with
+// the same bf16-rounded latents and kv_b: selections of several sizes, and empty ones (uniform over 0 … pos).
+TEST(CudaDecode, MlaAbsorbedMatchesExpandedCpuAndIsBatchInvariant) {
+  const int64_t NH = 3, dqk = 16, dv = 24, KL = 40, NS = 4, max_len = 64, max_sel = 23, dkv = dqk + dv;
+  std::vector<float> latent = test::randn(NS * max_len * KL, 1), kv_b = test::randn(NH * dkv * KL, 2, 0.3f);
+  for (float& x : latent) x = bf16r(x);
+  for (float& x : kv_b) x = bf16r(x);
+  const std::vector<int32_t> slots{2, 0, 1, 3}, pos{10, 0, 37, 5};
+  const int64_t B = static_cast<int64_t>(slots.size());
+  std::vector<float> q = test::randn(B * NH * dqk, 3), nl = test::randn(B * KL, 4);
+  for (float& x : nl) x = bf16r(x);
+  std::vector<std::vector<int32_t>> sel(B);
+  std::mt19937 gen(5);
+  for (int64_t b : {0, 2}) {
+    std::vector<int32_t> all(pos[b] + 1);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end() - 1, gen);
+    sel[b].assign(all.begin(), all.begin() + (b == 0 ? 5 : max_sel - 1));
+    sel[b].push_back(pos[b]);  // the query's own position, as the tail gives it
+    std::sort(sel[b].begin(), sel[b].end());
+    sel[b].erase(std::unique(sel[b].begin(), sel[b].end()), sel[b].end());
+  }
+  const std::vector<float> got =
+      cuda_testing::mla_decode(q, kv_b, latent, nl, slots, pos, sel, NH, dqk, dv, KL, max_len, max_sel);
+  std::vector<float> want(B * NH * dv, 0.0f);
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<float> lat(latent.begin() + slots[b] * max_len * KL, latent.begin() + (slots[b] + 1) * max_len * KL);
+    std::copy(nl.begin() + b * KL, nl.begin() + (b + 1) * KL, lat.begin() + pos[b] * KL);
+    std::vector<float> kv((pos[b] + 1) * NH * dkv);
+    cpu::linear(lat.data(), pos[b] + 1, KL, [&] {
+      Tensor t({NH * dkv, KL});
+      t.data = kv_b;
+      return t;
+    }(), kv.data());
+    std::vector<int32_t> keys = sel[b];
+    const bool uniform = keys.empty();
+    if (uniform) {
+      keys.resize(pos[b] + 1);
+      std::iota(keys.begin(), keys.end(), 0);
+    }
+    std::vector<float> p;
+    for (int64_t h = 0; h < NH; ++h) {
+      attention_weights(q.data() + (b * NH + h) * dqk, kv.data(), NH, h, dqk, dkv, 0, keys, uniform,
+                        1.0f / std::sqrt(float(dqk)), p);
+      for (size_t i = 0; i < keys.size(); ++i)
+        for (int64_t e = 0; e < dv; ++e)
+          want[(b * NH + h) * dv + e] += p[i] * kv[(keys[i] * NH + h) * dkv + dqk + e];
+    }
+  }
+  for (float x : got) ASSERT_TRUE(std::isfinite(x));
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  std::printf("[cuda decode] MLA absorbed vs expanded: ||do||/||o|| = %.2e\n", err);
+  EXPECT_LE(err, 1e-2);  // the bf16 output rounding (~2e-3); the math is fp32 on both sides
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<float> one = cuda_testing::mla_decode(
+        std::vector<float>(q.begin() + b * NH * dqk, q.begin() + (b + 1) * NH * dqk), kv_b, latent,
+        std::vector<float>(nl.begin() + b * KL, nl.begin() + (b + 1) * KL), {slots[b]}, {pos[b]}, {sel[b]}, NH, dqk,
+        dv, KL, max_len, max_sel);
+    EXPECT_TRUE(bitwise_equal(one, std::vector<float>(got.begin() + b * NH * dv, got.begin() + (b + 1) * NH * dv)))
+        << "row " << b << " differs when computed alone";
+  }
+}
+
+}  // namespace
+}  // namespace nextlm

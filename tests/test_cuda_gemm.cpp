@@ -1,0 +1,299 @@
+// The grouped expert GEMM (src/cuda/grouped_gemm.cu) against a host fp32 reference: nn.Linear per expert on the
+// same bf16-rounded inputs, then moe.cu's clamped SwiGLU. Every kernel variant, every epilogue, uneven experts (empty
+// ones, one row, one larger than several tiles), and n, N, K, I none a multiple of the tile. Outputs are poisoned with
+// NaN and followed by a sentinel guard, so an unwritten element or a write past the end fails. Runs on a GPU machine
+// (part of test_cuda, CTest label "gpu").
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/grouped_gemm.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+using cuda::GroupedEpilogue;
+using cuda::GroupedGemmKernel;
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16(x[i]);
+  return b;
+}
+std::vector<float> widen(const std::vector<uint16_t>& b) {
+  std::vector<float> x(b.size());
+  for (size_t i = 0; i < b.size(); ++i) x[i] = bf16_to_f32(b[i]);
+  return x;
+}
+
+// One device allocation, freed on scope exit.
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t bytes) {
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) p = nullptr;
+  }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+// A routed problem: experts' row counts, A [n, K] and W_e [N, K] (bf16-rounded values), on host and device.
+struct Problem {
+  std::vector<int32_t> offsets;  // [E+1]
+  int64_t n = 0;
+  int E = 0, N = 0, K = 0;
+  std::vector<float> A, W;  // A [n, K]; W [E, N, K]
+};
+
+Problem make_problem(const std::vector<int>& rows, int N, int K, float w_scale, unsigned seed) {
+  Problem p;
+  p.E = static_cast<int>(rows.size());
+  p.N = N;
+  p.K = K;
+  p.offsets.push_back(0);
+  for (int r : rows) p.offsets.push_back(p.offsets.back() + r);
+  p.n = p.offsets.back();
+  p.A = widen(to_bf16(test::randn(p.n * K, seed)));
+  p.W = widen(to_bf16(test::randn(int64_t(p.E) * N * K, seed + 1, w_scale / std::sqrt(float(K)))));
+  return p;
+}
+
+// C [n, N] = A · W_eᵀ per expert, in double.
+std::vector<float> reference(const Problem& p) {
+  std::vector<float> C(p.n * p.N);
+  for (int e = 0; e < p.E; ++e)
+    for (int64_t r = p.offsets[e]; r < p.offsets[e + 1]; ++r)
+      for (int o = 0; o < p.N; ++o) {
+        const float* a = &p.A[r * p.K];
+        const float* w = &p.W[(int64_t(e) * p.N + o) * p.K];
+        double s = 0;
+        for (int k = 0; k < p.K; ++k) s += double(a[k]) * w[k];
+        C[r * p.N + o] = static_cast<float>(s);
+      }
+  return C;
+}
+
+// moe.cu's swiglu on C [n, 2I] → act [n, I].
+std::vector<float> swiglu_reference(const std::vector<float>& gu, int64_t n, int I, float L) {
+  std::vector<float> act(n * I);
+  for (int64_t r = 0; r < n; ++r)
+    for (int c = 0; c < I; ++c) {
+      const float g = std::fmin(gu[r * 2 * I + c], L);
+      const float u = std::fmin(std::fmax(gu[r * 2 * I + I + c], -L), L);
+      act[r * I + c] = g / (1.0f + std::exp(-g)) * u;
+    }
+  return act;
+}
+
+constexpr size_t kGuardBytes = 4096;
+
+// Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
+// a non-finite element (unwritten: poisoned with 0xFF bytes, a NaN in fp32 and bf16) or a changed guard byte.
+std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKernel kernel, float limit) {
+  const int out_cols = epi == GroupedEpilogue::kSwiGLU ? p.N / 2 : p.N;
+  const size_t elem = epi == GroupedEpilogue::kF32 ? 4 : 2;
+  const size_t out_bytes = size_t(p.n) * out_cols * elem;
+  const std::vector<uint16_t> A16 = to_bf16(p.A), W16 = to_bf16(p.W);
+  DevBuf dA(A16.size() * 2), dW(W16.size() * 2), dOff(p.offsets.size() * 4), dPtr(p.E * sizeof(void*)),
+      dC(out_bytes + kGuardBytes), dWs(cuda::grouped_gemm_workspace_ints(p.E) * 4);
+  std::vector<float> none;
+  EXPECT_TRUE(dA.p && dW.p && dOff.p && dPtr.p && dC.p && dWs.p);
+  if (!dA.p || !dW.p || !dOff.p || !dPtr.p || !dC.p || !dWs.p) return none;
+  std::vector<const cuda::bf16*> ptrs(p.E);
+  for (int e = 0; e < p.E; ++e) ptrs[e] = dW.as<cuda::bf16>() + int64_t(e) * p.N * p.K;
+  if (!A16.empty()) {
+    EXPECT_EQ(cudaMemcpy(dA.p, A16.data(), A16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  EXPECT_EQ(cudaMemcpy(dW.p, W16.data(), W16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dOff.p, p.offsets.data(), p.offsets.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(dPtr.p, ptrs.data(), p.E * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(dC.p, 0xFF, out_bytes + kGuardBytes), cudaSuccess);
+  EXPECT_EQ(cudaMemset(dWs.p, 0xFF, cuda::grouped_gemm_workspace_ints(p.E) * 4), cudaSuccess);
+
+  cuda::GroupedGemm g{dA.as<cuda::bf16>(), dOff.as<int32_t>(), dPtr.as<const cuda::bf16*>(), dC.p, p.n, p.E, p.N,
+                      p.K, epi, limit, kernel};
+  cuda::grouped_gemm(g, dWs.as<int32_t>(), nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+
+  std::vector<unsigned char> raw(out_bytes + kGuardBytes);
+  EXPECT_EQ(cudaMemcpy(raw.data(), dC.p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  size_t guard_bad = 0;
+  for (size_t i = out_bytes; i < raw.size(); ++i) guard_bad += raw[i] != 0xFF;
+  EXPECT_EQ(guard_bad, 0u) << "bytes written past the output's end";
+  std::vector<float> out(size_t(p.n) * out_cols);
+  if (elem == 4) {
+    std::memcpy(out.data(), raw.data(), out_bytes);
+  } else {
+    std::vector<uint16_t> b(out.size());
+    std::memcpy(b.data(), raw.data(), out_bytes);
+    out = widen(b);
+  }
+  size_t bad = 0;
+  for (float x : out) bad += !std::isfinite(x);
+  EXPECT_EQ(bad, 0u) << "non-finite (unwritten) output elements";
+  return out;
+}
+
+class CudaGroupedGemm : public ::testing::TestWithParam<int> {
+ protected:
+  GroupedGemmKernel kernel() const { return static_cast<GroupedGemmKernel>(GetParam()); }
+};
+
+// Experts: empty ones (first, middle, last), one row, one row short of / exactly / one past a tile, and one over five
+// tiles; n = 1577. K = 264 is not a multiple of any BK; N = 200 not a multiple of any BN.
+const std::vector<int> kRows{0, 1, 300, 0, 17, 129, 128, 0, 64, 255, 3, 681, 0};
+
+// fp32 epilogue: both sides accumulate in fp32 (GPU) / double (host) on identical bf16 inputs, so only the
+// summation order differs: ~1e-6 relative.
+TEST_P(CudaGroupedGemm, F32EpilogueMatchesHostReference) {
+  const Problem p = make_problem(kRows, 200, 264, 1.0f, 1);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f);
+  ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+  const std::vector<float> want = reference(p);
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] fp32: norm rel err %.3g, max rel err %.3g\n",
+              cuda::grouped_gemm_kernel_name(kernel()), err,
+              test::max_rel_error(got.data(), want.data(), want.size()));
+  EXPECT_LE(err, 1e-4);
+  EXPECT_LE(test::max_rel_error(got.data(), want.data(), want.size()), 1e-3);
+}
+
+// bf16 epilogue: the store rounds to 8 mantissa bits (≤ 2^-9 relative per element): ~2e-3 in norm.
+TEST_P(CudaGroupedGemm, Bf16EpilogueMatchesHostReference) {
+  const Problem p = make_problem(kRows, 136, 72, 1.0f, 5);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kBf16, kernel(), 0.0f);
+  ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+  const std::vector<float> want = reference(p);
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] bf16: norm rel err %.3g\n", cuda::grouped_gemm_kernel_name(kernel()), err);
+  EXPECT_LE(err, 1e-2);
+}
+
+// SwiGLU epilogue: W = [gate; up] with I = 200 (not a multiple of any tile's 64 or 128 act columns). The weights are
+// scaled so that gate and up have std ≈ 8 against L = 7: a large share of both clamps is exercised. The act is
+// bf16, so the bound is bf16 rounding (~2e-3 in norm) with margin.
+TEST_P(CudaGroupedGemm, SwiGluEpilogueMatchesHostReference) {
+  const int I = 200;
+  const float L = 7.0f;
+  const Problem p = make_problem(kRows, 2 * I, 264, 8.0f, 9);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), L);
+  ASSERT_EQ(got.size(), size_t(p.n) * I);
+  const std::vector<float> gu = reference(p);
+  const std::vector<float> want = swiglu_reference(gu, p.n, I, L);
+  size_t clamped_g = 0, clamped_u = 0;
+  for (int64_t r = 0; r < p.n; ++r)
+    for (int c = 0; c < I; ++c) {
+      clamped_g += gu[r * 2 * I + c] > L;
+      clamped_u += std::fabs(gu[r * 2 * I + I + c]) > L;
+    }
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] swiglu: norm rel err %.3g (gate clamped %.1f%%, up clamped %.1f%%)\n",
+              cuda::grouped_gemm_kernel_name(kernel()), err, 100.0 * clamped_g / want.size(),
+              100.0 * clamped_u / want.size());
+  EXPECT_GT(clamped_g, want.size() / 10);  // the test exercises the clamps
+  EXPECT_GT(clamped_u, want.size() / 10);
+  EXPECT_LE(err, 1e-2);
+}
+
+// MoE-like routing at a small width: 4096 rows over 288 experts drawn at random (some experts get none), the exact
+// shapes' divisibility (K, N multiples of 128), both projections chained as the model runs them.
+TEST_P(CudaGroupedGemm, RandomRoutingGateUpThenDown) {
+  const int E = 288, D = 256, I = 128;
+  std::mt19937 rng(7);
+  std::vector<int> rows(E, 0);
+  std::uniform_int_distribution<int> pick(0, E / 2);  // half the experts at most: many get nothing
+  for (int i = 0; i < 4096; ++i) ++rows[pick(rng) * 2 % E];
+  int empty = 0;
+  for (int r : rows) empty += r == 0;
+  ASSERT_GT(empty, 100);
+  const Problem up = make_problem(rows, 2 * I, D, 1.0f, 21);
+  const std::vector<float> act = run_gpu(up, GroupedEpilogue::kSwiGLU, kernel(), 10.0f);
+  ASSERT_EQ(act.size(), size_t(up.n) * I);
+  const std::vector<float> act_want = swiglu_reference(reference(up), up.n, I, 10.0f);
+  const double err_up = test::norm_rel_error(act.data(), act_want.data(), act_want.size());
+  EXPECT_LE(err_up, 1e-2);
+  // Down: the GPU's bf16 act as its input (exactly what the model feeds it), against the reference on that input.
+  Problem down = make_problem(rows, D, I, 1.0f, 31);
+  down.A = act;
+  const std::vector<float> out = run_gpu(down, GroupedEpilogue::kF32, kernel(), 0.0f);
+  ASSERT_EQ(out.size(), size_t(down.n) * D);
+  const std::vector<float> out_want = reference(down);
+  const double err_down = test::norm_rel_error(out.data(), out_want.data(), out_want.size());
+  std::printf("[grouped_gemm %s] routed 4096 rows / 288 experts (%d empty): gate_up %.3g, down %.3g\n",
+              cuda::grouped_gemm_kernel_name(kernel()), empty, err_up, err_down);
+  EXPECT_LE(err_down, 1e-4);
+}
+
+// No host synchronisation: the pair of kernels captures into a CUDA graph, and a replay after the offsets changed on
+// the device (same n, another split between experts, other experts empty) computes the new split.
+TEST_P(CudaGroupedGemm, CapturedGraphFollowsNewOffsets) {
+  Problem p = make_problem(kRows, 200, 264, 1.0f, 41);
+  Problem q = p;
+  std::vector<int> rows2(p.E, 0);
+  rows2[0] = 700, rows2[3] = 1, rows2[12] = static_cast<int>(p.n) - 701;  // experts that were empty in kRows
+  q.offsets.assign(1, 0);
+  for (int r : rows2) q.offsets.push_back(q.offsets.back() + r);
+  ASSERT_EQ(q.offsets.back(), p.n);
+  const std::vector<uint16_t> A16 = to_bf16(p.A), W16 = to_bf16(p.W);
+  const size_t out_bytes = size_t(p.n) * p.N * 4;
+  DevBuf dA(A16.size() * 2), dW(W16.size() * 2), dOff(p.offsets.size() * 4), dPtr(p.E * sizeof(void*)),
+      dC(out_bytes), dWs(cuda::grouped_gemm_workspace_ints(p.E) * 4);
+  ASSERT_TRUE(dA.p && dW.p && dOff.p && dPtr.p && dC.p && dWs.p);
+  std::vector<const cuda::bf16*> ptrs(p.E);
+  for (int e = 0; e < p.E; ++e) ptrs[e] = dW.as<cuda::bf16>() + int64_t(e) * p.N * p.K;
+  ASSERT_EQ(cudaMemcpy(dA.p, A16.data(), A16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dW.p, W16.data(), W16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dPtr.p, ptrs.data(), p.E * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+  const cuda::GroupedGemm g{dA.as<cuda::bf16>(), dOff.as<int32_t>(), dPtr.as<const cuda::bf16*>(), dC.p, p.n, p.E,
+                            p.N, p.K, GroupedEpilogue::kF32, 0.0f, kernel()};
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), cudaSuccess);
+  cuda::grouped_gemm(g, dWs.as<int32_t>(), st);
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (const Problem* cur : {&p, &q}) {
+    ASSERT_EQ(cudaMemcpy(dOff.p, cur->offsets.data(), cur->offsets.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dC.p, 0xFF, out_bytes), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    std::vector<float> got(size_t(p.n) * p.N);
+    ASSERT_EQ(cudaMemcpy(got.data(), dC.p, out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    const std::vector<float> want = reference(*cur);
+    const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+    std::printf("[grouped_gemm %s] graph replay (%s offsets): norm rel err %.3g\n",
+                cuda::grouped_gemm_kernel_name(kernel()), cur == &p ? "captured" : "changed", err);
+    EXPECT_LE(err, 1e-4);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+}
+
+// No rows at all: nothing is launched and nothing is touched (the output stays poisoned).
+TEST_P(CudaGroupedGemm, NoRowsIsANoOp) {
+  const Problem p = make_problem({0, 0, 0}, 64, 64, 1.0f, 3);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f);
+  EXPECT_TRUE(got.empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaGroupedGemm, ::testing::Range(0, cuda::kGroupedGemmKernels),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return std::string(cuda::grouped_gemm_kernel_name(static_cast<GroupedGemmKernel>(i.param)));
+                         });
+
+}  // namespace
+}  // namespace nextlm

@@ -1,0 +1,379 @@
+// Tensor/expert parallelism without MPI: the collectives of the in-process communicator (threads as ranks), the
+// sliced loading, and the parallel forward at 2 and 4 ranks against the single-process Model on every golden.
+// Tolerance: max|Δ|/max|ref| ≤ 1e-5 on the logits. Row-parallel projections sum partial products per rank and then
+// over ranks, a different fp32 summation order than one GEMM: ~1e-7 relative per layer; 1e-5 leaves room while a
+// wrong slice, a missed all-reduce or a misrouted token is off by far more.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+
+#include "core/error.h"
+#include "cpu/linear.h"
+#include "dist/comm.h"
+#include "dist/parallel_model.h"
+#include "dist/parallel_decode.h"
+#include "dist/parallel_train.h"
+#include "dist/thread_comm.h"
+#include "io/safetensors.h"
+#include "model/decode.h"
+#include "model/model.h"
+#include "model/train.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+constexpr double kTol = 1e-5;
+
+TEST(DistSplitRange, CoversEverythingOnceAndBalances) {
+  for (int64_t n : {0, 1, 5, 8, 154880})
+    for (int64_t parts : {1, 2, 3, 4, 7}) {
+      int64_t next = 0;
+      for (int64_t p = 0; p < parts; ++p) {
+        const dist::Range r = dist::split_range(n, parts, p);
+        EXPECT_EQ(r.begin, next);
+        EXPECT_GE(r.size(), n / parts);
+        EXPECT_LE(r.size(), n / parts + 1);
+        next = r.end;
+      }
+      EXPECT_EQ(next, n);
+    }
+}
+
+TEST(DistComm, LocalIsIdentity) {
+  dist::LocalComm c;
+  std::vector<float> x{1.5f, -2.0f};
+  c.all_reduce_sum(x.data(), x.size());
+  EXPECT_EQ(x, (std::vector<float>{1.5f, -2.0f}));
+  std::vector<float> g(2);
+  c.all_gather(x.data(), 2 * sizeof(float), g.data());
+  EXPECT_EQ(g, x);
+  EXPECT_EQ(c.split(3, 0)->size(), 1);
+}
+
+TEST(DistComm, ThreadCollectivesAtThreeRanks) {
+  const int n = 3;
+  std::mutex mu;
+  std::vector<std::vector<float>> sums(n);
+  dist::run_ranks(n, [&](dist::Comm& c) {
+    const int r = c.rank();
+    // Sum in rank order: values whose fp32 sum depends on the order must give the order-0,1,2 bits everywhere.
+    std::vector<float> x{r == 0 ? 1e8f : (r == 1 ? 1.0f : -1e8f), static_cast<float>(r)};
+    c.all_reduce_sum(x.data(), x.size());
+    const float expect0 = (1e8f + 1.0f) + -1e8f;
+    EXPECT_EQ(x[0], expect0);
+    EXPECT_EQ(x[1], 3.0f);
+    std::vector<double> xd{0.5 * r};
+    c.all_reduce_sum(xd.data(), 1);
+    EXPECT_EQ(xd[0], 1.5);
+    std::vector<float> m{static_cast<float>(-r)};
+    c.all_reduce_max(m.data(), 1);
+    EXPECT_EQ(m[0], 0.0f);
+
+    // all_gatherv: rank q contributes q+1 ints of value q.
+    std::vector<int> mine(r + 1, r), all(6);
+    c.all_gatherv(mine.data(), all.data(), {4, 8, 12});
+    EXPECT_EQ(all, (std::vector<int>{0, 1, 1, 2, 2, 2}));
+
+    // all_to_allv: rank r sends q+r copies of 10r+q to rank q.
+    std::vector<int> send;
+    std::vector<size_t> sc(n), rc(n);
+    for (int q = 0; q < n; ++q) {
+      for (int i = 0; i < q + r; ++i) send.push_back(10 * r + q);
+      sc[q] = (q + r) * sizeof(int);
+      rc[q] = (r + q) * sizeof(int);
+    }
+    std::vector<int> recv(3 * r + 3);
+    c.all_to_allv(send.data(), sc, recv.data(), rc);
+    std::vector<int> expect;
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < r + q; ++i) expect.push_back(10 * q + r);
+    EXPECT_EQ(recv, expect);
+
+    int b = r == 2 ? 42 : -1;
+    c.broadcast(&b, sizeof b, 2);
+    EXPECT_EQ(b, 42);
+
+    std::vector<float> full{1, 2, 3, 4, 5, 6}, part(2);
+    c.reduce_scatter_sum(full.data(), full.size(), part.data());
+    EXPECT_EQ(part, (std::vector<float>{3.0f * (2 * r + 1), 3.0f * (2 * r + 2)}));
+
+    // split: {0, 2} and {1}, ordered by key (reversed).
+    auto sub = c.split(r % 2, -r);
+    EXPECT_EQ(sub->size(), r % 2 ? 1 : 2);
+    EXPECT_EQ(sub->rank(), r == 0 ? 1 : 0);
+    std::vector<float> y{static_cast<float>(r)};
+    sub->all_reduce_sum(y.data(), 1);
+    std::lock_guard<std::mutex> lock(mu);
+    sums[r] = y;
+  });
+  EXPECT_EQ(sums[0][0], 2.0f);
+  EXPECT_EQ(sums[2][0], 2.0f);
+  EXPECT_EQ(sums[1][0], 1.0f);
+}
+
+TEST(DistLayout, RejectsWhatDoesNotDivide) {
+  // 2 KDA heads, 4 MLA heads, 8 experts.
+  const ModelConfig c = load_config(test::golden_dir("fp32_tail_off") + "/config.json");
+  EXPECT_NO_THROW(dist::validate_layout({2, 4}, 4, c));
+  auto message = [&](dist::ParallelOptions o, int n) {
+    try {
+      dist::validate_layout(o, n, c);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message({4, 1}, 4), "--tp 4 does not divide the 2 KDA heads (linear_num_heads) of this model");
+  EXPECT_EQ(message({3, 1}, 4), "--tp 3 does not divide the 4 processes (mpirun -np)");
+  EXPECT_EQ(message({1, 3}, 3), "--ep 3 does not divide the 8 routed experts (n_routed_experts) of this model");
+  EXPECT_EQ(message({0, 1}, 1), "--tp must be at least 1, got 0");
+  EXPECT_EQ(message({1, 2}, 1), "--ep 2 does not divide the 1 processes (mpirun -np)");
+}
+
+TEST(DistLoad, SlicesConcatenateToTheWholeTensors) {
+  const std::string dir = test::golden_dir("bf16_sharded");  // bf16, three shards
+  const Model whole = Model::load(dir);
+  const ModelConfig& c = whole.config();
+  std::vector<dist::ShardedModel> parts(2);
+  dist::run_ranks(2, [&](dist::Comm& w) {
+    dist::Mesh mesh(w, {2, 2});
+    parts[w.rank()] = dist::load_sharded(dir, mesh);
+  });
+  const int64_t D = c.hidden_size, K = c.linear_head_dim;
+  for (size_t i = 0; i < whole.weights().layers.size(); ++i) {
+    const LayerWeights& L = whole.weights().layers[i];
+    if (!L.kda) continue;
+    // Column-parallel q_proj: rank 0's rows then rank 1's. Row-parallel o_proj: columns side by side.
+    std::vector<float> q = parts[0].weights.layers[i].kda->q_proj.data;
+    const auto& q1 = parts[1].weights.layers[i].kda->q_proj.data;
+    q.insert(q.end(), q1.begin(), q1.end());
+    EXPECT_EQ(q, L.kda->q_proj.data);
+    const int64_t half = c.linear_num_heads / 2 * K;
+    for (int64_t d = 0; d < D; ++d)
+      for (int r = 0; r < 2; ++r)
+        for (int64_t j = 0; j < half; ++j)
+          ASSERT_EQ(parts[r].weights.layers[i].kda->o_proj.data[d * half + j],
+                    L.kda->o_proj.data[d * 2 * half + r * half + j]);
+    EXPECT_EQ(parts[1].weights.layers[i].kda->A_log.data[0], L.kda->A_log.data[1]);
+    EXPECT_EQ(parts[1].weights.layers[i].kda->q_conv.shape, (std::vector<int64_t>{half, c.linear_conv_kernel_dim}));
+  }
+  // Experts: 4 per rank, the second rank's first one is expert 4.
+  for (size_t i = 0; i < whole.weights().layers.size(); ++i)
+    if (whole.weights().layers[i].moe) {
+      ASSERT_EQ(parts[1].weights.layers[i].moe->experts.size(), 4u);
+      EXPECT_EQ(parts[1].weights.layers[i].moe->experts[0].down.data,
+                whole.weights().layers[i].moe->experts[4].down.data);
+    }
+  EXPECT_EQ(parts[1].vocab.begin, c.vocab_size / 2);
+  EXPECT_EQ(parts[1].weights.lm_head.shape, (std::vector<int64_t>{c.vocab_size / 2, D}));
+}
+
+struct Layout {
+  int n, tp, ep;
+};
+
+std::string describe(const Layout& l) {
+  return "np " + std::to_string(l.n) + " tp " + std::to_string(l.tp) + " ep " + std::to_string(l.ep);
+}
+
+class DistForward : public ::testing::TestWithParam<std::string> {};
+
+// Every golden case at 2 and 4 ranks, with TP only, EP only and both; the heads (2 KDA, 4 MLA) and experts (8) of
+// the goldens allow tp ≤ 2 and ep ≤ 4 (tp 4 is rejected, see DistLayout).
+TEST_P(DistForward, EqualsSingleProcessLogits) {
+  cpu::set_num_threads(1);  // the ranks are threads already
+  const std::string dir = test::golden_dir(GetParam());
+  const Model model = Model::load(dir);
+  const int64_t V = model.config().vocab_size;
+  // Two sequences of awkward lengths packed together, plus one token alone.
+  PackedBatch batch;
+  std::vector<int32_t> s1, s2;
+  for (int i = 0; i < 37; ++i) s1.push_back((i * 37 + 11) % V);
+  for (int i = 0; i < 5; ++i) s2.push_back((i * 101 + 3) % V);
+  batch.add(s1);
+  batch.add(s2);
+  batch.add({7});
+  const Tensor ref = model.forward(batch);
+  const auto ref_lp = model.next_token_logprobs(batch);
+
+  for (const Layout& l : {Layout{2, 2, 1}, Layout{2, 1, 2}, Layout{2, 2, 2}, Layout{4, 2, 4}, Layout{4, 2, 2},
+                          Layout{4, 1, 4}}) {
+    std::vector<Tensor> logits(l.n), hidden(l.n);
+    std::vector<std::vector<std::vector<double>>> lps(l.n);
+    dist::run_ranks(l.n, [&](dist::Comm& w) {
+      dist::Mesh mesh(w, {l.tp, l.ep});
+      const dist::ShardedModel m = dist::load_sharded(dir, mesh);
+      hidden[w.rank()] = dist::parallel_forward_hidden(m, mesh, batch);
+      lps[w.rank()] = dist::parallel_next_token_logprobs(m, mesh, hidden[w.rank()], batch);
+      logits[w.rank()] = dist::parallel_logits(m, mesh, hidden[w.rank()], 0, batch.num_tokens());
+    });
+    const std::string what = describe(l);
+    for (int r = 0; r < l.n; ++r) {
+      ASSERT_EQ(logits[r].data.size(), ref.data.size());
+      EXPECT_LE(test::max_rel_error(logits[r].ptr(), ref.ptr(), ref.data.size()), kTol) << what << " rank " << r;
+      // Every rank holds the same bits (fixed-order reductions).
+      EXPECT_EQ(std::memcmp(logits[r].ptr(), logits[0].ptr(), ref.data.size() * 4), 0) << what << " rank " << r;
+      ASSERT_EQ(lps[r].size(), ref_lp.size());
+      for (size_t s = 0; s < ref_lp.size(); ++s) {
+        ASSERT_EQ(lps[r][s].size(), ref_lp[s].size());
+        for (size_t t = 0; t < ref_lp[s].size(); ++t)
+          EXPECT_NEAR(lps[r][s][t], ref_lp[s][t], kTol * std::max(1.0, std::abs(ref_lp[s][t]))) << what;
+      }
+    }
+    // Expert parallelism alone keeps moe_forward's order of every sum: the same bits as one process.
+    if (l.tp == 1)
+      EXPECT_EQ(std::memcmp(logits[0].ptr(), ref.ptr(), ref.data.size() * 4), 0) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DistForward, ::testing::ValuesIn(test::golden_cases()),
+                         [](const auto& info) { return test::param_name(info.param); });
+
+TEST(DistForward, RunsAreBitwiseRepeatable) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  PackedBatch batch;
+  batch.add({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13});
+  std::vector<Tensor> runs;
+  for (int rep = 0; rep < 2; ++rep) {
+    Tensor h0;
+    dist::run_ranks(4, [&](dist::Comm& w) {
+      dist::Mesh mesh(w, {2, 4});
+      const dist::ShardedModel m = dist::load_sharded(dir, mesh);
+      Tensor h = dist::parallel_forward_hidden(m, mesh, batch);
+      if (w.rank() == 3) h0 = std::move(h);
+    });
+    runs.push_back(std::move(h0));
+  }
+  ASSERT_EQ(runs[0].data.size(), runs[1].data.size());
+  EXPECT_EQ(std::memcmp(runs[0].ptr(), runs[1].ptr(), runs[0].data.size() * 4), 0);
+}
+
+}  // namespace
+}  // namespace nextlm
+
+namespace nextlm {
+namespace {
+
+// Gradients: the parallel backward at 2 and 4 ranks, gathered into full tensors, against model_forward_backward.
+// Tolerances: the whole gradient (every tensor as one vector) ‖Δ‖/‖ref‖ ≤ 2e-5, and each tensor ≤ 1e-4.
+// The sharded backward sums the same terms in another order (partial input gradients over ranks, experts apart from the
+// shared expert). That is the rounding noise of the single-process backward itself: between this packed batch and
+// its sequences run alone, model_forward_backward differs by 9.9e-6 (whole) and 5.4e-5 (worst tensor, an mHC scale)
+// on tiny-glm5-next (8 layers), 2.5e-6 / 1.3e-5 on the 4–5-layer goldens; the sharded one measures 1.0e-5 / 6.3e-5
+// and 3.4e-6 / 1.6e-5. So 1e-5 sits on the noise floor and 2e-5 leaves it room, while a missing all-reduce or a
+// misplaced slice is off by O(1).
+class DistGrad : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DistGrad, EqualsSingleProcessGradients) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir(GetParam());
+  const Model model = Model::load(dir);
+  const int64_t V = model.config().vocab_size;
+  PackedBatch batch;
+  std::vector<int32_t> s1, s2;
+  for (int i = 0; i < 23; ++i) s1.push_back((i * 53 + 7) % V);
+  for (int i = 0; i < 6; ++i) s2.push_back((i * 19 + 1) % V);
+  batch.add(s1);
+  batch.add(s2);
+  ModelWeights ref = zeros_like(model.weights());
+  const double ref_loss = model_forward_backward(model, batch, ref);
+  const auto ref_named = hub_gradients(model.config(), ref, "");
+
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{4, 2, 4}, Layout{2, 1, 2}}) {
+    const std::string what = describe(l);
+    std::vector<double> loss(l.n);
+    std::vector<ModelWeights> full(l.n);
+    dist::run_ranks(l.n, [&](dist::Comm& w) {
+      dist::Mesh mesh(w, {l.tp, l.ep});
+      const dist::ShardedModel m = dist::load_sharded(dir, mesh);
+      ModelWeights g = zeros_like(m.weights);
+      loss[w.rank()] = dist::parallel_forward_backward(m, mesh, batch, g);
+      full[w.rank()] = dist::gather_gradients(m, mesh, g);
+    });
+    for (int r = 0; r < l.n; ++r) {
+      EXPECT_NEAR(loss[r], ref_loss, 1e-5 * std::abs(ref_loss)) << what;
+      const auto named = hub_gradients(model.config(), full[r], "");
+      ASSERT_EQ(named.size(), ref_named.size()) << what;
+      std::vector<float> all, all_ref;
+      double worst = 0.0;
+      std::string worst_name;
+      for (size_t i = 0; i < named.size(); ++i) {
+        ASSERT_EQ(named[i].name, ref_named[i].name);
+        ASSERT_EQ(named[i].shape, ref_named[i].shape) << named[i].name;
+        const size_t n = Tensor::count(named[i].shape);
+        const double err = test::norm_rel_error(named[i].data, ref_named[i].data, n);
+        EXPECT_LE(err, 1e-4) << what << " " << named[i].name;
+        if (err > worst) worst = err, worst_name = named[i].name;
+        all.insert(all.end(), named[i].data, named[i].data + n);
+        all_ref.insert(all_ref.end(), ref_named[i].data, ref_named[i].data + n);
+      }
+      const double total = test::norm_rel_error(all.data(), all_ref.data(), all.size());
+      EXPECT_LE(total, 2e-5) << what;
+      if (r == 0)
+        std::printf("[dist grad] %s %s: whole gradient %.3g, worst tensor %.3g (%s)\n", GetParam().c_str(),
+                    what.c_str(), total, worst, worst_name.c_str());
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DistGrad, ::testing::ValuesIn(test::golden_cases()),
+                         [](const auto& info) { return test::param_name(info.param); });
+
+}  // namespace
+}  // namespace nextlm
+
+namespace nextlm {
+namespace {
+
+// Decoding: parallel prefill and decode steps against the single-process ones (logits ≤ 1e-5 relative, as the
+// forward), and generation: the same tokens, log-probabilities within 1e-5.
+class DistDecode : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DistDecode, EqualsSingleProcessDecoding) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir(GetParam());
+  const Model model = Model::load(dir);
+  const std::vector<int32_t> prompt{3, 141, 59, 26, 53, 58, 97, 93, 23, 84, 62};
+  DecodeState st(model);
+  std::vector<std::vector<float>> ref{prefill(st, prompt)};
+  for (int32_t t : {7, 200, 1}) ref.push_back(decode_step(st, t));
+  GenerateOptions opt;
+  opt.max_new_tokens = 6;
+  opt.sampling.temperature = 0.8;
+  opt.sampling.seed = 11;
+  const Generation ref_gen = generate(model, prompt, opt);
+
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{4, 2, 4}}) {
+    const std::string what = describe(l);
+    std::vector<std::vector<std::vector<float>>> got(l.n);
+    std::vector<Generation> gen(l.n);
+    dist::run_ranks(l.n, [&](dist::Comm& w) {
+      dist::Mesh mesh(w, {l.tp, l.ep});
+      const dist::ShardedModel m = dist::load_sharded(dir, mesh);
+      dist::ParallelDecodeState ps(m, mesh);
+      got[w.rank()].push_back(dist::parallel_prefill(ps, prompt));
+      for (int32_t t : {7, 200, 1}) got[w.rank()].push_back(dist::parallel_decode_step(ps, t));
+      gen[w.rank()] = dist::parallel_generate(m, mesh, prompt, opt);
+    });
+    for (int r = 0; r < l.n; ++r) {
+      ASSERT_EQ(got[r].size(), ref.size());
+      for (size_t i = 0; i < ref.size(); ++i)
+        EXPECT_LE(test::max_rel_error(got[r][i].data(), ref[i].data(), ref[i].size()), kTol) << what << " step " << i;
+      EXPECT_EQ(gen[r].tokens, ref_gen.tokens) << what;
+      ASSERT_EQ(gen[r].logprobs.size(), ref_gen.logprobs.size());
+      for (size_t i = 0; i < ref_gen.logprobs.size(); ++i)
+        EXPECT_NEAR(gen[r].logprobs[i], ref_gen.logprobs[i], kTol * std::max(1.0, std::abs(ref_gen.logprobs[i])));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DistDecode, ::testing::ValuesIn(test::golden_cases()),
+                         [](const auto& info) { return test::param_name(info.param); });
+
+}  // namespace
+}  // namespace nextlm
