@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <sstream>
 
@@ -215,6 +216,20 @@ int write_score_outputs(const ScoreArgs& a, const std::vector<std::vector<int32_
                         const std::vector<std::vector<double>>& lps, const std::vector<Tensor>& logits,
                         std::optional<AtomicFile>& out_file, std::chrono::steady_clock::time_point t0);
 
+#ifdef NEXTLM_HAVE_CUDA
+// The rows [T, V] of a packed batch's logits, one tensor per sequence.
+std::vector<Tensor> split_sequences(const Tensor& all, const PackedBatch& batch) {
+  const int64_t V = all.shape.back();
+  std::vector<Tensor> out;
+  for (int64_t n = 0; n < batch.num_seqs(); ++n) {
+    Tensor t({batch.cu_seqlens[n + 1] - batch.cu_seqlens[n], V});
+    std::copy(all.ptr() + batch.cu_seqlens[n] * V, all.ptr() + batch.cu_seqlens[n + 1] * V, t.ptr());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+#endif
+
 int cmd_score(const ScoreArgs& a) {
   // Argument combinations first (usage errors), then the outputs' places, all before any real work.
   if (!a.output.empty() && !a.logits_out.empty() && same_file(a.output, a.logits_out))
@@ -259,11 +274,26 @@ int cmd_score(const ScoreArgs& a) {
     if (dist::world().rank() != 0) return 0;
     return write_score_outputs(a, seqs, batch, lps, logits, out_file, t0);
   }
+#ifdef NEXTLM_HAVE_CUDA
+  // On the GPU without an adapter the bf16 weights go straight from the checkpoint to the device: no fp32 host copy.
+  if (a.device == "cuda" && a.adapter.empty()) {
+    const std::unique_ptr<CudaModel> gpu = CudaModel::load(a.model);
+    const int64_t V = gpu->config().vocab_size;
+    const auto seqs = read_token_jsonl(a.input, V);
+    PackedBatch batch;
+    for (const auto& s : seqs) batch.add(s);
+    const std::vector<std::vector<double>> lps = gpu->next_token_logprobs(batch);
+    std::vector<Tensor> logits;
+    if (!a.logits_out.empty()) logits = split_sequences(gpu->forward(batch), batch);
+    return write_score_outputs(a, seqs, batch, lps, logits, out_file, t0);
+  }
+#endif
   const Model model = load_model_with_adapter(a.model, a.adapter);  // no --adapter: the model as it is
   const auto seqs = read_token_jsonl(a.input, model.config().vocab_size);
   PackedBatch batch;
   for (const auto& s : seqs) batch.add(s);
-  // Per-sequence log-probabilities, and the logits when --logits-out asks for them, on the chosen device.
+  // Per-sequence log-probabilities, and the logits when --logits-out asks for them, on the chosen device (the GPU
+  // here only with an adapter, merged into the fp32 host weights first).
   std::vector<std::vector<double>> lps;
   std::vector<Tensor> logits;
   if (a.device == "cpu") {
@@ -276,15 +306,7 @@ int cmd_score(const ScoreArgs& a) {
 #ifdef NEXTLM_HAVE_CUDA
     CudaModel gpu(model);
     lps = gpu.next_token_logprobs(batch);
-    if (!a.logits_out.empty()) {
-      const Tensor all = gpu.forward(batch);
-      const int64_t V = model.config().vocab_size;
-      for (int64_t n = 0; n < batch.num_seqs(); ++n) {
-        Tensor t({batch.cu_seqlens[n + 1] - batch.cu_seqlens[n], V});
-        std::copy(all.ptr() + batch.cu_seqlens[n] * V, all.ptr() + batch.cu_seqlens[n + 1] * V, t.ptr());
-        logits.push_back(std::move(t));
-      }
-    }
+    if (!a.logits_out.empty()) logits = split_sequences(gpu.forward(batch), batch);
 #endif
   }
 
