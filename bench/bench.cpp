@@ -52,14 +52,11 @@ int main(int argc, char** argv) {
   std::vector<Case> cases{
       {"kda_fwd_T8192_H64",
        [&](const std::string& n) {
-         // The default variant is the case; the others are printed beside it for comparison.
-         for (const auto& [prep, tv] : std::vector<std::pair<int, int>>{{2, 64}, {1, 64}, {2, 32}}) {
-           const auto t = nextlm::cuda_testing::time_kda_forward_tc({8192}, H, K, 20, prep, tv);
-           char note[200];
-           std::snprintf(note, sizeof note, "prepare kernel v%d %.3f ms + state kernel (value tile %d) %.3f ms", prep,
-                         t.prepare_ms, tv, t.state_ms);
-           emit(prep == 2 && tv == 64 ? n : n + "_variant", t.total_ms, kda_floor_ms(8192, H, K), note);
-         }
+         const auto t = nextlm::cuda_testing::time_kda_forward_tc({8192}, H, K, 20);
+         char note[200];
+         std::snprintf(note, sizeof note, "tensor cores: prepare kernel %.3f ms + state kernel %.3f ms", t.prepare_ms,
+                       t.state_ms);
+         emit(n, t.total_ms, kda_floor_ms(8192, H, K), note);
        }},
       {"kda_fwd_varlen",
        [&](const std::string& n) {

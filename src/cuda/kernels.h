@@ -86,14 +86,6 @@ void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* gra
                     int64_t H, int64_t K, cudaStream_t st);
 void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const float* s_in,
                   float* s_out, cudaStream_t st);
-// Kernel variants, for the benchmarks: the prepare kernel (1: four warps, 2: eight warps and fewer exponentials,
-// the default) and the state kernel's value tile for K ≥ 64 (64, the default, or 32). Process-wide.
-struct KdaTcTuning {
-  int prepare = 2;
-  int tv = 64;
-};
-KdaTcTuning kda_tc_tuning();
-void set_kda_tc_tuning(const KdaTcTuning& t);
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
                     const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st);

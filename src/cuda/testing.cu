@@ -105,12 +105,7 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
   return out;
 }
 
-void set_kda_tc_variant(int prepare, int tv) { cuda::set_kda_tc_tuning(cuda::KdaTcTuning{prepare, tv}); }
-
-KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters, int prepare,
-                              int tv) {
-  const cuda::KdaTcTuning saved = cuda::kda_tc_tuning();
-  cuda::set_kda_tc_tuning(cuda::KdaTcTuning{prepare, tv});
+KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {
   std::vector<int64_t> cu{0};
   for (int64_t L : seqlens) cu.push_back(cu.back() + L);
   const int64_t T = cu.back(), n = T * H * K;
@@ -176,7 +171,6 @@ KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, in
   r.state_ms = timed(2);
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  cuda::set_kda_tc_tuning(saved);
   return r;
 }
 

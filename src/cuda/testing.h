@@ -23,14 +23,11 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
 
 // Median milliseconds of the tensor-core KDA forward on bf16 device inputs (q, k, v, the raw gate; fp32 beta), the
 // safe gate computed in the kernel, as fla's chunk_kda is timed with use_gate_in_kernel; and of its two kernels
-// (timed in separate runs). `prepare` and `tv` pick the kernel variants (see cuda::KdaTcTuning).
+// (timed in separate runs).
 struct KdaTiming {
   double total_ms, prepare_ms, state_ms;
 };
-KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters, int prepare = 2,
-                              int tv = 64);
-// Selects the tensor-core KDA kernel variants for what follows in this process.
-void set_kda_tc_variant(int prepare, int tv);
+KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters);
 
 // Median milliseconds of the KDA forward as the model runs it: the safe gate from raw f_b outputs (A_log,
 // dt_bias), then the chunked delta rule, on random device inputs of the given sequence lengths.
