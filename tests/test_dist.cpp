@@ -225,8 +225,9 @@ TEST_P(DistForward, EqualsSingleProcessLogits) {
       }
     }
     // Expert parallelism alone keeps moe_forward's order of every sum: the same bits as one process.
-    if (l.tp == 1)
+    if (l.tp == 1) {
       EXPECT_EQ(std::memcmp(logits[0].ptr(), ref.ptr(), ref.data.size() * 4), 0) << what;
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "cpu/linear.h"
+#include "model/block.h"
 #include "model/dsa.h"
 #include "model/kda.h"
 #include "model/mhc.h"
@@ -383,8 +384,7 @@ Tensor parallel_decoder_forward(const ShardedModel& m, const Mesh& mesh, const s
                                 const AttentionFn& attention) {
   const ModelConfig& c = m.config;
   const ModelWeights& w = m.weights;
-  const int64_t T = static_cast<int64_t>(tokens.size()), S = c.hc_mult, D = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int64_t T = static_cast<int64_t>(tokens.size()), D = c.hidden_size;
   Comm& tp = *mesh.tp;
 
   // Vocab-parallel embedding: the rank holding a token's row contributes it, the others zeros.
@@ -396,43 +396,22 @@ Tensor parallel_decoder_forward(const ShardedModel& m, const Mesh& mesh, const s
   }
   tp.all_reduce_sum(e.data(), e.size());
 
-  std::vector<float> h(T * S * D), h2(T * S * D), a(T * D), y(T * D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t s = 0; s < S; ++s) std::copy_n(e.data() + t * D, D, h.data() + (t * S + s) * D);
-
-  Selection sel;
-  HcMix mix;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const LayerWeights& lw = w.layers[i];
-    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
-    attention(i, a.data(), y.data(), sel);
-    tp.all_reduce_sum(y.data(), y.size());  // row-parallel o_proj
-    mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
-    std::swap(h, h2);
-
-    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, static_cast<float>(c.swiglu_limit), a.data(), T, D, y.data());
-      tp.all_reduce_sum(y.data(), y.size());  // row-parallel down_proj
-    } else {
-      moe_parallel_forward(*lw.moe, m, mesh, a.data(), T, y.data());
-    }
-    mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
-    std::swap(h, h2);
-    if (!(lw.dsa && lw.dsa->indexer)) sel.clear();
-  }
-
-  Tensor out({T, D});
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; ++d) {
-      float acc = 0.0f;
-      for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
-      out.data[t * D + d] = acc / static_cast<float>(S);
-    }
-  rmsnorm_forward(out.ptr(), w.final_norm.ptr(), out.ptr(), T, D, eps);
-  return out;
+  // The shared layer stack (model/block.cpp) with the sharded sub-layers: each ends in its collective.
+  return decoder_forward(
+      w, c, e.data(), T,
+      [&](int64_t i, const float* a, float* y, Selection& sel) {
+        attention(i, a, y, sel);
+        tp.all_reduce_sum(y, T * D);  // row-parallel o_proj
+      },
+      [&](int64_t i, const float* a, float* y) {
+        const LayerWeights& lw = w.layers[i];
+        if (lw.mlp) {
+          mlp_forward(*lw.mlp, static_cast<float>(c.swiglu_limit), a, T, D, y);
+          tp.all_reduce_sum(y, T * D);  // row-parallel down_proj
+        } else {
+          moe_parallel_forward(*lw.moe, m, mesh, a, T, y);
+        }
+      });
 }
 
 Tensor parallel_forward_hidden(const ShardedModel& m, const Mesh& mesh, const PackedBatch& batch,

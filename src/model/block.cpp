@@ -11,14 +11,29 @@ namespace nextlm {
 
 Tensor decoder_forward(const ModelWeights& w, const ModelConfig& c, const std::vector<int32_t>& tokens,
                        const AttentionFn& attention) {
-  const int64_t T = static_cast<int64_t>(tokens.size()), S = c.hc_mult, D = c.hidden_size;
+  const int64_t T = static_cast<int64_t>(tokens.size()), D = c.hidden_size;
+  std::vector<float> e(T * D);
+  for (int64_t t = 0; t < T; ++t) std::copy_n(w.embed.ptr() + static_cast<int64_t>(tokens[t]) * D, D, e.data() + t * D);
+  const float limit = static_cast<float>(c.swiglu_limit);
+  return decoder_forward(w, c, e.data(), T, attention, [&](int64_t i, const float* a, float* y) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a, T, D, y);
+    } else {
+      moe_forward(*lw.moe, c, a, T, y);
+    }
+  });
+}
+
+Tensor decoder_forward(const ModelWeights& w, const ModelConfig& c, const float* e, int64_t T,
+                       const AttentionFn& attention, const FfnFn& ffn) {
+  const int64_t S = c.hc_mult, D = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
 
   // Streams h [T, S, D], each a copy of the embedding.
   std::vector<float> h(T * S * D), h2(T * S * D), a(T * D), y(T * D);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t s = 0; s < S; ++s)
-      std::copy_n(w.embed.ptr() + static_cast<int64_t>(tokens[t]) * D, D, h.data() + (t * S + s) * D);
+    for (int64_t s = 0; s < S; ++s) std::copy_n(e + t * D, D, h.data() + (t * S + s) * D);
 
   Selection sel;
   HcMix mix;
@@ -32,11 +47,7 @@ Tensor decoder_forward(const ModelWeights& w, const ModelConfig& c, const std::v
 
     mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
     rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, static_cast<float>(c.swiglu_limit), a.data(), T, D, y.data());
-    } else {
-      moe_forward(*lw.moe, c, a.data(), T, y.data());
-    }
+    ffn(i, a.data(), y.data());
     mhc_post_forward(mix, h.data(), y.data(), T, S, D, h2.data());
     std::swap(h, h2);
     // transformers hands a selection only to the layer directly after the one that made it.
