@@ -12,7 +12,6 @@
 #include "model/block.h"
 #include "model/dsa.h"
 #include "model/kda.h"
-#include "model/mhc.h"
 #include "model/moe.h"
 #include "model/norm.h"
 

@@ -1,6 +1,5 @@
-// Tensor/expert-parallel loss and gradients on the CPU (see parallel_train.h); the structure follows
-// model_forward_backward in model/train.cpp: a forward keeping the streams entering each mHC site, the selections
-// and the expert choices, then one layer at a time recomputed and walked back.
+// Tensor/expert-parallel loss and gradients on the CPU (see parallel_train.h): model/train.cpp's forward_backward
+// skeleton run with this rank's sharded sub-layers, head and embedding.
 #include "dist/parallel_train.h"
 
 #include <algorithm>
@@ -9,7 +8,6 @@
 #include "core/error.h"
 #include "cpu/linear.h"
 #include "cpu/linear_backward.h"
-#include "model/mhc.h"
 #include "model/moe.h"
 #include "model/norm.h"
 
@@ -185,154 +183,104 @@ double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const 
   const ModelConfig& lc = m.local;
   const ModelWeights& w = m.weights;
   validate_batch(batch, c.vocab_size);
-  check(grads.layers.size() == w.layers.size(), "gradients have ", grads.layers.size(), " layers, the model ",
-        w.layers.size());
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
         batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
-  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, Lyr = c.num_hidden_layers;
-  const size_t TSD = static_cast<size_t>(T * S * D), TD = static_cast<size_t>(T * D);
-  const float eps = static_cast<float>(c.rms_norm_eps), limit = static_cast<float>(c.swiglu_limit);
+  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size;
+  const size_t TD = static_cast<size_t>(T * D);
+  const float limit = static_cast<float>(c.swiglu_limit);
   const auto& cu = batch.cu_seqlens;
   Comm& tp = *mesh.tp;
 
-  // Forward (as parallel_forward_hidden), keeping the streams entering each site, the selections and the routing.
-  std::vector<std::vector<float>> h_attn(Lyr), h_ffn(Lyr);
-  std::vector<Selection> sels(Lyr);
-  std::vector<Routing> routes(Lyr);
-  std::vector<float> h(TSD), a(TD), y(TD);
-  {
-    std::vector<float> e(TD, 0.0f);
+  // model_forward_backward's skeleton (model/train.cpp) with this rank's sharded sub-layers: attention heads and
+  // the dense MLP / shared expert split over TP (their outputs and input gradients all-reduced), experts over EP,
+  // the vocabulary over TP.
+  KdaActs kda_acts;
+  DsaActs dsa_acts;
+  TrainParts parts;
+  parts.embed = [&](const std::vector<int32_t>& tokens, float* e) {
+    std::fill(e, e + TD, 0.0f);
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t v = batch.tokens[t];
-      if (v >= m.vocab.begin && v < m.vocab.end)
-        std::copy_n(w.embed.ptr() + (v - m.vocab.begin) * D, D, e.data() + t * D);
+      const int64_t v = tokens[t];
+      if (v >= m.vocab.begin && v < m.vocab.end) std::copy_n(w.embed.ptr() + (v - m.vocab.begin) * D, D, e + t * D);
     }
-    tp.all_reduce_sum(e.data(), e.size());
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t s = 0; s < S; ++s) std::copy_n(e.data() + t * D, D, h.data() + (t * S + s) * D);
-  }
-  Selection sel;
-  HcMix mix;
-  for (int64_t i = 0; i < Lyr; ++i) {
+    tp.all_reduce_sum(e, TD);
+  };
+  parts.attention = [&](int64_t i, const float* a, float* y, Selection& sel) {
     const LayerWeights& lw = w.layers[i];
-    h_attn[i] = h;
-    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
     if (lw.kda) {
-      kda_layer_forward(*lw.kda, lc, a.data(), T, cu, y.data());
+      kda_layer_forward(*lw.kda, lc, a, T, cu, y);
     } else {
-      dsa_layer_forward(*lw.dsa, lc, a.data(), T, cu, sel, y.data());
-      sels[i] = sel;
+      dsa_layer_forward(*lw.dsa, lc, a, T, cu, sel, y);
     }
-    tp.all_reduce_sum(y.data(), TD);
-    mhc_post_forward(mix, h_attn[i].data(), y.data(), T, S, D, h.data());
-
-    h_ffn[i] = h;
-    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
+    tp.all_reduce_sum(y, TD);
+  };
+  parts.ffn = [&](int64_t i, const float* a, float* y, Routing& route) {
+    const LayerWeights& lw = w.layers[i];
     if (lw.mlp) {
-      mlp_forward(*lw.mlp, limit, a.data(), T, D, y.data());
-      tp.all_reduce_sum(y.data(), TD);
+      mlp_forward(*lw.mlp, limit, a, T, D, y);
+      tp.all_reduce_sum(y, TD);
     } else {
-      routes[i] = route_forward(*lw.moe, c, a.data(), T);
-      moe_parallel_forward(*lw.moe, m, mesh, a.data(), T, y.data());
+      route = route_forward(*lw.moe, c, a, T);
+      moe_parallel_forward(*lw.moe, m, mesh, a, T, y);
     }
-    mhc_post_forward(mix, h_ffn[i].data(), y.data(), T, S, D, h.data());
-    if (!(lw.dsa && lw.dsa->indexer)) sel.clear();
-  }
-
-  // Head and loss.
-  std::vector<float> dh(TSD, 0.0f), dh_prev(TSD), a_raw(TD), da(TD), da_raw(TD), dy(TD);
-  double loss = 0.0;
-  if (c.tie_word_embeddings) {
+  };
+  parts.head = [&](const float* h, float* dh) {
+    if (!c.tie_word_embeddings) return head_parallel_backward(m, mesh, h, batch, dh, grads);
     Tensor dlm(grads.lm_head.shape, 0.0f);
     std::swap(grads.lm_head, dlm);
-    loss = head_parallel_backward(m, mesh, h.data(), batch, dh.data(), grads);
+    const double loss = head_parallel_backward(m, mesh, h, batch, dh, grads);
     std::swap(grads.lm_head, dlm);
     for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
-  } else {
-    loss = head_parallel_backward(m, mesh, h.data(), batch, dh.data(), grads);
-  }
-
-  // Backward, one layer at a time from the last. `forward` gives the full sub-layer output; `backward` adds the
-  // full input gradient (its collectives inside).
-  std::vector<float> dpost(T * S), dcomb(T * S * S);
-  auto site_backward = [&](const HcWeights& hc, HcWeights& dhc, const Tensor& norm, Tensor& dnorm,
-                           const std::vector<float>& h_in, auto&& forward, auto&& backward) {
-    mhc_pre_forward(hc, c, h_in.data(), T, mix, a_raw.data());
-    rmsnorm_forward(a_raw.data(), norm.ptr(), a.data(), T, D, eps);
-    forward(a.data(), y.data());
-    std::fill(dh_prev.begin(), dh_prev.end(), 0.0f);
-    std::fill(dy.begin(), dy.end(), 0.0f);
-    std::fill(dpost.begin(), dpost.end(), 0.0f);
-    std::fill(dcomb.begin(), dcomb.end(), 0.0f);
-    mhc_post_backward(mix, h_in.data(), y.data(), T, S, D, dh.data(), dh_prev.data(), dy.data(), dpost.data(),
-                      dcomb.data());
-    std::fill(da.begin(), da.end(), 0.0f);
-    backward(a.data(), dy.data(), da.data());
-    std::fill(da_raw.begin(), da_raw.end(), 0.0f);
-    rmsnorm_backward(a_raw.data(), norm.ptr(), da.data(), T, D, eps, da_raw.data(), dnorm.ptr());
-    mhc_pre_backward(hc, c, h_in.data(), T, dpost.data(), dcomb.data(), da_raw.data(), dh_prev.data(), dhc);
-    dh.swap(dh_prev);
+    return loss;
   };
-  for (int64_t i = Lyr - 1; i >= 0; --i) {
+  parts.attention_train = [&](int64_t i, const float* a, const Selection& sel, float* y) {
     const LayerWeights& lw = w.layers[i];
-    LayerWeights& gl = grads.layers[i];
-    if (lw.mlp) {
-      site_backward(
-          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
-          [&](const float* x, float* out) {
-            mlp_forward(*lw.mlp, limit, x, T, D, out);
-            tp.all_reduce_sum(out, TD);
-          },
-          [&](const float* x, const float* g, float* dx) {
-            mlp_backward(*lw.mlp, limit, x, T, D, g, dx, *gl.mlp);
-            tp.all_reduce_sum(dx, TD);
-          });
-    } else {
-      site_backward(
-          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
-          [&](const float* x, float* out) { moe_parallel_forward(*lw.moe, m, mesh, x, T, out); },
-          [&](const float* x, const float* g, float* dx) {
-            moe_parallel_backward(*lw.moe, m, mesh, x, T, routes[i], g, dx, *gl.moe);
-          });
-    }
     if (lw.kda) {
-      KdaActs acts;
-      site_backward(
-          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
-          [&](const float* x, float* out) {
-            kda_layer_forward_train(*lw.kda, lc, x, T, cu, acts, out);
-            tp.all_reduce_sum(out, TD);
-          },
-          [&](const float* x, const float* g, float* dx) {
-            kda_layer_backward(*lw.kda, lc, x, T, cu, acts, g, dx, *gl.kda);
-            tp.all_reduce_sum(dx, TD);
-          });
+      kda_layer_forward_train(*lw.kda, lc, a, T, cu, kda_acts, y);
     } else {
-      DsaActs acts;
-      site_backward(
-          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
-          [&](const float* x, float* out) {
-            dsa_layer_forward_train(*lw.dsa, lc, x, T, cu, sels[i], acts, out);
-            tp.all_reduce_sum(out, TD);
-          },
-          [&](const float* x, const float* g, float* dx) {
-            dsa_layer_backward(*lw.dsa, lc, x, T, cu, sels[i], acts, g, dx, *gl.dsa);
-            tp.all_reduce_sum(dx, TD);
-          });
+      dsa_layer_forward_train(*lw.dsa, lc, a, T, cu, sel, dsa_acts, y);
     }
-  }
-  // Vocab-parallel embedding: this rank's rows.
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t v = batch.tokens[t];
-    if (c.pad_token_id && v == *c.pad_token_id) continue;
-    if (v < m.vocab.begin || v >= m.vocab.end) continue;
-    float* row = grads.embed.ptr() + (v - m.vocab.begin) * D;
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t d = 0; d < D; ++d) row[d] += dh[(t * S + s) * D + d];
-  }
-  return loss;
+    tp.all_reduce_sum(y, TD);
+  };
+  parts.attention_backward = [&](int64_t i, const float* a, const Selection& sel, const float* dy, float* da) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.kda) {
+      kda_layer_backward(*lw.kda, lc, a, T, cu, kda_acts, dy, da, *grads.layers[i].kda);
+    } else {
+      dsa_layer_backward(*lw.dsa, lc, a, T, cu, sel, dsa_acts, dy, da, *grads.layers[i].dsa);
+    }
+    tp.all_reduce_sum(da, TD);
+  };
+  parts.ffn_train = [&](int64_t i, const float* a, const Routing&, float* y) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a, T, D, y);
+      tp.all_reduce_sum(y, TD);
+    } else {
+      moe_parallel_forward(*lw.moe, m, mesh, a, T, y);
+    }
+  };
+  parts.ffn_backward = [&](int64_t i, const float* a, const Routing& route, const float* dy, float* da) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_backward(*lw.mlp, limit, a, T, D, dy, da, *grads.layers[i].mlp);
+      tp.all_reduce_sum(da, TD);
+    } else {
+      moe_parallel_backward(*lw.moe, m, mesh, a, T, route, dy, da, *grads.layers[i].moe);
+    }
+  };
+  parts.embed_backward = [&](const std::vector<int32_t>& tokens, const float* dh) {
+    // Vocab-parallel embedding: this rank's rows.
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t v = tokens[t];
+      if (c.pad_token_id && v == *c.pad_token_id) continue;
+      if (v < m.vocab.begin || v >= m.vocab.end) continue;
+      float* row = grads.embed.ptr() + (v - m.vocab.begin) * D;
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; ++d) row[d] += dh[(t * S + s) * D + d];
+    }
+  };
+  return forward_backward(c, w, batch, grads, parts);
 }
 
 namespace {

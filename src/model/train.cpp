@@ -59,26 +59,22 @@ ModelWeights zeros_like(const ModelWeights& w) {
   return g;
 }
 
-double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads) {
-  const ModelConfig& c = model.config();
-  const ModelWeights& w = model.weights();
-  validate_batch(batch, c.vocab_size);
+double forward_backward(const ModelConfig& c, const ModelWeights& w, const PackedBatch& batch, ModelWeights& grads,
+                        const TrainParts& parts) {
   check(grads.layers.size() == w.layers.size(), "gradients have ", grads.layers.size(), " layers, the model ",
         w.layers.size());
   const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, Lyr = c.num_hidden_layers;
   const size_t TSD = static_cast<size_t>(T * S * D);
-  const float eps = static_cast<float>(c.rms_norm_eps), limit = static_cast<float>(c.swiglu_limit);
-  const auto& cu = batch.cu_seqlens;
-  check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
-        batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
-  const float* tw = batch.target_weight.empty() ? nullptr : batch.target_weight.data();
+  const float eps = static_cast<float>(c.rms_norm_eps);
 
   // Forward, keeping the streams entering each site, the selections and the expert choices.
   std::vector<std::vector<float>> h_attn(Lyr), h_ffn(Lyr);
   std::vector<Selection> sels(Lyr);
   std::vector<Routing> routes(Lyr);
   std::vector<float> h(TSD), a(T * D), y(T * D);
-  embedding_forward(w.embed, batch.tokens.data(), T, S, h.data());
+  parts.embed(batch.tokens, y.data());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = 0; s < S; ++s) std::copy_n(y.data() + t * D, D, h.data() + (t * S + s) * D);
   Selection sel;
   HcMix mix;
   for (int64_t i = 0; i < Lyr; ++i) {
@@ -86,40 +82,21 @@ double model_forward_backward(const Model& model, const PackedBatch& batch, Mode
     h_attn[i] = h;
     mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
     rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
-    if (lw.kda) {
-      kda_layer_forward(*lw.kda, c, a.data(), T, cu, y.data());
-    } else {
-      dsa_layer_forward(*lw.dsa, c, a.data(), T, cu, sel, y.data());
-      sels[i] = sel;
-    }
+    parts.attention(i, a.data(), y.data(), sel);
+    if (lw.dsa) sels[i] = sel;
     mhc_post_forward(mix, h_attn[i].data(), y.data(), T, S, D, h.data());
 
     h_ffn[i] = h;
     mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
     rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, limit, a.data(), T, D, y.data());
-    } else {
-      routes[i] = route_forward(*lw.moe, c, a.data(), T);
-      moe_forward(*lw.moe, c, a.data(), T, y.data());
-    }
+    parts.ffn(i, a.data(), y.data(), routes[i]);
     mhc_post_forward(mix, h_ffn[i].data(), y.data(), T, S, D, h.data());
     if (!(lw.dsa && lw.dsa->indexer)) sel.clear();  // a selection goes only to the layer directly after
   }
 
   // Head and loss.
   std::vector<float> dh(TSD, 0.0f), dh_prev(TSD), a_raw(T * D), da(T * D), da_raw(T * D), dy(T * D);
-  double loss = 0.0;
-  if (c.tie_word_embeddings) {
-    // The lm_head is the embedding: collect this call's lm_head gradient apart and add it to the embedding's.
-    Tensor dlm = zeros(grads.lm_head);
-    std::swap(grads.lm_head, dlm);
-    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads, tw);
-    std::swap(grads.lm_head, dlm);
-    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
-  } else {
-    loss = head_loss_backward(w, c, h.data(), batch.tokens, cu, dh.data(), grads, tw);
-  }
+  const double loss = parts.head(h.data(), dh.data());
 
   // Backward, one layer at a time from the last: recompute the site's forward, then walk back through it.
   std::vector<float> dpost(T * S), dcomb(T * S * S);
@@ -144,37 +121,99 @@ double model_forward_backward(const Model& model, const PackedBatch& batch, Mode
   for (int64_t i = Lyr - 1; i >= 0; --i) {
     const LayerWeights& lw = w.layers[i];
     LayerWeights& gl = grads.layers[i];
-    if (lw.mlp) {
-      site_backward(
-          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
-          [&](const float* x, float* out) { mlp_forward(*lw.mlp, limit, x, T, D, out); },
-          [&](const float* x, const float* g, float* dx) { mlp_backward(*lw.mlp, limit, x, T, D, g, dx, *gl.mlp); });
-    } else {
-      site_backward(
-          lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
-          [&](const float* x, float* out) { moe_forward_routed(*lw.moe, c, x, T, routes[i], out); },
-          [&](const float* x, const float* g, float* dx) { moe_backward(*lw.moe, c, x, T, routes[i], g, dx, *gl.moe); });
-    }
-    if (lw.kda) {
-      KdaActs acts;
-      site_backward(
-          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
-          [&](const float* x, float* out) { kda_layer_forward_train(*lw.kda, c, x, T, cu, acts, out); },
-          [&](const float* x, const float* g, float* dx) {
-            kda_layer_backward(*lw.kda, c, x, T, cu, acts, g, dx, *gl.kda);
-          });
-    } else {
-      DsaActs acts;
-      site_backward(
-          lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
-          [&](const float* x, float* out) { dsa_layer_forward_train(*lw.dsa, c, x, T, cu, sels[i], acts, out); },
-          [&](const float* x, const float* g, float* dx) {
-            dsa_layer_backward(*lw.dsa, c, x, T, cu, sels[i], acts, g, dx, *gl.dsa);
-          });
-    }
+    site_backward(
+        lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
+        [&](const float* x, float* out) { parts.ffn_train(i, x, routes[i], out); },
+        [&](const float* x, const float* g, float* dx) { parts.ffn_backward(i, x, routes[i], g, dx); });
+    site_backward(
+        lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
+        [&](const float* x, float* out) { parts.attention_train(i, x, sels[i], out); },
+        [&](const float* x, const float* g, float* dx) { parts.attention_backward(i, x, sels[i], g, dx); });
   }
-  embedding_backward(batch.tokens.data(), T, S, dh.data(), c.pad_token_id, grads.embed);
+  parts.embed_backward(batch.tokens, dh.data());
   return loss;
+}
+
+double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads) {
+  const ModelConfig& c = model.config();
+  const ModelWeights& w = model.weights();
+  validate_batch(batch, c.vocab_size);
+  const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size;
+  const float limit = static_cast<float>(c.swiglu_limit);
+  const auto& cu = batch.cu_seqlens;
+  check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
+        batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
+  const float* tw = batch.target_weight.empty() ? nullptr : batch.target_weight.data();
+
+  KdaActs kda_acts;  // of the layer being walked back (attention_train fills it, attention_backward reads it)
+  DsaActs dsa_acts;
+  TrainParts parts;
+  parts.embed = [&](const std::vector<int32_t>& tokens, float* e) {
+    for (int64_t t = 0; t < T; ++t) std::copy_n(w.embed.ptr() + static_cast<int64_t>(tokens[t]) * D, D, e + t * D);
+  };
+  parts.attention = [&](int64_t i, const float* a, float* y, Selection& sel) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.kda) {
+      kda_layer_forward(*lw.kda, c, a, T, cu, y);
+    } else {
+      dsa_layer_forward(*lw.dsa, c, a, T, cu, sel, y);
+    }
+  };
+  parts.ffn = [&](int64_t i, const float* a, float* y, Routing& route) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a, T, D, y);
+    } else {
+      route = route_forward(*lw.moe, c, a, T);
+      moe_forward(*lw.moe, c, a, T, y);
+    }
+  };
+  parts.head = [&](const float* h, float* dh) {
+    if (!c.tie_word_embeddings) return head_loss_backward(w, c, h, batch.tokens, cu, dh, grads, tw);
+    // The lm_head is the embedding: collect this call's lm_head gradient apart and add it to the embedding's.
+    Tensor dlm = zeros(grads.lm_head);
+    std::swap(grads.lm_head, dlm);
+    const double loss = head_loss_backward(w, c, h, batch.tokens, cu, dh, grads, tw);
+    std::swap(grads.lm_head, dlm);
+    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
+    return loss;
+  };
+  parts.attention_train = [&](int64_t i, const float* a, const Selection& sel, float* y) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.kda) {
+      kda_layer_forward_train(*lw.kda, c, a, T, cu, kda_acts, y);
+    } else {
+      dsa_layer_forward_train(*lw.dsa, c, a, T, cu, sel, dsa_acts, y);
+    }
+  };
+  parts.attention_backward = [&](int64_t i, const float* a, const Selection& sel, const float* dy, float* da) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.kda) {
+      kda_layer_backward(*lw.kda, c, a, T, cu, kda_acts, dy, da, *grads.layers[i].kda);
+    } else {
+      dsa_layer_backward(*lw.dsa, c, a, T, cu, sel, dsa_acts, dy, da, *grads.layers[i].dsa);
+    }
+  };
+  parts.ffn_train = [&](int64_t i, const float* a, const Routing& route, float* y) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a, T, D, y);
+    } else {
+      moe_forward_routed(*lw.moe, c, a, T, route, y);
+    }
+  };
+  parts.ffn_backward = [&](int64_t i, const float* a, const Routing& route, const float* dy, float* da) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_backward(*lw.mlp, limit, a, T, D, dy, da, *grads.layers[i].mlp);
+    } else {
+      moe_backward(*lw.moe, c, a, T, route, dy, da, *grads.layers[i].moe);
+    }
+  };
+  parts.embed_backward = [&](const std::vector<int32_t>& tokens, const float* dh) {
+    embedding_backward(tokens.data(), T, S, dh, c.pad_token_id, grads.embed);
+  };
+  return forward_backward(c, w, batch, grads, parts);
 }
 
 std::string text_prefix(const Checkpoint& ckpt) {

@@ -2,12 +2,14 @@
 // gradients' names and shapes in the checkpoint's hub layout (what `nextlm grad` writes).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "io/safetensors.h"
 #include "model/backward.h"
 #include "model/model.h"
+#include "model/moe.h"
 
 namespace nextlm {
 
@@ -21,6 +23,27 @@ namespace nextlm {
 // one layer at a time with its *_forward_train and walks back through it, so activation memory is one layer's plus
 // 2·layers·T·S·D floats of streams.
 double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads);
+
+// The pieces of model_forward_backward around its fixed skeleton (the mHC sites, the RMSNorms and the layer loop),
+// so that the tensor/expert-parallel trainer (src/dist) runs the same skeleton with its sharded sub-layers. Each
+// forward gives the full sub-layer output and each backward adds the full input gradient (collectives inside).
+struct TrainParts {
+  std::function<void(const std::vector<int32_t>& tokens, float* e)> embed;  // e [T, D]
+  // The forward pass of layer i: attention (`sel` as in AttentionFn) and feed-forward (`route`: the MoE's choices).
+  std::function<void(int64_t i, const float* a, float* y, Selection& sel)> attention;
+  std::function<void(int64_t i, const float* a, float* y, Routing& route)> ffn;
+  // The loss from the final streams h [T, S, D]: adds dL/dh into dh and the head's gradients into the gradients.
+  std::function<double(const float* h, float* dh)> head;
+  // Layer i's sub-layer recomputed with its activations kept, then its backward (called right after it).
+  std::function<void(int64_t i, const float* a, const Selection& sel, float* y)> attention_train;
+  std::function<void(int64_t i, const float* a, const Selection& sel, const float* dy, float* da)> attention_backward;
+  std::function<void(int64_t i, const float* a, const Routing& route, float* y)> ffn_train;
+  std::function<void(int64_t i, const float* a, const Routing& route, const float* dy, float* da)> ffn_backward;
+  std::function<void(const std::vector<int32_t>& tokens, const float* dh)> embed_backward;  // dh [T, S, D]
+};
+// The skeleton: c and w give the mHC and norm weights, grads receives theirs.
+double forward_backward(const ModelConfig& c, const ModelWeights& w, const PackedBatch& batch, ModelWeights& grads,
+                        const TrainParts& parts);
 
 // The text-model prefix of a checkpoint's tensor names ("model.language_model." or "model."), chosen as the loader
 // chooses it.
