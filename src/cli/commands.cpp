@@ -216,6 +216,25 @@ int write_score_outputs(const ScoreArgs& a, const std::vector<std::vector<int32_
                         const std::vector<std::vector<double>>& lps, const std::vector<Tensor>& logits,
                         std::optional<AtomicFile>& out_file, std::chrono::steady_clock::time_point t0);
 
+// Whether this run is a tensor/expert-parallel one: under mpirun, or with --tp/--ep.
+bool parallel_run(int tp, int ep) { return tp > 1 || ep > 1 || dist::launched_by_mpi(); }
+
+// The mesh and this rank's slices of the model in DIR, with the flag errors (no MPI, a layout that does not divide
+// the world or the model's heads and experts) found before any work and reported as usage errors.
+void load_parallel(const std::string& dir, int tp, int ep, std::optional<dist::Mesh>& mesh,
+                   std::optional<dist::ShardedModel>& model) {
+  if (!dist::mpi_available() && (tp > 1 || ep > 1))
+    throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
+  const ModelConfig cfg = load_config((fs::path(dir) / "config.json").string());
+  try {
+    dist::validate_layout({tp, ep}, dist::world().size(), cfg);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  mesh.emplace(dist::world(), dist::ParallelOptions{tp, ep});
+  model = dist::load_sharded(dir, *mesh);
+}
+
 #ifdef NEXTLM_HAVE_CUDA
 // The rows [T, V] of a packed batch's logits, one tensor per sequence.
 std::vector<Tensor> split_sequences(const Tensor& all, const PackedBatch& batch) {
@@ -248,20 +267,14 @@ int cmd_score(const ScoreArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
   check_model_dir(a.model);
   // Under mpirun, or with --tp/--ep, every rank loads its slices and runs the parallel forward; rank 0 writes.
-  if (a.tp > 1 || a.ep > 1 || dist::launched_by_mpi()) {
+  if (parallel_run(a.tp, a.ep)) {
     if (a.device != "cpu") throw UsageError("--tp/--ep and mpirun run on --device cpu only");
     if (!a.adapter.empty()) throw UsageError("--adapter is not supported with --tp/--ep or mpirun (merge it first)");
-    if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
-      throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
-    // Flag errors before any work: the world size and the model's head and expert counts.
-    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
-    try {
-      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
-    } catch (const Error& e) {
-      throw UsageError(e.what());
-    }
-    dist::Mesh mesh(dist::world(), {a.tp, a.ep});
-    const dist::ShardedModel model = dist::load_sharded(a.model, mesh);
+    std::optional<dist::Mesh> mesh_slot;
+    std::optional<dist::ShardedModel> model_slot;
+    load_parallel(a.model, a.tp, a.ep, mesh_slot, model_slot);
+    const dist::Mesh& mesh = *mesh_slot;
+    const dist::ShardedModel& model = *model_slot;
     const auto seqs = read_token_jsonl(a.input, model.config.vocab_size);
     PackedBatch batch;
     for (const auto& s : seqs) batch.add(s);
@@ -398,18 +411,9 @@ int cmd_grad(const GradArgs& a) {
   double loss = 0.0;
   std::vector<std::vector<int32_t>> seqs;
   PackedBatch batch;
-  if (a.tp > 1 || a.ep > 1 || dist::launched_by_mpi()) {
-    if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
-      throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
-    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
-    try {
-      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
-    } catch (const Error& e) {
-      throw UsageError(e.what());
-    }
-    mesh.emplace(dist::world(), dist::ParallelOptions{a.tp, a.ep});
-    sharded = dist::load_sharded(a.model, *mesh);
-    seqs = read_token_jsonl(a.input, cfg.vocab_size);
+  if (parallel_run(a.tp, a.ep)) {
+    load_parallel(a.model, a.tp, a.ep, mesh, sharded);
+    seqs = read_token_jsonl(a.input, sharded->config.vocab_size);
     for (const auto& s : seqs) batch.add(s);
     ModelWeights local = zeros_like(sharded->weights);
     loss = dist::parallel_forward_backward(*sharded, *mesh, batch, local);
@@ -498,17 +502,8 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   std::optional<Model> model;
   std::optional<dist::Mesh> mesh;
   std::optional<dist::ShardedModel> sharded;
-  if (a.tp > 1 || a.ep > 1 || dist::launched_by_mpi()) {
-    if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
-      throw UsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
-    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
-    try {
-      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
-    } catch (const Error& e) {
-      throw UsageError(e.what());
-    }
-    mesh.emplace(dist::world(), dist::ParallelOptions{a.tp, a.ep});
-    sharded = dist::load_sharded(a.model, *mesh);
+  if (parallel_run(a.tp, a.ep)) {
+    load_parallel(a.model, a.tp, a.ep, mesh, sharded);
   } else {
     model.emplace(Model::load(a.model));
   }
