@@ -18,60 +18,16 @@ void add_into(float* dst, const float* src, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
-// The expert part of the MoE backward for the experts this rank holds, on all T tokens (every rank holds them):
-// returns their input gradient in dx_experts [T, D] and dL/d(routing weight) in dweights [T, k], both partial (this
-// rank's experts only) until all-reduced over the EP group.
-void experts_backward(const MoeWeights& w, const ShardedModel& m, const float* x, int64_t T, const Routing& r,
-                      const std::vector<float>& weights, const float* dy, float* dx_experts, float* dweights,
-                      MoeWeights& dw) {
-  const ModelConfig& c = m.config;
-  const int64_t D = c.hidden_size, k = c.num_experts_per_tok;
-  const float L = static_cast<float>(c.swiglu_limit);
-  for (int64_t e = m.experts.begin; e < m.experts.end; ++e) {
-    std::vector<std::pair<int64_t, int64_t>> list;  // (token, slot) in token order, as moe_backward
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < k; ++i)
-        if (r.experts[t * k + i] == e) list.emplace_back(t, i);
-    if (list.empty()) continue;
-    const int64_t n = static_cast<int64_t>(list.size());
-    const MlpWeights& ew = w.experts[e - m.experts.begin];
-    std::vector<float> xin(n * D), out(n * D), dout(n * D), dxin(n * D, 0.0f);
-    for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
-    mlp_forward(ew, L, xin.data(), n, D, out.data());
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = list[i].first, slot = t * k + list[i].second;
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        acc += dy[t * D + d] * out[i * D + d];
-        dout[i * D + d] = weights[slot] * dy[t * D + d];
-      }
-      dweights[slot] = acc;
-    }
-    mlp_backward(ew, L, xin.data(), n, D, dout.data(), dxin.data(), dw.experts[e - m.experts.begin]);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; ++d) dx_experts[list[i].first * D + d] += dxin[i * D + d];
-  }
-}
-
-// Backward of the MoE sub-layer: da [T, D] += …, with the collectives of parallel_train.h.
+// Backward of the MoE sub-layer: da [T, D] += …, with the collectives of parallel_train.h. Every rank holds all T
+// tokens: each EP rank runs the backward of its own experts on the tokens routed to them (their input gradients and
+// routing-weight gradients then all-reduced over EP), and takes the replicated router's backward itself.
 void moe_parallel_backward(const MoeWeights& w, const ShardedModel& m, const Mesh& mesh, const float* x, int64_t T,
                            const Routing& r, const float* dy, float* da, MoeWeights& dw) {
   const ModelConfig& c = m.config;
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
-  const float L = static_cast<float>(c.swiglu_limit), rsf = static_cast<float>(c.routed_scaling_factor);
-  // Router scores and routing weights (as route_forward / moe_backward's routed_weights).
-  std::vector<float> s(T * E), weights(T * k);
-  cpu::linear(x, T, D, w.router, s.data());
-  for (float& v : s) v = sigmoidf(v);
-  for (int64_t t = 0; t < T; ++t) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) sum += s[t * E + r.experts[t * k + i]];
-    for (int64_t i = 0; i < k; ++i) {
-      float wt = s[t * E + r.experts[t * k + i]];
-      if (c.norm_topk_prob) wt /= sum + 1e-20f;
-      weights[t * k + i] = wt * rsf;
-    }
-  }
+  const float L = static_cast<float>(c.swiglu_limit);
+  std::vector<float> s, weights;
+  routed_weights(w, c, x, T, r, s, weights);
   // Shared expert: tensor-parallel, its input gradient partial over TP.
   std::vector<float> dx_shared(T * D, 0.0f);
   if (w.shared) {
@@ -80,28 +36,15 @@ void moe_parallel_backward(const MoeWeights& w, const ShardedModel& m, const Mes
   }
   // Routed experts: partial over EP.
   std::vector<float> dx_experts(T * D, 0.0f), dweights(T * k, 0.0f);
-  experts_backward(w, m, x, T, r, weights, dy, dx_experts.data(), dweights.data(), dw);
+  const auto assigned = expert_assignments(r, T, E, k);
+  for (int64_t e = m.experts.begin; e < m.experts.end; ++e)
+    expert_backward(w.experts[e - m.experts.begin], L, x, assigned[e], D, k, weights, dy, dx_experts.data(),
+                    dweights.data(), dw.experts[e - m.experts.begin]);
   mesh.ep->all_reduce_sum(dx_experts.data(), dx_experts.size());
   mesh.ep->all_reduce_sum(dweights.data(), dweights.size());
   add_into(da, dx_shared.data(), dx_shared.size());
   add_into(da, dx_experts.data(), dx_experts.size());
-  // Router (replicated): dlogits from the routing-weight gradients, as moe_backward.
-  std::vector<float> dlogits(T * E, 0.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    float sum = 0.0f, wdot = 0.0f;
-    for (int64_t i = 0; i < k; ++i) {
-      const float se = s[t * E + r.experts[t * k + i]];
-      sum += se;
-      wdot += dweights[t * k + i] * se;
-    }
-    const float Z = sum + 1e-20f;
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t e = r.experts[t * k + i];
-      const float ds = c.norm_topk_prob ? rsf * (dweights[t * k + i] / Z - wdot / (Z * Z)) : rsf * dweights[t * k + i];
-      dlogits[t * E + e] += ds * s[t * E + e] * (1.0f - s[t * E + e]);
-    }
-  }
-  cpu::linear_backward(x, T, D, w.router, dlogits.data(), da, &dw.router);
+  router_backward(w, c, x, T, r, s, dweights.data(), da, dw);
 }
 
 // The vocab-parallel head: mean over streams, final RMSNorm, lm_head slice, cross-entropy with the log-sum-exp

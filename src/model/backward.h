@@ -20,6 +20,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "model/config.h"
@@ -145,6 +146,21 @@ void moe_forward_routed(const MoeWeights& w, const ModelConfig& c, const float* 
 // optional normalisation, scaling); each expert through its tokens; the shared expert through all. dx += ….
 void moe_backward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& routing,
                   const float* dy, float* dx, MoeWeights& dw);
+
+// The pieces of moe_backward (also the expert-parallel backward's, src/dist):
+// the router's sigmoid scores s [T, E] and the chosen experts' weights [T, k] (as route_forward);
+void routed_weights(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& routing,
+                    std::vector<float>& s, std::vector<float>& weights);
+// for each expert, the (token, slot) pairs routed to it, in token order;
+using ExpertTokens = std::vector<std::pair<int64_t, int64_t>>;
+std::vector<ExpertTokens> expert_assignments(const Routing& routing, int64_t T, int64_t E, int64_t k);
+// one routed expert on its tokens: dx [T, D] += its input gradient (when dx is non-null), dweights [T, k] gets
+// dL/d(routing weight) of its slots, dew += its weights' gradients;
+void expert_backward(const MlpWeights& ew, float L, const float* x, const ExpertTokens& tokens, int64_t D, int64_t k,
+                     const std::vector<float>& weights, const float* dy, float* dx, float* dweights, MlpWeights& dew);
+// the router from the routing-weight gradients dweights [T, k]: dx += …, dw.router += ….
+void router_backward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& routing,
+                     const std::vector<float>& s, const float* dweights, float* dx, MoeWeights& dw);
 
 // ---- Final collapse, norm, lm_head and loss --------------------------------------------------------------------
 

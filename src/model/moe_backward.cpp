@@ -19,8 +19,8 @@ float silu_grad(float x) {
   return s * (1.0f + x * (1.0f - s));
 }
 
-// Router sigmoid scores s [T, E] and the weights [T, k] of the chosen experts: s, normalised over the k chosen when
-// norm_topk_prob (+1e-20 in the denominator), times routed_scaling_factor. As route_forward.
+}  // namespace
+
 void routed_weights(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
                     std::vector<float>& s, std::vector<float>& weights) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
@@ -33,21 +33,63 @@ void routed_weights(const MoeWeights& w, const ModelConfig& c, const float* x, i
     for (int64_t i = 0; i < k; ++i) sum += s[t * E + r.experts[t * k + i]];
     for (int64_t i = 0; i < k; ++i) {
       float wt = s[t * E + r.experts[t * k + i]];
-      if (c.norm_topk_prob) wt /= sum + 1e-20f;
+      if (c.norm_topk_prob) wt /= sum + 1e-20f;  // normalised over the k chosen, +1e-20 as route_forward
       weights[t * k + i] = wt * static_cast<float>(c.routed_scaling_factor);
     }
   }
 }
 
-// For each expert, the (token, slot) pairs routed to it, in token order.
-std::vector<std::vector<std::pair<int64_t, int64_t>>> assignments(const Routing& r, int64_t T, int64_t E, int64_t k) {
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> out(E);
+std::vector<ExpertTokens> expert_assignments(const Routing& r, int64_t T, int64_t E, int64_t k) {
+  std::vector<ExpertTokens> out(E);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < k; ++i) out[r.experts[t * k + i]].emplace_back(t, i);
   return out;
 }
 
-}  // namespace
+void expert_backward(const MlpWeights& ew, float L, const float* x, const ExpertTokens& list, int64_t D, int64_t k,
+                     const std::vector<float>& weights, const float* dy, float* dx, float* dweights, MlpWeights& dew) {
+  if (list.empty()) return;
+  const int64_t n = static_cast<int64_t>(list.size());
+  std::vector<float> xin(n * D), out(n * D), dout(n * D), dxin(n * D, 0.0f);
+  for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
+  mlp_forward(ew, L, xin.data(), n, D, out.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = list[i].first, slot = t * k + list[i].second;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      acc += dy[t * D + d] * out[i * D + d];
+      dout[i * D + d] = weights[slot] * dy[t * D + d];
+    }
+    dweights[slot] = acc;
+  }
+  mlp_backward(ew, L, xin.data(), n, D, dout.data(), dxin.data(), dew);
+  if (dx)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < D; ++d) dx[list[i].first * D + d] += dxin[i * D + d];
+}
+
+void router_backward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
+                     const std::vector<float>& s, const float* dweights, float* dx, MoeWeights& dw) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
+  const float rsf = static_cast<float>(c.routed_scaling_factor);
+  // Weights from the sigmoid scores of the chosen experts: dlogits [T, E] is zero off the chosen ones.
+  std::vector<float> dlogits(T * E, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f, wdot = 0.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float se = s[t * E + r.experts[t * k + i]];
+      sum += se;
+      wdot += dweights[t * k + i] * se;
+    }
+    const float Z = sum + 1e-20f;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t e = r.experts[t * k + i];
+      const float ds = c.norm_topk_prob ? rsf * (dweights[t * k + i] / Z - wdot / (Z * Z)) : rsf * dweights[t * k + i];
+      dlogits[t * E + e] += ds * s[t * E + e] * (1.0f - s[t * E + e]);
+    }
+  }
+  cpu::linear_backward(x, T, D, w.router, dlogits.data(), dx, &dw.router);
+}
 
 void mlp_backward(const MlpWeights& w, float L, const float* x, int64_t T, int64_t D, const float* dy, float* dx,
                   MlpWeights& dw) {
@@ -77,7 +119,7 @@ void moe_forward_routed(const MoeWeights& w, const ModelConfig& c, const float* 
   } else {
     std::fill(y, y + T * D, 0.0f);
   }
-  const auto assigned = assignments(r, T, E, k);
+  const auto assigned = expert_assignments(r, T, E, k);
   for (int64_t e = 0; e < E; ++e) {
     const auto& list = assigned[e];
     if (list.empty()) continue;
@@ -95,53 +137,16 @@ void moe_forward_routed(const MoeWeights& w, const ModelConfig& c, const float* 
 void moe_backward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
                   const float* dy, float* dx, MoeWeights& dw) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok;
-  const float L = static_cast<float>(c.swiglu_limit), rsf = static_cast<float>(c.routed_scaling_factor);
+  const float L = static_cast<float>(c.swiglu_limit);
   std::vector<float> s, weights;
   routed_weights(w, c, x, T, r, s, weights);
   if (w.shared) mlp_backward(*w.shared, L, x, T, D, dy, dx, *dw.shared);
-
   // Experts on their gathered tokens: y[t] += w[t, i]·expert(x[t]).
   std::vector<float> dweights(T * k, 0.0f);
-  const auto assigned = assignments(r, T, E, k);
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& list = assigned[e];
-    if (list.empty()) continue;
-    const int64_t n = static_cast<int64_t>(list.size());
-    std::vector<float> xin(n * D), out(n * D), dout(n * D), dxin(n * D, 0.0f);
-    for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
-    mlp_forward(w.experts[e], L, xin.data(), n, D, out.data());
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = list[i].first, slot = t * k + list[i].second;
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        acc += dy[t * D + d] * out[i * D + d];
-        dout[i * D + d] = weights[slot] * dy[t * D + d];
-      }
-      dweights[slot] = acc;
-    }
-    mlp_backward(w.experts[e], L, xin.data(), n, D, dout.data(), dxin.data(), dw.experts[e]);
-    if (dx)
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < D; ++d) dx[list[i].first * D + d] += dxin[i * D + d];
-  }
-
-  // Router: weights from the sigmoid scores of the chosen experts; dlogits [T, E] is zero off the chosen ones.
-  std::vector<float> dlogits(T * E, 0.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    float sum = 0.0f, wdot = 0.0f;
-    for (int64_t i = 0; i < k; ++i) {
-      const float se = s[t * E + r.experts[t * k + i]];
-      sum += se;
-      wdot += dweights[t * k + i] * se;
-    }
-    const float Z = sum + 1e-20f;
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t e = r.experts[t * k + i];
-      const float ds = c.norm_topk_prob ? rsf * (dweights[t * k + i] / Z - wdot / (Z * Z)) : rsf * dweights[t * k + i];
-      dlogits[t * E + e] += ds * s[t * E + e] * (1.0f - s[t * E + e]);
-    }
-  }
-  cpu::linear_backward(x, T, D, w.router, dlogits.data(), dx, &dw.router);
+  const auto assigned = expert_assignments(r, T, E, k);
+  for (int64_t e = 0; e < E; ++e)
+    expert_backward(w.experts[e], L, x, assigned[e], D, k, weights, dy, dx, dweights.data(), dw.experts[e]);
+  router_backward(w, c, x, T, r, s, dweights.data(), dx, dw);
 }
 
 }  // namespace nextlm
