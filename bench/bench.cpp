@@ -9,6 +9,7 @@
 
 #include "cuda/device_model.h"
 #include "cuda/testing.h"
+#include "decode.h"
 #include "moe_gemm.h"
 #include "slice4.h"
 
@@ -80,6 +81,10 @@ int main(int argc, char** argv) {
        }},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
+      // Decoding steps on the slice after 4096-token prompts (bench/decode.cpp).
+      {"slice4_decode_b1", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 1); }},
+      {"slice4_decode_b16", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 16); }},
+      {"slice4_decode_b64", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 64); }},
       {"mhc", nextlm::bench::mhc_share_case},
       {"moe_grouped_gemm", nextlm::bench::moe_grouped_gemm_case},  // bench/moe_gemm.cu
   };

@@ -502,12 +502,27 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   std::optional<Model> model;
   std::optional<dist::Mesh> mesh;
   std::optional<dist::ShardedModel> sharded;
+#ifdef NEXTLM_HAVE_CUDA
+  std::unique_ptr<CudaModel> gpu;
+#endif
   if (parallel_run(a.tp, a.ep)) {
+    if (a.device != "cpu") throw UsageError("--tp/--ep and mpirun run on --device cpu only");
     load_parallel(a.model, a.tp, a.ep, mesh, sharded);
+  } else if (a.device == "cuda") {
+#ifdef NEXTLM_HAVE_CUDA
+    // Straight from the checkpoint in bf16, as `score --device cuda` loads it, so that the log-probs reported here
+    // agree with its scores.
+    gpu = CudaModel::load(a.model);
+    std::cerr << "warning: decoding on the GPU (--device cuda) has not been checked on a GPU yet; --device cpu is the "
+                 "reference\n";
+#endif
   } else {
     model.emplace(Model::load(a.model));
   }
-  const int64_t V = model ? model->config().vocab_size : sharded->config.vocab_size;
+  int64_t V = model ? model->config().vocab_size : sharded ? sharded->config.vocab_size : 0;
+#ifdef NEXTLM_HAVE_CUDA
+  if (gpu) V = gpu->config().vocab_size;
+#endif
   // A model directory with tokenizer.json reads and writes text with it; without one, byte-level models (a 256-token
   // vocabulary) use UTF-8 bytes, and others take token ids only.
   std::optional<Tokenizer> tokenizer;
@@ -539,7 +554,16 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   for (int32_t id : opt.stop_tokens)
     check(id < V, "--stop-tokens: token id ", id, " is outside the vocabulary [0, ", V, ")");
 
-  const Generation g = model ? generate(*model, prompt, opt) : dist::parallel_generate(*sharded, *mesh, prompt, opt);
+  Generation g;
+  if (model) {
+    g = generate(*model, prompt, opt);
+  } else if (sharded) {
+    g = dist::parallel_generate(*sharded, *mesh, prompt, opt);
+  } else {
+#ifdef NEXTLM_HAVE_CUDA
+    g = cuda_generate(*gpu, prompt, opt);  // CudaDecoder: prefill, then one-token steps on the device
+#endif
+  }
   if (dist::world().rank() != 0) return 0;
   std::ostringstream os;
   if (a.format == "json") {
@@ -677,8 +701,8 @@ int run_cli_impl(int argc, char** argv) {
       ->capture_default_str();
   ge->add_option("--stop-tokens", gen.stop_tokens, "comma-separated ids that end generation (and are output)")
       ->check(non_empty());
-  ge->add_option("--device", gen.device, "compute device (cpu)")
-      ->check(one_of({"cpu"}, "a device generate runs on"))
+  ge->add_option("--device", gen.device, "compute device (cpu, or cuda in a CUDA build)")
+      ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();
   ge->add_option("--format", gen.format,
                  "text (decoded with tokenizer.json, bytes of a byte-level model, else ids) or json (+ \"text\" "

@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(kLinWarps * 32)
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   if (kVec) {
     const int64_t nc = in / 8;
+#pragma unroll 4
     for (int64_t c = lane; c < nc; c += 32) {
       float wf[8], xf[8];
       unpack8(__ldg(reinterpret_cast<const uint4*>(w) + c), wf);
@@ -377,7 +378,8 @@ __global__ void indexer_select_kernel(IndexerDecodeParams p, int32_t* sel, int32
       eq_left -= eq_left < __popc(eq_mask) ? eq_left : __popc(eq_mask);
     }
     if (p.tail)
-      for (int64_t i = selectable * p.P + lane; i <= rel; i += 32) out[n + i - selectable * p.P] = static_cast<int32_t>(i);
+      for (int64_t i = selectable * p.P + lane; i <= rel; i += 32)
+        out[n + i - selectable * p.P] = static_cast<int32_t>(i);
     if (lane == 0) count[b] = static_cast<int32_t>(n + (p.tail ? rel + 1 - selectable * p.P : 0));
   }
 }
@@ -450,7 +452,8 @@ __global__ void mla_attention_kernel(MlaDecodeParams p) {
   for (int64_t l = tid; l < KL; l += nt) {
     float acc = 0.0f;
 #pragma unroll 8
-    for (int64_t i = 0; i < n; ++i) acc = fmaf(pr[i], __bfloat162float(lat[static_cast<int64_t>(keys[i]) * KL + l]), acc);
+    for (int64_t i = 0; i < n; ++i)
+      acc = fmaf(pr[i], __bfloat162float(lat[static_cast<int64_t>(keys[i]) * KL + l]), acc);
     cs[l] = acc / den;
   }
   __syncthreads();

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 
+#include "cuda/decode_kernels.h"
 #include "cuda/distribution_compare.h"
 #include "cuda/gemm.h"
 #include "cuda/grouped_gemm.h"
@@ -262,7 +263,29 @@ class RandomSource : public WeightSource {
 struct Plan {
   int64_t T = 0, num_seqs = 0, max_len = 0, max_pools = 0, num_pools = 0;
   int32_t *tokens, *targets, *seq_start, *seq_len, *pool_base, *pool_token;
+  int32_t* seen_len;  // per token: its position in its sequence + 1 (the keys an empty selection sees if SeenKeys)
   KdaChunks chunks{};
+};
+
+// One layer's decoding caches for every slot of a CudaDecoder (device memory the decoder owns).
+struct LayerCache {
+  float* conv_hist = nullptr;     // KDA: [slots, 3, W−1, HK] pre-conv projections of the last W−1 tokens
+  float* state = nullptr;         // KDA: [slots, H, K, K] recurrent state, fp32
+  bf16* latent = nullptr;         // DSA: [slots, max_len, KL] normed kv latents (bf16, as the forward feeds kv_b)
+  float* pending_key = nullptr;   // full indexer: [slots, P, ID] keys of the incomplete pool
+  float* pending_gate = nullptr;  // full indexer: [slots, P, ID] their gate scores
+  float* pool_key = nullptr;      // full indexer: [slots, max_pools, ID] compressed keys of complete pools
+};
+
+// While a prefill runs, what its forward fills besides its own work, and where.
+struct Capture {
+  const LayerCache* layers;  // [num layers]
+  PrefillSeqs seqs;          // the prompts (packed order) and their slots
+  const int32_t* seq_index;  // [N] 0 … N−1
+  const int32_t* pool_base;  // [N] each prompt's pool 0 among the forward's pool keys
+  const int32_t* tok_slot;   // [T] slot of every packed token
+  const int32_t* tok_pos;    // [T] its position in its sequence
+  int64_t max_len, max_pools;
 };
 
 }  // namespace
@@ -284,6 +307,11 @@ struct CudaModel::Impl {
 
   cudaEvent_t fwd_begin = nullptr, fwd_end = nullptr;
   double last_ms = 0.0;
+
+  bool empty_seen = false;       // empty selections attend to keys 0 … t (EmptySelection::SeenKeys), not all keys
+  bool kda_tensor_cores = true;  // the tensor-core KDA where it supports the config (else the fp32 kernels)
+  const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
+  size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
 
   Impl(const ModelConfig& c, int dev) : cfg(c), device(dev) {
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
@@ -476,6 +504,8 @@ struct CudaModel::Impl {
       sn.push_back(static_cast<int32_t>(cs.size()) - sf.back());
     }
     p.num_pools = static_cast<int64_t>(pool_token.size());
+    std::vector<int32_t> seen(p.T);
+    for (int64_t t = 0; t < p.T; ++t) seen[t] = static_cast<int32_t>(t - start[t] + 1);
     auto up = [&](const std::vector<int32_t>& v) {
       int32_t* d = arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
       NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
@@ -487,6 +517,7 @@ struct CudaModel::Impl {
     p.seq_len = up(len);
     p.pool_base = up(pool_base);
     p.pool_token = up(pool_token);
+    p.seen_len = up(seen);
     p.chunks = KdaChunks{up(cs), up(cl), up(sf), up(sn), static_cast<int64_t>(cs.size()), p.num_seqs};
     // The uploads read host vectors that die here: wait for them.
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -509,9 +540,12 @@ struct CudaModel::Impl {
     const bool has_bound = cfg.linear_lower_bound.has_value();
     const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
     // The tensor-core path (bf16 q/k/v, gate in the kernel) for the safe gate; the fp32 kernels otherwise.
-    const bool tc = kda_tc_supported(K, has_bound, bound);
+    const bool tc = kda_tensor_cores && kda_tc_supported(K, has_bound, bound);
     float* raw = arena.alloc<float>(T * 3 * HK);
     gemm->run(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, T);
+    // A prefill keeps each prompt's conv history and final state in its slot.
+    const cuda::LayerCache* cache = capture ? &capture->layers[cur_layer] : nullptr;
+    if (cache) kda_store_conv_hist(raw, capture->seqs, cache->conv_hist, HK, cfg.linear_conv_kernel_dim, stream);
     float* fa = arena.alloc<float>(T * K);
     bf16* fa16 = arena.alloc<bf16>(T * K);
     float* g = arena.alloc<float>(T * HK);
@@ -533,9 +567,11 @@ struct CudaModel::Impl {
       kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
       bf16* o = arena.alloc<bf16>(T * HK);
       void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(p.chunks.num_chunks, H, K));
+      float* s_out = cache ? arena.alloc<float>(p.num_seqs * H * K * K) : nullptr;
       mark_begin("kda core");
       kda_chunked_tc(q, k, v, g, beta, w.dt_bias, w.A_log, bound, o, p.chunks,
-                     kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, nullptr, nullptr, stream);
+                     kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, nullptr, s_out, stream);
+      if (cache) copy_rows(s_out, capture->seq_index, cache->state, capture->seqs.slot, p.num_seqs, H * K * K, stream);
       mark_end("kda core");
       kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
     } else {
@@ -546,6 +582,7 @@ struct CudaModel::Impl {
       float* work = arena.alloc<float>(kda_workspace_floats(p.chunks.num_chunks, H, K));
       mark_begin("kda core");
       kda_chunked(q, k, v, g, beta, o, p.chunks, work, T, H, K, stream);
+      if (cache) kda_final_state(q, k, v, g, beta, capture->seqs, cache->state, H, K, stream);
       mark_end("kda core");
       kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
     }
@@ -569,6 +606,10 @@ struct CudaModel::Impl {
     float* kv = arena.alloc<float>(T * NH * (dqk + dv));
     gemm->run(a, D, w.kv_a.w, KL, D, lat, KL, T);
     rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, T, KL, eps, stream);
+    // A prefill keeps each prompt's latents and indexer pools in its slot.
+    const cuda::LayerCache* cache = capture ? &capture->layers[cur_layer] : nullptr;
+    if (cache)
+      mla_decode_append(lat16, capture->tok_slot, capture->tok_pos, cache->latent, T, KL, capture->max_len, stream);
     gemm->run(lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, kv, NH * (dqk + dv), T);
     if (w.has_indexer) {
       mark_begin("indexer");
@@ -583,6 +624,9 @@ struct CudaModel::Impl {
       IndexerParams ip{qi, ki, gs, wts, w.idx.ape, p.seq_start, p.seq_len, T, IH, ID, cfg.index_kpool,
                        cfg.index_topk, p.max_pools, cfg.index_kpool_always_select_tail};
       pool_keys(ip, p.pool_token, p.num_pools, pk, stream);
+      if (cache)
+        indexer_store_prefill(ki, gs, pk, capture->pool_base, capture->seqs, cache->pending_key, cache->pending_gate,
+                              cache->pool_key, cfg.index_kpool, ID, capture->max_pools, stream);
       indexer_select(ip, p.pool_base, pk, sel, count, max_sel, stream);
       mark_end("indexer");
     }
@@ -594,10 +638,11 @@ struct CudaModel::Impl {
       to_bf16(kv, kv16, T * NH * (dqk + dv), stream);
       const int64_t words = mla_mask_words(p.max_len);
       uint32_t* mask = arena.alloc<uint32_t>(T * words);
-      mla_sparse_attention_tc(q16, kv16, sel, count, p.seq_start, p.seq_len, o, mask, words, T, NH, dqk, dv, max_sel,
-                              stream);
+      mla_sparse_attention_tc(q16, kv16, sel, count, p.seq_start, empty_seen ? p.seen_len : p.seq_len, o, mask,
+                              words, T, NH, dqk, dv, max_sel, stream);
     } else {
-      mla_sparse_attention(q, kv, sel, count, p.seq_start, p.seq_len, o, T, NH, dqk, dv, max_sel, stream);
+      mla_sparse_attention(q, kv, sel, count, p.seq_start, empty_seen ? p.seen_len : p.seq_len, o, T, NH, dqk, dv,
+                           max_sel, stream);
     }
     mark_end("sparse attention");
     gemm->run(o, NH * dv, w.o.w, D, NH * dv, y, D, T);
@@ -684,6 +729,7 @@ struct CudaModel::Impl {
     embed_streams(p.tokens, embed, h, T, S, D, stream);
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     for (size_t i = 0; i < layers.size(); ++i) {
+      cur_layer = i;
       const DLayer& L = layers[i];
       mark_begin("mhc");
       cuda::mhc_pre(mhc_params(L, false, T), h, post, comb, a, stream);
@@ -713,6 +759,173 @@ struct CudaModel::Impl {
     bf16* hn = arena.alloc<bf16>(T * D);
     stream_mean_norm(h, final_norm, hn, T, S, D, eps, stream);
     return hn;
+  }
+
+  // ---- Decoding (CudaDecoder): one token for each of B slots through the decoding kernels, every reduction in an
+  // order fixed by the shapes (src/cuda/decode_kernels.h). The GEMMs are decode_linear, not cuBLASLt, whose
+  // algorithm may change with B.
+
+  void mlp_step(const cuda::DMlp& m, const cuda::bf16* a, int64_t B, float* y) {
+    using namespace cuda;
+    const int64_t D = cfg.hidden_size;
+    float* gu = arena.alloc<float>(B * 2 * m.I);
+    bf16* act = arena.alloc<bf16>(B * m.I);
+    decode_linear(a, D, m.gate_up.w, 2 * m.I, D, gu, 2 * m.I, B, false, stream);
+    swiglu(gu, act, B, m.I, static_cast<float>(cfg.swiglu_limit), stream);
+    decode_linear(act, m.I, m.down.w, D, m.I, y, D, B, false, stream);
+  }
+
+  // Every (token, choice) gets its own row through its expert's matrices; moe_combine then sums each token's rows in
+  // choice order.
+  void moe_step(size_t layer, const cuda::bf16* a, int64_t B, float* y) {
+    using namespace cuda;
+    const DMoe& w = layers[layer].moe;
+    const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
+                  I = cfg.moe_intermediate_size, n = B * k;
+    float* logits = arena.alloc<float>(B * E);
+    decode_linear(a, D, w.router.w, E, D, logits, E, B, false, stream);
+    int32_t* experts = arena.alloc<int32_t>(n);
+    float* weights = arena.alloc<float>(n);
+    moe_route(logits, w.bias, experts, weights, B, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
+              static_cast<float>(cfg.routed_scaling_factor), stream);
+    float* gu = arena.alloc<float>(n * 2 * I);
+    bf16* act = arena.alloc<bf16>(n * I);
+    float* out = arena.alloc<float>(n * D);
+    decode_linear_gathered(a, D, k, w.gate_up_ptrs, experts, 2 * I, D, gu, 2 * I, n, stream);
+    swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
+    decode_linear_gathered(act, I, 1, w.down_ptrs, experts, D, I, out, D, n, stream);
+    if (w.has_shared) {
+      mlp_step(w.shared, a, B, y);
+    } else {
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, B * D * sizeof(float), stream));
+    }
+    int32_t* slot_of = arena.alloc<int32_t>(n);
+    cuda::iota(slot_of, n, stream);
+    moe_combine(y, out, slot_of, weights, B, k, D, stream);
+  }
+
+  void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, int64_t B, const int32_t* slot,
+                float* y) {
+    using namespace cuda;
+    const int64_t D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K;
+    const bool has_bound = cfg.linear_lower_bound.has_value();
+    const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
+    // Mirror the forward's roundings where it uses the tensor-core path (bf16 q, k, v and o).
+    const bool tc = kda_tensor_cores && kda_tc_supported(K, has_bound, bound);
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* raw = arena.alloc<float>(B * 3 * HK);
+    decode_linear(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, B, false, stream);
+    float* fa = arena.alloc<float>(B * K);
+    bf16* fa16 = arena.alloc<bf16>(B * K);
+    float* g = arena.alloc<float>(B * HK);
+    decode_linear(a, D, w.f_a.w, K, D, fa, K, B, false, stream);
+    to_bf16(fa, fa16, B * K, stream);
+    decode_linear(fa16, K, w.f_b.w, HK, K, g, HK, B, false, stream);
+    float* beta = arena.alloc<float>(B * H);
+    decode_linear(a, D, w.b.w, H, D, beta, H, B, false, stream);
+    sigmoid_inplace(beta, B * H, stream);
+    float* ga = arena.alloc<float>(B * K);
+    bf16* ga16 = arena.alloc<bf16>(B * K);
+    float* gate = arena.alloc<float>(B * HK);
+    decode_linear(a, D, w.g_a.w, K, D, ga, K, B, false, stream);
+    to_bf16(ga, ga16, B * K, stream);
+    decode_linear(ga16, K, w.g_b.w, HK, K, gate, HK, B, false, stream);
+    float* o = arena.alloc<float>(B * HK);
+    const KdaDecodeParams kp{raw, w.conv, g, w.dt_bias, w.A_log, beta, slot, c.conv_hist, c.state, o,
+                             B, H, K, cfg.linear_conv_kernel_dim, has_bound, bound, tc};
+    kda_decode_step(kp, stream);
+    bf16* o16 = arena.alloc<bf16>(B * HK);
+    if (tc) {
+      bf16* ob = arena.alloc<bf16>(B * HK);
+      to_bf16(o, ob, B * HK, stream);
+      kda_out_norm(ob, gate, w.o_norm, o16, B, H, K, eps, stream);
+    } else {
+      kda_out_norm(o, gate, w.o_norm, o16, B, H, K, eps, stream);
+    }
+    decode_linear(o16, HK, w.o.w, D, HK, y, D, B, false, stream);
+  }
+
+  struct StepRows {
+    int64_t B;
+    const int32_t *slot, *pos;  // [B]
+    int64_t max_len, max_pools, max_selectable;
+  };
+
+  void dsa_step(const cuda::DDsa& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, int32_t* sel,
+                int32_t* count, int64_t max_sel, float* y) {
+    using namespace cuda;
+    const int64_t B = r.B, D = cfg.hidden_size, NH = cfg.num_attention_heads, dqk = cfg.qk_nope_head_dim,
+                  dv = cfg.v_head_dim, QL = cfg.q_lora_rank, KL = cfg.kv_lora_rank;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* qa = arena.alloc<float>(B * QL);
+    bf16* qr = arena.alloc<bf16>(B * QL);
+    float* q = arena.alloc<float>(B * NH * dqk);
+    decode_linear(a, D, w.q_a.w, QL, D, qa, QL, B, false, stream);
+    rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
+    decode_linear(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B, false, stream);
+    float* lat = arena.alloc<float>(B * KL);
+    bf16* lat16 = arena.alloc<bf16>(B * KL);
+    decode_linear(a, D, w.kv_a.w, KL, D, lat, KL, B, false, stream);
+    rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, B, KL, eps, stream);
+    mla_decode_append(lat16, r.slot, r.pos, c.latent, B, KL, r.max_len, stream);
+    if (w.has_indexer) {
+      const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
+      float *qi = arena.alloc<float>(B * IH * ID), *ki = arena.alloc<float>(B * ID), *gs = arena.alloc<float>(B * ID),
+            *wts = arena.alloc<float>(B * IH), *scores = arena.alloc<float>(B * r.max_pools);
+      decode_linear(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, B, false, stream);
+      decode_linear(a, D, w.idx.wk.w, ID, D, ki, ID, B, false, stream);
+      layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, B, ID, 1e-6f, stream);
+      decode_linear(a, D, w.idx.gate.w, ID, D, gs, ID, B, false, stream);
+      decode_linear(a, D, w.idx.weights.w, IH, D, wts, IH, B, false, stream);
+      const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate,
+                                   c.pool_key, scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools,
+                                   r.max_selectable, cfg.index_kpool_always_select_tail};
+      indexer_decode_append(ip, stream);
+      indexer_decode_select(ip, sel, count, max_sel, stream);
+    }
+    bf16* o = arena.alloc<bf16>(B * NH * dv);
+    const MlaDecodeParams mp{q, w.kv_b.w, c.latent, r.slot, r.pos, sel, count, o, B, NH, dqk, dv, KL, r.max_len,
+                             max_sel};
+    mla_decode_attention(mp, stream);
+    decode_linear(o, NH * dv, w.o.w, D, NH * dv, y, D, B, false, stream);
+  }
+
+  // One decoding step: tokens tok [B] appended to slots r.slot at positions r.pos; returns the logits fp32 [B, V]
+  // (arena memory).
+  float* decode_step(const std::vector<cuda::LayerCache>& caches, const int32_t* tok, const StepRows& r) {
+    using namespace cuda;
+    const int64_t B = r.B, S = cfg.hc_mult, D = cfg.hidden_size, V = cfg.vocab_size;
+    float* h = arena.alloc<float>(B * S * D);
+    float* post = arena.alloc<float>(B * S);
+    float* comb = arena.alloc<float>(B * S * S);
+    bf16* a = arena.alloc<bf16>(B * D);
+    float* y = arena.alloc<float>(B * D);
+    const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
+    int32_t* sel = arena.alloc<int32_t>(B * max_sel);
+    int32_t* count = arena.alloc<int32_t>(B);
+    embed_streams(tok, embed, h, B, S, D, stream);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const DLayer& L = layers[i];
+      cuda::mhc_pre(mhc_params(L, false, B), h, post, comb, a, stream);
+      if (L.kda_layer) {
+        kda_step(L.kda, caches[i], a, B, r.slot, y);
+      } else {
+        dsa_step(L.dsa, caches[i], a, r, sel, count, max_sel, y);
+      }
+      mhc_post(h, y, post, comb, B, S, D, stream);
+      cuda::mhc_pre(mhc_params(L, true, B), h, post, comb, a, stream);
+      if (L.moe_layer) {
+        moe_step(i, a, B, y);
+      } else {
+        mlp_step(L.mlp, a, B, y);
+      }
+      mhc_post(h, y, post, comb, B, S, D, stream);
+    }
+    bf16* hn = arena.alloc<bf16>(B * D);
+    stream_mean_norm(h, final_norm, hn, B, S, D, static_cast<float>(cfg.rms_norm_eps), stream);
+    float* logits = arena.alloc<float>(B * V);
+    decode_linear(hn, D, lm_head, V, D, logits, V, B, false, stream);
+    return logits;
   }
 
   void start(const PackedBatch& b) {
@@ -931,6 +1144,258 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
   std::vector<cuda::bf16> a16 = to_host(ad, T * D, m.stream);
   a.resize(T * D);
   for (int64_t i = 0; i < T * D; ++i) a[i] = __bfloat162float(a16[i]);
+}
+
+void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e == EmptySelection::SeenKeys; }
+void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
+
+// ---- CudaDecoder ----
+
+struct CudaDecoder::State {
+  CudaModel::Impl* m;
+  int64_t slots, max_len, max_pools;
+  std::vector<int64_t> length;           // [slots]
+  std::vector<cuda::LayerCache> caches;  // [layers]
+  std::vector<std::pair<void*, size_t>> buffers;  // every cache allocation, [slot-major] with its bytes per slot
+  cudaEvent_t begin = nullptr, end = nullptr;
+  double ms = 0.0;
+
+  template <class T>
+  T* alloc(int64_t per_slot) {
+    const size_t bytes = static_cast<size_t>(per_slot) * sizeof(T);
+    void* p = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes * slots, 1)));
+    NEXTLM_CUDA_CHECK(cudaMemset(p, 0, bytes * slots));
+    buffers.emplace_back(p, bytes);
+    return static_cast<T*>(p);
+  }
+  ~State() {
+    for (auto& b : buffers) cudaFree(b.first);
+    if (begin) cudaEventDestroy(begin);
+    if (end) cudaEventDestroy(end);
+  }
+  void check_slot(int64_t s) const {
+    check(s >= 0 && s < slots, "decoder slot ", s, " is outside [0, ", slots, ")");
+  }
+};
+
+CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : st_(std::make_unique<State>()) {
+  State& s = *st_;
+  s.m = model.impl_.get();
+  const ModelConfig& c = s.m->cfg;
+  check(max_seqs >= 1 && max_len >= 1, "CudaDecoder needs at least one slot of at least one token, got ", max_seqs,
+        " × ", max_len);
+  s.slots = max_seqs, s.max_len = max_len, s.max_pools = std::max<int64_t>(max_len / c.index_kpool, 1);
+  s.length.assign(max_seqs, 0);
+  NEXTLM_CUDA_CHECK(cudaSetDevice(s.m->device));
+  const int64_t H = c.linear_num_heads, K = c.linear_head_dim, W1 = c.linear_conv_kernel_dim - 1;
+  s.caches.resize(s.m->layers.size());
+  for (size_t i = 0; i < s.m->layers.size(); ++i) {
+    cuda::LayerCache& lc = s.caches[i];
+    const cuda::DLayer& L = s.m->layers[i];
+    if (L.kda_layer) {
+      lc.conv_hist = s.alloc<float>(3 * W1 * H * K);
+      lc.state = s.alloc<float>(H * K * K);
+    } else {
+      lc.latent = s.alloc<cuda::bf16>(max_len * c.kv_lora_rank);
+      if (L.dsa.has_indexer) {
+        lc.pending_key = s.alloc<float>(c.index_kpool * c.index_head_dim);
+        lc.pending_gate = s.alloc<float>(c.index_kpool * c.index_head_dim);
+        lc.pool_key = s.alloc<float>(s.max_pools * c.index_head_dim);
+      }
+    }
+  }
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&s.begin));
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&s.end));
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroing ran outside the (non-blocking) model stream
+}
+
+CudaDecoder::~CudaDecoder() = default;
+
+int64_t CudaDecoder::max_seqs() const { return st_->slots; }
+int64_t CudaDecoder::max_len() const { return st_->max_len; }
+int64_t CudaDecoder::length(int64_t slot) const {
+  st_->check_slot(slot);
+  return st_->length[slot];
+}
+double CudaDecoder::last_ms() const { return st_->ms; }
+
+void CudaDecoder::clear(int64_t slot) {
+  State& s = *st_;
+  s.check_slot(slot);
+  for (auto& b : s.buffers)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(b.first) + b.second * slot, 0, b.second, s.m->stream));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(s.m->stream));
+  s.length[slot] = 0;
+}
+
+namespace {
+
+void check_distinct(const std::vector<int64_t>& slots, const char* what) {
+  std::vector<int64_t> v = slots;
+  std::sort(v.begin(), v.end());
+  check(std::adjacent_find(v.begin(), v.end()) == v.end(), what, ": a slot appears twice");
+}
+
+// Host rows of fp32 logits [n, V] from the device.
+std::vector<std::vector<float>> logits_to_host(const float* d, int64_t n, int64_t V, cudaStream_t st) {
+  std::vector<float> all(n * V);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(all.data(), d, all.size() * sizeof(float), cudaMemcpyDeviceToHost, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+  std::vector<std::vector<float>> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i].assign(all.begin() + i * V, all.begin() + (i + 1) * V);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>& slots,
+                                                     const std::vector<std::vector<int32_t>>& prompts) {
+  State& s = *st_;
+  CudaModel::Impl& m = *s.m;
+  const ModelConfig& c = m.cfg;
+  check(slots.size() == prompts.size() && !slots.empty(), "prefill: ", slots.size(), " slots for ", prompts.size(),
+        " prompts");
+  check_distinct(slots, "prefill");
+  PackedBatch b;
+  for (size_t n = 0; n < slots.size(); ++n) {
+    s.check_slot(slots[n]);
+    check(s.length[slots[n]] == 0, "prefill: slot ", slots[n], " already holds ", s.length[slots[n]], " tokens");
+    check(!prompts[n].empty(), "prefill: prompt ", n, " is empty");
+    check(static_cast<int64_t>(prompts[n].size()) <= s.max_len, "prefill: prompt ", n, " has ", prompts[n].size(),
+          " tokens, more than the decoder's ", s.max_len);
+    b.add(prompts[n]);
+  }
+  const int64_t N = b.num_seqs(), T = b.num_tokens(), D = c.hidden_size, V = c.vocab_size, P = c.index_kpool;
+  m.start(b);
+  NEXTLM_CUDA_CHECK(cudaEventRecord(s.begin, m.stream));
+  const cuda::Plan p = m.plan(b);
+  std::vector<int32_t> start(N), len(N), slot(N), index(N), pool_base(N), tok_slot(T), tok_pos(T);
+  int32_t pools = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    start[n] = static_cast<int32_t>(b.cu_seqlens[n]);
+    len[n] = static_cast<int32_t>(b.cu_seqlens[n + 1] - b.cu_seqlens[n]);
+    slot[n] = static_cast<int32_t>(slots[n]);
+    index[n] = static_cast<int32_t>(n);
+    pool_base[n] = pools;
+    pools += static_cast<int32_t>(len[n] / P);
+    for (int64_t t = b.cu_seqlens[n]; t < b.cu_seqlens[n + 1]; ++t) {
+      tok_slot[t] = slot[n];
+      tok_pos[t] = static_cast<int32_t>(t - b.cu_seqlens[n]);
+    }
+  }
+  auto up = [&](const std::vector<int32_t>& v) {
+    int32_t* d = m.arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
+    return d;
+  };
+  const int32_t* d_slot = up(slot);
+  const cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(index), up(pool_base),
+                          up(tok_slot), up(tok_pos), s.max_len, s.max_pools};
+  // The forward fills the caches; empty selections see the keys so far, as decoding steps do.
+  m.capture = &cap;
+  const bool seen = m.empty_seen;
+  m.empty_seen = true;
+  const cuda::bf16* hn = nullptr;
+  try {
+    hn = m.hidden(p);
+  } catch (...) {
+    m.capture = nullptr, m.empty_seen = seen;
+    throw;
+  }
+  m.capture = nullptr, m.empty_seen = seen;
+  // The last token of each prompt through the lm_head.
+  cuda::bf16* last = m.arena.alloc<cuda::bf16>(N * D);
+  for (int64_t n = 0; n < N; ++n)
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(last + n * D, hn + (b.cu_seqlens[n + 1] - 1) * D, D * sizeof(cuda::bf16),
+                                      cudaMemcpyDeviceToDevice, m.stream));
+  float* logits = m.arena.alloc<float>(N * V);
+  cuda::decode_linear(last, D, m.lm_head, V, D, logits, V, N, false, m.stream);
+  NEXTLM_CUDA_CHECK(cudaEventRecord(s.end, m.stream));
+  std::vector<std::vector<float>> out = logits_to_host(logits, N, V, m.stream);
+  float ms = 0.0f;
+  NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, s.begin, s.end));
+  s.ms = ms;
+  for (int64_t n = 0; n < N; ++n) s.length[slots[n]] = len[n];
+  return out;
+}
+
+std::vector<std::vector<float>> CudaDecoder::step(const std::vector<int64_t>& slots,
+                                                  const std::vector<int32_t>& tokens) {
+  const float* logits = run_step(slots, tokens);
+  return logits_to_host(logits, static_cast<int64_t>(slots.size()), st_->m->cfg.vocab_size, st_->m->stream);
+}
+
+void CudaDecoder::step_no_copy(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens) {
+  run_step(slots, tokens);
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st_->m->stream));
+}
+
+const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens) {
+  State& s = *st_;
+  CudaModel::Impl& m = *s.m;
+  const ModelConfig& c = m.cfg;
+  check(slots.size() == tokens.size() && !slots.empty(), "step: ", slots.size(), " slots for ", tokens.size(),
+        " tokens");
+  check_distinct(slots, "step");
+  const int64_t B = static_cast<int64_t>(slots.size());
+  std::vector<int32_t> slot(B), pos(B);
+  int64_t max_selectable = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    s.check_slot(slots[i]);
+    check(tokens[i] >= 0 && tokens[i] < c.vocab_size, "step: token id ", tokens[i], " is outside the vocabulary [0, ",
+          c.vocab_size, ")");
+    check(s.length[slots[i]] < s.max_len, "step: slot ", slots[i], " is full (", s.max_len, " tokens)");
+    slot[i] = static_cast<int32_t>(slots[i]);
+    pos[i] = static_cast<int32_t>(s.length[slots[i]]);
+    max_selectable = std::max<int64_t>(max_selectable, (pos[i] + 1) / c.index_kpool);
+  }
+  m.arena.reset();
+  NEXTLM_CUDA_CHECK(cudaEventRecord(s.begin, m.stream));
+  auto up = [&](const std::vector<int32_t>& v) {
+    int32_t* d = m.arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
+    return d;
+  };
+  const int32_t* d_tok = up(tokens);
+  const CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, max_selectable};
+  const float* logits = m.decode_step(s.caches, d_tok, rows);
+  NEXTLM_CUDA_CHECK(cudaEventRecord(s.end, m.stream));
+  // The uploads read host vectors that die here.
+  NEXTLM_CUDA_CHECK(cudaEventSynchronize(s.end));
+  float ms = 0.0f;
+  NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, s.begin, s.end));
+  s.ms = ms;
+  for (int64_t i = 0; i < B; ++i) ++s.length[slots[i]];
+  return logits;
+}
+
+Generation cuda_generate(CudaModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opt) {
+  const int64_t V = model.config().vocab_size;
+  check(opt.max_new_tokens >= 0, "max-new-tokens must be >= 0, got ", opt.max_new_tokens);
+  check(!prompt.empty(), "the prompt is empty");
+  for (size_t t = 0; t < prompt.size(); ++t)
+    check(prompt[t] >= 0 && prompt[t] < V, "token id ", prompt[t], " at position ", t,
+          " is outside the vocabulary [0, ", V, ")");
+  for (int32_t s : opt.stop_tokens)
+    check(s >= 0 && s < V, "stop token ", s, " is outside the vocabulary [0, ", V, ")");
+  Sampler sampler(opt.sampling);
+  Generation g;
+  if (opt.max_new_tokens == 0) return g;
+  CudaDecoder dec(model, 1, static_cast<int64_t>(prompt.size()) + opt.max_new_tokens);
+  std::vector<float> logits = dec.prefill({0}, {prompt})[0];
+  for (int64_t n = 0; n < opt.max_new_tokens; ++n) {
+    Sample s = sampler.sample(logits.data(), V);
+    g.tokens.push_back(s.token);
+    g.logprobs.push_back(s.logprob);
+    g.top.push_back(std::move(s.top));
+    if (std::find(opt.stop_tokens.begin(), opt.stop_tokens.end(), s.token) != opt.stop_tokens.end()) {
+      g.stopped = true;
+      break;
+    }
+    if (n + 1 < opt.max_new_tokens) logits = dec.step({0}, {s.token})[0];
+  }
+  return g;
 }
 
 }  // namespace nextlm

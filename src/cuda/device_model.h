@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/decode.h"
+#include "model/dsa.h"
 #include "model/model.h"
 
 namespace nextlm {
@@ -78,10 +80,62 @@ class CudaModel {
   // batch upload to the last kernel (CUDA events; host gaps inside the forward count).
   double last_forward_ms() const;
 
+  // What a query whose selection is empty attends to in the forward (model/dsa.h): AllKeys (the default, as the
+  // batch forward of transformers) or SeenKeys (as decoding; CudaDecoder's prefills always use it).
+  void set_empty_selection(EmptySelection e);
+  // Whether the KDA runs on the tensor-core kernels where they support the config (default) or on the fp32 ones.
+  void set_kda_tensor_cores(bool on);
+
  private:
+  friend class CudaDecoder;
   struct Impl;
   explicit CudaModel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Incremental decoding on the device (the GPU counterpart of src/model/decode.h): a fixed number of slots, each
+// holding one sequence's caches for up to max_len tokens (KDA conv histories and fp32 recurrent states, the normed
+// MLA latents in bf16, the indexer's pool keys and its incomplete pool's keys and gate scores). Prompts are
+// prefilled through the packed forward, which fills the caches on its way; then any set of slots steps one token at
+// a time through the decoding kernels (src/cuda/decode_kernels.h), whose reductions run in orders fixed by the
+// shapes alone: a slot's logits are bitwise the same whatever other slots step with it. (A prefill goes through the
+// cuBLASLt GEMMs of the forward, so its results may depend on the other prompts of the same prefill call.)
+// Empty selections attend to the keys seen so far (EmptySelection::SeenKeys), as the CPU decoder does.
+// Refers to its model, which must outlive it; the model must not run a forward while a step is in flight (they
+// share the stream and the arena; every call here returns synchronised).
+class CudaDecoder {
+ public:
+  CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len);
+  ~CudaDecoder();
+  CudaDecoder(const CudaDecoder&) = delete;
+  CudaDecoder& operator=(const CudaDecoder&) = delete;
+
+  int64_t max_seqs() const;
+  int64_t max_len() const;
+  int64_t length(int64_t slot) const;  // tokens in the slot; 0 when empty
+  // Empties a slot (its caches are zeroed, so it may be prefilled or stepped from scratch).
+  void clear(int64_t slot);
+
+  // Prefills empty slots (distinct) with prompts (non-empty) as one packed batch; returns the logits [V] of each
+  // prompt's last token.
+  std::vector<std::vector<float>> prefill(const std::vector<int64_t>& slots,
+                                          const std::vector<std::vector<int32_t>>& prompts);
+  // Appends one token to each of the slots (distinct; an empty slot starts a sequence) and returns the next-token
+  // logits [V] of each.
+  std::vector<std::vector<float>> step(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens);
+  // step without copying the logits back (for timing); returns after the stream synchronises.
+  void step_no_copy(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens);
+  // Milliseconds of the last prefill or step on the device's stream (CUDA events).
+  double last_ms() const;
+
+ private:
+  // Runs a step; returns the logits fp32 [B, V] in the model's arena (valid until its next call).
+  const float* run_step(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens);
+  struct State;
+  std::unique_ptr<State> st_;
+};
+
+// generate (src/model/decode.h) on the device: one slot of a CudaDecoder, the same sampler and stopping rules.
+Generation cuda_generate(CudaModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opt);
 
 }  // namespace nextlm

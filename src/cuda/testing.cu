@@ -404,7 +404,8 @@ void kda_prefill_caches(const std::vector<float>& raw, const std::vector<float>&
                         int64_t W, std::vector<float>& conv_hist, std::vector<float>& state) {
   const int64_t N = static_cast<int64_t>(cu.size()) - 1;
   std::vector<int32_t> start(N), len(N);
-  for (int64_t n = 0; n < N; ++n) start[n] = static_cast<int32_t>(cu[n]), len[n] = static_cast<int32_t>(cu[n + 1] - cu[n]);
+  for (int64_t n = 0; n < N; ++n)
+    start[n] = static_cast<int32_t>(cu[n]), len[n] = static_cast<int32_t>(cu[n + 1] - cu[n]);
   Buf draw = upload(raw), dq = upload(q), dk = upload(k), dv = upload(v), dg = upload(g), db = upload(beta);
   Buf ds = upload(start), dl = upload(len), dslot = upload(slots), hist = upload(conv_hist), st = upload(state);
   const cuda::PrefillSeqs ps{ds.as<int32_t>(), dl.as<int32_t>(), dslot.as<int32_t>(), N};

@@ -49,8 +49,8 @@ void mla_attention_both(const std::vector<float>& q, const std::vector<float>& k
 // ---- Decoding kernels (src/cuda/decode_kernels.h) ----
 namespace nextlm::cuda_testing {
 
-// decode_linear on x [M, in] and W [out, in] (both rounded to bf16 on the way in): y [M, out]. With `gathered`,
-// decode_linear_gathered instead, row m using matrix expert[m] of W ([E, out, in]) and x row m.
+// decode_linear on x [M, in] and W [out, in] (both rounded to bf16 on the way in): y [M, out]; and
+// decode_linear_gathered, row m using matrix expert[m] of W ([E, out, in]) and x row m.
 std::vector<float> decode_linear(const std::vector<float>& x, const std::vector<float>& W, int64_t M, int64_t out,
                                  int64_t in);
 std::vector<float> decode_linear_gathered(const std::vector<float>& x, const std::vector<float>& W,
