@@ -24,10 +24,10 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
 echo "== fuzzing (libFuzzer, ${NEXTLM_FUZZ_SECONDS:-60} s per target)"
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++-14 \
   -DNEXTLM_FUZZ=ON -DNEXTLM_TESTS=OFF >/dev/null
-cmake --build build-fuzz --target fuzz_safetensors fuzz_config
+cmake --build build-fuzz --target fuzz_safetensors fuzz_config fuzz_tokenizer
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for target in safetensors config; do
+for target in safetensors config tokenizer; do
   cp -r "fuzz/corpus/$target" "$work/$target"
   dict=()
   [ -f "fuzz/$target.dict" ] && dict=(-dict="fuzz/$target.dict")
