@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include "cuda/decode_kernels.h"
 #include "cuda/distribution_compare.h"
@@ -1371,31 +1372,14 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
 }
 
 Generation cuda_generate(CudaModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opt) {
-  const int64_t V = model.config().vocab_size;
-  check(opt.max_new_tokens >= 0, "max-new-tokens must be >= 0, got ", opt.max_new_tokens);
-  check(!prompt.empty(), "the prompt is empty");
-  for (size_t t = 0; t < prompt.size(); ++t)
-    check(prompt[t] >= 0 && prompt[t] < V, "token id ", prompt[t], " at position ", t,
-          " is outside the vocabulary [0, ", V, ")");
-  for (int32_t s : opt.stop_tokens)
-    check(s >= 0 && s < V, "stop token ", s, " is outside the vocabulary [0, ", V, ")");
-  Sampler sampler(opt.sampling);
-  Generation g;
-  if (opt.max_new_tokens == 0) return g;
-  CudaDecoder dec(model, 1, static_cast<int64_t>(prompt.size()) + opt.max_new_tokens);
-  std::vector<float> logits = dec.prefill({0}, {prompt})[0];
-  for (int64_t n = 0; n < opt.max_new_tokens; ++n) {
-    Sample s = sampler.sample(logits.data(), V);
-    g.tokens.push_back(s.token);
-    g.logprobs.push_back(s.logprob);
-    g.top.push_back(std::move(s.top));
-    if (std::find(opt.stop_tokens.begin(), opt.stop_tokens.end(), s.token) != opt.stop_tokens.end()) {
-      g.stopped = true;
-      break;
-    }
-    if (n + 1 < opt.max_new_tokens) logits = dec.step({0}, {s.token})[0];
-  }
-  return g;
+  std::optional<CudaDecoder> dec;
+  return generate_with(
+      model.config().vocab_size, prompt, opt,
+      [&](const std::vector<int32_t>& p) {
+        dec.emplace(model, 1, static_cast<int64_t>(p.size()) + opt.max_new_tokens);
+        return dec->prefill({0}, {p})[0];
+      },
+      [&](int32_t token) { return dec->step({0}, {token})[0]; });
 }
 
 }  // namespace nextlm

@@ -55,38 +55,24 @@ std::vector<float> parallel_decode_step(ParallelDecodeState& state, int32_t toke
 
 Generation parallel_generate(const ShardedModel& m, const Mesh& mesh, const std::vector<int32_t>& prompt,
                              const GenerateOptions& opt) {
-  const int64_t V = m.config.vocab_size;
-  check(opt.max_new_tokens >= 0, "max-new-tokens must be >= 0, got ", opt.max_new_tokens);
-  check(!prompt.empty(), "the prompt is empty");
-  for (size_t t = 0; t < prompt.size(); ++t)
-    check(prompt[t] >= 0 && prompt[t] < V, "token id ", prompt[t], " at position ", t,
-          " is outside the vocabulary [0, ", V, ")");
-  for (int32_t s : opt.stop_tokens)
-    check(s >= 0 && s < V, "stop token ", s, " is outside the vocabulary [0, ", V, ")");
-  Sampler sampler(opt.sampling);
-  Generation g;
-  if (opt.max_new_tokens == 0) return g;
-
-  ParallelDecodeState state(m, mesh);
-  std::vector<float> logits = parallel_prefill(state, prompt);
-  for (int64_t n = 0; n < opt.max_new_tokens; ++n) {
-    Sample s = sampler.sample(logits.data(), V);
-    // Rank 0's choice for everyone (the same already: same logits bits, same sampler state).
-    struct {
-      int32_t token;
-      double logprob;
-    } pick{s.token, s.logprob};
-    mesh.world->broadcast(&pick, sizeof pick, 0);
-    g.tokens.push_back(pick.token);
-    g.logprobs.push_back(pick.logprob);
-    g.top.push_back(std::move(s.top));
-    if (std::find(opt.stop_tokens.begin(), opt.stop_tokens.end(), pick.token) != opt.stop_tokens.end()) {
-      g.stopped = true;
-      break;
-    }
-    if (n + 1 < opt.max_new_tokens) logits = parallel_decode_step(state, pick.token);
-  }
-  return g;
+  std::optional<ParallelDecodeState> state;
+  return generate_with(
+      m.config.vocab_size, prompt, opt,
+      [&](const std::vector<int32_t>& p) {
+        state.emplace(m, mesh);
+        return parallel_prefill(*state, p);
+      },
+      [&](int32_t token) { return parallel_decode_step(*state, token); },
+      [&](Sample& s) {
+        // Rank 0's choice for everyone (the same already: same logits bits, same sampler state).
+        struct {
+          int32_t token;
+          double logprob;
+        } pick{s.token, s.logprob};
+        mesh.world->broadcast(&pick, sizeof pick, 0);
+        s.token = pick.token;
+        s.logprob = pick.logprob;
+      });
 }
 
 }  // namespace nextlm::dist

@@ -61,8 +61,8 @@ std::vector<float> decode_step(DecodeState& state, int32_t token) {
   return extend(state, {token}, KdaForm::Recurrent);
 }
 
-Generation generate(const Model& model, const std::vector<int32_t>& prompt, const GenerateOptions& opt) {
-  const int64_t V = model.config().vocab_size;
+Generation generate_with(int64_t V, const std::vector<int32_t>& prompt, const GenerateOptions& opt,
+                         const PrefillFn& prefill, const StepFn& step, const std::function<void(Sample&)>& agree) {
   check(opt.max_new_tokens >= 0, "max-new-tokens must be >= 0, got ", opt.max_new_tokens);
   check(!prompt.empty(), "the prompt is empty");
   check_tokens(prompt, 0, V);
@@ -72,10 +72,10 @@ Generation generate(const Model& model, const std::vector<int32_t>& prompt, cons
   Generation g;
   if (opt.max_new_tokens == 0) return g;
 
-  DecodeState state(model);
-  std::vector<float> logits = prefill(state, prompt);
+  std::vector<float> logits = prefill(prompt);
   for (int64_t n = 0; n < opt.max_new_tokens; ++n) {
     Sample s = sampler.sample(logits.data(), V);
+    if (agree) agree(s);
     g.tokens.push_back(s.token);
     g.logprobs.push_back(s.logprob);
     g.top.push_back(std::move(s.top));
@@ -83,9 +83,20 @@ Generation generate(const Model& model, const std::vector<int32_t>& prompt, cons
       g.stopped = true;
       break;
     }
-    if (n + 1 < opt.max_new_tokens) logits = decode_step(state, s.token);
+    if (n + 1 < opt.max_new_tokens) logits = step(s.token);
   }
   return g;
+}
+
+Generation generate(const Model& model, const std::vector<int32_t>& prompt, const GenerateOptions& opt) {
+  std::optional<DecodeState> state;
+  return generate_with(
+      model.config().vocab_size, prompt, opt,
+      [&](const std::vector<int32_t>& p) {
+        state.emplace(model);
+        return prefill(*state, p);
+      },
+      [&](int32_t token) { return decode_step(*state, token); });
 }
 
 }  // namespace nextlm

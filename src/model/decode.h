@@ -11,6 +11,7 @@
 // ForwardOptions::empty_selection = SeenKeys. The real GLM-5.3-Flash has the tail on, where the two never differ.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -53,5 +54,14 @@ struct Generation {
 
 // Prefills the prompt (non-empty), then samples up to max_new_tokens tokens.
 Generation generate(const Model& model, const std::vector<int32_t>& prompt, const GenerateOptions& opt);
+
+// The same loop over any decoder (the CUDA one, the tensor/expert-parallel one): `prefill` gives the logits [V] of
+// the next token after the prompt, `step` after one more token; `agree`, when given, may replace each sample (the
+// parallel decoder makes every rank take rank 0's). Checks the prompt and the options against the vocabulary V.
+using PrefillFn = std::function<std::vector<float>(const std::vector<int32_t>& prompt)>;
+using StepFn = std::function<std::vector<float>(int32_t token)>;
+Generation generate_with(int64_t V, const std::vector<int32_t>& prompt, const GenerateOptions& opt,
+                         const PrefillFn& prefill, const StepFn& step,
+                         const std::function<void(Sample&)>& agree = nullptr);
 
 }  // namespace nextlm
