@@ -52,6 +52,33 @@ struct Chunks {
   }
 };
 
+// Random KDA inputs on packed sequences of the given lengths, as the conv kernel leaves them (unit-norm k, q also
+// scaled by K^-1/2) with sigmoid betas; rnd() keeps drawing normals from the same generator.
+struct KdaInputs {
+  std::vector<int64_t> cu{0};
+  int64_t T = 0, n = 0;
+  std::vector<float> q, k, beta;
+  std::mt19937 gen{1};
+  std::normal_distribution<float> nd{0.0f, 1.0f};
+  std::vector<float> rnd(int64_t m, float scale) {
+    std::vector<float> x(m);
+    for (float& e : x) e = nd(gen) * scale;
+    return x;
+  }
+  KdaInputs(const std::vector<int64_t>& seqlens, int64_t H, int64_t K) {
+    for (int64_t L : seqlens) cu.push_back(cu.back() + L);
+    T = cu.back(), n = T * H * K;
+    q = rnd(n, 1.0f), k = rnd(n, 1.0f);
+    for (int64_t r = 0; r < T * H; ++r) {
+      double sq = 0, sk = 0;
+      for (int64_t d = 0; d < K; ++d) sq += q[r * K + d] * q[r * K + d], sk += k[r * K + d] * k[r * K + d];
+      for (int64_t d = 0; d < K; ++d) q[r * K + d] /= std::sqrt(sq * K), k[r * K + d] /= std::sqrt(sk);
+    }
+    beta = rnd(T * H, 1.0f);
+    for (float& b : beta) b = 1.0f / (1.0f + std::exp(-b));
+  }
+};
+
 }  // namespace
 
 std::vector<float> kda_chunked(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
@@ -106,25 +133,11 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
 }
 
 KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {
-  std::vector<int64_t> cu{0};
-  for (int64_t L : seqlens) cu.push_back(cu.back() + L);
-  const int64_t T = cu.back(), n = T * H * K;
-  std::mt19937 gen(1);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto rnd = [&](int64_t m, float scale) {
-    std::vector<float> x(m);
-    for (float& e : x) e = nd(gen) * scale;
-    return x;
-  };
-  std::vector<float> q = rnd(n, 1.0f), k = rnd(n, 1.0f);
-  for (int64_t r = 0; r < T * H; ++r) {
-    double sq = 0, sk = 0;
-    for (int64_t d = 0; d < K; ++d) sq += q[r * K + d] * q[r * K + d], sk += k[r * K + d] * k[r * K + d];
-    for (int64_t d = 0; d < K; ++d) q[r * K + d] /= std::sqrt(sq * K), k[r * K + d] /= std::sqrt(sk);
-  }
-  std::vector<float> beta = rnd(T * H, 1.0f);
-  for (float& b : beta) b = 1.0f / (1.0f + std::exp(-b));
-  Chunks ch(cu);
+  KdaInputs in(seqlens, H, K);
+  const int64_t n = in.n;
+  const std::vector<float>&q = in.q, &k = in.k, &beta = in.beta;
+  auto rnd = [&](int64_t m, float scale) { return in.rnd(m, scale); };
+  Chunks ch(in.cu);
   const int64_t nc = static_cast<int64_t>(ch.cs.size());
   // Several input sets, rotated, so that the timed runs do not find their inputs in L2.
   constexpr int kSets = 3;
@@ -175,24 +188,11 @@ KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, in
 }
 
 double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t K, int iters) {
-  std::vector<int64_t> cu{0};
-  for (int64_t L : seqlens) cu.push_back(cu.back() + L);
-  const int64_t T = cu.back(), n = T * H * K;
-  std::mt19937 gen(1);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto rnd = [&](int64_t m, float scale) {
-    std::vector<float> x(m);
-    for (float& e : x) e = nd(gen) * scale;
-    return x;
-  };
-  std::vector<float> q = rnd(n, 1.0f), k = rnd(n, 1.0f);
-  for (int64_t r = 0; r < T * H; ++r) {  // unit rows, q scaled, as the conv kernel leaves them
-    double sq = 0, sk = 0;
-    for (int64_t d = 0; d < K; ++d) sq += q[r * K + d] * q[r * K + d], sk += k[r * K + d] * k[r * K + d];
-    for (int64_t d = 0; d < K; ++d) q[r * K + d] /= std::sqrt(sq * K), k[r * K + d] /= std::sqrt(sk);
-  }
-  std::vector<float> beta = rnd(T * H, 1.0f);
-  for (float& b : beta) b = 1.0f / (1.0f + std::exp(-b));
+  KdaInputs in(seqlens, H, K);
+  const std::vector<int64_t>& cu = in.cu;
+  const int64_t T = in.T, n = in.n;
+  const std::vector<float>&q = in.q, &k = in.k, &beta = in.beta;
+  auto rnd = [&](int64_t m, float scale) { return in.rnd(m, scale); };
   Chunks ch(cu);
   Buf dq = upload(q), dk = upload(k), dv = upload(rnd(n, 1.0f)), graw = upload(rnd(n, 1.0f)), db = upload(beta);
   Buf dt = upload(rnd(H * K, 0.5f)), alog = upload(rnd(H, 0.5f));
