@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -218,6 +219,39 @@ TEST(ConfigDefaults, ExplicitValuesOverrideDefaults) {
 TEST(ConfigDefaults, ScalarEosTokenIdBecomesOneEntry) {
   const ModelConfig c = parse_config(json::parse(R"({"model_type":"glm5_next","eos_token_id":154820})"));
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{154820}));
+}
+
+// The default stop ids of generate/serve: generation_config.json's eos_token_id (an int or a list) wins over
+// config.json's when it sets one, as transformers' GenerationConfig does; ids must be in the vocabulary.
+TEST(ConfigEos, GenerationConfigWinsOverConfigJson) {
+  nextlm::test::TempDir tmp;
+  const ModelConfig c =
+      parse_config(json::parse(R"({"model_type":"glm5_next","vocab_size":300,"eos_token_id":[3, 5]})"));
+  EXPECT_EQ(load_eos_token_ids(tmp.str(), c), (std::vector<int32_t>{3, 5}));  // no generation_config.json
+  std::ofstream(tmp.str("generation_config.json")) << R"({"pad_token_id": 0})";
+  EXPECT_EQ(load_eos_token_ids(tmp.str(), c), (std::vector<int32_t>{3, 5}));  // one that does not set it
+  std::ofstream(tmp.str("generation_config.json")) << R"({"eos_token_id": null})";
+  EXPECT_EQ(load_eos_token_ids(tmp.str(), c), (std::vector<int32_t>{3, 5}));
+  std::ofstream(tmp.str("generation_config.json")) << R"({"eos_token_id": 7})";
+  EXPECT_EQ(load_eos_token_ids(tmp.str(), c), (std::vector<int32_t>{7}));
+  std::ofstream(tmp.str("generation_config.json")) << R"({"eos_token_id": [299, 0, 7]})";
+  EXPECT_EQ(load_eos_token_ids(tmp.str(), c), (std::vector<int32_t>{299, 0, 7}));
+  const ModelConfig none = parse_config(json::parse(R"({"model_type":"glm5_next","vocab_size":300})"));
+  EXPECT_EQ(load_eos_token_ids(tmp.str(), none), (std::vector<int32_t>{299, 0, 7}));
+  for (const char* bad : {R"({"eos_token_id": 300})", R"({"eos_token_id": [1, -1]})", R"({"eos_token_id": "x"})",
+                          R"({"eos_token_id": [1.5]})", "[1]", "{oops"}) {
+    std::ofstream(tmp.str("generation_config.json")) << bad;
+    try {
+      load_eos_token_ids(tmp.str(), c);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("generation_config.json"), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove(tmp.str("generation_config.json"));
+  const ModelConfig outside =
+      parse_config(json::parse(R"({"model_type":"glm5_next","vocab_size":300,"eos_token_id":300})"));
+  EXPECT_THROW(load_eos_token_ids(tmp.str(), outside), Error);
 }
 
 // -------------------------------------------------------------------------------------------- mlp_layer_types

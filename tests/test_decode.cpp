@@ -336,6 +336,20 @@ TEST(Generate, SeedsStopTokensAndLimits) {
   EXPECT_TRUE(s.stopped);
   EXPECT_EQ(s.tokens, std::vector<int32_t>(a.tokens.begin(), a.tokens.begin() + first + 1));
   EXPECT_EQ(s.logprobs, std::vector<double>(a.logprobs.begin(), a.logprobs.begin() + first + 1));
+  EXPECT_FALSE(s.eos);
+
+  // An eos token ends generation the same way, and is flagged so that callers leave it out of the text.
+  o.stop_tokens.clear();
+  o.eos_tokens = {unused, a.tokens[7]};
+  const Generation e = generate(m, prompt, o);
+  EXPECT_TRUE(e.stopped);
+  EXPECT_TRUE(e.eos);
+  EXPECT_EQ(e.tokens, s.tokens);
+  EXPECT_EQ(e.logprobs, s.logprobs);
+  o.eos_tokens = {256};
+  EXPECT_THROW(generate(m, prompt, o), Error);
+  o.eos_tokens.clear();
+  EXPECT_FALSE(generate(m, prompt, o).eos);
 
   o.stop_tokens.clear();
   o.max_new_tokens = 0;

@@ -1,5 +1,6 @@
 // Tensor/expert parallelism without MPI: the collectives of the in-process communicator (threads as ranks), the
-// sliced loading, and the parallel forward at 2 and 4 ranks against the single-process Model on every golden.
+// sliced loading, the parallel forward at 2 and 4 ranks against the single-process Model on every golden, and
+// data-parallel training (alone and with TP/EP) against the single-process Trainer.
 // Tolerance: max|Δ|/max|ref| ≤ 1e-5 on the logits. Row-parallel projections sum partial products per rank and then
 // over ranks, a different fp32 summation order than one GEMM: ~1e-7 relative per layer; 1e-5 leaves room while a
 // wrong slice, a missed all-reduce or a misrouted token is off by far more.
@@ -9,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 
 #include "core/error.h"
 #include "cpu/linear.h"
@@ -16,11 +18,14 @@
 #include "dist/parallel_model.h"
 #include "dist/parallel_decode.h"
 #include "dist/parallel_train.h"
+#include "dist/parallel_trainer.h"
 #include "dist/thread_comm.h"
 #include "io/safetensors.h"
 #include "model/decode.h"
 #include "model/model.h"
+#include "model/optim.h"
 #include "model/train.h"
+#include "model/trainer.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -348,11 +353,17 @@ TEST_P(DistDecode, EqualsSingleProcessDecoding) {
   opt.sampling.temperature = 0.8;
   opt.sampling.seed = 11;
   const Generation ref_gen = generate(model, prompt, opt);
+  // An eos token (GenerateOptions::eos_tokens, which the shared loop reads) ends both alike.
+  GenerateOptions eos_opt = opt;
+  eos_opt.eos_tokens = {ref_gen.tokens[2]};
+  const Generation ref_eos = generate(model, prompt, eos_opt);
+  ASSERT_TRUE(ref_eos.eos);
+  ASSERT_LT(ref_eos.tokens.size(), ref_gen.tokens.size());
 
   for (const Layout& l : {Layout{2, 2, 2}, Layout{4, 2, 4}}) {
     const std::string what = describe(l);
     std::vector<std::vector<std::vector<float>>> got(l.n);
-    std::vector<Generation> gen(l.n);
+    std::vector<Generation> gen(l.n), gen_eos(l.n);
     dist::run_ranks(l.n, [&](dist::Comm& w) {
       dist::Mesh mesh(w, {l.tp, l.ep});
       const dist::ShardedModel m = dist::load_sharded(dir, mesh);
@@ -360,12 +371,15 @@ TEST_P(DistDecode, EqualsSingleProcessDecoding) {
       got[w.rank()].push_back(dist::parallel_prefill(ps, prompt));
       for (int32_t t : {7, 200, 1}) got[w.rank()].push_back(dist::parallel_decode_step(ps, t));
       gen[w.rank()] = dist::parallel_generate(m, mesh, prompt, opt);
+      gen_eos[w.rank()] = dist::parallel_generate(m, mesh, prompt, eos_opt);
     });
     for (int r = 0; r < l.n; ++r) {
       ASSERT_EQ(got[r].size(), ref.size());
       for (size_t i = 0; i < ref.size(); ++i)
         EXPECT_LE(test::max_rel_error(got[r][i].data(), ref[i].data(), ref[i].size()), kTol) << what << " step " << i;
       EXPECT_EQ(gen[r].tokens, ref_gen.tokens) << what;
+      EXPECT_EQ(gen_eos[r].tokens, ref_eos.tokens) << what;
+      EXPECT_TRUE(gen_eos[r].eos) << what;
       ASSERT_EQ(gen[r].logprobs.size(), ref_gen.logprobs.size());
       for (size_t i = 0; i < ref_gen.logprobs.size(); ++i)
         EXPECT_NEAR(gen[r].logprobs[i], ref_gen.logprobs[i], kTol * std::max(1.0, std::abs(ref_gen.logprobs[i])));
@@ -375,6 +389,164 @@ TEST_P(DistDecode, EqualsSingleProcessDecoding) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, DistDecode, ::testing::ValuesIn(test::golden_cases()),
                          [](const auto& info) { return test::param_name(info.param); });
+
+}  // namespace
+}  // namespace nextlm
+
+namespace nextlm {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Data-parallel training (dist/parallel_trainer.h), ranks as threads: also runs in the sanitizer build.
+
+TEST(DistTrain, ReplicaSharesAreContiguousDisjointAndCoverTheBatch) {
+  const std::vector<std::vector<int64_t>> batches{{2}, {5, 2}, {30, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3}};
+  for (const std::vector<int64_t>& lens : batches) {
+    PackedBatch b;
+    for (int64_t n : lens) b.add(std::vector<int32_t>(n, 1));
+    for (int n = 1; n <= 5; ++n) {
+      int64_t next = 0;
+      for (int d = 0; d < n; ++d) {
+        const dist::Range r = dist::replica_share(b, n, d);
+        if (r.size() > 0) {
+          EXPECT_EQ(r.begin, next) << "replica " << d << " of " << n;
+          next = r.end;
+        }
+      }
+      EXPECT_EQ(next, b.num_seqs()) << n << " replicas";
+    }
+  }
+  // Balanced by tokens: 4 equal sequences over 2 replicas split 2 + 2; a long one takes a replica of its own.
+  PackedBatch b;
+  for (int64_t n : {4, 4, 4, 4}) b.add(std::vector<int32_t>(n, 1));
+  EXPECT_EQ(dist::replica_share(b, 2, 0).size(), 2);
+  PackedBatch c;
+  for (int64_t n : {30, 2, 2, 2}) c.add(std::vector<int32_t>(n, 1));
+  EXPECT_EQ(dist::replica_share(c, 2, 0).size(), 1);
+  EXPECT_EQ(dist::replica_share(c, 2, 1).size(), 3);
+  // The sub-batch keeps the tokens and the target weights of its sequences.
+  c.target_weight.assign(static_cast<size_t>(c.num_tokens()), 1.0f);
+  c.target_weight[31] = 0.0f;
+  const PackedBatch s = dist::sub_batch(c, {1, 3});
+  EXPECT_EQ(s.num_seqs(), 2);
+  EXPECT_EQ(s.num_tokens(), 4);
+  EXPECT_EQ(s.target_weight, (std::vector<float>{1.0f, 0.0f, 1.0f, 1.0f}));
+}
+
+// The clipping norm counts each tensor once over a replica by placement_of's name rule: it must name exactly the
+// tensors that load_sharded slices over TP (smaller than the full tensor at tp = 2) and the routed experts (at
+// ep = 1 here, so that the lists match one to one).
+TEST(DistTrain, PlacementNamesWhatIsSliced) {
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  Model model = Model::load(dir);
+  ModelWeights g = zeros_like(model.weights());
+  const std::vector<ParamRef> full = trainable_params(model.config(), model.mutable_weights(), g, "m.");
+  dist::run_ranks(2, [&](dist::Comm& w) {
+    dist::Mesh mesh(w, {2, 1});
+    dist::ShardedModel m = dist::load_sharded(dir, mesh);
+    ModelWeights lg = zeros_like(m.weights);
+    const std::vector<ParamRef> local = trainable_params(m.config, m.weights, lg, "m.");
+    ASSERT_EQ(local.size(), full.size());
+    for (size_t k = 0; k < full.size(); ++k) {
+      const dist::Placement p = dist::placement_of(local[k].name);
+      const bool expert = local[k].name.find(".experts.") != std::string::npos &&
+                          local[k].name.find("shared_experts") == std::string::npos;
+      EXPECT_EQ(p == dist::Placement::Expert, expert) << local[k].name;
+      if (!expert) {
+        EXPECT_EQ(p == dist::Placement::TpSliced, local[k].n < full[k].n) << local[k].name;
+      }
+    }
+  });
+}
+
+struct TrainLayout {
+  int n, tp, ep;
+};
+
+// ParallelTrainer at DP2, DP2×TP2 and DP2×EP2 against the single-process Trainer on the same data: per-step loss and
+// grad-norm, and the gathered weights, within 1e-5 (sum order only; eps 1e-5 for the reason test_dist_cli.cpp's
+// DataParallelEqualsSingleProcess gives). Every DP rank ends with bit-identical slices.
+TEST(DistTrain, EqualsSingleProcessTrainer) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  std::vector<TrainExample> data;
+  for (int i = 0; i < 7; ++i) {
+    TrainExample ex;
+    const int n = 4 + (i * 7) % 19;
+    for (int t = 0; t < n; ++t) ex.tokens.push_back((i * 31 + t * 17 + 3) % 256);
+    if (i % 3 == 1)
+      for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
+    data.push_back(std::move(ex));
+  }
+  TrainOptions opt;
+  opt.steps = 2;
+  opt.warmup = 1;
+  opt.batch_tokens = 40;
+  opt.grad_accum = 2;
+  opt.adamw.eps = 1e-5;
+  Trainer ref(Model::load(dir), data, opt);
+  std::vector<StepStats> ref_stats;
+  for (int s = 0; s < opt.steps; ++s) ref_stats.push_back(ref.step());
+  const auto ref_w = hub_gradients(ref.model().config(), ref.model().weights(), "");
+
+  for (const TrainLayout& l : {TrainLayout{2, 1, 1}, TrainLayout{4, 2, 1}, TrainLayout{4, 1, 2}}) {
+    const std::string what = "n " + std::to_string(l.n) + " tp " + std::to_string(l.tp) + " ep " + std::to_string(l.ep);
+    std::vector<std::vector<StepStats>> stats(l.n);
+    std::vector<ModelWeights> full(l.n);
+    std::vector<std::vector<float>> slices(l.n);
+    dist::run_ranks(l.n, [&](dist::Comm& w) {
+      dist::Mesh mesh(w, {l.tp, l.ep});
+      dist::ParallelTrainer tr(dist::load_sharded(dir, mesh), mesh, data, opt);
+      for (int s = 0; s < opt.steps; ++s) stats[w.rank()].push_back(tr.step());
+      tr.check_replicas_agree();
+      full[w.rank()] = dist::gather_weights(tr.model(), mesh, tr.model().weights);
+      for (const GradTensor& t : hub_gradients(tr.model().config, tr.model().weights, ""))
+        slices[w.rank()].insert(slices[w.rank()].end(), t.data, t.data + Tensor::count(t.shape));
+    });
+    const int R = std::lcm(l.tp, l.ep);
+    for (int r = 0; r < l.n; ++r) {
+      for (int s = 0; s < opt.steps; ++s) {
+        EXPECT_NEAR(stats[r][s].loss, ref_stats[s].loss, 1e-5 * ref_stats[s].loss) << what << " step " << s;
+        EXPECT_NEAR(stats[r][s].grad_norm, ref_stats[s].grad_norm, 1e-5 * ref_stats[s].grad_norm) << what;
+        EXPECT_EQ(stats[r][s].tokens, ref_stats[s].tokens) << what;
+      }
+      // The DP group of rank r: the ranks at its place in the other replicas.
+      EXPECT_EQ(slices[r], slices[r % R]) << what << ": rank " << r << " differs from its replica peer";
+      const auto got = hub_gradients(ref.model().config(), full[r], "");
+      ASSERT_EQ(got.size(), ref_w.size());
+      std::vector<float> a, b;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].shape, ref_w[i].shape) << got[i].name;
+        a.insert(a.end(), got[i].data, got[i].data + Tensor::count(got[i].shape));
+        b.insert(b.end(), ref_w[i].data, ref_w[i].data + Tensor::count(ref_w[i].shape));
+      }
+      EXPECT_LE(test::norm_rel_error(a.data(), b.data(), a.size()), 1e-5) << what << " rank " << r;
+    }
+  }
+}
+
+// check_replicas_agree fails on every rank when one DP rank's copy has drifted.
+TEST(DistTrain, DriftedReplicaIsReported) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  std::vector<TrainExample> data{TrainExample{{1, 2, 3, 4, 5}, {}}, TrainExample{{6, 7, 8}, {}}};
+  TrainOptions opt;
+  opt.steps = 1;
+  std::vector<int> threw(2, 0);
+  dist::run_ranks(2, [&](dist::Comm& w) {
+    dist::Mesh mesh(w, {1, 1});
+    dist::ParallelTrainer tr(dist::load_sharded(dir, mesh), mesh, data, opt);
+    tr.step();
+    tr.check_replicas_agree();
+    if (w.rank() == 1) const_cast<float&>(tr.model().weights.final_norm.data[0]) += 1e-3f;
+    try {
+      tr.check_replicas_agree();
+    } catch (const Error& e) {
+      threw[w.rank()] = std::string(e.what()).find("disagree") != std::string::npos;
+    }
+  });
+  EXPECT_EQ(threw, (std::vector<int>{1, 1}));
+}
 
 }  // namespace
 }  // namespace nextlm

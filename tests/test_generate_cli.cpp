@@ -170,6 +170,46 @@ TEST(GenerateCli, StopTokensAndLimits) {
   EXPECT_EQ(zero.out, "{\"tokens\": [], \"logprobs\": []}\n");
 }
 
+// The model's eos_token_id (here a list) ends generation by default: the eos token is in "tokens" and "logprobs" (it
+// was sampled) but not in the text; --ignore-eos turns it off; generation_config.json's eos_token_id wins over
+// config.json's, and one outside the vocabulary is an error.
+TEST(GenerateCli, EosStopsUnlessIgnored) {
+  const std::string base = "--prompt-tokens 72,105 --temperature 0 --max-new-tokens 30";
+  const Generated all = generate_json(tiny(), base);
+  ASSERT_EQ(all.tokens.size(), 30u);
+  auto first = [&](int32_t t) { return std::find(all.tokens.begin(), all.tokens.end(), t) - all.tokens.begin(); };
+  const int32_t eos = all.tokens[5];
+  int32_t unused = 0;
+  while (std::find(all.tokens.begin(), all.tokens.end(), unused) != all.tokens.end()) ++unused;
+  TempDir tmp;
+  copy_dir(tiny(), tmp.str());
+  json cfg;
+  std::ifstream(tmp.str("config.json")) >> cfg;
+  cfg["text_config"]["eos_token_id"] = {unused, eos};
+  std::ofstream(tmp.str("config.json")) << cfg.dump(2);
+  const std::string model = shell_quote(tmp.str());
+
+  const Generated stopped = generate_json(tmp.str(), base);
+  const size_t n = first(eos) + 1;
+  EXPECT_EQ(stopped.tokens, std::vector<int32_t>(all.tokens.begin(), all.tokens.begin() + n));
+  EXPECT_EQ(stopped.logprobs, std::vector<double>(all.logprobs.begin(), all.logprobs.begin() + n));
+  const CliResult text = run_nextlm("generate --model " + model + " --threads 1 " + base);
+  ASSERT_EQ(text.rc, 0) << describe(text);
+  std::string expected;
+  for (size_t i = 0; i + 1 < n; ++i) expected += static_cast<char>(all.tokens[i]);
+  EXPECT_EQ(text.out, expected + "\n");
+  EXPECT_NE(text.err.find("(eos token)"), std::string::npos) << text.err;
+  EXPECT_EQ(generate_json(tmp.str(), base + " --ignore-eos").tokens, all.tokens);
+
+  std::ofstream(tmp.str("generation_config.json")) << json{{"eos_token_id", all.tokens[2]}}.dump();
+  EXPECT_EQ(generate_json(tmp.str(), base).tokens,
+            std::vector<int32_t>(all.tokens.begin(), all.tokens.begin() + first(all.tokens[2]) + 1));
+  std::ofstream(tmp.str("generation_config.json")) << R"({"eos_token_id": [1, 256]})";
+  expect_error(run_nextlm("generate --model " + model + " " + base), 1,
+               {"generation_config.json", "eos_token_id 256", "outside the vocabulary"});
+  EXPECT_EQ(generate_json(tmp.str(), base + " --ignore-eos").tokens, all.tokens);
+}
+
 // A copy of a golden model (one with the k-pool tail, so that generating and scoring agree: see decode.h) with a
 // 300-token vocabulary (extra embedding and lm_head rows): not byte-level.
 void make_wide_vocab_model(const std::string& dir) {

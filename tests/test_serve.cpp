@@ -1,8 +1,9 @@
 // Tests of `nextlm serve` (src/serve), run as a separate process on a free loopback port with the bundled byte-level
 // model: completions and chat equal `nextlm generate` for the same seed, streamed chunks add up to the whole answer,
 // logprobs equal `score`'s, every validation error gives its status and OpenAI-style body, concurrent requests each
-// equal their single-request result, and SIGTERM lets the request in flight finish and exits 0. Also unit tests of
-// the UTF-8 and stop-string helpers that streaming relies on.
+// equal their single-request result, the model's eos_token_id ends generation unless ignore_eos, and SIGTERM lets
+// the request in flight finish and exits 0. Also unit tests of the UTF-8 and stop-string helpers that streaming
+// relies on, and of a Job's stop strings, hold-back and eos on the hand tokenizer's multi-byte tokens.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cpu/linear.h"
+#include "io/tokenizer.h"
 #include "model/model.h"
 #include "serve/scheduler.h"
 #include "test_util.h"
@@ -30,16 +33,18 @@ namespace nextlm::test {
 namespace {
 
 using nlohmann::json;
+using serve::Job;
+using serve::JobRequest;
 
 const std::string kModel = std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next";
 
 // `nextlm serve --port 0 …` as a child process; the port is read from its "listening on" line.
 class ServerProcess {
  public:
-  explicit ServerProcess(const std::vector<std::string>& extra) {
+  explicit ServerProcess(const std::vector<std::string>& extra, const std::string& model = kModel) {
     int out[2];
     if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
-    std::vector<std::string> args = {NEXTLM_BINARY, "serve", "--model", kModel, "--port", "0", "--threads", "1"};
+    std::vector<std::string> args = {NEXTLM_BINARY, "serve", "--model", model, "--port", "0", "--threads", "1"};
     args.insert(args.end(), extra.begin(), extra.end());
     pid_ = ::fork();
     if (pid_ == 0) {
@@ -402,6 +407,12 @@ TEST_F(Serve, ValidationErrors) {
       {C, R"({"prompt": "hi", "stream": "yes"})", 400, "stream", "invalid_type"},
       {C, R"({"prompt": "hi", "stop": 7})", 400, "stop", "invalid_type"},
       {C, R"({"prompt": "hi", "stop": [""]})", 400, "stop", "invalid_value"},
+      {C, R"({"prompt": "hi", "stop": ""})", 400, "stop", "invalid_value"},
+      {C, R"({"prompt": "hi", "stop": ["a", 7]})", 400, "stop", "invalid_type"},
+      {C, R"({"prompt": "hi", "stop": {"s": "a"}})", 400, "stop", "invalid_type"},
+      {C, R"({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]})", 400, "stop", "invalid_value"},
+      {H, R"({"messages": [{"role": "user", "content": "x"}], "stop": 1.5})", 400, "stop", "invalid_type"},
+      {C, R"({"prompt": "hi", "ignore_eos": 1})", 400, "ignore_eos", "invalid_type"},
       {C, R"({"prompt": "hi", "stop_token_ids": [300]})", 400, "stop_token_ids", "invalid_value"},
       {C, R"({"prompt": "hi", "stop_token_ids": 3})", 400, "stop_token_ids", "invalid_type"},
       {C, R"({"prompt": "hi", "logprobs": 21})", 400, "logprobs", "invalid_value"},
@@ -427,6 +438,11 @@ TEST_F(Serve, ValidationErrors) {
   const Reply ok = post(port(), C, std::string(R"({"prompt": "hi", "model": "gpt-4", "max_tokens": 198, "temperature": 0,
                                       "stop_token_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]})"));
   EXPECT_EQ(ok.status, 200) << ok.raw;
+  // Four stop strings are allowed (OpenAI's limit), as are an empty list and ignore_eos on a model without eos.
+  const Reply four = post(port(), C, std::string(R"({"prompt": "hi", "max_tokens": 2, "stop": ["a", "b", "c", "d"],
+                                      "ignore_eos": true})"));
+  EXPECT_EQ(four.status, 200) << four.raw;
+  EXPECT_EQ(post(port(), C, std::string(R"({"prompt": "hi", "max_tokens": 2, "stop": []})")).status, 200);
 }
 
 // 8 clients at once (more than --max-batch 3, so some queue): each answer equals the same request sent alone.
@@ -513,6 +529,231 @@ TEST(ServeText, Utf8CutsAddUpToTheWhole) {
   EXPECT_EQ(serve::utf8_text("h\xC3", false, &used), "h");
   EXPECT_EQ(used, 1u);
   EXPECT_EQ(serve::utf8_text("h\xC3", true), "h\xEF\xBF\xBD");
+}
+
+// A model directory that is the bundled one with config.json's eos_token_id set to `eos` (an int or a list).
+void copy_with_eos(const TempDir& dir, const json& eos) {
+  copy_dir(kModel, dir.str());
+  json cfg;
+  std::ifstream(dir.str("config.json")) >> cfg;
+  cfg["text_config"]["eos_token_id"] = eos;
+  std::ofstream(dir.str("config.json")) << cfg.dump(2);
+}
+
+// The model's eos_token_id (here a list) ends generation by default: the eos token is in the tokens and logprobs
+// (it was sampled) but not in the text, whole or streamed; ignore_eos: true turns it off.
+TEST_F(Serve, EosTokenStopsUnlessIgnored) {
+  json req = {{"prompt", "Hello"}, {"max_tokens", 30}, {"temperature", 0}, {"logprobs", 0}};
+  const Reply free = post(port(), "/v1/completions", req);  // this server's model has no eos
+  ASSERT_EQ(free.status, 200) << free.raw;
+  const auto all = free.body["choices"][0]["tokens"].get<std::vector<int32_t>>();
+  ASSERT_EQ(all.size(), 30u);
+  const int32_t eos = all[6];
+  const size_t first = std::find(all.begin(), all.end(), eos) - all.begin();
+  int32_t unused = 0;
+  while (std::find(all.begin(), all.end(), unused) != all.end()) ++unused;
+  TempDir dir;
+  copy_with_eos(dir, json::array({unused, eos}));
+  ServerProcess server({}, dir.str());
+
+  const Reply r = post(server.port(), "/v1/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const json& c = r.body["choices"][0];
+  const std::vector<int32_t> kept(all.begin(), all.begin() + first + 1);
+  EXPECT_EQ(c["tokens"].get<std::vector<int32_t>>(), kept);
+  EXPECT_EQ(c["logprobs"]["token_logprobs"].size(), kept.size());
+  EXPECT_EQ(c["text"], text_of(std::vector<int32_t>(kept.begin(), kept.end() - 1)));
+  EXPECT_EQ(c["finish_reason"], "stop");
+  EXPECT_EQ(r.body["usage"]["completion_tokens"], kept.size());
+
+  json sreq = req;
+  sreq["stream"] = true;
+  auto res = client(server.port())->Post("/v1/completions", sreq.dump(), "application/json");
+  ASSERT_TRUE(res);
+  std::string text, finish;
+  std::vector<int32_t> tokens;
+  for (const json& e : read_events(res->body)) {
+    text += e["choices"][0]["text"].get<std::string>();
+    for (int32_t t : e["choices"][0]["tokens"]) tokens.push_back(t);
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(text, c["text"]);
+  EXPECT_EQ(tokens, kept);
+  EXPECT_EQ(finish, "stop");
+
+  req["ignore_eos"] = true;
+  const Reply ignored = post(server.port(), "/v1/completions", req);
+  ASSERT_EQ(ignored.status, 200) << ignored.raw;
+  EXPECT_EQ(ignored.body["choices"][0]["tokens"].get<std::vector<int32_t>>(), all);
+  EXPECT_EQ(ignored.body["choices"][0]["text"], text_of(all));
+  EXPECT_EQ(ignored.body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(server.stop(SIGTERM), 0);
+}
+
+// An eos_token_id outside the vocabulary is an error at startup, not at the first request.
+TEST(ServeEos, EosOutsideTheVocabularyIsAStartupError) {
+  TempDir dir;
+  copy_with_eos(dir, 256);
+  const CliResult r = run_nextlm("serve --port 0 --model " + shell_quote(dir.str()));
+  EXPECT_EQ(r.rc, 1) << r.err;
+  EXPECT_NE(r.err.find("eos_token_id 256 is outside the vocabulary"), std::string::npos) << r.err;
+}
+
+// The hand tokenizer of the tokenizer tests: bytes are ids 0-255, merges such as "hello" (259) and " worl" (263),
+// and special tokens such as "<|user|>" (264).
+const Tokenizer& hand() {
+  static const Tokenizer t = Tokenizer::load(std::string(NEXTLM_TEST_DATA) + "/golden/tokenizer/hand/tokenizer.json");
+  return t;
+}
+
+// Appends `tokens` to a Job one at a time as the scheduler does and reads it as a stream does after each: the text
+// shown so far must always be a prefix of the final text (nothing that a stop string later cuts is ever shown, and
+// no partial UTF-8 character), and the shown tokens a prefix of the final tokens. Returns the final snapshot.
+Job::Snapshot run_job(const JobRequest& request, const std::vector<int32_t>& tokens) {
+  Job job(request);
+  std::vector<std::string> shown_texts;
+  std::vector<size_t> shown_tokens;
+  bool finished = false;
+  for (size_t i = 0; i < tokens.size() && !finished; ++i) {
+    finished = job.append(Sample{tokens[i], -1.0 - static_cast<double>(i), {}});
+    const Job::Snapshot s = job.snapshot();
+    EXPECT_EQ(s.finished, finished);
+    EXPECT_LE(s.text, s.bytes.size());
+    size_t used = 0;
+    shown_texts.push_back(serve::utf8_text(s.bytes.substr(0, s.text), s.finished, &used));
+    shown_tokens.push_back(s.shown);
+  }
+  const Job::Snapshot last = job.snapshot();
+  EXPECT_TRUE(last.finished);
+  const std::string final_text = serve::utf8_text(last.bytes.substr(0, last.text), true);
+  for (size_t i = 0; i < shown_texts.size(); ++i) {
+    EXPECT_EQ(final_text.compare(0, shown_texts[i].size(), shown_texts[i]), 0)
+        << "after token " << i << " the stream showed \"" << shown_texts[i] << "\", not a prefix of \"" << final_text
+        << "\"";
+    EXPECT_LE(shown_tokens[i], last.shown) << "after token " << i;
+  }
+  return last;
+}
+
+std::string final_text(const Job::Snapshot& s) { return serve::utf8_text(s.bytes.substr(0, s.text), true); }
+
+JobRequest tokenizer_request(const std::vector<std::string>& stops) {
+  JobRequest r;
+  r.prompt = {1};
+  r.max_tokens = 100;
+  r.tokenizer = &hand();
+  r.stop_strings = stops;
+  return r;
+}
+
+TEST(ServeJob, StopStringAcrossTokensAndInsideOne) {
+  ASSERT_EQ(hand().token_bytes(259), "hello");
+  ASSERT_EQ(hand().token_bytes(263), " worl");
+  // "x" "hello" " worl" "d": "lo w" starts inside "hello" and ends inside " worl". "hello" straddles the cut and
+  // stays (with its logprob), " worl" completed the match and is dropped; "d" is never generated.
+  const Job::Snapshot s = run_job(tokenizer_request({"zz", "lo w"}), {'x', 259, 263, 'd'});
+  EXPECT_EQ(s.finish_reason, "stop");
+  EXPECT_EQ(final_text(s), "xhel");
+  EXPECT_EQ(s.shown, 2u);
+  EXPECT_EQ(s.samples.size(), 3u);  // usage.completion_tokens counts the token that completed the match
+
+  // A stop string starting on a token boundary and ending inside the next token: the tokens before it are kept.
+  const Job::Snapshot b = run_job(tokenizer_request({"b wo"}), {'a', 'b', 263, 'd'});
+  EXPECT_EQ(final_text(b), "a");
+  EXPECT_EQ(b.shown, 1u);
+  EXPECT_EQ(b.samples.size(), 3u);
+
+  // The earliest start wins among the stop strings a token completes, whatever their order in the list. " worl"
+  // starts at the cut, so none of its bytes is text: it is dropped.
+  const Job::Snapshot e = run_job(tokenizer_request({"rl", "ld", " wo"}), {'a', 263, 'd'});
+  EXPECT_EQ(final_text(e), "a");
+  EXPECT_EQ(e.shown, 1u);
+  EXPECT_EQ(e.samples.size(), 2u);
+
+  // A stop string made of one UTF-8 character split over two byte tokens.
+  const Job::Snapshot u = run_job(tokenizer_request({"\xC3\xA9"}), {'a', 0xC3, 0xA9, 'b'});
+  EXPECT_EQ(final_text(u), "a");
+  EXPECT_EQ(u.shown, 1u);
+}
+
+// While running, the longest suffix of the output that may start a stop string is held back (and the tokens whose
+// bytes lie only there); when generation ends without a stop string it is shown after all.
+TEST(ServeJob, HoldBackUntilResolved) {
+  JobRequest r = tokenizer_request({"lo w", "\xC3\xA9!"});
+  r.max_tokens = 4;
+  Job job(r);
+  job.append(Sample{'x', -1.0, {}});
+  EXPECT_EQ(job.snapshot().text, 1u);
+  job.append(Sample{259, -1.0, {}});  // "xhello": "lo" may start "lo w"
+  Job::Snapshot s = job.snapshot();
+  EXPECT_EQ(s.bytes, "xhello");
+  EXPECT_EQ(s.text, 4u);
+  EXPECT_EQ(s.shown, 2u);  // "hello" has bytes before the held-back ones: it stays whatever comes next
+  job.append(Sample{0xC3, -1.0, {}});  // "\xC3" may start "\xC3\xA9!"; "lo" no longer may start a stop string
+  s = job.snapshot();
+  EXPECT_EQ(s.text, 6u);
+  EXPECT_EQ(s.shown, 2u);
+  EXPECT_FALSE(s.finished);
+  EXPECT_TRUE(job.append(Sample{0xA9, -1.0, {}}));  // max_tokens: the held-back "\xC3\xA9" is text after all
+  s = job.snapshot();
+  EXPECT_EQ(s.finish_reason, "length");
+  EXPECT_EQ(final_text(s), "xhello\xC3\xA9");
+  EXPECT_EQ(s.shown, 4u);
+
+  // The same through run_job's stream check, with a hold-back released by a byte that breaks the match.
+  const Job::Snapshot t = run_job(tokenizer_request({"lo w"}), {'x', 259, 'y', 259, ' ', 'w'});
+  EXPECT_EQ(final_text(t), "xhelloyhel");
+  EXPECT_EQ(t.shown, 4u);
+}
+
+// An eos token ends the output: it is among the tokens, not in the text; a stop string it would complete does not
+// cut, and what was held back for a stop string is text after all. A stop token (stop_token_ids) stays in the text,
+// but a stop string that the same token completes cuts first.
+TEST(ServeJob, EosAndStopTokens) {
+  JobRequest r = tokenizer_request({"a<"});
+  r.eos_tokens = {264};
+  ASSERT_EQ(hand().token_bytes(264), "<|user|>");
+  Job::Snapshot s = run_job(r, {'a', 264, 'b'});
+  EXPECT_EQ(s.finish_reason, "stop");
+  EXPECT_EQ(final_text(s), "a");
+  EXPECT_EQ(s.shown, 2u);
+
+  r = tokenizer_request({});
+  r.stop_tokens = {264};
+  s = run_job(r, {'a', 264, 'b'});
+  EXPECT_EQ(final_text(s), "a<|user|>");
+  EXPECT_EQ(s.shown, 2u);
+  r.stop_strings = {"|u"};
+  s = run_job(r, {'a', 264, 'b'});
+  EXPECT_EQ(final_text(s), "a<");
+  EXPECT_EQ(s.shown, 2u);
+
+  // Byte-level models: the same with tokens as bytes.
+  JobRequest b;
+  b.prompt = {1};
+  b.byte_level = true;
+  b.eos_tokens = {'!'};
+  s = run_job(b, {'h', 'i', '!', 'x'});
+  EXPECT_EQ(final_text(s), "hi");
+  EXPECT_EQ(s.shown, 3u);
+}
+
+TEST(ServeText, FindStopAndTokensForText) {
+  // Only occurrences that end in the added bytes [from, end) count; the earliest start wins.
+  EXPECT_EQ(serve::find_stop("abcdef", 4, {"cde"}), 2u);
+  EXPECT_EQ(serve::find_stop("abcdef", 5, {"cd"}), std::string::npos);  // ended before: not looked for again
+  EXPECT_EQ(serve::find_stop("abcdef", 3, {"ef", "d", "bcd"}), 1u);
+  EXPECT_EQ(serve::find_stop("abc", 0, {"x"}), std::string::npos);
+  EXPECT_EQ(serve::find_stop("abc", 0, {}), std::string::npos);
+  // Tokens with bytes [0,1) [1,6) [6,6) [6,7): a cut at 1 keeps one; at 3 two (the second straddles); at 6 three
+  // (the empty one ends at the cut); at 7 all.
+  const std::vector<size_t> ends = {1, 6, 6, 7};
+  EXPECT_EQ(serve::tokens_for_text(ends, 0), 0u);
+  EXPECT_EQ(serve::tokens_for_text(ends, 1), 1u);
+  EXPECT_EQ(serve::tokens_for_text(ends, 3), 2u);
+  EXPECT_EQ(serve::tokens_for_text(ends, 6), 3u);
+  EXPECT_EQ(serve::tokens_for_text(ends, 7), 4u);
+  EXPECT_EQ(serve::tokens_for_text({0, 0}, 0), 2u);  // a model without text: every token
 }
 
 TEST(ServeText, StopHoldback) {

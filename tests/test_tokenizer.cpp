@@ -1,7 +1,8 @@
 // Tokenizer (src/io/tokenizer.h) and GLM chat format (src/io/chat_template.h) tests.
 // TokenizerHand.*: encodings derived by hand on tests/golden/tokenizer/hand/tokenizer.json (256 byte tokens with id =
 //   byte value, 8 merges, 3 special tokens), the regex matcher's features, decode, round trips, malformed files.
-// TokenizerCli.*, TokenizerServe.*: `nextlm generate` and `nextlm serve` on a model directory with a tokenizer.json.
+// TokenizerCli.*, TokenizerServe.*: `nextlm generate` and `nextlm serve` on a model directory with a tokenizer.json
+//   (text prompts, chat, decoded output, stop strings across and inside tokens).
 // TokenizerGolden.*, TokenizerGoldenFiles.*: bit-exact agreement with HF `tokenizers` / transformers on the goldens
 //   that tests/golden/make_tokenizer_goldens.py writes to tests/golden/tokenizer/ (per variant: pre-tokenized pieces,
 //   ids, decode with and without special tokens, decode of random ids, chat rendering; regex.json: Split
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -357,46 +359,63 @@ TEST(TokenizerCli, ChatNeedsATokenizer) {
   EXPECT_NE(r.err.find("--chat needs the model's tokenizer.json"), std::string::npos) << r.err;
 }
 
+// `nextlm serve --port 0` on `model` as a child process, stopped with SIGTERM (and waited for) when this goes out of
+// scope; port() is 0 when it did not start, and `line` is what it printed.
+class Server {
+ public:
+  explicit Server(const std::string& model) {
+    int out[2];
+    if (::pipe(out) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(out[1], 1);
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      ::dup2(devnull, 2);
+      ::close(out[0]);
+      ::execl(NEXTLM_BINARY, NEXTLM_BINARY, "serve", "--model", model.c_str(), "--port", "0", "--threads", "1",
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    fd_ = out[0];
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+      pollfd pf = {fd_, POLLIN, 0};
+      if (::poll(&pf, 1, 100) <= 0) continue;
+      char buf[256];
+      const ssize_t n = ::read(fd_, buf, sizeof buf);
+      if (n <= 0) break;
+      line.append(buf, static_cast<size_t>(n));
+    }
+    if (line.rfind("listening on http://127.0.0.1:", 0) == 0) port_ = std::stoi(line.substr(line.rfind(':') + 1));
+  }
+  ~Server() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+    }
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+  int port() const { return port_; }
+  std::string line;
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  int port_ = 0;
+};
+
 // `nextlm serve` on the model with a tokenizer: text prompts and chat are encoded as `generate` encodes them, and
 // the answers' text is the decoded tokens (streamed chunks add up to it).
 TEST(TokenizerServe, TextPromptsChatAndOutputUseTheTokenizer) {
   TempDir tmp;
   const std::string model = make_model_with_tokenizer(tmp);
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(out[1], 1);
-    const int devnull = ::open("/dev/null", O_WRONLY);
-    ::dup2(devnull, 2);
-    ::close(out[0]);
-    ::execl(NEXTLM_BINARY, NEXTLM_BINARY, "serve", "--model", model.c_str(), "--port", "0", "--threads", "1",
-            static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  ::close(out[1]);
-  std::string line;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-    pollfd pf = {out[0], POLLIN, 0};
-    if (::poll(&pf, 1, 100) <= 0) continue;
-    char buf[256];
-    const ssize_t n = ::read(out[0], buf, sizeof buf);
-    if (n <= 0) break;
-    line.append(buf, static_cast<size_t>(n));
-  }
-  struct Stop {  // SIGTERM, then wait, whatever the assertions below do
-    pid_t pid;
-    int fd;
-    ~Stop() {
-      ::kill(pid, SIGTERM);
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      ::close(fd);
-    }
-  } stop{pid, out[0]};
-  ASSERT_EQ(line.rfind("listening on http://127.0.0.1:", 0), 0u) << line;
-  httplib::Client cli("127.0.0.1", std::stoi(line.substr(line.rfind(':') + 1)));
+  Server server(model);
+  ASSERT_GT(server.port(), 0) << server.line;
+  httplib::Client cli("127.0.0.1", server.port());
   cli.set_read_timeout(60);
   auto post = [&](const char* path, const json& body) {
     auto res = cli.Post(path, body.dump(), "application/json");
@@ -456,6 +475,124 @@ TEST(TokenizerServe, TextPromptsChatAndOutputUseTheTokenizer) {
   }
   EXPECT_EQ(streamed, content);
   EXPECT_EQ(streamed_ids, chat_tokens);
+}
+
+// Where a candidate stop string's first occurrence lies in a generated output: tokens `ids` with byte ends `ends`.
+struct Occurrence {
+  size_t at = std::string::npos;  // first byte in the output
+  size_t first = 0, last = 0;     // tokens holding its first and last byte
+};
+Occurrence locate(const std::string& bytes, const std::vector<size_t>& ends, const std::string& stop) {
+  Occurrence o;
+  o.at = bytes.find(stop);
+  if (o.at == std::string::npos) return o;
+  while (ends[o.first] <= o.at) ++o.first;
+  o.last = o.first;
+  while (ends[o.last] < o.at + stop.size()) ++o.last;
+  return o;
+}
+
+// Stop strings on a model with a byte-level BPE tokenizer, taken from an unconstrained sampled run of the same
+// request so that they surely occur: one that spans two tokens and one that starts inside a multi-byte token. The
+// text ends before the first occurrence, the tokens (and logprobs) are those with a byte before it (the one it
+// starts inside stays), usage counts every token up to the one that completed it, and a stream never shows text
+// that is not a prefix of the final text.
+TEST(TokenizerServe, StopStringsCutTextAndTokens) {
+  TempDir tmp;
+  const std::string model = make_model_with_tokenizer(tmp);
+  Server server(model);
+  ASSERT_GT(server.port(), 0) << server.line;
+  httplib::Client cli("127.0.0.1", server.port());
+  cli.set_read_timeout(60);
+  auto complete = [&](const json& body) {
+    auto res = cli.Post("/v1/completions", body.dump(), "application/json");
+    EXPECT_TRUE(res && res->status == 200) << (res ? res->body : std::string("no response"));
+    return res && res->status == 200 ? json::parse(res->body) : json::object();
+  };
+  const std::string never = "\x01\x02 never";
+
+  // The first seed whose output has both kinds of stop string, made of ASCII bytes (valid UTF-8, as JSON needs).
+  json req;
+  std::vector<int32_t> ids;
+  std::string bytes;
+  std::vector<size_t> ends;
+  std::string across, inside;
+  int seed = 0;
+  while (++seed <= 40 && (across.empty() || inside.empty())) {
+    req = {{"prompt", "hello world"}, {"max_tokens", 60}, {"temperature", 1.0}, {"seed", seed}, {"logprobs", 0}};
+    ids = complete(req).at("choices")[0].at("tokens").get<std::vector<int32_t>>();
+    bytes.clear(), ends.clear();
+    for (int32_t id : ids) ends.push_back((bytes += hand().token_bytes(id)).size());
+    across.clear(), inside.clear();
+    for (size_t at = 1; at < bytes.size(); ++at) {
+      for (size_t len = 1; len <= 4 && at + len <= bytes.size(); ++len) {
+        const std::string cand = bytes.substr(at, len);
+        if (std::any_of(cand.begin(), cand.end(), [](char c) { return c <= 0; }) || cand == never) break;
+        const Occurrence o = locate(bytes, ends, cand);
+        if (o.at != at || o.last + 1 >= ids.size()) continue;  // not its first occurrence, or not mid-generation
+        const bool starts_inside = (o.first == 0 ? 0 : ends[o.first - 1]) < at;
+        if (across.empty() && !starts_inside && o.last > o.first) across = cand;
+        if (inside.empty() && starts_inside) inside = cand;
+      }
+    }
+  }
+  ASSERT_FALSE(across.empty() || inside.empty()) << "no seed gave both kinds of stop string";
+  std::printf("[stop strings] seed %d: across tokens %s, inside a token %s\n", seed - 1, json(across).dump().c_str(),
+              json(inside).dump().c_str());
+  ASSERT_EQ(bytes.find(never), std::string::npos);
+
+  for (const std::string& stop : {across, inside}) {
+    SCOPED_TRACE("stop \"" + stop + "\"");
+    const Occurrence o = locate(bytes, ends, stop);
+    size_t kept = 0;  // the tokens with a byte before the cut (or none after it)
+    while (kept < ids.size() && ((kept == 0 ? 0 : ends[kept - 1]) < o.at || ends[kept] <= o.at)) ++kept;
+    EXPECT_EQ(kept, stop == inside ? o.first + 1 : o.first);
+    json r = req;
+    r["stop"] = {never, stop};
+    const json c = complete(r);
+    const json& ch = c.at("choices")[0];
+    EXPECT_EQ(ch.at("finish_reason"), "stop");
+    EXPECT_EQ(ch.at("text").get<std::string>(), serve::utf8_text(bytes.substr(0, o.at), true));
+    EXPECT_EQ(ch.at("tokens").get<std::vector<int32_t>>(), std::vector<int32_t>(ids.begin(), ids.begin() + kept));
+    EXPECT_EQ(ch.at("logprobs").at("token_logprobs").size(), kept);
+    EXPECT_EQ(c.at("usage").at("completion_tokens"), o.last + 1);
+
+    r["stream"] = true;
+    auto res = cli.Post("/v1/completions", r.dump(), "application/json");
+    ASSERT_TRUE(res && res->status == 200);
+    const std::string final_text = ch.at("text").get<std::string>();
+    std::string streamed, finish;
+    std::vector<int32_t> streamed_ids;
+    std::istringstream in(res->body);
+    for (std::string l; std::getline(in, l);) {
+      if (l.rfind("data: {", 0) != 0) continue;
+      const json event = json::parse(l.substr(6));
+      const json& chunk = event.at("choices")[0];
+      streamed += chunk.at("text").get<std::string>();
+      EXPECT_EQ(final_text.compare(0, streamed.size(), streamed), 0) << "the stream showed \"" << streamed << "\"";
+      for (const json& t : chunk.at("tokens")) streamed_ids.push_back(t.get<int32_t>());
+      if (!chunk.at("finish_reason").is_null()) finish = chunk.at("finish_reason");
+    }
+    EXPECT_EQ(streamed, final_text);
+    EXPECT_EQ(streamed_ids, ch.at("tokens").get<std::vector<int32_t>>());
+    EXPECT_EQ(finish, "stop");
+  }
+
+  // A model with neither a tokenizer nor a byte vocabulary has no text: stop strings are refused, token ids are not.
+  TempDir bare;
+  make_model_with_tokenizer(bare);
+  fs::remove(bare.str("tokenizer.json"));
+  Server ids_only(bare.str());
+  ASSERT_GT(ids_only.port(), 0) << ids_only.line;
+  httplib::Client cli2("127.0.0.1", ids_only.port());
+  auto refused = cli2.Post("/v1/completions", json{{"prompt", {1, 2}}, {"stop", "x"}}.dump(), "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400);
+  EXPECT_EQ(json::parse(refused->body).at("error").at("code"), "tokenizer_unavailable") << refused->body;
+  auto ok = cli2.Post("/v1/completions", json{{"prompt", {1, 2}}, {"stop_token_ids", {3}}, {"max_tokens", 2}}.dump(),
+                      "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
 }
 
 // ------------------------------------------------------------------------------------------------ goldens

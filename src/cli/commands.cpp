@@ -50,6 +50,7 @@ struct ScoreArgs {
   std::string model, input, output, logits_out, device = "cpu", format = "jsonl", adapter;
   int threads = 0;
   int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
+  bool batch_invariant = false;  // --device cuda: GEMMs whose results do not depend on the batch (cuda/gemm.h)
 };
 
 // A bad combination of command-line arguments found after parsing: exit code 2, like CLI11's parse errors.
@@ -263,6 +264,8 @@ int cmd_score(const ScoreArgs& a) {
   std::optional<AtomicFile> out_file;
   if (!a.output.empty() && dist::launcher_rank() == 0) out_file.emplace(a.output);
 
+  if (a.batch_invariant && a.device != "cuda")
+    throw UsageError("--batch-invariant applies to --device cuda only");
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
   check_model_dir(a.model);
@@ -291,6 +294,7 @@ int cmd_score(const ScoreArgs& a) {
   // On the GPU without an adapter the bf16 weights go straight from the checkpoint to the device: no fp32 host copy.
   if (a.device == "cuda" && a.adapter.empty()) {
     const std::unique_ptr<CudaModel> gpu = CudaModel::load(a.model);
+    gpu->set_batch_invariant(a.batch_invariant);
     const int64_t V = gpu->config().vocab_size;
     const auto seqs = read_token_jsonl(a.input, V);
     PackedBatch batch;
@@ -318,6 +322,7 @@ int cmd_score(const ScoreArgs& a) {
   } else {
 #ifdef NEXTLM_HAVE_CUDA
     CudaModel gpu(model);
+    gpu.set_batch_invariant(a.batch_invariant);
     lps = gpu.next_token_logprobs(batch);
     if (!a.logits_out.empty()) logits = split_sequences(gpu.forward(batch), batch);
 #endif
@@ -450,6 +455,7 @@ struct GenerateArgs {
   uint64_t seed = 0;
   int threads = 0;
   bool chat = false;  // --chat: --prompt is one user message in GLM's chat format
+  bool ignore_eos = false;  // --ignore-eos: the model's eos_token_id does not end generation
   int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
 
@@ -519,10 +525,14 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   } else {
     model.emplace(Model::load(a.model));
   }
-  int64_t V = model ? model->config().vocab_size : sharded ? sharded->config.vocab_size : 0;
+  const ModelConfig* config = model ? &model->config() : sharded ? &sharded->config : nullptr;
 #ifdef NEXTLM_HAVE_CUDA
-  if (gpu) V = gpu->config().vocab_size;
+  if (gpu) config = &gpu->config();
 #endif
+  const int64_t V = config->vocab_size;
+  // The eos ids go into the options that every decoder's loop (generate_with) reads, so CPU, CUDA and parallel runs
+  // stop alike.
+  if (!a.ignore_eos) opt.eos_tokens = load_eos_token_ids(a.model, *config);
   // A model directory with tokenizer.json reads and writes text with it; without one, byte-level models (a 256-token
   // vocabulary) use UTF-8 bytes, and others take token ids only.
   std::optional<Tokenizer> tokenizer;
@@ -565,6 +575,9 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
 #endif
   }
   if (dist::world().rank() != 0) return 0;
+  // The text leaves out a final eos token (it is in "tokens" and "logprobs": it was sampled); models without text
+  // print every id.
+  const std::vector<int32_t> text_tokens(g.tokens.begin(), g.tokens.end() - (g.eos ? 1 : 0));
   std::ostringstream os;
   if (a.format == "json") {
     os << "{\"tokens\": [";
@@ -572,12 +585,12 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
     os << "], \"logprobs\": [";
     for (size_t i = 0; i < g.logprobs.size(); ++i) os << (i ? ", " : "") << number(g.logprobs[i]);
     os << "]";
-    if (tokenizer) os << ", \"text\": " << nlohmann::json(tokenizer->decode(g.tokens)).dump();
+    if (tokenizer) os << ", \"text\": " << nlohmann::json(tokenizer->decode(text_tokens)).dump();
     os << "}\n";
   } else if (tokenizer) {
-    os << tokenizer->decode(g.tokens) << "\n";
+    os << tokenizer->decode(text_tokens) << "\n";
   } else if (byte_level) {
-    for (int32_t t : g.tokens) os << static_cast<char>(t);
+    for (int32_t t : text_tokens) os << static_cast<char>(t);
     os << "\n";
   } else {
     for (size_t i = 0; i < g.tokens.size(); ++i) os << (i ? " " : "") << g.tokens[i];
@@ -587,7 +600,7 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   check(std::cout.good(), "cannot write to standard output");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cerr << "generated " << g.tokens.size() << " tokens after a " << prompt.size() << "-token prompt ("
-            << (g.stopped ? "stop token" : "max-new-tokens") << ") in " << number(secs) << " s\n";
+            << (g.eos ? "eos token" : g.stopped ? "stop token" : "max-new-tokens") << ") in " << number(secs) << " s\n";
   return 0;
 }
 
@@ -658,6 +671,8 @@ int run_cli_impl(int argc, char** argv) {
       ->capture_default_str();
   sc->add_option("--threads", score.threads, "CPU threads (default: all)")->check(thread_count());
   sc->add_option("--adapter", score.adapter, "LoRA adapter directory (PEFT) to apply, merged in fp32")->check(non_empty());
+  sc->add_flag("--batch-invariant", score.batch_invariant,
+               "--device cuda: each sequence's results bitwise independent of the others in the file (slower GEMMs)");
   sc->add_option("--tp", score.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
       ->check(rank_count())->capture_default_str();
   sc->add_option("--ep", score.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
@@ -701,6 +716,9 @@ int run_cli_impl(int argc, char** argv) {
       ->capture_default_str();
   ge->add_option("--stop-tokens", gen.stop_tokens, "comma-separated ids that end generation (and are output)")
       ->check(non_empty());
+  ge->add_flag("--ignore-eos", gen.ignore_eos,
+               "do not end generation on the model's eos_token_id (generation_config.json, else config.json), which "
+               "otherwise ends it and is left out of the text");
   ge->add_option("--device", gen.device, "compute device (cpu, or cuda in a CUDA build)")
       ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();

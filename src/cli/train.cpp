@@ -1,6 +1,7 @@
-// `nextlm train`: the command-line driver of the CPU training loop (model/trainer.h): argument checks before any
-// output exists, a progress line per step, a CSV log with an SVG loss curve, periodic checkpoints, and a checkpoint
-// on ctrl-C.
+// `nextlm train`: the command-line driver of the CPU training loop (model/trainer.h, or dist/parallel_trainer.h
+// under mpirun): argument checks before any output exists, a progress line per step, a CSV log with an SVG loss
+// curve, periodic checkpoints, and a checkpoint on ctrl-C. Under mpirun every rank trains and world rank 0 alone
+// prints and writes.
 #include "cli/train.h"
 
 #include <sys/resource.h>
@@ -15,6 +16,7 @@
 #include <sstream>
 
 #include "cpu/linear.h"
+#include "dist/parallel_trainer.h"
 #include "io/atomic_file.h"
 #include "model/init.h"
 #include "model/trainer.h"
@@ -122,11 +124,17 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   tr->add_option("--batch-tokens", a.batch_tokens, "tokens per packed micro-batch, at most")->capture_default_str();
   tr->add_option("--grad-accum", a.grad_accum, "micro-batches per step")->capture_default_str();
   tr->add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  tr->add_option("--adam-eps", a.adam_eps, "AdamW epsilon (added to sqrt(v); torch's eps)")->capture_default_str();
   tr->add_option("--clip", a.clip, "global gradient-norm bound (0 = none)")->capture_default_str();
   tr->add_option("--seed", a.seed, "seed of the init and the data order")->capture_default_str();
   tr->add_option("--save-every", a.save_every, "checkpoint every N steps (0 = only at the end)")->capture_default_str();
   tr->add_option("--resume", a.resume, "continue from this checkpoint (or --out directory)");
   tr->add_option("--threads", a.threads, "CPU threads (default: all)");
+  tr->add_option("--tp", a.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+      ->capture_default_str();
+  tr->add_option("--ep", a.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts); the "
+                 "-np / lcm(tp, ep) replicas split each step's sequences (data parallelism)")
+      ->capture_default_str();
   tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
   tr->add_option("--lora-rank", a.lora_rank, "train LoRA adapters of this rank on the --model (frozen) instead");
   tr->add_option("--lora-alpha", a.lora_alpha, "LoRA alpha: W + (alpha/rank)·B·A (default: the rank)");
@@ -152,8 +160,15 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (a.grad_accum < 1) throw TrainUsageError("--grad-accum must be >= 1");
   if (!(a.weight_decay >= 0)) throw TrainUsageError("--weight-decay must be >= 0");
   if (!(a.clip >= 0)) throw TrainUsageError("--clip must be >= 0");
+  if (!(a.adam_eps > 0 && std::isfinite(a.adam_eps))) throw TrainUsageError("--adam-eps must be > 0");
   if (a.save_every < 0) throw TrainUsageError("--save-every must be >= 0");
   if (a.threads < 0 || a.threads > 1024) throw TrainUsageError("--threads must be from 1 to 1024");
+  if (a.tp < 1) throw TrainUsageError("--tp must be >= 1");
+  if (a.ep < 1) throw TrainUsageError("--ep must be >= 1");
+  // Under mpirun (or with --tp/--ep) every rank trains its slices on its replica's share of the data.
+  const bool parallel = a.tp > 1 || a.ep > 1 || dist::launched_by_mpi();
+  if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
+    throw TrainUsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
   const bool lora_flags = given("--lora-alpha") || given("--lora-targets") || given("--lora-experts") ||
                           given("--lora-rank-div-topk");
   if (given("--lora-rank") || lora_flags) {
@@ -199,6 +214,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (resume_dir.empty() || given("--seed")) opt.seed = a.seed;
   if (resume_dir.empty() || given("--lr")) opt.adamw.lr = a.lr;
   if (resume_dir.empty() || given("--weight-decay")) opt.adamw.weight_decay = a.weight_decay;
+  if (resume_dir.empty() || given("--adam-eps")) opt.adamw.eps = a.adam_eps;
   if (given("--lora-rank")) {
     LoraOptions lo;
     lo.rank = a.lora_rank;
@@ -219,67 +235,113 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     check(fs::is_directory(dir, ec), "model directory ", dir, " does not exist");
     cfg = load_config((fs::path(dir) / "config.json").string());
   }
+  if (parallel && opt.lora) throw TrainUsageError("LoRA training does not run under mpirun or with --tp/--ep yet");
   std::vector<TrainExample> data = read_train_jsonl(a.data, cfg.vocab_size, opt.batch_tokens);
   std::optional<Trainer> trainer;
-  if (!resume_dir.empty()) {
+  std::optional<dist::Mesh> mesh;
+  std::optional<dist::ParallelTrainer> ptrainer;
+  if (parallel) {
+    try {
+      dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
+    } catch (const Error& e) {
+      throw TrainUsageError(e.what());
+    }
+    mesh.emplace(dist::world(), dist::ParallelOptions{a.tp, a.ep});
+    if (!resume_dir.empty()) {
+      ptrainer.emplace(dist::ParallelTrainer::resume(resume_dir, *mesh, std::move(data), opt));
+    } else {
+      dist::ShardedModel m = a.config.empty() ? dist::load_sharded(a.model, *mesh)
+                                              : dist::shard_weights(cfg, init_weights(cfg, opt.seed), *mesh);
+      ptrainer.emplace(std::move(m), *mesh, std::move(data), opt);
+    }
+  } else if (!resume_dir.empty()) {
     trainer.emplace(Trainer::resume(resume_dir, std::move(data), opt));
   } else {
     Model m = a.config.empty() ? Model::load(a.model) : Model(cfg, init_weights(cfg, opt.seed));
     trainer.emplace(std::move(m), std::move(data), opt);
   }
+  auto steps_done = [&] { return trainer ? trainer->steps_done() : ptrainer->steps_done(); };
+  const bool lead = !mesh || mesh->world->rank() == 0;  // prints and writes the log
+  // Every rank stops after the same step: a ctrl-C seen by any rank stops all.
+  auto interrupted = [&] {
+    float flag = g_interrupted ? 1.0f : 0.0f;
+    if (mesh) mesh->world->all_reduce_max(&flag, 1);
+    return flag > 0.0f;
+  };
 
   // Outputs from here on; from now on ctrl-C ends with a checkpoint.
   SigintGuard guard;
-  fs::create_directories(a.out, ec);
-  check(!ec, "cannot create --out ", a.out, ": ", ec.message());
-  std::vector<LogRow> rows = read_log(log, trainer->steps_done());
-  std::string csv = "step,loss,lr,grad_norm,tokens,seconds\n";
-  for (const LogRow& r : rows) csv += csv_row(r);
-  write_text(log, csv);
-  std::FILE* logf = std::fopen(log.c_str(), "a");
-  check(logf != nullptr, "cannot append to ", log);
+  std::vector<LogRow> rows;
+  std::FILE* logf = nullptr;
+  if (lead) {
+    fs::create_directories(a.out, ec);
+    check(!ec, "cannot create --out ", a.out, ": ", ec.message());
+    rows = read_log(log, steps_done());
+    std::string csv = "step,loss,lr,grad_norm,tokens,seconds\n";
+    for (const LogRow& r : rows) csv += csv_row(r);
+    write_text(log, csv);
+    logf = std::fopen(log.c_str(), "a");
+    check(logf != nullptr, "cannot append to ", log);
+  }
   struct Closer {
     std::FILE* f;
-    ~Closer() { std::fclose(f); }
+    ~Closer() {
+      if (f) std::fclose(f);
+    }
   } closer{logf};
   auto save = [&] {
-    trainer->save(ckpt_dir);
-    write_text(svg_path(log), loss_curve_svg(rows));
+    if (trainer) {
+      trainer->save(ckpt_dir);
+    } else {
+      ptrainer->save(ckpt_dir);  // collective: rank 0 writes
+    }
+    if (lead) write_text(svg_path(log), loss_curve_svg(rows));
   };
 
-  const Model& mdl = trainer->model();
-  if (trainer->lora())
+  const int64_t num_trainable = trainer ? trainer->num_trainable() : ptrainer->num_trainable();
+  if (lead && trainer && trainer->lora())
     std::cerr << "LoRA: " << trainer->lora()->modules().size() << " adapters of rank " << opt.lora->rank
-              << " on the frozen base " << opt.base_model << " (" << mdl.num_parameters() << " parameters)\n";
-  std::cerr << "training " << trainer->num_trainable() << " parameters, steps " << trainer->steps_done() << " -> "
-            << opt.steps << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step\n";
+              << " on the frozen base " << opt.base_model << " (" << trainer->model().num_parameters()
+              << " parameters)\n";
+  if (lead && mesh)
+    std::cerr << "parallel: " << mesh->world->size() << " ranks, " << mesh->dp->size()
+              << " data-parallel replicas of " << mesh->replica_size << " (tp " << a.tp << ", ep " << a.ep << ")\n";
+  if (lead)
+    std::cerr << "training " << num_trainable << " parameters, steps " << steps_done() << " -> " << opt.steps
+              << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step\n";
   double elapsed = 0.0;
   int64_t done_here = 0;
-  while (trainer->steps_done() < opt.steps && !g_interrupted) {
-    const StepStats st = trainer->step();
+  bool stop = false;
+  while (steps_done() < opt.steps && !(stop = interrupted())) {
+    const StepStats st = trainer ? trainer->step() : ptrainer->step();
     elapsed += st.seconds;
     ++done_here;
-    const LogRow r{st.step, st.loss, st.lr, st.grad_norm, st.tokens, st.seconds};
-    rows.push_back(r);
-    const std::string line = csv_row(r);
-    check(std::fwrite(line.data(), 1, line.size(), logf) == line.size() && std::fflush(logf) == 0,
-          "cannot write ", log);
-    const double eta = elapsed / done_here * static_cast<double>(opt.steps - st.step);
-    std::cerr << "step " << st.step << "/" << opt.steps << "  loss " << fmt("%.4f", st.loss) << "  lr "
-              << fmt("%.3g", st.lr) << "  grad_norm " << fmt("%.3g", st.grad_norm) << "  tok/s "
-              << fmt("%.0f", st.tokens / st.seconds) << "  eta " << duration(eta) << "  peak_mem "
-              << fmt("%.0f", peak_rss_mib()) << "MiB\n";
+    if (lead) {
+      const LogRow r{st.step, st.loss, st.lr, st.grad_norm, st.tokens, st.seconds};
+      rows.push_back(r);
+      const std::string line = csv_row(r);
+      check(std::fwrite(line.data(), 1, line.size(), logf) == line.size() && std::fflush(logf) == 0,
+            "cannot write ", log);
+      const double eta = elapsed / done_here * static_cast<double>(opt.steps - st.step);
+      std::cerr << "step " << st.step << "/" << opt.steps << "  loss " << fmt("%.4f", st.loss) << "  lr "
+                << fmt("%.3g", st.lr) << "  grad_norm " << fmt("%.3g", st.grad_norm) << "  tok/s "
+                << fmt("%.0f", st.tokens / st.seconds) << "  eta " << duration(eta) << "  peak_mem "
+                << fmt("%.0f", peak_rss_mib()) << "MiB\n";
+    }
     if (a.save_every > 0 && st.step % a.save_every == 0 && st.step < opt.steps) save();
   }
   save();
-  if (g_interrupted) {
-    std::cerr << "interrupted after step " << trainer->steps_done() << "; checkpoint saved in " << ckpt_dir
-              << " (continue with --resume " << a.out << ")\n";
+  if (!stop) stop = interrupted();
+  if (stop) {
+    if (lead)
+      std::cerr << "interrupted after step " << steps_done() << "; checkpoint saved in " << ckpt_dir
+                << " (continue with --resume " << a.out << ")\n";
     return 130;
   }
-  std::cerr << "done: " << trainer->steps_done() << " steps in " << duration(elapsed) << "; "
-            << (trainer->lora() ? "adapter" : "model") << " and checkpoint in "
-            << ckpt_dir << ", log " << log << "; peak memory " << fmt("%.0f", peak_rss_mib()) << " MiB\n";
+  if (lead)
+    std::cerr << "done: " << steps_done() << " steps in " << duration(elapsed) << "; "
+              << (trainer && trainer->lora() ? "adapter" : "model") << " and checkpoint in " << ckpt_dir << ", log "
+              << log << "; peak memory " << fmt("%.0f", peak_rss_mib()) << " MiB\n";
   return 0;
 }
 

@@ -12,9 +12,10 @@ namespace nextlm {
 struct TrainArgs {
   std::string config, model, data, out, resume, log;
   int64_t steps = 100, warmup = 10, batch_tokens = 2048, grad_accum = 1, save_every = 0;
-  double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
+  double lr = 1e-3, weight_decay = 0.1, clip = 1.0, adam_eps = 1e-8;
   uint64_t seed = 0;
   int threads = 0;
+  int tp = 1, ep = 1;  // tensor- and expert-parallel ranks under mpirun; the data-parallel replicas are the rest
   // LoRA (model/lora.h): on when lora_rank > 0; needs --model (the frozen base).
   int64_t lora_rank = 0;
   double lora_alpha = 0.0;  // 0: the rank (scale 1)

@@ -403,7 +403,10 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(r);
 }
 
-// One block per (row, head).
+// One block per (row, head). With kVec (KL a multiple of 8, at most 8·blockDim) every latent and weight row is read
+// in 16-byte pieces: thread (g, c) of G = blockDim / (KL/8) groups takes piece c of rows g, g+G, …, and the groups'
+// partial sums are added in group order (orders fixed by the shapes and the row's own key count, never by B).
+template <bool kVec>
 __global__ void mla_attention_kernel(MlaDecodeParams p) {
   extern __shared__ float sm[];
   __shared__ float scratch[32];
@@ -413,29 +416,65 @@ __global__ void mla_attention_kernel(MlaDecodeParams p) {
   float* qa = qs + dqk;       // [KL]
   float* cs = qa + KL;        // [KL]
   float* pr = cs + KL;        // [max_sel]
-  int32_t* keys = reinterpret_cast<int32_t*>(pr + p.max_sel);  // [max_sel]
+  float* part = pr + p.max_sel;                                 // kVec: [blockDim·8] group partial sums
+  int32_t* keys = reinterpret_cast<int32_t*>(part + (kVec ? 8 * blockDim.x : 0));  // [max_sel]
   int64_t n = p.count[b];
   const bool uniform = n == 0;
   if (uniform) n = pos + 1;
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  const int64_t C = KL / 8, G = kVec ? nt / C : 1, g = tid / (kVec ? C : 1), pc = tid % (kVec ? C : 1);
   for (int64_t d = tid; d < dqk; d += nt) qs[d] = p.q[(b * p.NH + h) * dqk + d];
   for (int64_t i = tid; i < n; i += nt) keys[i] = uniform ? static_cast<int32_t>(i) : p.sel[b * p.max_sel + i];
   __syncthreads();
   // Absorbed query qa = W_kᵀ q.
   const bf16* Wk = p.kv_b + h * (dqk + dv) * KL;
   const bf16* Wv = Wk + dqk * KL;
-  for (int64_t l = tid; l < KL; l += nt) {
-    float acc = 0.0f;
-    for (int64_t d = 0; d < dqk; ++d) acc = fmaf(qs[d], __bfloat162float(Wk[d * KL + l]), acc);
-    qa[l] = acc;
+  // Sums the groups' partials of piece-sliced rows into dst[KL] (times f).
+  auto reduce_groups = [&](float* dst, float f) {
+    __syncthreads();
+    for (int64_t l = tid; l < KL; l += nt) {
+      float acc = 0.0f;
+      for (int64_t gg = 0; gg < G; ++gg) acc += part[(gg * C + l / 8) * 8 + l % 8];
+      dst[l] = acc * f;
+    }
+    __syncthreads();
+  };
+  if constexpr (kVec) {
+    float acc[8] = {};
+    if (g < G)
+      for (int64_t d = g; d < dqk; d += G) {
+        float wf[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(Wk + d * KL) + pc), wf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(qs[d], wf[j], acc[j]);
+      }
+    if (g < G)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
+    reduce_groups(qa, 1.0f);
+  } else {
+    for (int64_t l = tid; l < KL; l += nt) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < dqk; ++d) acc = fmaf(qs[d], __bfloat162float(Wk[d * KL + l]), acc);
+      qa[l] = acc;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   const bf16* lat = p.latent + slot * p.max_len * KL;
   const float scale = rsqrtf(static_cast<float>(dqk));
   for (int64_t i = warp; i < n; i += nw) {
     const bf16* c = lat + static_cast<int64_t>(keys[i]) * KL;
     float dot = 0.0f;
-    for (int64_t l = lane; l < KL; l += 32) dot += qa[l] * __bfloat162float(c[l]);
+    if constexpr (kVec) {
+      for (int64_t q8 = lane; q8 < C; q8 += 32) {
+        float cf[8];
+        unpack8(*(reinterpret_cast<const uint4*>(c) + q8), cf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dot = fmaf(qa[8 * q8 + j], cf[j], dot);
+      }
+    } else {
+      for (int64_t l = lane; l < KL; l += 32) dot += qa[l] * __bfloat162float(c[l]);
+    }
     dot = warp_sum(dot);
     if (lane == 0) pr[i] = uniform ? 0.0f : dot * scale;
   }
@@ -449,17 +488,41 @@ __global__ void mla_attention_kernel(MlaDecodeParams p) {
   const float den = block_sum(s, scratch);
   __syncthreads();
   // Weighted latent sum, then the value part of kv_b.
-  for (int64_t l = tid; l < KL; l += nt) {
-    float acc = 0.0f;
+  if constexpr (kVec) {
+    float acc[8] = {};
+    if (g < G)
+      for (int64_t i = g; i < n; i += G) {
+        float cf[8];
+        unpack8(*(reinterpret_cast<const uint4*>(lat + static_cast<int64_t>(keys[i]) * KL) + pc), cf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(pr[i], cf[j], acc[j]);
+      }
+    if (g < G)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
+    reduce_groups(cs, 1.0f / den);
+  } else {
+    for (int64_t l = tid; l < KL; l += nt) {
+      float acc = 0.0f;
 #pragma unroll 8
-    for (int64_t i = 0; i < n; ++i)
-      acc = fmaf(pr[i], __bfloat162float(lat[static_cast<int64_t>(keys[i]) * KL + l]), acc);
-    cs[l] = acc / den;
+      for (int64_t i = 0; i < n; ++i)
+        acc = fmaf(pr[i], __bfloat162float(lat[static_cast<int64_t>(keys[i]) * KL + l]), acc);
+      cs[l] = acc / den;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   for (int64_t e = warp; e < dv; e += nw) {
     float acc = 0.0f;
-    for (int64_t l = lane; l < KL; l += 32) acc += __bfloat162float(Wv[e * KL + l]) * cs[l];
+    if constexpr (kVec) {
+      for (int64_t q8 = lane; q8 < C; q8 += 32) {
+        float wf[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(Wv + e * KL) + q8), wf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], cs[8 * q8 + j], acc);
+      }
+    } else {
+      for (int64_t l = lane; l < KL; l += 32) acc += __bfloat162float(Wv[e * KL + l]) * cs[l];
+    }
     acc = warp_sum(acc);
     if (lane == 0) p.o[(b * p.NH + h) * dv + e] = __float2bfloat16(acc);
   }
@@ -542,9 +605,19 @@ void mla_decode_append(const bf16* lat, const int32_t* slot, const int32_t* pos,
 
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   if (!p.B) return;
-  const size_t smem = (p.dqk + 2 * p.KL + p.max_sel) * sizeof(float) + p.max_sel * sizeof(int32_t);
-  set_smem(reinterpret_cast<const void*>(mla_attention_kernel), smem);
-  mla_attention_kernel<<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH)), 256, smem, st>>>(p);
+  constexpr int kThreads = 256;
+  // The vector path depends on the shapes and the buffers' alignment only, never on B.
+  const bool vec = p.KL % 8 == 0 && p.KL / 8 <= kThreads && aligned16(p.kv_b) && aligned16(p.latent);
+  const size_t smem = (p.dqk + 2 * p.KL + p.max_sel + (vec ? 8 * kThreads : 0)) * sizeof(float) +
+                      p.max_sel * sizeof(int32_t);
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH));
+  if (vec) {
+    set_smem(reinterpret_cast<const void*>(mla_attention_kernel<true>), smem);
+    mla_attention_kernel<true><<<grid, kThreads, smem, st>>>(p);
+  } else {
+    set_smem(reinterpret_cast<const void*>(mla_attention_kernel<false>), smem);
+    mla_attention_kernel<false><<<grid, kThreads, smem, st>>>(p);
+  }
 }
 
 void kda_store_conv_hist(const float* raw, const PrefillSeqs& s, float* conv_hist, int64_t HK, int64_t W,

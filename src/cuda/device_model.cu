@@ -628,7 +628,9 @@ struct CudaModel::Impl {
       if (cache)
         indexer_store_prefill(ki, gs, pk, capture->pool_base, capture->seqs, cache->pending_key, cache->pending_gate,
                               cache->pool_key, cfg.index_kpool, ID, capture->max_pools, stream);
-      indexer_select(ip, p.pool_base, pk, sel, count, max_sel, stream);
+      const int64_t score_rows = indexer_score_rows(ip);
+      float* scores = arena.alloc<float>(score_rows * p.max_pools);
+      indexer_select(ip, p.pool_base, pk, scores, score_rows, sel, count, max_sel, stream);
       mark_end("indexer");
     }
     bf16* o = arena.alloc<bf16>(T * NH * dv);
@@ -649,12 +651,19 @@ struct CudaModel::Impl {
     gemm->run(o, NH * dv, w.o.w, D, NH * dv, y, D, T);
   }
 
-  void moe(const cuda::DMoe& w, const cuda::bf16* a, int64_t T, float* y) {
+  // The MoE of a forward, or (step) of a decoding step: there the router and the shared expert run on the decoding
+  // GEMV, and the experts always on the grouped GEMM, whose rows do not depend on the other rows of their tile (a
+  // step reads each chosen expert's weights once for all the rows that chose it).
+  void moe(const cuda::DMoe& w, const cuda::bf16* a, int64_t T, float* y, bool step = false) {
     using namespace cuda;
     const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                   I = cfg.moe_intermediate_size, n = T * k;
     float* logits = arena.alloc<float>(T * E);
-    gemm->run(a, D, w.router.w, E, D, logits, E, T);
+    if (step) {
+      decode_linear(a, D, w.router.w, E, D, logits, E, T, false, stream);
+    } else {
+      gemm->run(a, D, w.router.w, E, D, logits, E, T);
+    }
     int32_t* experts = arena.alloc<int32_t>(n);
     float* weights = arena.alloc<float>(n);
     moe_route(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
@@ -670,10 +679,10 @@ struct CudaModel::Impl {
     bf16* act = arena.alloc<bf16>(n * I);
     float* out = arena.alloc<float>(n * D);
     mark_begin("experts");
-    if (g_moe_expert_gemm >= 0) {
+    if (g_moe_expert_gemm >= 0 || step) {
       // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
       int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(E)));
-      const auto kernel = static_cast<GroupedGemmKernel>(g_moe_expert_gemm);
+      const auto kernel = static_cast<GroupedGemmKernel>(g_moe_expert_gemm >= 0 ? g_moe_expert_gemm : 4);
       GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(E), static_cast<int>(2 * I),
                      static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
       grouped_gemm(gu, ws, stream);
@@ -698,7 +707,9 @@ struct CudaModel::Impl {
       }
     }
     mark_end("experts");
-    if (w.has_shared) {
+    if (w.has_shared && step) {
+      mlp_step(w.shared, a, T, y);
+    } else if (w.has_shared) {
       mlp(w.shared, a, T, y);
     } else {
       NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), stream));
@@ -722,6 +733,7 @@ struct CudaModel::Impl {
     float* h = arena.alloc<float>(T * S * D);
     float* post = arena.alloc<float>(T * S);
     float* comb = arena.alloc<float>(T * S * S);
+    float* mhc_work = arena.alloc<float>(mhc_pre_workspace_floats(T, S, D));
     bf16* a = arena.alloc<bf16>(T * D);
     float* y = arena.alloc<float>(T * D);
     const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
@@ -733,7 +745,7 @@ struct CudaModel::Impl {
       cur_layer = i;
       const DLayer& L = layers[i];
       mark_begin("mhc");
-      cuda::mhc_pre(mhc_params(L, false, T), h, post, comb, a, stream);
+      cuda::mhc_pre(mhc_params(L, false, T), h, post, comb, a, mhc_work, stream);
       mark_end("mhc");
       mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
       if (L.kda_layer) {
@@ -744,7 +756,7 @@ struct CudaModel::Impl {
       mark_end(L.kda_layer ? "kda layer" : "dsa layer");
       mark_begin("mhc");
       mhc_post(h, y, post, comb, T, S, D, stream);
-      cuda::mhc_pre(mhc_params(L, true, T), h, post, comb, a, stream);
+      cuda::mhc_pre(mhc_params(L, true, T), h, post, comb, a, mhc_work, stream);
       mark_end("mhc");
       mark_begin(L.moe_layer ? "moe" : "dense mlp");
       if (L.moe_layer) {
@@ -778,33 +790,7 @@ struct CudaModel::Impl {
 
   // Every (token, choice) gets its own row through its expert's matrices; moe_combine then sums each token's rows in
   // choice order.
-  void moe_step(size_t layer, const cuda::bf16* a, int64_t B, float* y) {
-    using namespace cuda;
-    const DMoe& w = layers[layer].moe;
-    const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
-                  I = cfg.moe_intermediate_size, n = B * k;
-    float* logits = arena.alloc<float>(B * E);
-    decode_linear(a, D, w.router.w, E, D, logits, E, B, false, stream);
-    int32_t* experts = arena.alloc<int32_t>(n);
-    float* weights = arena.alloc<float>(n);
-    moe_route(logits, w.bias, experts, weights, B, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
-              static_cast<float>(cfg.routed_scaling_factor), stream);
-    float* gu = arena.alloc<float>(n * 2 * I);
-    bf16* act = arena.alloc<bf16>(n * I);
-    float* out = arena.alloc<float>(n * D);
-    decode_linear_gathered(a, D, k, w.gate_up_ptrs, experts, 2 * I, D, gu, 2 * I, n, stream);
-    swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
-    decode_linear_gathered(act, I, 1, w.down_ptrs, experts, D, I, out, D, n, stream);
-    if (w.has_shared) {
-      mlp_step(w.shared, a, B, y);
-    } else {
-      NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, B * D * sizeof(float), stream));
-    }
-    int32_t* slot_of = arena.alloc<int32_t>(n);
-    cuda::iota(slot_of, n, stream);
-    moe_combine(y, out, slot_of, weights, B, k, D, stream);
-  }
-
+  void moe_step(size_t layer, const cuda::bf16* a, int64_t B, float* y) { moe(layers[layer].moe, a, B, y, true); }
   void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, int64_t B, const int32_t* slot,
                 float* y) {
     using namespace cuda;
@@ -881,13 +867,17 @@ struct CudaModel::Impl {
       const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate,
                                    c.pool_key, scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools,
                                    r.max_selectable, cfg.index_kpool_always_select_tail};
+      mark_begin("indexer select");
       indexer_decode_append(ip, stream);
       indexer_decode_select(ip, sel, count, max_sel, stream);
+      mark_end("indexer select");
     }
     bf16* o = arena.alloc<bf16>(B * NH * dv);
     const MlaDecodeParams mp{q, w.kv_b.w, c.latent, r.slot, r.pos, sel, count, o, B, NH, dqk, dv, KL, r.max_len,
                              max_sel};
+    mark_begin("mla attention");
     mla_decode_attention(mp, stream);
+    mark_end("mla attention");
     decode_linear(o, NH * dv, w.o.w, D, NH * dv, y, D, B, false, stream);
   }
 
@@ -899,6 +889,7 @@ struct CudaModel::Impl {
     float* h = arena.alloc<float>(B * S * D);
     float* post = arena.alloc<float>(B * S);
     float* comb = arena.alloc<float>(B * S * S);
+    float* mhc_work = arena.alloc<float>(mhc_pre_workspace_floats(B, S, D));
     bf16* a = arena.alloc<bf16>(B * D);
     float* y = arena.alloc<float>(B * D);
     const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
@@ -907,25 +898,37 @@ struct CudaModel::Impl {
     embed_streams(tok, embed, h, B, S, D, stream);
     for (size_t i = 0; i < layers.size(); ++i) {
       const DLayer& L = layers[i];
-      cuda::mhc_pre(mhc_params(L, false, B), h, post, comb, a, stream);
+      mark_begin("mhc");
+      cuda::mhc_pre(mhc_params(L, false, B), h, post, comb, a, mhc_work, stream);
+      mark_end("mhc");
+      mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
       if (L.kda_layer) {
         kda_step(L.kda, caches[i], a, B, r.slot, y);
       } else {
         dsa_step(L.dsa, caches[i], a, r, sel, count, max_sel, y);
       }
+      mark_end(L.kda_layer ? "kda layer" : "dsa layer");
+      mark_begin("mhc");
       mhc_post(h, y, post, comb, B, S, D, stream);
-      cuda::mhc_pre(mhc_params(L, true, B), h, post, comb, a, stream);
+      cuda::mhc_pre(mhc_params(L, true, B), h, post, comb, a, mhc_work, stream);
+      mark_end("mhc");
+      mark_begin(L.moe_layer ? "moe" : "dense mlp");
       if (L.moe_layer) {
         moe_step(i, a, B, y);
       } else {
         mlp_step(L.mlp, a, B, y);
       }
+      mark_end(L.moe_layer ? "moe" : "dense mlp");
+      mark_begin("mhc");
       mhc_post(h, y, post, comb, B, S, D, stream);
+      mark_end("mhc");
     }
+    mark_begin("lm_head");
     bf16* hn = arena.alloc<bf16>(B * D);
     stream_mean_norm(h, final_norm, hn, B, S, D, static_cast<float>(cfg.rms_norm_eps), stream);
     float* logits = arena.alloc<float>(B * V);
     decode_linear(hn, D, lm_head, V, D, logits, V, B, false, stream);
+    mark_end("lm_head");
     return logits;
   }
 
@@ -1013,8 +1016,9 @@ std::vector<std::vector<double>> CudaModel::next_token_logprobs(const PackedBatc
   const cuda::Plan p = m.plan(batch);
   const cuda::bf16* hn = m.hidden(p);
   const int64_t V = m.cfg.vocab_size, D = m.cfg.hidden_size;
-  // The lm_head in row blocks of at most ~256 MB of fp32 logits, each reduced to log-probabilities at once.
-  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 26) / V));
+  // The lm_head in row blocks of at most 1 GiB of fp32 logits (1733 rows at V = 154880, tall enough for the GEMM
+  // to run near its peak), each reduced to log-probabilities at once.
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 28) / V));
   float* lg = m.arena.alloc<float>(block * V);
   double* lp = m.arena.alloc<double>(p.T);
   m.mark_begin("lm_head");
@@ -1139,7 +1143,8 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
   float* pd = m.arena.alloc<float>(T * S);
   float* cd = m.arena.alloc<float>(T * S * S);
   cuda::bf16* ad = m.arena.alloc<cuda::bf16>(T * D);
-  cuda::mhc_pre(m.mhc_params(L, ffn, T), hd, pd, cd, ad, m.stream);
+  float* wd = m.arena.alloc<float>(cuda::mhc_pre_workspace_floats(T, S, D));
+  cuda::mhc_pre(m.mhc_params(L, ffn, T), hd, pd, cd, ad, wd, m.stream);
   post = to_host(pd, T * S, m.stream);
   comb = to_host(cd, T * S * S, m.stream);
   std::vector<cuda::bf16> a16 = to_host(ad, T * D, m.stream);
@@ -1149,6 +1154,7 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
 
 void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e == EmptySelection::SeenKeys; }
 void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
+void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 
 // ---- CudaDecoder ----
 
@@ -1352,6 +1358,7 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
     max_selectable = std::max<int64_t>(max_selectable, (pos[i] + 1) / c.index_kpool);
   }
   m.arena.reset();
+  m.accum.clear();
   NEXTLM_CUDA_CHECK(cudaEventRecord(s.begin, m.stream));
   auto up = [&](const std::vector<int32_t>& v) {
     int32_t* d = m.arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
@@ -1367,6 +1374,7 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
   float ms = 0.0f;
   NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, s.begin, s.end));
   s.ms = ms;
+  m.prof.assign(m.accum.begin(), m.accum.end());
   for (int64_t i = 0; i < B; ++i) ++s.length[slots[i]];
   return logits;
 }

@@ -85,6 +85,9 @@ class CudaModel {
   void set_empty_selection(EmptySelection e);
   // Whether the KDA runs on the tensor-core kernels where they support the config (default) or on the fp32 ones.
   void set_kda_tensor_cores(bool on);
+  // Batch-invariant dense projections (cuda/gemm.h: our own GEMM instead of cuBLASLt, off by default): with it a
+  // sequence's log-probs in a forward are bitwise the same whatever other sequences share its batch.
+  void set_batch_invariant(bool on);
 
  private:
   friend class CudaDecoder;

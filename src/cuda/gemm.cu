@@ -1,14 +1,39 @@
 // cuBLASLt bf16 × bf16 → fp32/bf16 GEMMs (fp32 accumulate) for every dense projection of the CUDA path.
 #include "cuda/gemm.h"
 
+#include <cstdio>
+
+#include "cuda/decode_kernels.h"
+#include "cuda/grouped_gemm.h"
+
 namespace nextlm::cuda {
+
+namespace {
+
+// The single group of a dense GEMM run as a grouped one: offsets {0, T}, the weight pointer, and room for the
+// schedule's prefix sum (grouped_gemm_workspace_ints(1) = 2 ints).
+struct OneGroup {
+  int32_t offsets[2];
+  int32_t start[2];
+  const bf16* W[1];
+};
+
+__global__ void set_group_kernel(OneGroup* g, int32_t T, const bf16* W) {
+  g->offsets[0] = 0;
+  g->offsets[1] = T;
+  g->W[0] = W;
+}
+
+}  // namespace
 
 Gemm::Gemm(cudaStream_t stream) : stream_(stream) {
   NEXTLM_CUBLAS_CHECK(cublasLtCreate(&handle_));
   NEXTLM_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  NEXTLM_CUDA_CHECK(cudaMalloc(&group_, sizeof(OneGroup)));
 }
 
 Gemm::~Gemm() {
+  cudaFree(group_);
   cudaFree(workspace_);
   cublasLtDestroy(handle_);
 }
@@ -28,6 +53,7 @@ void Gemm::run_bf16(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int6
 void Gemm::launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, void* y, cudaDataType_t ytype,
                   int64_t ldy, int64_t T, bool accumulate) {
   if (T == 0 || out == 0) return;
+  if (invariant_ && invariant_launch(x, ldx, W, out, in, y, ytype, ldy, T, accumulate)) return;
   cublasLtMatmulDesc_t op;
   NEXTLM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -58,6 +84,33 @@ void Gemm::launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_
   cublasLtMatrixLayoutDestroy(lb);
   cublasLtMatrixLayoutDestroy(lc);
   cublasLtMatmulDescDestroy(op);
+}
+
+// The kernel variant depends on the output width only (never on T), so a row's result does not depend on its batch.
+bool Gemm::invariant_launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, void* y,
+                            cudaDataType_t ytype, int64_t ldy, int64_t T, bool accumulate) {
+  const bool f32 = ytype == CUDA_R_32F;
+  if (in % 8 || out % 8 || ldx != in || ldy != out || T >= (int64_t{1} << 31)) {
+    // Narrow or strided projections (e.g. the per-head beta projection): the decoding GEMV, also M-independent.
+    if (f32 && T <= 65535 * int64_t{8}) {
+      decode_linear(x, ldx, W, out, in, static_cast<float*>(y), ldy, T, accumulate, stream_);
+      return true;
+    }
+    if (!warned_)
+      std::fprintf(stderr, "warning: batch-invariant GEMM: a %lldx%lld projection (row strides %lld, %lld) stays on "
+                   "cuBLASLt, whose results may depend on the batch\n", static_cast<long long>(out),
+                   static_cast<long long>(in), static_cast<long long>(ldx), static_cast<long long>(ldy));
+    warned_ = true;
+    return false;
+  }
+  auto* g = reinterpret_cast<OneGroup*>(group_);
+  set_group_kernel<<<1, 1, 0, stream_>>>(g, static_cast<int32_t>(T), W);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  GroupedGemm gg{x, g->offsets, g->W, y, T, 1, static_cast<int>(out), static_cast<int>(in),
+                 f32 ? (accumulate ? GroupedEpilogue::kF32Add : GroupedEpilogue::kF32) : GroupedEpilogue::kBf16};
+  gg.kernel = out >= 2048 ? GroupedGemmKernel::kWgmma128x256 : GroupedGemmKernel::kWgmma128x128;
+  grouped_gemm(gg, g->start, stream_);
+  return true;
 }
 
 }  // namespace nextlm::cuda

@@ -1,4 +1,7 @@
-// bf16 GEMMs through cuBLASLt with fp32 accumulation: y[T, out] = x[T, in] · W[out, in]ᵀ.
+// bf16 GEMMs with fp32 accumulation: y[T, out] = x[T, in] · W[out, in]ᵀ, through cuBLASLt, or in batch-invariant
+// mode through our own tiled GEMM (grouped_gemm.h with one group), whose reduction order for an output element
+// depends on the shapes only: cuBLASLt picks its algorithm (tile shape, split-K) by T, so a row's result there may
+// change with the rows that share its batch.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -20,6 +23,10 @@ class Gemm {
            bool accumulate = false);
   // Same with a bf16 result.
   void run_bf16(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, bf16* y, int64_t ldy, int64_t T);
+  // Batch-invariant mode from now on (off by default). Shapes our GEMM does not take (in or out not a multiple of
+  // 8, strided rows) stay on cuBLASLt with a one-time warning.
+  void set_batch_invariant(bool on) { invariant_ = on; }
+  bool batch_invariant() const { return invariant_; }
 
  private:
   void launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, void* y, cudaDataType_t ytype,
@@ -30,6 +37,12 @@ class Gemm {
   size_t workspace_bytes_ = 64u << 20;
   // Cached algorithm per (out, in, T, ldx, ldy, type, accumulate).
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, bool>, cublasLtMatmulAlgo_t> algos_;
+  bool invariant_ = false;
+  bool warned_ = false;
+  // Batch-invariant mode: the one-group schedule (offsets {0, T}, the weight pointer, the tile prefix sum).
+  int32_t* group_ = nullptr;
+  bool invariant_launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, void* y,
+                        cudaDataType_t ytype, int64_t ldy, int64_t T, bool accumulate);
 };
 
 }  // namespace nextlm::cuda

@@ -62,6 +62,12 @@ __device__ __forceinline__ void store_bf16x2(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
+__device__ __forceinline__ void add_f32x2(float* p, float a, float b) {
+  float2* q = reinterpret_cast<float2*>(p);
+  const float2 c = *q;
+  *q = make_float2(c.x + a, c.y + b);
+}
+
 __device__ __forceinline__ float swiglu(float g, float u, float L) {
   g = fminf(g, L);
   u = fminf(fmaxf(u, -L), L);
@@ -226,6 +232,8 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
             if (epi == static_cast<int>(GroupedEpilogue::kF32))
               *reinterpret_cast<float2*>(static_cast<float*>(Cout) + row * N + col) =
                   make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+            else if (epi == static_cast<int>(GroupedEpilogue::kF32Add))
+              add_f32x2(static_cast<float*>(Cout) + row * N + col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             else
               store_bf16x2(static_cast<bf16*>(Cout) + row * N + col, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
           }
@@ -456,6 +464,8 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
           if (epi == static_cast<int>(GroupedEpilogue::kF32))
             *reinterpret_cast<float2*>(static_cast<float*>(Cout) + row * N + col) =
                 make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          else if (epi == static_cast<int>(GroupedEpilogue::kF32Add))
+            add_f32x2(static_cast<float*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
           else
             store_bf16x2(static_cast<bf16*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }

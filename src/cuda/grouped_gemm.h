@@ -33,6 +33,7 @@ using bf16 = __nv_bfloat16;
 
 enum class GroupedEpilogue {
   kF32,     // C fp32 [n, N]
+  kF32Add,  // C fp32 [n, N] += the product
   kBf16,    // C bf16 [n, N]
   kSwiGLU,  // W = [gate; up] with N = 2I rows; C bf16 act [n, I] = silu(min(gate, L)) · clamp(up, −L, L)
 };

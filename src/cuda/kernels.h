@@ -21,7 +21,10 @@ struct MhcParams {
   float rms_eps, hc_eps;
   int iters;
 };
-void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, cudaStream_t st);
+// work: mhc_pre_workspace_floats(T, S, D) floats (the projection's per-chunk partials). Every reduction runs in an
+// order fixed by S and D, so a token's outputs are bitwise the same whatever else is in the batch.
+int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D);
+void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st);
 // h[t, s] ← post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r], in place. y fp32 [T, D].
 void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,
               cudaStream_t st);
@@ -105,8 +108,12 @@ struct IndexerParams {
   bool tail;
 };
 // pool_base per token: index in pk of its sequence's pool 0. max_pools bounds the pools of any sequence.
-void indexer_select(const IndexerParams& p, const int32_t* pool_base, const float* pk, int32_t* sel, int32_t* count,
-                    int64_t max_sel, cudaStream_t st);
+// scores: workspace [rows, max_pools] (rows ≥ 1, at most T); the tokens are scored and selected rows at a time.
+// index_head_dim at most 128. max_sel ≥ min(topk/P, max_pools)·P + P − 1.
+void indexer_select(const IndexerParams& p, const int32_t* pool_base, const float* pk, float* scores, int64_t rows,
+                    int32_t* sel, int32_t* count, int64_t max_sel, cudaStream_t st);
+// The score rows indexer_select should get: all T tokens up to a 128 MiB workspace, else chunks of tokens.
+int64_t indexer_score_rows(const IndexerParams& p);
 // pool_token [num_pools]: first token of every complete pool of every sequence; pk [num_pools, ID].
 void pool_keys(const IndexerParams& p, const int32_t* pool_token, int64_t num_pools, float* pk, cudaStream_t st);
 // o [T, NH, dv] (bf16) = softmax over selected keys of q·k·dqk^-1/2, times v. q [T, NH, dqk]; kv [T, NH, dqk+dv].

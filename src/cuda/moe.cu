@@ -1,5 +1,7 @@
 // MoE on the GPU: sigmoid routing with the correction bias and grouped top-k (ties to the lower expert, as the CPU
 // path), row gather for the permuted tokens, the clamped SwiGLU, and a fixed-order weighted combine.
+#include <climits>
+
 #include "cuda/kernels.h"
 
 #include <cub/device/device_radix_sort.cuh>
@@ -9,55 +11,91 @@ namespace nextlm::cuda {
 namespace {
 
 // One thread per token (E is small enough to keep in local memory: ≤ 512).
+// One warp per token (the routing is a serial scan per token; a thread per token left decoding steps, with a few
+// tokens, waiting on one thread's 288-expert top-8 loop). Lane l holds experts l, l+32, …; every choice is the
+// largest value with ties to the lowest index, as the CPU path's scans, and the weights are summed in choice order.
+constexpr int kRouteMaxPerLane = 16;  // E ≤ 512
+
+// The larger of two (value, index) pairs, ties to the lower index, across the warp.
+__device__ __forceinline__ void warp_argmax(float& v, int& idx) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ov > v || (ov == v && oi < idx)) v = ov, idx = oi;
+  }
+}
+
 __global__ void route_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
                              int64_t E, int64_t G, int64_t TG, int64_t k, bool norm, float scale) {
-  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (t >= T) return;
+  const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (t >= T) return;  // whole warps
   const float* lg = logits + t * E;
   const int64_t EG = E / G;
-  // Group scores and the kept groups (a bitmask over ≤ 64 groups).
-  uint64_t kept = 0;
-  for (int64_t r = 0; r < TG; ++r) {
+  float c[kRouteMaxPerLane];
+#pragma unroll
+  for (int j = 0; j < kRouteMaxPerLane; ++j) {
+    const int64_t e = lane + 32 * j;
+    c[j] = e < E ? 1.0f / (1.0f + expf(-lg[e])) + bias[e] : -INFINITY;
+  }
+  // Group scores (sum of the group's top two) and the kept groups (a bitmask over ≤ 64 groups).
+  uint64_t kept = G == 1 ? 1 : 0;
+  for (int64_t r = 0; r < TG && G > 1; ++r) {
     int64_t best = -1;
     float bs = -INFINITY;
     for (int64_t g = 0; g < G; ++g) {
-      if (kept >> g & 1) continue;
       float b1 = -INFINITY, b2 = -INFINITY;
-      for (int64_t e = g * EG; e < (g + 1) * EG; ++e) {
-        const float c = 1.0f / (1.0f + expf(-lg[e])) + bias[e];
-        if (c > b1) {
-          b2 = b1;
-          b1 = c;
-        } else if (c > b2) {
-          b2 = c;
+#pragma unroll
+      for (int j = 0; j < kRouteMaxPerLane; ++j) {
+        const int64_t e = lane + 32 * j;
+        if (e / EG == g && e < E) {
+          if (c[j] > b1) {
+            b2 = b1;
+            b1 = c[j];
+          } else if (c[j] > b2) {
+            b2 = c[j];
+          }
         }
       }
-      if (b1 + b2 > bs) bs = b1 + b2, best = g;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {  // merge the lanes' top-two pairs (the pair of values, whatever the order)
+        const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+        const float n1 = fmaxf(b1, o1), n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
+        b1 = n1, b2 = n2;
+      }
+      if (!(kept >> g & 1) && b1 + b2 > bs) bs = b1 + b2, best = g;
     }
     kept |= 1ull << best;
   }
+#pragma unroll
+  for (int j = 0; j < kRouteMaxPerLane; ++j) {
+    const int64_t e = lane + 32 * j;
+    if (e >= E || !(kept >> (e / EG) & 1)) c[j] = -INFINITY;
+  }
   float sum = 0.0f;
-  int32_t chosen[64];
   for (int64_t i = 0; i < k; ++i) {
-    int64_t best = -1;
-    float bs = -INFINITY;
-    for (int64_t e = 0; e < E; ++e) {
-      if (!(kept >> (e / EG) & 1)) continue;
-      bool used = false;
-      for (int64_t j = 0; j < i; ++j) used |= chosen[j] == e;
-      if (used) continue;
-      const float c = 1.0f / (1.0f + expf(-lg[e])) + bias[e];
-      if (c > bs) bs = c, best = e;
+    float v = -INFINITY;
+    int idx = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < kRouteMaxPerLane; ++j)
+      if (c[j] > v) v = c[j], idx = lane + 32 * j;
+    warp_argmax(v, idx);
+#pragma unroll
+    for (int j = 0; j < kRouteMaxPerLane; ++j)
+      if (lane + 32 * j == idx) c[j] = -INFINITY;
+    if (lane == 0) {
+      experts[t * k + i] = idx;
+      sum += 1.0f / (1.0f + expf(-lg[idx]));
     }
-    chosen[i] = static_cast<int32_t>(best);
-    sum += 1.0f / (1.0f + expf(-lg[best]));
   }
-  for (int64_t i = 0; i < k; ++i) {
-    float w = 1.0f / (1.0f + expf(-lg[chosen[i]]));
-    if (norm) w /= sum + 1e-20f;
-    experts[t * k + i] = chosen[i];
-    weights[t * k + i] = w * scale;
-  }
+  if (lane == 0)
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t e = experts[t * k + i];
+      float w = 1.0f / (1.0f + expf(-lg[e]));
+      if (norm) w /= sum + 1e-20f;
+      weights[t * k + i] = w * scale;
+    }
 }
 
 __global__ void gather_kernel(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t D) {
@@ -130,8 +168,10 @@ void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_
 
 void moe_route(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T, int64_t E,
                int64_t G, int64_t topk_group, int64_t k, bool norm, float scale, cudaStream_t st) {
-  check(G <= 64 && k <= 64, "CUDA MoE: at most 64 groups and 64 experts per token");
-  if (T) route_kernel<<<ceil_div(T, 128), 128, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k, norm, scale);
+  check(G <= 64 && k <= 64 && E <= 32 * kRouteMaxPerLane,
+        "CUDA MoE: at most 64 groups, 64 experts per token and 512 experts");
+  if (T) route_kernel<<<ceil_div(T * 32, 256), 256, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k,
+                                                            norm, scale);
 }
 
 void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st) {

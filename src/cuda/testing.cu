@@ -418,3 +418,134 @@ void kda_prefill_caches(const std::vector<float>& raw, const std::vector<float>&
 }
 
 }  // namespace nextlm::cuda_testing
+
+namespace nextlm::cuda_testing {
+
+MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
+                  const std::vector<float>& scale, const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D,
+                  float rms_eps, float hc_eps, int iters) {
+  Buf dh = upload(h), dfn = upload(fn), dbase = upload(base), dscale = upload(scale), dw = upload(norm_w);
+  Buf post = upload(std::vector<float>(T * S, NAN)), comb = upload(std::vector<float>(T * S * S, NAN));
+  Buf a = upload(std::vector<cuda::bf16>(T * D, __float2bfloat16(NAN)));
+  Buf work = upload(std::vector<float>(cuda::mhc_pre_workspace_floats(T, S, D), NAN));
+  const cuda::MhcParams p{dfn.as<float>(), dbase.as<float>(), dscale.as<float>(), dw.as<float>(), T, S, D,
+                          rms_eps, hc_eps, iters};
+  cuda::mhc_pre(p, dh.as<float>(), post.as<float>(), comb.as<float>(), a.as<cuda::bf16>(), work.as<float>(), nullptr);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  return {download<float>(post, T * S), download<float>(comb, T * S * S), widen(download<cuda::bf16>(a, T * D))};
+}
+
+}  // namespace nextlm::cuda_testing
+
+namespace nextlm::cuda_testing {
+
+namespace {
+
+// The per-token layout the model's Plan builds for packed sequences: sequence start and length per token, the first
+// pool of each token's sequence, the first token of each pool.
+struct IndexerLayout {
+  std::vector<int32_t> start, len, base, pool_token;
+  int64_t max_pools = 0;
+  IndexerLayout(const std::vector<int64_t>& cu, int64_t P) {
+    for (size_t n = 0; n + 1 < cu.size(); ++n) {
+      const int64_t L = cu[n + 1] - cu[n];
+      max_pools = std::max(max_pools, L / P);
+      const int32_t b = static_cast<int32_t>(pool_token.size());
+      for (int64_t j = 0; j < L / P; ++j) pool_token.push_back(static_cast<int32_t>(cu[n] + j * P));
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        start.push_back(static_cast<int32_t>(cu[n]));
+        len.push_back(static_cast<int32_t>(L));
+        base.push_back(b);
+      }
+    }
+  }
+};
+
+// Device copies of an indexer prefill's inputs, its layout and poisoned outputs.
+struct IndexerDevice {
+  IndexerLayout lay;
+  int64_t T, num_pools;
+  Buf qi, ki, gs, wts, ape, start, len, base, pool_token, pk;
+  cuda::IndexerParams p;
+  int64_t rows, max_sel;
+  Buf scores, sel, count;
+  IndexerDevice(const IndexerPrefill& in, int64_t score_rows)
+      : lay(in.cu_seqlens, in.P),
+        T(in.cu_seqlens.back()),
+        num_pools(static_cast<int64_t>(lay.pool_token.size())),
+        qi(upload(in.qi)),
+        ki(upload(in.ki)),
+        gs(upload(in.gs)),
+        wts(upload(in.wts)),
+        ape(upload(in.ape)),
+        start(upload(lay.start)),
+        len(upload(lay.len)),
+        base(upload(lay.base)),
+        pool_token(upload(lay.pool_token)),
+        pk(upload(std::vector<float>(num_pools * in.ID, NAN))),
+        p{qi.as<float>(),     ki.as<float>(),     gs.as<float>(), wts.as<float>(), ape.as<float>(),
+          start.as<int32_t>(), len.as<int32_t>(), T,              in.IH,           in.ID,
+          in.P,               in.topk,            lay.max_pools,  in.tail},
+        rows(score_rows > 0 ? score_rows : cuda::indexer_score_rows(p)),
+        max_sel(in.topk + in.P - 1),
+        scores(upload(std::vector<float>(rows * lay.max_pools, NAN))),
+        sel(upload(std::vector<int32_t>(T * max_sel, -1))),
+        count(upload(std::vector<int32_t>(T, -1))) {}
+  void run() {
+    cuda::pool_keys(p, pool_token.as<int32_t>(), num_pools, pk.as<float>(), nullptr);
+    cuda::indexer_select(p, base.as<int32_t>(), pk.as<float>(), scores.as<float>(), rows, sel.as<int32_t>(),
+                         count.as<int32_t>(), max_sel, nullptr);
+  }
+};
+
+}  // namespace
+
+std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in) {
+  IndexerDevice d(in, in.score_rows);
+  d.run();
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  const int64_t T = d.T;
+  const std::vector<int32_t> sh = download<int32_t>(d.sel, T * d.max_sel), ch = download<int32_t>(d.count, T);
+  std::vector<std::vector<int32_t>> rows(T);
+  for (int64_t t = 0; t < T; ++t) {
+    check(ch[t] >= 0 && ch[t] <= d.max_sel, "indexer prefill wrote no valid count for token ", t);
+    rows[t].assign(sh.begin() + t * d.max_sel, sh.begin() + t * d.max_sel + ch[t]);
+  }
+  return rows;
+}
+
+double time_indexer_prefill(const std::vector<int64_t>& seqlens, int64_t IH, int64_t ID, int64_t P, int64_t topk,
+                            bool tail, int iters) {
+  IndexerPrefill in;
+  in.IH = IH, in.ID = ID, in.P = P, in.topk = topk, in.tail = tail, in.cu_seqlens = {0};
+  for (int64_t L : seqlens) in.cu_seqlens.push_back(in.cu_seqlens.back() + L);
+  const int64_t T = in.cu_seqlens.back();
+  std::mt19937 gen{7};
+  std::normal_distribution<float> nd{0.0f, 1.0f};
+  auto rnd = [&](int64_t m) {
+    std::vector<float> x(m);
+    for (float& e : x) e = nd(gen);
+    return x;
+  };
+  in.qi = rnd(T * IH * ID), in.ki = rnd(T * ID), in.gs = rnd(T * ID), in.wts = rnd(T * IH), in.ape = rnd(P * ID);
+  IndexerDevice d(in, 0);
+  cudaEvent_t a, b;
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
+  NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int it = 0; it < iters + 3; ++it) {
+    NEXTLM_CUDA_CHECK(cudaEventRecord(a));
+    d.run();
+    NEXTLM_CUDA_CHECK(cudaEventRecord(b));
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    if (it >= 3) ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace nextlm::cuda_testing

@@ -103,3 +103,40 @@ void kda_prefill_caches(const std::vector<float>& raw, const std::vector<float>&
                         int64_t K, int64_t W, std::vector<float>& conv_hist, std::vector<float>& state);
 
 }  // namespace nextlm::cuda_testing
+
+// ---- mHC (src/cuda/mhc.cu) ----
+namespace nextlm::cuda_testing {
+
+// mhc_pre on streams h [T, S, D] with fn [(2+S)S, S·D], base [(2+S)S], scale [3] and the sub-layer norm weight
+// norm_w [D]: post [T, S], comb [T, S, S] and the normed collapse a [T, D] (bf16 widened). Outputs are poisoned with
+// NaN first.
+struct MhcPreOut {
+  std::vector<float> post, comb, a;
+};
+MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
+                  const std::vector<float>& scale, const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D,
+                  float rms_eps, float hc_eps, int iters);
+
+}  // namespace nextlm::cuda_testing
+
+// ---- DSA indexer prefill (src/cuda/dsa.cu) ----
+namespace nextlm::cuda_testing {
+
+// The prefill indexer on packed sequences as the model runs it: pool_keys, then indexer_select with a score
+// workspace of score_rows tokens (0: indexer_score_rows, as the model). qi [T, IH·ID], LayerNormed keys ki [T, ID],
+// gate scores gs [T, ID], head weights wts [T, IH] (before IH^-1/2), ape [P, ID]. sel and count are poisoned first;
+// returns each token's selection (sequence-relative positions).
+struct IndexerPrefill {
+  int64_t IH = 0, ID = 0, P = 1, topk = 0, score_rows = 0;
+  bool tail = true;
+  std::vector<int64_t> cu_seqlens;
+  std::vector<float> qi, ki, gs, wts, ape;
+};
+std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in);
+
+// Median milliseconds of pool_keys + indexer_select (scores and selection) on random device inputs of the given
+// sequence lengths, as in a prefill.
+double time_indexer_prefill(const std::vector<int64_t>& seqlens, int64_t IH, int64_t ID, int64_t P, int64_t topk,
+                            bool tail, int iters);
+
+}  // namespace nextlm::cuda_testing

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 
 #include "core/error.h"
 #include "cpu/linear.h"
@@ -45,6 +46,9 @@ Mesh::Mesh(Comm& w, ParallelOptions o) : world(&w), opt(o) {
         " processes (mpirun -np)");
   tp = w.split(w.rank() / o.tp, w.rank());
   ep = w.split(w.rank() / o.ep, w.rank());
+  replica_size = std::lcm(o.tp, o.ep);
+  replica = w.split(w.rank() / replica_size, w.rank());
+  dp = w.split(w.rank() % replica_size, w.rank());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -91,13 +95,13 @@ struct Slice {
 
 class ShardLoader {
  public:
-  ShardLoader(const Checkpoint& ckpt, std::string prefix) : ckpt_(ckpt), prefix_(std::move(prefix)) {}
+  ShardLoader(const TensorSource& src, std::string prefix) : src_(src), prefix_(std::move(prefix)) {}
 
   // Checks that `name` has the full model's shape, then reads only the slice.
   Tensor get(const std::string& name, const std::vector<int64_t>& shape, Slice s = {}, bool absolute = false) {
     const std::string full = absolute ? name : prefix_ + name;
-    const TensorView* t = ckpt_.find(full);
-    check(t != nullptr, "checkpoint ", ckpt_.dir(), " is missing tensor ", full);
+    const TensorView* t = src_.find(full);
+    check(t != nullptr, src_.where, " is missing tensor ", full);
     check(t->shape == shape, "tensor ", full, " in ", t->file, " has shape ", shape_str(t->shape), ", expected ",
           shape_str(shape));
     Tensor out;
@@ -128,7 +132,7 @@ class ShardLoader {
   }
 
  private:
-  const Checkpoint& ckpt_;
+  const TensorSource& src_;
   std::string prefix_;
 };
 
@@ -193,11 +197,12 @@ DsaWeights load_dsa(ShardLoader& ld, const std::string& p, const ModelConfig& c,
   return w;
 }
 
-MoeWeights load_moe(ShardLoader& ld, const std::string& p, const ModelConfig& c, Range experts, int tp, int tp_rank) {
+MoeWeights load_moe(ShardLoader& ld, const std::string& p, const ModelConfig& c, Range experts, int tp, int tp_rank,
+                    bool frozen) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size;
   MoeWeights w;
   w.router = ld.get(p + "gate.weight", {E, D});
-  w.correction_bias = ld.get(p + "gate.e_score_correction_bias", {E});
+  if (frozen) w.correction_bias = ld.get(p + "gate.e_score_correction_bias", {E});
   for (int64_t e = experts.begin; e < experts.end; ++e) {
     const Range whole{0, I};
     w.experts.push_back(load_mlp_tp(ld, p + "experts." + std::to_string(e) + ".", D, I, whole));
@@ -211,7 +216,7 @@ MoeWeights load_moe(ShardLoader& ld, const std::string& p, const ModelConfig& c,
 
 }  // namespace
 
-ShardedModel load_sharded(const Checkpoint& ckpt, const ModelConfig& c, const Mesh& mesh) {
+ShardedModel load_sharded(const TensorSource& src, const ModelConfig& c, const Mesh& mesh, bool frozen) {
   validate_layout(mesh.opt, mesh.world->size(), c);
   const int tp = mesh.opt.tp, tr = mesh.tp->rank(), ep = mesh.opt.ep, er = mesh.ep->rank();
   ShardedModel m;
@@ -224,13 +229,13 @@ ShardedModel load_sharded(const Checkpoint& ckpt, const ModelConfig& c, const Me
   m.experts = split_range(c.n_routed_experts, ep, er);
 
   std::string prefix = "model.language_model.";
-  if (!ckpt.find(prefix + "embed_tokens.weight") && ckpt.find("model.embed_tokens.weight")) prefix = "model.";
-  ShardLoader ld(ckpt, prefix);
+  if (!src.find(prefix + "embed_tokens.weight") && src.find("model.embed_tokens.weight")) prefix = "model.";
+  ShardLoader ld(src, prefix);
   const int64_t V = c.vocab_size, D = c.hidden_size;
   ModelWeights& w = m.weights;
   w.embed = ld.get("embed_tokens.weight", {V, D}, Slice::rows(m.vocab));
   w.final_norm = ld.get("norm.weight", {D});
-  if (c.tie_word_embeddings && !ckpt.find("lm_head.weight")) {
+  if (c.tie_word_embeddings && !src.find("lm_head.weight")) {
     w.lm_head = w.embed;
   } else {
     w.lm_head = ld.get("lm_head.weight", {V, D}, Slice::rows(m.vocab), /*absolute=*/true);
@@ -247,12 +252,12 @@ ShardedModel load_sharded(const Checkpoint& ckpt, const ModelConfig& c, const Me
     if (c.layer_types[i] == LayerType::LinearAttention) {
       lw.kda = load_kda(ld, p + "self_attn.", c, kda_heads);
     } else {
-      lw.dsa = load_dsa(ld, p + "self_attn.", c, c.indexer_types[i] == IndexerType::Full, mla_heads);
+      lw.dsa = load_dsa(ld, p + "self_attn.", c, frozen && c.indexer_types[i] == IndexerType::Full, mla_heads);
     }
     if (c.mlp_layer_types[i] == MlpType::Dense) {
       lw.mlp = load_mlp_tp(ld, p + "mlp.", D, c.intermediate_size, split_range(c.intermediate_size, tp, tr));
     } else {
-      lw.moe = load_moe(ld, p + "mlp.", c, m.experts, tp, tr);
+      lw.moe = load_moe(ld, p + "mlp.", c, m.experts, tp, tr, frozen);
     }
     w.layers.push_back(std::move(lw));
   }
@@ -267,6 +272,11 @@ ShardedModel load_sharded(const std::string& dir, const Mesh& mesh) {
   validate_layout(mesh.opt, mesh.world->size(), c);  // before opening the checkpoint: flag errors come first
   const Checkpoint ckpt(dir);
   return load_sharded(ckpt, c, mesh);
+}
+
+ShardedModel load_sharded(const Checkpoint& ckpt, const ModelConfig& c, const Mesh& mesh) {
+  const TensorSource src{[&](const std::string& name) { return ckpt.find(name); }, "checkpoint " + ckpt.dir()};
+  return load_sharded(src, c, mesh, /*frozen=*/true);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

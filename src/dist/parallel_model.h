@@ -14,10 +14,13 @@
 // Every reduction sums in rank order, so results are deterministic for a given layout.
 //
 // Layout over a world of N ranks: TP groups are the N/tp runs of tp consecutive ranks, EP groups the N/ep runs of
-// ep consecutive ranks. Every rank holds the whole batch (no data parallelism yet): the N/tp TP groups compute the
-// same values, which is what lets tp and ep be chosen independently.
+// ep consecutive ranks. Both nest in the runs of R = lcm(tp, ep) consecutive ranks, the replicas: a replica holds
+// every slice once and all its ranks work on the same batch. score, grad and generate give every replica the whole
+// batch (the N/R replicas compute the same values); `train` gives each replica its own share of a step's sequences
+// and sums the gradients over the DP group, the N/R ranks that hold the same slices (parallel_trainer.h).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,6 +43,9 @@ struct ParallelOptions {
 struct Mesh {
   Comm* world = nullptr;
   std::unique_ptr<Comm> tp, ep;
+  std::unique_ptr<Comm> replica;  // the replica_size ranks of this rank's replica (world ranks in runs)
+  std::unique_ptr<Comm> dp;       // the world ranks with this rank's place in their replica, one per replica
+  int replica_size = 1;           // lcm(tp, ep)
   ParallelOptions opt;
   Mesh(Comm& world, ParallelOptions opt);  // validates tp and ep against world.size(); collective over world
 };
@@ -63,6 +69,17 @@ struct ShardedModel {
 ShardedModel load_sharded(const std::string& dir, const Mesh& mesh);
 // The same from an already parsed config and an open checkpoint.
 ShardedModel load_sharded(const Checkpoint& ckpt, const ModelConfig& c, const Mesh& mesh);
+
+// Where load_sharded finds the full tensors: by checkpoint name (nullptr when absent), and what to call the source
+// in messages. Besides checkpoints: tensors in memory (a random init) and the optimizer moments of a training
+// checkpoint, which have the same names behind "exp_avg." / "exp_avg_sq.".
+struct TensorSource {
+  std::function<const TensorView*(const std::string& name)> find;
+  std::string where;  // "checkpoint DIR"
+};
+// frozen = false skips the tensors that are never trained (the DSA indexer, e_score_correction_bias), which a
+// source of optimizer moments does not hold; they stay empty.
+ShardedModel load_sharded(const TensorSource& src, const ModelConfig& c, const Mesh& mesh, bool frozen);
 
 // The decoder stack (block.h's decoder_forward) on this rank's slices: `attention` gives this rank's partial
 // attention output (its heads through its o_proj columns), which is all-reduced over TP; the MLP/MoE, the

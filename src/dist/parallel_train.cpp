@@ -268,11 +268,14 @@ MlpWeights gather_mlp(Comm& tp, const MlpWeights& g) {
 // Sums the gradients of the replicated tensors that only this rank's heads used.
 void reduce_partial(Comm& tp, Tensor& t) { tp.all_reduce_sum(t.ptr(), t.data.size()); }
 
-}  // namespace
-
-ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const ModelWeights& g) {
+// The full tensors from every rank's slices; sum_partial: the replicated attention tensors are partial sums over TP
+// (gradients), else they are the same on every rank (weights, moments) and kept as they are.
+ModelWeights gather_full(const ShardedModel& m, const Mesh& mesh, const ModelWeights& g, bool sum_partial) {
   Comm& tp = *mesh.tp;
   Comm& ep = *mesh.ep;
+  auto partial = [&](Tensor& t) {
+    if (sum_partial) reduce_partial(tp, t);
+  };
   ModelWeights out;
   out.embed = gather_dim(tp, g.embed, 0);
   out.final_norm = g.final_norm;
@@ -289,7 +292,7 @@ ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const Mod
                         &k.A_log, &k.b_proj, &k.g_b})
         *t = gather_dim(tp, *t, 0);
       k.o_proj = gather_dim(tp, k.o_proj, 1);
-      for (Tensor* t : {&k.f_a, &k.g_a, &k.o_norm}) reduce_partial(tp, *t);
+      for (Tensor* t : {&k.f_a, &k.g_a, &k.o_norm}) partial(*t);
       o.kda = std::move(k);
     }
     if (l.dsa) {
@@ -297,13 +300,14 @@ ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const Mod
       d.q_b = gather_dim(tp, d.q_b, 0);
       d.kv_b = gather_dim(tp, d.kv_b, 0);
       d.o_proj = gather_dim(tp, d.o_proj, 1);
-      for (Tensor* t : {&d.q_a, &d.q_a_norm, &d.kv_a, &d.kv_a_norm}) reduce_partial(tp, *t);
+      for (Tensor* t : {&d.q_a, &d.q_a_norm, &d.kv_a, &d.kv_a_norm}) partial(*t);
       o.dsa = std::move(d);
     }
     if (l.mlp) o.mlp = gather_mlp(tp, *l.mlp);
     if (l.moe) {
       MoeWeights mo;
       mo.router = l.moe->router;
+      mo.correction_bias = l.moe->correction_bias;
       if (l.moe->shared) mo.shared = gather_mlp(tp, *l.moe->shared);
       // Experts: each EP rank's block of whole experts, in rank order (= expert order).
       std::vector<float> mine;
@@ -326,6 +330,26 @@ ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const Mod
     out.layers.push_back(std::move(o));
   }
   return out;
+}
+
+}  // namespace
+
+ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const ModelWeights& g) {
+  return gather_full(m, mesh, g, /*sum_partial=*/true);
+}
+
+ModelWeights gather_weights(const ShardedModel& m, const Mesh& mesh, const ModelWeights& w) {
+  return gather_full(m, mesh, w, /*sum_partial=*/false);
+}
+
+void reduce_partial_gradients(const Mesh& mesh, ModelWeights& g) {
+  Comm& tp = *mesh.tp;
+  for (LayerWeights& l : g.layers) {
+    if (l.kda)
+      for (Tensor* t : {&l.kda->f_a, &l.kda->g_a, &l.kda->o_norm}) reduce_partial(tp, *t);
+    if (l.dsa)
+      for (Tensor* t : {&l.dsa->q_a, &l.dsa->q_a_norm, &l.dsa->kv_a, &l.dsa->kv_a_norm}) reduce_partial(tp, *t);
+  }
 }
 
 }  // namespace nextlm::dist

@@ -29,4 +29,14 @@ double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const 
 // the TP and EP groups). Frozen tensors stay empty, as zeros_like leaves them.
 ModelWeights gather_gradients(const ShardedModel& m, const Mesh& mesh, const ModelWeights& grads);
 
+// Sums, in place over TP, the gradients parallel_forward_backward leaves partial (the replicated tensors that feed
+// only a rank's heads: KDA f_a, g_a, o_norm; MLA q_a, kv_a and their norms), so that every TP rank holds the full
+// gradient of each replicated tensor, as an optimizer over the slices needs.
+void reduce_partial_gradients(const Mesh& mesh, ModelWeights& grads);
+
+// The full model (checkpoint shapes, frozen tensors included) from every rank's slices, on every rank: the
+// counterpart of load_sharded, for writing a checkpoint. Also gathers any ModelWeights sliced like the model (the
+// optimizer's moments).
+ModelWeights gather_weights(const ShardedModel& m, const Mesh& mesh, const ModelWeights& w);
+
 }  // namespace nextlm::dist

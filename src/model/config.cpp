@@ -311,4 +311,32 @@ ModelConfig load_config(const std::string& path) {
   }
 }
 
+std::vector<int32_t> load_eos_token_ids(const std::string& model_dir, const ModelConfig& c) {
+  std::vector<int64_t> ids = c.eos_token_ids;
+  std::string from = model_dir + "/config.json";
+  const std::string gc = model_dir + "/generation_config.json";
+  if (std::ifstream in(gc); in.good()) {
+    const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    check(!j.is_discarded() && j.is_object(), gc, ": not a JSON object");
+    if (present(j, "eos_token_id")) {
+      const json& e = j.at("eos_token_id");
+      ids.clear();
+      for (const json& x : e.is_array() ? e : json::array({e})) {
+        check(x.is_number_integer(), gc, ": eos_token_id must be an integer or a list of integers, got ", e.dump());
+        ids.push_back(x.is_number_unsigned() && x.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
+                          ? INT64_MAX
+                          : x.get<int64_t>());
+      }
+      from = gc;
+    }
+  }
+  std::vector<int32_t> out;
+  for (int64_t id : ids) {
+    check(id >= 0 && id < c.vocab_size, from, ": eos_token_id ", id, " is outside the vocabulary [0, ", c.vocab_size,
+          ")");
+    out.push_back(static_cast<int32_t>(id));
+  }
+  return out;
+}
+
 }  // namespace nextlm

@@ -79,6 +79,12 @@ struct ModelConfig {
 ModelConfig parse_config(const nlohmann::json& j);
 ModelConfig load_config(const std::string& path);  // reads and parses the file; errors name the path
 
+// The token ids that end generation by default (`generate`, `serve`; --ignore-eos / ignore_eos turn them off): the
+// eos_token_id (an int or a list) of model_dir/generation_config.json when that file sets one, else c.eos_token_ids
+// from config.json, as transformers' generate() reads its GenerationConfig. Empty when neither sets one. Throws
+// Error naming the file for a malformed generation_config.json or an id outside [0, c.vocab_size).
+std::vector<int32_t> load_eos_token_ids(const std::string& model_dir, const ModelConfig& c);
+
 // The rules transformers checks, plus the ones the forward relies on (positive sizes, divisibility of groups,
 // a shared-indexer DSA layer directly after a full one). Throws Error naming the field.
 void validate(const ModelConfig& c);

@@ -68,6 +68,8 @@ Generation generate_with(int64_t V, const std::vector<int32_t>& prompt, const Ge
   check_tokens(prompt, 0, V);
   for (int32_t s : opt.stop_tokens)
     check(s >= 0 && s < V, "stop token ", s, " is outside the vocabulary [0, ", V, ")");
+  for (int32_t s : opt.eos_tokens)
+    check(s >= 0 && s < V, "eos token ", s, " is outside the vocabulary [0, ", V, ")");
   Sampler sampler(opt.sampling);
   Generation g;
   if (opt.max_new_tokens == 0) return g;
@@ -79,7 +81,8 @@ Generation generate_with(int64_t V, const std::vector<int32_t>& prompt, const Ge
     g.tokens.push_back(s.token);
     g.logprobs.push_back(s.logprob);
     g.top.push_back(std::move(s.top));
-    if (std::find(opt.stop_tokens.begin(), opt.stop_tokens.end(), s.token) != opt.stop_tokens.end()) {
+    g.eos = std::find(opt.eos_tokens.begin(), opt.eos_tokens.end(), g.tokens.back()) != opt.eos_tokens.end();
+    if (g.eos || std::find(opt.stop_tokens.begin(), opt.stop_tokens.end(), g.tokens.back()) != opt.stop_tokens.end()) {
       g.stopped = true;
       break;
     }

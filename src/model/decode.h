@@ -43,13 +43,18 @@ struct GenerateOptions {
   int64_t max_new_tokens = 16;
   SamplingOptions sampling;
   std::vector<int32_t> stop_tokens;  // generation ends after producing one of these (it is part of the result)
+  // The model's end-of-sequence ids (load_eos_token_ids in model/config.h; the CLI leaves them out with --ignore-eos):
+  // generation ends after producing one. It was sampled, so it is part of tokens and logprobs, but callers leave it
+  // out of the text (Generation::eos), as transformers' decode(skip_special_tokens) and vLLM do.
+  std::vector<int32_t> eos_tokens;
 };
 
 struct Generation {
   std::vector<int32_t> tokens;   // the new tokens only
   std::vector<double> logprobs;  // log p(token | everything before it), unmodified model distribution (sampling.h)
   std::vector<std::vector<TokenLogprob>> top;  // per new token, the sampling.top_logprobs alternatives
-  bool stopped = false;          // ended on a stop token rather than on max_new_tokens
+  bool stopped = false;          // ended on a stop or eos token rather than on max_new_tokens
+  bool eos = false;              // ended on an eos token (the last of `tokens`): not part of the text
 };
 
 // Prefills the prompt (non-empty), then samples up to max_new_tokens tokens.

@@ -125,18 +125,21 @@ int64_t Trainer::num_trainable() const {
   return n;
 }
 
-PackedBatch Trainer::next_batch() {
+PackedBatch Trainer::next_batch() { return next_packed_batch(data_, opt_, pos_, order_); }
+
+PackedBatch next_packed_batch(const std::vector<TrainExample>& data, const TrainOptions& opt, DataPosition& pos,
+                              std::vector<int64_t>& order) {
   // Whole sequences in epoch order until the next would not fit; every sequence fits alone (read_train_jsonl).
   PackedBatch b;
-  const int64_t n = static_cast<int64_t>(data_.size());
+  const int64_t n = static_cast<int64_t>(data.size());
   bool any_mask = false;
   while (true) {
-    if (pos_.cursor == n) {
-      pos_.cursor = 0;
-      order_ = epoch_order(n, opt_.seed, ++pos_.epoch);
+    if (pos.cursor == n) {
+      pos.cursor = 0;
+      order = epoch_order(n, opt.seed, ++pos.epoch);
     }
-    const TrainExample& ex = data_[order_[pos_.cursor]];
-    if (b.num_tokens() > 0 && b.num_tokens() + static_cast<int64_t>(ex.tokens.size()) > opt_.batch_tokens) break;
+    const TrainExample& ex = data[order[pos.cursor]];
+    if (b.num_tokens() > 0 && b.num_tokens() + static_cast<int64_t>(ex.tokens.size()) > opt.batch_tokens) break;
     if (!ex.mask.empty() && !any_mask) {
       any_mask = true;
       b.target_weight.assign(b.tokens.size(), 1.0f);
@@ -149,9 +152,17 @@ PackedBatch Trainer::next_batch() {
       }
     }
     b.add(ex.tokens);
-    ++pos_.cursor;
+    ++pos.cursor;
   }
   return b;
+}
+
+double prediction_weight(const PackedBatch& b) {
+  double weight = 0.0;
+  for (int64_t s = 0; s < b.num_seqs(); ++s)
+    for (int64_t t = b.cu_seqlens[s] + 1; t < b.cu_seqlens[s + 1]; ++t)
+      weight += b.target_weight.empty() ? 1.0 : b.target_weight[t];
+  return weight;
 }
 
 StepStats Trainer::step() {
@@ -166,10 +177,7 @@ StepStats Trainer::step() {
     const PackedBatch b = next_batch();
     loss += model_forward_backward(model_, b, grads_);
     tokens += b.num_tokens();
-    // The number of predictions (weighted): every token but each sequence's first.
-    for (int64_t s = 0; s < b.num_seqs(); ++s)
-      for (int64_t t = b.cu_seqlens[s] + 1; t < b.cu_seqlens[s + 1]; ++t)
-        weight += b.target_weight.empty() ? 1.0 : b.target_weight[t];
+    weight += prediction_weight(b);
   }
   if (lora_) lora_->backward(grads_);  // dA, dB from dW summed over the micro-batches (linear, so exact)
   // The per-token mean makes the step size independent of the batch size; a step with nothing to predict (every
@@ -260,28 +268,21 @@ void swap_in(const std::string& tmp, const std::string& dir) {
 
 }  // namespace
 
-void Trainer::save(const std::string& dir) const {
+void write_training_checkpoint(const std::string& dir, const std::function<void(const std::string& tmp)>& write_model,
+                               const std::vector<TensorToWrite>& moments, const TrainerState& st,
+                               const TrainOptions& opt) {
   const std::string tmp = dir + ".tmp." + std::to_string(::getpid());
   std::error_code ec;
   fs::remove_all(tmp, ec);
   check(fs::create_directories(tmp, ec) && !ec, "cannot create ", tmp, ": ", ec.message());
   try {
-    if (lora_) {
-      lora_->save_peft(tmp, opt_.base_model, kPrefix);
-    } else {
-      save_model(tmp, model_.config(), model_.weights());
-    }
-    std::vector<TensorToWrite> moments;
-    for (size_t k = 0; k < params_.size(); ++k) {
-      moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
-      moments.push_back({"exp_avg_sq." + params_[k].name, DType::F32, params_[k].shape, adam_.v()[k].data()});
-    }
+    write_model(tmp);
     write_safetensors((fs::path(tmp) / "optimizer.safetensors").string(), moments, {{"producer", "nextlm train"}});
-    const json state{{"step", adam_.steps()},
-                     {"data_epoch", pos_.epoch},
-                     {"data_cursor", pos_.cursor},
-                     {"num_sequences", data_.size()},
-                     {"options", options_json(opt_)}};
+    const json state{{"step", st.step},
+                     {"data_epoch", st.pos.epoch},
+                     {"data_cursor", st.pos.cursor},
+                     {"num_sequences", st.num_sequences},
+                     {"options", options_json(opt)}};
     AtomicFile f((fs::path(tmp) / "trainer_state.json").string());
     f.write(state.dump(2) + "\n");
     f.commit();
@@ -290,6 +291,36 @@ void Trainer::save(const std::string& dir) const {
     fs::remove_all(tmp, ec);
     throw;
   }
+}
+
+void Trainer::save(const std::string& dir) const {
+  std::vector<TensorToWrite> moments;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
+    moments.push_back({"exp_avg_sq." + params_[k].name, DType::F32, params_[k].shape, adam_.v()[k].data()});
+  }
+  auto write_model = [&](const std::string& tmp) {
+    if (lora_) {
+      lora_->save_peft(tmp, opt_.base_model, kPrefix);
+    } else {
+      save_model(tmp, model_.config(), model_.weights());
+    }
+  };
+  write_training_checkpoint(dir, write_model, moments, TrainerState{adam_.steps(), pos_, data_.size()}, opt_);
+}
+
+TrainerState read_trainer_state(const std::string& dir) {
+  const json st = read_state(dir);
+  TrainerState out;
+  try {
+    out.step = st.at("step").get<int64_t>();
+    out.pos.epoch = st.at("data_epoch").get<int64_t>();
+    out.pos.cursor = st.at("data_cursor").get<int64_t>();
+    out.num_sequences = st.at("num_sequences").get<size_t>();
+  } catch (const json::exception& e) {
+    fail(dir, "/trainer_state.json: ", e.what());
+  }
+  return out;
 }
 
 TrainOptions Trainer::stored_options(const std::string& dir) {

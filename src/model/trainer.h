@@ -3,10 +3,12 @@
 #pragma once
 #include <csignal>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "io/safetensors.h"
 #include "model/lora.h"
 #include "model/model.h"
 #include "model/optim.h"
@@ -110,6 +112,31 @@ class Trainer {
 
 // The order in which epoch `epoch` visits n sequences (Fisher–Yates from a generator seeded by seed and epoch).
 std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch);
+
+// The next packed micro-batch of the data stream: whole sequences in epoch order (order holds epoch pos.epoch's
+// permutation; both advance across epochs) until the next would pass opt.batch_tokens, with target_weight from the
+// loss masks when any sequence has one. The Trainer's stream, shared with the data-parallel trainer (src/dist).
+PackedBatch next_packed_batch(const std::vector<TrainExample>& data, const TrainOptions& opt, DataPosition& pos,
+                              std::vector<int64_t>& order);
+
+// The number of predictions of a batch, weighted: every token but each sequence's first, times its target_weight.
+// The step's loss and gradient are divided by its sum over the micro-batches.
+double prediction_weight(const PackedBatch& b);
+
+// trainer_state.json without the options (stored_options reads those).
+struct TrainerState {
+  int64_t step = 0;
+  DataPosition pos;
+  size_t num_sequences = 0;
+};
+TrainerState read_trainer_state(const std::string& dir);
+
+// Writes the checkpoint DIR as Trainer::save does, atomically: write_model(tmp) fills the new directory with the
+// model (or adapter) files, then optimizer.safetensors (`moments`, named exp_avg.NAME / exp_avg_sq.NAME) and
+// trainer_state.json, and the directory is swapped in with one rename.
+void write_training_checkpoint(const std::string& dir, const std::function<void(const std::string& tmp)>& write_model,
+                               const std::vector<TensorToWrite>& moments, const TrainerState& state,
+                               const TrainOptions& opt);
 
 // A training log row, and the loss curve of a log as a standalone SVG picture (plain text, no dependencies).
 struct LogRow {

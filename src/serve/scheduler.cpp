@@ -9,40 +9,53 @@
 
 namespace nextlm::serve {
 
+namespace {
+
+bool contains(const std::vector<int32_t>& ids, int32_t id) {
+  return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+}  // namespace
+
+// The checks' order: an eos token ends the text before it (its bytes are not text, so no stop string is looked for
+// in them); then a stop string, which cuts the text even when the token completing it is also a stop token, so that
+// a stop string never shows; then a stop token, which stays in the text; then max_tokens.
 bool Job::append(Sample s) {
   std::lock_guard<std::mutex> lk(mu_);
   const int32_t token = s.token;
   samples_.push_back(std::move(s));
-  const auto& stops = request.stop_tokens;
-  if (request.byte_level) bytes_.push_back(static_cast<char>(token));
-  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
-    finished_ = true, reason_ = "stop", kept_ = samples_.size();
-  } else {
-    // A stop string is found at its end, one byte after the other, so the first occurrence is the one cut.
-    for (const std::string& stop : request.stop_strings) {
-      if (bytes_.size() >= stop.size() && bytes_.compare(bytes_.size() - stop.size(), stop.size(), stop) == 0) {
-        finished_ = true, reason_ = "stop", kept_ = bytes_.size() - stop.size();
-        break;
-      }
-    }
-    if (!finished_ && static_cast<int64_t>(samples_.size()) >= request.max_tokens)
-      finished_ = true, reason_ = "length", kept_ = samples_.size();
+  const size_t before = bytes_.size();
+  if (request.tokenizer) bytes_ += request.tokenizer->token_bytes(token);
+  else if (request.byte_level) bytes_.push_back(static_cast<char>(token));
+  ends_.push_back(bytes_.size());
+  if (contains(request.eos_tokens, token)) {
+    finish_locked("stop", samples_.size(), before);
+  } else if (const size_t cut = find_stop(bytes_, before, request.stop_strings); cut != std::string::npos) {
+    finish_locked("stop", tokens_for_text(ends_, cut), cut);
+  } else if (contains(request.stop_tokens, token)) {
+    finish_locked("stop", samples_.size(), bytes_.size());
+  } else if (static_cast<int64_t>(samples_.size()) >= request.max_tokens) {
+    finish_locked("length", samples_.size(), bytes_.size());
   }
   cv_.notify_all();
   return finished_;
 }
 
+void Job::finish_locked(const std::string& reason, size_t kept, size_t text) {
+  finished_ = true, reason_ = reason, kept_ = kept, text_ = text;
+}
+
 void Job::finish(const std::string& reason) {
   std::lock_guard<std::mutex> lk(mu_);
   if (finished_) return;
-  finished_ = true, reason_ = reason, kept_ = samples_.size();
+  finish_locked(reason, samples_.size(), bytes_.size());
   cv_.notify_all();
 }
 
 void Job::fail(const std::string& message) {
   std::lock_guard<std::mutex> lk(mu_);
   error_ = message;
-  finished_ = true, reason_ = "error", kept_ = samples_.size();
+  finish_locked("error", samples_.size(), bytes_.size());
   cv_.notify_all();
 }
 
@@ -56,15 +69,16 @@ Job::Snapshot Job::snapshot() const {
   std::lock_guard<std::mutex> lk(mu_);
   Snapshot s;
   s.samples = samples_;
+  s.bytes = bytes_;
+  s.ends = ends_;
   s.finished = finished_;
   s.finish_reason = reason_;
   s.error = error_;
   if (finished_) {
-    s.shown = kept_;
-  } else if (request.byte_level) {
-    s.shown = bytes_.size() - stop_holdback(bytes_, request.stop_strings);
+    s.text = text_, s.shown = kept_;
   } else {
-    s.shown = samples_.size();
+    s.text = bytes_.size() - stop_holdback(bytes_, request.stop_strings);
+    s.shown = tokens_for_text(ends_, s.text);
   }
   return s;
 }
@@ -130,6 +144,22 @@ size_t stop_holdback(const std::string& bytes, const std::vector<std::string>& s
         break;
       }
   return best;
+}
+
+size_t find_stop(const std::string& bytes, size_t from, const std::vector<std::string>& stops) {
+  size_t cut = std::string::npos;
+  for (const std::string& stop : stops) {
+    if (stop.empty()) continue;
+    const size_t at = bytes.find(stop, from + 1 > stop.size() ? from + 1 - stop.size() : 0);
+    cut = std::min(cut, at);
+  }
+  return cut;
+}
+
+size_t tokens_for_text(const std::vector<size_t>& ends, size_t text) {
+  size_t n = 0;
+  while (n < ends.size() && ((n == 0 ? 0 : ends[n - 1]) < text || ends[n] <= text)) ++n;
+  return n;
 }
 
 struct Scheduler::Running {

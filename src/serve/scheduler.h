@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "io/tokenizer.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/sampling.h"
@@ -24,8 +25,10 @@ struct JobRequest {
   int64_t max_tokens = 16;                // new tokens at most (0: finish at once, as generate())
   SamplingOptions sampling;
   std::vector<int32_t> stop_tokens;       // end after producing one (it is part of the output, as generate())
-  std::vector<std::string> stop_strings;  // byte-level models: end when the output bytes end with one (cut off)
-  bool byte_level = false;                // tokens are bytes (vocab_size 256)
+  std::vector<int32_t> eos_tokens;        // the model's, unless ignore_eos: end after one (in the tokens, not the text)
+  std::vector<std::string> stop_strings;  // end when the output's bytes contain one: the text is cut before it
+  const Tokenizer* tokenizer = nullptr;   // a token's bytes: the tokenizer's, else (byte_level) the token itself,
+  bool byte_level = false;                // else none (a model without text: no stop strings)
 };
 
 // One request's progress, shared by the scheduler (producer) and an HTTP worker (consumer).
@@ -34,8 +37,8 @@ class Job {
   explicit Job(JobRequest request) : request(std::move(request)) {}
   const JobRequest request;
 
-  // Scheduler side. append() adds a sampled token and decides whether the job is finished (stop token, stop
-  // string, max_tokens); it returns true when it is.
+  // Scheduler side. append() adds a sampled token and decides whether the job is finished (eos token, stop string,
+  // stop token, max_tokens); it returns true when it is.
   bool append(Sample s);
   void finish(const std::string& reason);  // "stop", "length", or "error" (then `message` says why)
   void fail(const std::string& message);
@@ -47,11 +50,15 @@ class Job {
   // A consistent copy of the progress so far.
   struct Snapshot {
     std::vector<Sample> samples;  // every sampled token
+    std::string bytes;            // the bytes of every sampled token, in order
+    std::vector<size_t> ends;     // [samples]: where each token's bytes end in `bytes`
     bool finished = false;
     std::string finish_reason;    // once finished: "stop", "length" or "error"
     std::string error;
-    // Tokens that may be shown: all of them once finished (less those cut by a stop string); while running, those
-    // that cannot turn out to be the start of a stop string.
+    // The first `text` bytes may be shown as text: all of them once finished, less a final eos token's and what a
+    // stop string cut off; while running, less the longest suffix that may be the start of a stop string.
+    size_t text = 0;
+    // The first `shown` tokens may be shown (with their logprobs): tokens_for_text(ends, text).
     size_t shown = 0;
   };
   Snapshot snapshot() const;
@@ -61,9 +68,13 @@ class Job {
  private:
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
+  void finish_locked(const std::string& reason, size_t kept, size_t text);  // mu_ held
+
   std::vector<Sample> samples_;
-  std::string bytes_;  // byte-level: the output so far, to match stop strings
-  size_t kept_ = 0;    // tokens kept once finished
+  std::string bytes_;         // the output so far, to match stop strings
+  std::vector<size_t> ends_;  // [samples_]: the end of each token's bytes in bytes_
+  size_t kept_ = 0;           // once finished: tokens kept
+  size_t text_ = 0;           // once finished: bytes of text
   bool finished_ = false;
   std::string reason_, error_;
   std::atomic<bool> cancelled_{false};
@@ -77,6 +88,22 @@ std::string utf8_text(const std::string& bytes, bool final, size_t* consumed = n
 
 // The longest proper prefix of a stop string that `bytes` ends with: bytes a stream must hold back.
 size_t stop_holdback(const std::string& bytes, const std::vector<std::string>& stops);
+
+// Where the text is cut once bytes[from, end) were added: the earliest start of a stop string occurrence that ends
+// in the added bytes (none ends before them, or generation would have stopped), or std::string::npos. Bytes, not
+// decoded text, are matched: a stop string is valid UTF-8, so it matches where the decoded text has it, except that
+// a U+FFFD in a stop string matches only a U+FFFD in the output, not an ill-formed byte decoded as one.
+size_t find_stop(const std::string& bytes, size_t from, const std::vector<std::string>& stops);
+
+// The tokens that go with the first `text` bytes of the output, ends[i] being where token i's bytes end: the longest
+// run of tokens from the start each of which puts a byte before `text` or has no byte after it. A token that
+// straddles the cut (a stop string starting inside it) is kept with its logprob, though its bytes from the cut on
+// are not in the text; the tokens after the cut are dropped from the answer's tokens and logprobs, though
+// usage.completion_tokens still counts them (they were generated, as OpenAI and vLLM count the token that completed
+// the stop string). So every byte of the text belongs to a returned token and every returned token but empty ones
+// shows at least one byte. While running, with `text` less the hold-back, these tokens are final: a stop string
+// found later starts at or after `text`.
+size_t tokens_for_text(const std::vector<size_t>& ends, size_t text);
 
 class Scheduler {
  public:

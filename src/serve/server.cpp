@@ -23,6 +23,7 @@
 #include "cpu/linear.h"
 #include "io/chat_template.h"
 #include "io/tokenizer.h"
+#include "model/config.h"
 #include "model/model.h"
 #include "serve/scheduler.h"
 
@@ -32,7 +33,7 @@ namespace {
 using nlohmann::json;
 
 constexpr int64_t kMaxTopLogprobs = 20;  // as OpenAI
-constexpr size_t kMaxStopStrings = 16;
+constexpr size_t kMaxStopStrings = 4;     // as OpenAI
 
 // A request the server refuses, sent as {"error": {"message", "type", "param", "code"}}.
 struct ApiError {
@@ -62,6 +63,7 @@ struct Context {
   int64_t vocab_size = 0;
   bool byte_level = false;  // vocab_size 256 and no tokenizer.json: text is UTF-8 bytes
   const Tokenizer* tokenizer = nullptr;  // the model directory's tokenizer.json, if it has one
+  std::vector<int32_t> eos_tokens;       // load_eos_token_ids: end a request unless it sets ignore_eos
   int64_t max_tokens = 0;   // --max-tokens
   int64_t created = 0;      // server start, Unix seconds
 };
@@ -187,7 +189,7 @@ Parsed parse_request(const json& body, const Context& ctx, bool chat) {
   p.chat = chat;
   JobRequest& r = p.job;
   r.byte_level = ctx.byte_level;
-  p.tokenizer = ctx.tokenizer;
+  r.tokenizer = p.tokenizer = ctx.tokenizer;
   if (const json* m = field(body, "model"); m && !m->is_string()) bad("model", "invalid_type", "model must be a string");
   r.prompt = chat ? render_chat(body, ctx) : parse_prompt(body, ctx);
   get_int(body, "n", 1, 1, 1);  // one choice per request
@@ -240,14 +242,18 @@ Parsed parse_request(const json& body, const Context& ctx, bool chat) {
       bad("stop", "invalid_type", "stop must be a string or a list of strings");
     }
     if (r.stop_strings.size() > kMaxStopStrings)
-      bad("stop", "invalid_value", "at most " + std::to_string(kMaxStopStrings) + " stop strings");
+      bad("stop", "invalid_value",
+          "at most " + std::to_string(kMaxStopStrings) + " stop strings, got " + std::to_string(r.stop_strings.size()));
     for (const std::string& x : r.stop_strings)
       if (x.empty()) bad("stop", "invalid_value", "stop strings must not be empty");
-    if (!ctx.byte_level && !r.stop_strings.empty())
+    if (!ctx.byte_level && !ctx.tokenizer && !r.stop_strings.empty())
       bad("stop", "tokenizer_unavailable",
-          ctx.tokenizer ? "stop strings are supported only for byte-level models so far; use stop_token_ids"
-                        : "stop strings need a tokenizer, which is not available for this model; use stop_token_ids");
+          "stop strings need the model's text, which is not available for this model (no tokenizer.json, vocab_size " +
+              std::to_string(ctx.vocab_size) + "); use stop_token_ids");
   }
+  // vLLM's extension: the model's eos tokens end generation (they are in the tokens and logprobs, not in the text)
+  // unless ignore_eos is true.
+  if (!get_bool(body, "ignore_eos", false)) r.eos_tokens = ctx.eos_tokens;
   if (const json* ids = field(body, "stop_token_ids")) {
     if (!ids->is_array()) bad("stop_token_ids", "invalid_type", "stop_token_ids must be a list of token ids");
     for (const json& x : *ids) {
@@ -418,16 +424,14 @@ class Api {
     return {{"id", id}, {"object", object}, {"created", unix_now()}, {"model", ctx_.model_name}};
   }
 
-  // The choice for samples [a, b): a whole answer (text or message) or a stream chunk (text or delta). `text`, when
-  // given, is the chunk's text (a tokenizer's stream is cut at whole characters, which need not fall between
-  // tokens); by default it is the text of samples [a, b).
+  // The choice for samples [a, b) with text `t`: a whole answer (text or message) or a stream chunk (text or delta).
+  // The text is cut from the output's bytes (Job::Snapshot::text) rather than made from tokens [a, b): it ends
+  // before a stop string or an eos token, and a stream cuts it at whole characters, neither of which need fall
+  // between tokens.
   json choice(const Parsed& p, const std::vector<Sample>& s, size_t a, size_t b, bool delta, const json& reason,
-              const std::string* text = nullptr) const {
+              const std::string& t) const {
     json ids = json::array();
     for (size_t i = a; i < b; ++i) ids.push_back(s[i].token);
-    std::string t = text                                      ? *text
-                    : ctx_.byte_level || ctx_.tokenizer ? utf8_text(bytes_of(s, a, b, ctx_.tokenizer), true)
-                                                              : std::string();
     json c = {{"index", 0}};
     if (!p.chat) c["text"] = t;
     else if (delta) c["delta"] = b > a || !t.empty() ? json{{"content", t}} : json::object();
@@ -447,18 +451,21 @@ class Api {
     if (s.finish_reason == "error")
       throw ApiError{500, "generation failed: " + s.error, "", "generation_failed", "server_error"};
     json out = header(new_id(p.chat ? "chatcmpl" : "cmpl"), p.chat ? "chat.completion" : "text_completion");
-    out["choices"] = json::array({choice(p, s.samples, 0, s.shown, false, s.finish_reason)});
+    const std::string text = utf8_text(s.bytes.substr(0, s.text), true);
+    out["choices"] = json::array({choice(p, s.samples, 0, s.shown, false, s.finish_reason, text)});
     out["usage"] = usage_json(p, s.samples.size());
     res.set_content(dump(out), "application/json");
   }
 
-  // Server-sent events: chunks as tokens become showable (whole UTF-8 characters, nothing that may be the start of
-  // a stop string), then one with the finish_reason, optionally one with the usage, then "data: [DONE]".
+  // Server-sent events: chunks as text becomes showable (whole UTF-8 characters, nothing that may be the start of a
+  // stop string: Job::Snapshot::text), each with the tokens whose bytes it completes; once finished, the rest of
+  // the text (cut before a stop string or an eos token) and of the kept tokens, then a chunk with the finish_reason,
+  // optionally one with the usage, then "data: [DONE]".
   void stream(httplib::Response& res, std::shared_ptr<const Parsed> p, std::shared_ptr<Job> job) const {
     struct Progress {
-      size_t sent = 0;  // tokens sent
-      size_t bytes_sent = 0;  // with a tokenizer: bytes of the output sent as text
-      size_t seen = 0;  // tokens seen in the last snapshot
+      size_t sent = 0;        // tokens sent
+      size_t bytes_sent = 0;  // bytes of the output sent as text
+      size_t seen = 0;        // tokens seen in the last snapshot
       bool started = false;
     };
     auto pr = std::make_shared<Progress>();
@@ -471,18 +478,17 @@ class Api {
           job->wait(pr->seen, 200);
           const Job::Snapshot s = job->snapshot();
           pr->seen = s.samples.size();
-          size_t end = s.shown;
-          std::string text;  // with a tokenizer: the text of the whole characters not sent yet
-          if (ctx_.tokenizer) {
-            const std::string bytes = bytes_of(s.samples, 0, end, ctx_.tokenizer);
+          // The whole characters of the showable text not sent yet (all of it once finished: the cut is final).
+          std::string text;
+          if (s.text > pr->bytes_sent) {
             size_t used = 0;
-            text = utf8_text(bytes.substr(pr->bytes_sent), s.finished, &used);
+            text = utf8_text(s.bytes.substr(pr->bytes_sent, s.text - pr->bytes_sent), s.finished, &used);
             pr->bytes_sent += used;
-          } else if (ctx_.byte_level && end > pr->sent) {  // cut at a whole character unless finished
-            size_t used = 0;
-            utf8_text(bytes_of(s.samples, pr->sent, end, nullptr), s.finished, &used);
-            end = pr->sent + used;
           }
+          // The showable tokens whose bytes are all sent, so that a chunk's logprobs go with its text; once
+          // finished, every kept token (one that straddles a stop string has bytes that are never sent).
+          size_t end = pr->sent;
+          while (end < s.shown && (s.finished || s.ends[end] <= pr->bytes_sent)) ++end;
           std::string out;
           if (p->chat && !pr->started) {
             json c = header(id, object);
@@ -495,7 +501,7 @@ class Api {
           if (end > pr->sent || !text.empty()) {
             json c = header(id, object);
             c["choices"] =
-                json::array({choice(*p, s.samples, pr->sent, end, true, nullptr, ctx_.tokenizer ? &text : nullptr)});
+                json::array({choice(*p, s.samples, pr->sent, end, true, nullptr, text)});
             out += sse(c);
             pr->sent = end;
           }
@@ -504,7 +510,7 @@ class Api {
               out += sse(error_body(ApiError{500, "generation failed: " + s.error, "", "generation_failed", "server_error"}));
             } else {
               json c = header(id, object);
-              c["choices"] = json::array({choice(*p, s.samples, end, end, true, s.finish_reason)});
+              c["choices"] = json::array({choice(*p, s.samples, end, end, true, s.finish_reason, "")});
               out += sse(c);
               if (p->include_usage) {
                 json u = header(id, object);
@@ -567,6 +573,7 @@ int run_server(const ServeOptions& opt) {
     ctx.tokenizer = &*tokenizer;
   }
   ctx.byte_level = !tokenizer && ctx.vocab_size == 256;
+  ctx.eos_tokens = load_eos_token_ids(opt.model_dir, model.config());
   ctx.max_tokens = opt.max_tokens;
   ctx.created = unix_now();
 
@@ -626,7 +633,8 @@ int run_server(const ServeOptions& opt) {
   });
 
   std::cerr << "serve: model " << ctx.model_name << " (vocab " << ctx.vocab_size
-            << (tokenizer ? ", tokenizer.json" : ctx.byte_level ? ", bytes" : ", token ids only") << "), max batch "
+            << (tokenizer ? ", tokenizer.json" : ctx.byte_level ? ", bytes" : ", token ids only") << ", eos "
+            << (ctx.eos_tokens.empty() ? std::string("none") : dump(ctx.eos_tokens)) << "), max batch "
             << opt.max_batch
             << ", max tokens " << opt.max_tokens << "\n";
   std::cout << "listening on http://" << opt.host << ":" << port << std::endl;
