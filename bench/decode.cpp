@@ -136,48 +136,55 @@ void slice4_decode_case(const std::string& name, int64_t B) {
 // Train–inference agreement at full width (issue 5): the log-probs a decoding session reports for 64 tokens after a
 // 4096-token prompt (the prefill's last position, then each step) against the packed forward's score of the whole
 // sequence, as `nextlm score --device cuda` computes it.
+// Run with the tensor-core KDA in the forward (the default) and with the fp32 KDA kernels.
 void slice4_train_inference_case(const std::string& name) {
   const ModelConfig cfg = load_config(decode_config_path());
   auto model = CudaModel::random(cfg, 1);
   model->set_empty_selection(EmptySelection::SeenKeys);  // as the decoder (with the tail on, no selection is empty)
-  constexpr int64_t kNew = 64;
-  std::mt19937 gen(13);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
-  std::vector<int32_t> seq(kPrompt + kNew);
-  for (int32_t& x : seq) x = tok(gen);
-  auto logprob = [](const std::vector<float>& logits, int32_t target) {
-    double mx = -INFINITY, sum = 0;
-    for (float x : logits) mx = std::max<double>(mx, x);
-    for (float x : logits) sum += std::exp(double(x) - mx);
-    return double(logits[target]) - mx - std::log(sum);
-  };
-  std::vector<double> decoded;
-  {
-    CudaDecoder dec(*model, 1, kPrompt + kNew);
-    const std::vector<int32_t> prompt(seq.begin(), seq.begin() + kPrompt);
-    decoded.push_back(logprob(dec.prefill({0}, {prompt})[0], seq[kPrompt]));
-    for (int64_t t = kPrompt; t + 1 < kPrompt + kNew; ++t) decoded.push_back(logprob(dec.step({0}, {seq[t]})[0], seq[t + 1]));
+  for (bool tc : {true, false}) {
+    model->set_kda_tensor_cores(tc);
+    constexpr int64_t kNew = 64;
+    std::mt19937 gen(13);
+    std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
+    std::vector<int32_t> seq(kPrompt + kNew);
+    for (int32_t& x : seq) x = tok(gen);
+    auto logprob = [](const std::vector<float>& logits, int32_t target) {
+      double mx = -INFINITY, sum = 0;
+      for (float x : logits) mx = std::max<double>(mx, x);
+      for (float x : logits) sum += std::exp(double(x) - mx);
+      return double(logits[target]) - mx - std::log(sum);
+    };
+    std::vector<double> decoded;
+    {
+      CudaDecoder dec(*model, 1, kPrompt + kNew);
+      const std::vector<int32_t> prompt(seq.begin(), seq.begin() + kPrompt);
+      decoded.push_back(logprob(dec.prefill({0}, {prompt})[0], seq[kPrompt]));
+      for (int64_t t = kPrompt; t + 1 < kPrompt + kNew; ++t)
+        decoded.push_back(logprob(dec.step({0}, {seq[t]})[0], seq[t + 1]));
+    }
+    PackedBatch b;
+    b.add(seq);
+    const std::vector<double> scored = model->next_token_logprobs(b)[0];
+    double sum = 0, worst = 0;
+    for (size_t i = 0; i < decoded.size(); ++i) {
+      const double d = std::fabs(decoded[i] - scored[kPrompt - 1 + i]);
+      sum += d, worst = std::max(worst, d);
+    }
+    const double mean = sum / static_cast<double>(decoded.size());
+    char note[300];
+    std::snprintf(note, sizeof note,
+                  "4-layer slice, random device weights: log-probs of %zu decoded tokens after a %lld-token prompt vs "
+                  "the packed forward's score of the sequence; target mean |dlogprob| <= 1e-3 (Megatron vs vLLM "
+                  "~0.055)",
+                  decoded.size(), static_cast<long long>(kPrompt));
+    const nlohmann::json line{{"case", tc ? name : name + "_fp32_kda"},
+                              {"mean_abs_dlogprob", mean},
+                              {"max_abs_dlogprob", worst},
+                              {"note", note}};
+    std::printf("%s\n", line.dump().c_str());
+    std::fflush(stdout);
   }
-  PackedBatch b;
-  b.add(seq);
-  const std::vector<double> scored = model->next_token_logprobs(b)[0];
-  double sum = 0, worst = 0;
-  for (size_t i = 0; i < decoded.size(); ++i) {
-    const double d = std::fabs(decoded[i] - scored[kPrompt - 1 + i]);
-    sum += d, worst = std::max(worst, d);
-  }
-  const double mean = sum / static_cast<double>(decoded.size());
-  char note[300];
-  std::snprintf(note, sizeof note,
-                "4-layer slice, random device weights: log-probs of %zu decoded tokens after a %lld-token prompt vs "
-                "the packed forward's score of the sequence; target mean |dlogprob| <= 1e-3 (Megatron vs vLLM ~0.055)",
-                decoded.size(), static_cast<long long>(kPrompt));
-  const nlohmann::json line{{"case", name},
-                            {"mean_abs_dlogprob", mean},
-                            {"max_abs_dlogprob", worst},
-                            {"note", note}};
-  std::printf("%s\n", line.dump().c_str());
-  std::fflush(stdout);
+  model->set_kda_tensor_cores(true);
 }
 
 }  // namespace nextlm::bench

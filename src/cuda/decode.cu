@@ -403,70 +403,99 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(r);
 }
 
-// One block per (row, head). With kVec (KL a multiple of 8, at most 8·blockDim) every latent and weight row is read
-// in 16-byte pieces: thread (g, c) of G = blockDim / (KL/8) groups takes piece c of rows g, g+G, …, and the groups'
-// partial sums are added in group order (orders fixed by the shapes and the row's own key count, never by B).
-template <bool kVec>
-__global__ void mla_attention_kernel(MlaDecodeParams p) {
-  extern __shared__ float sm[];
-  __shared__ float scratch[32];
-  const int64_t b = blockIdx.x, h = blockIdx.y, KL = p.KL, dqk = p.dqk, dv = p.dv;
-  const int64_t slot = p.slot[b], pos = p.pos[b];
-  float* qs = sm;             // [dqk]
-  float* qa = qs + dqk;       // [KL]
-  float* cs = qa + KL;        // [KL]
-  float* pr = cs + KL;        // [max_sel]
-  float* part = pr + p.max_sel;                                 // kVec: [blockDim·8] group partial sums
-  int32_t* keys = reinterpret_cast<int32_t*>(part + (kVec ? 8 * blockDim.x : 0));  // [max_sel]
-  int64_t n = p.count[b];
-  const bool uniform = n == 0;
-  if (uniform) n = pos + 1;
-  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
-  const int64_t C = KL / 8, G = kVec ? nt / C : 1, g = tid / (kVec ? C : 1), pc = tid % (kVec ? C : 1);
-  for (int64_t d = tid; d < dqk; d += nt) qs[d] = p.q[(b * p.NH + h) * dqk + d];
-  for (int64_t i = tid; i < n; i += nt) keys[i] = uniform ? static_cast<int32_t>(i) : p.sel[b * p.max_sel + i];
+// Absorbed MLA decoding in three kernels, so that a step has B·NH·kMlaSplits blocks at work on the keys rather
+// than B·NH: (1) qa = W_kᵀ q per (row, head); (2) per (row, head, split) of the row's keys, the scores, their local
+// max m, Σ e^(score−m) and the e^(score−m)-weighted latent sum; (3) per (row, head), the splits merged in split
+// order, normalised, and the value part of kv_b applied. The split count is fixed and every sum runs in an order set
+// by the shapes and the row's own key count, so a row's result never depends on the batch.
+// With kVec (KL a multiple of 8, at most 8·blockDim) latent and weight rows are read in 16-byte pieces: thread
+// (g, c) of G = blockDim / (KL/8) groups takes piece c of rows g, g+G, …, and the groups' partial sums are added in
+// group order.
+constexpr int kMlaThreads = 256, kMlaSplits = 8;
+
+struct MlaWork {
+  float* qa;   // [B, NH, KL]
+  float* ml;   // [B, NH, splits, 2]: local max and sum
+  float* acc;  // [B, NH, splits, KL]
+};
+__device__ __forceinline__ MlaWork mla_work(const MlaDecodeParams& p) {
+  return MlaWork{p.work, p.work + p.B * p.NH * p.KL, p.work + p.B * p.NH * (p.KL + 2 * kMlaSplits)};
+}
+
+// Sums the blockDim·8 group partials `part` of piece-sliced rows into dst[KL]·f (one barrier before and after).
+__device__ __forceinline__ void reduce_groups(const float* part, float* dst, float f, int64_t KL, int64_t G) {
   __syncthreads();
-  // Absorbed query qa = W_kᵀ q.
+  const int64_t C = KL / 8;
+  for (int64_t l = threadIdx.x; l < KL; l += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t gg = 0; gg < G; ++gg) acc += part[(gg * C + l / 8) * 8 + l % 8];
+    dst[l] = acc * f;
+  }
+  __syncthreads();
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kMlaThreads) mla_qa_kernel(MlaDecodeParams p) {
+  extern __shared__ float sm[];
+  const int64_t b = blockIdx.x, h = blockIdx.y, KL = p.KL, dqk = p.dqk, dv = p.dv;
+  float* qs = sm;           // [dqk]
+  float* qa = qs + dqk;     // [KL]
+  float* part = qa + KL;    // kVec: [blockDim·8]
+  const int tid = threadIdx.x, nt = blockDim.x;
+  for (int64_t d = tid; d < dqk; d += nt) qs[d] = p.q[(b * p.NH + h) * dqk + d];
+  __syncthreads();
   const bf16* Wk = p.kv_b + h * (dqk + dv) * KL;
-  const bf16* Wv = Wk + dqk * KL;
-  // Sums the groups' partials of piece-sliced rows into dst[KL] (times f).
-  auto reduce_groups = [&](float* dst, float f) {
-    __syncthreads();
-    for (int64_t l = tid; l < KL; l += nt) {
-      float acc = 0.0f;
-      for (int64_t gg = 0; gg < G; ++gg) acc += part[(gg * C + l / 8) * 8 + l % 8];
-      dst[l] = acc * f;
-    }
-    __syncthreads();
-  };
+  float* out = mla_work(p).qa + (b * p.NH + h) * KL;
   if constexpr (kVec) {
+    const int64_t C = KL / 8, G = nt / C, g = tid / C, pc = tid % C;
     float acc[8] = {};
-    if (g < G)
+    if (g < G) {
       for (int64_t d = g; d < dqk; d += G) {
         float wf[8];
         unpack8(__ldg(reinterpret_cast<const uint4*>(Wk + d * KL) + pc), wf);
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = fmaf(qs[d], wf[j], acc[j]);
       }
-    if (g < G)
 #pragma unroll
       for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
-    reduce_groups(qa, 1.0f);
+    }
+    reduce_groups(part, qa, 1.0f, KL, G);
+    for (int64_t l = tid; l < KL; l += nt) out[l] = qa[l];
   } else {
     for (int64_t l = tid; l < KL; l += nt) {
       float acc = 0.0f;
       for (int64_t d = 0; d < dqk; ++d) acc = fmaf(qs[d], __bfloat162float(Wk[d * KL + l]), acc);
-      qa[l] = acc;
+      out[l] = acc;
     }
-    __syncthreads();
   }
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kMlaThreads) mla_split_kernel(MlaDecodeParams p) {
+  extern __shared__ float sm[];
+  __shared__ float scratch[32];
+  const int64_t b = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, KL = p.KL;
+  const int64_t slot = p.slot[b], pos = p.pos[b];
+  int64_t n = p.count[b];
+  const bool uniform = n == 0;
+  if (uniform) n = pos + 1;
+  const int64_t i0 = n * sp / kMlaSplits, i1 = n * (sp + 1) / kMlaSplits, m = i1 - i0;
+  float* qa = sm;                 // [KL]
+  float* pr = qa + KL;            // [max_sel / kMlaSplits + 1]
+  float* part = pr + p.max_sel / kMlaSplits + 1;  // kVec: [blockDim·8]; else unused
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  const MlaWork w = mla_work(p);
+  const int64_t row = (b * p.NH + h) * kMlaSplits + sp;
+  for (int64_t l = tid; l < KL; l += nt) qa[l] = w.qa[(b * p.NH + h) * KL + l];
+  __syncthreads();
+  auto key = [&](int64_t i) -> int64_t { return uniform ? i : p.sel[b * p.max_sel + i]; };
   const bf16* lat = p.latent + slot * p.max_len * KL;
-  const float scale = rsqrtf(static_cast<float>(dqk));
-  for (int64_t i = warp; i < n; i += nw) {
-    const bf16* c = lat + static_cast<int64_t>(keys[i]) * KL;
+  const float scale = rsqrtf(static_cast<float>(p.dqk));
+  for (int64_t i = warp; i < m; i += nw) {
+    const bf16* c = lat + key(i0 + i) * KL;
     float dot = 0.0f;
     if constexpr (kVec) {
-      for (int64_t q8 = lane; q8 < C; q8 += 32) {
+      for (int64_t q8 = lane; q8 < KL / 8; q8 += 32) {
         float cf[8];
         unpack8(*(reinterpret_cast<const uint4*>(c) + q8), cf);
 #pragma unroll
@@ -480,41 +509,74 @@ __global__ void mla_attention_kernel(MlaDecodeParams p) {
   }
   __syncthreads();
   float mx = -INFINITY;
-  for (int64_t i = tid; i < n; i += nt) mx = fmaxf(mx, pr[i]);
+  for (int64_t i = tid; i < m; i += nt) mx = fmaxf(mx, pr[i]);
   mx = block_max(mx, scratch);
   __syncthreads();
   float s = 0.0f;
-  for (int64_t i = tid; i < n; i += nt) s += (pr[i] = expf(pr[i] - mx));
+  for (int64_t i = tid; i < m; i += nt) s += (pr[i] = expf(pr[i] - mx));
   const float den = block_sum(s, scratch);
   __syncthreads();
-  // Weighted latent sum, then the value part of kv_b.
+  float* acc_out = w.acc + row * KL;
   if constexpr (kVec) {
+    const int64_t C = KL / 8, G = nt / C, g = tid / C, pc = tid % C;
     float acc[8] = {};
-    if (g < G)
-      for (int64_t i = g; i < n; i += G) {
+    if (g < G) {
+      for (int64_t i = g; i < m; i += G) {
         float cf[8];
-        unpack8(*(reinterpret_cast<const uint4*>(lat + static_cast<int64_t>(keys[i]) * KL) + pc), cf);
+        unpack8(*(reinterpret_cast<const uint4*>(lat + key(i0 + i) * KL) + pc), cf);
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = fmaf(pr[i], cf[j], acc[j]);
       }
-    if (g < G)
 #pragma unroll
       for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
-    reduce_groups(cs, 1.0f / den);
+    }
+    reduce_groups(part, acc_out, 1.0f, KL, G);
   } else {
     for (int64_t l = tid; l < KL; l += nt) {
       float acc = 0.0f;
-#pragma unroll 8
-      for (int64_t i = 0; i < n; ++i)
-        acc = fmaf(pr[i], __bfloat162float(lat[static_cast<int64_t>(keys[i]) * KL + l]), acc);
-      cs[l] = acc / den;
+      for (int64_t i = 0; i < m; ++i) acc = fmaf(pr[i], __bfloat162float(lat[key(i0 + i) * KL + l]), acc);
+      acc_out[l] = acc;
     }
-    __syncthreads();
   }
+  if (tid == 0) {
+    w.ml[2 * row] = mx;  // −∞ for an empty split
+    w.ml[2 * row + 1] = den;
+  }
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kMlaThreads) mla_combine_kernel(MlaDecodeParams p) {
+  extern __shared__ float sm[];
+  const int64_t b = blockIdx.x, h = blockIdx.y, KL = p.KL, dqk = p.dqk, dv = p.dv;
+  float* cs = sm;  // [KL]
+  __shared__ float f[kMlaSplits];
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  const MlaWork w = mla_work(p);
+  const int64_t row0 = (b * p.NH + h) * kMlaSplits;
+  if (tid == 0) {
+    float M = -INFINITY;
+    for (int sp = 0; sp < kMlaSplits; ++sp) M = fmaxf(M, w.ml[2 * (row0 + sp)]);
+    float L = 0.0f;
+    for (int sp = 0; sp < kMlaSplits; ++sp) {
+      const float ms = w.ml[2 * (row0 + sp)];
+      f[sp] = ms == -INFINITY ? 0.0f : expf(ms - M);
+      L += f[sp] * w.ml[2 * (row0 + sp) + 1];
+    }
+    for (int sp = 0; sp < kMlaSplits; ++sp) f[sp] /= L;
+  }
+  __syncthreads();
+  for (int64_t l = tid; l < KL; l += nt) {
+    float acc = 0.0f;
+    for (int sp = 0; sp < kMlaSplits; ++sp)
+      if (f[sp] != 0.0f) acc = fmaf(f[sp], w.acc[(row0 + sp) * KL + l], acc);
+    cs[l] = acc;
+  }
+  __syncthreads();
+  const bf16* Wv = p.kv_b + h * (dqk + dv) * KL + dqk * KL;
   for (int64_t e = warp; e < dv; e += nw) {
     float acc = 0.0f;
     if constexpr (kVec) {
-      for (int64_t q8 = lane; q8 < C; q8 += 32) {
+      for (int64_t q8 = lane; q8 < KL / 8; q8 += 32) {
         float wf[8];
         unpack8(__ldg(reinterpret_cast<const uint4*>(Wv + e * KL) + q8), wf);
 #pragma unroll
@@ -603,20 +665,32 @@ void mla_decode_append(const bf16* lat, const int32_t* slot, const int32_t* pos,
   if (B) mla_append_kernel<<<B, 128, 0, st>>>(lat, slot, pos, cache, KL, max_len);
 }
 
+int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL) {
+  return B * NH * (KL + 2 * kMlaSplits + kMlaSplits * KL);
+}
+
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   if (!p.B) return;
-  constexpr int kThreads = 256;
   // The vector path depends on the shapes and the buffers' alignment only, never on B.
-  const bool vec = p.KL % 8 == 0 && p.KL / 8 <= kThreads && aligned16(p.kv_b) && aligned16(p.latent);
-  const size_t smem = (p.dqk + 2 * p.KL + p.max_sel + (vec ? 8 * kThreads : 0)) * sizeof(float) +
-                      p.max_sel * sizeof(int32_t);
+  const bool vec = p.KL % 8 == 0 && p.KL / 8 <= kMlaThreads && aligned16(p.kv_b) && aligned16(p.latent);
+  const size_t part = vec ? 8 * kMlaThreads : 0;
+  const size_t qa_smem = (p.dqk + p.KL + part) * sizeof(float);
+  const size_t split_smem = (p.KL + p.max_sel / kMlaSplits + 1 + part) * sizeof(float);
+  const size_t combine_smem = p.KL * sizeof(float);
   const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH));
+  const dim3 split_grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH), kMlaSplits);
+  auto run = [&](auto qa_k, auto split_k, auto combine_k) {
+    set_smem(reinterpret_cast<const void*>(qa_k), qa_smem);
+    set_smem(reinterpret_cast<const void*>(split_k), split_smem);
+    set_smem(reinterpret_cast<const void*>(combine_k), combine_smem);
+    qa_k<<<grid, kMlaThreads, qa_smem, st>>>(p);
+    split_k<<<split_grid, kMlaThreads, split_smem, st>>>(p);
+    combine_k<<<grid, kMlaThreads, combine_smem, st>>>(p);
+  };
   if (vec) {
-    set_smem(reinterpret_cast<const void*>(mla_attention_kernel<true>), smem);
-    mla_attention_kernel<true><<<grid, kThreads, smem, st>>>(p);
+    run(mla_qa_kernel<true>, mla_split_kernel<true>, mla_combine_kernel<true>);
   } else {
-    set_smem(reinterpret_cast<const void*>(mla_attention_kernel<false>), smem);
-    mla_attention_kernel<false><<<grid, kThreads, smem, st>>>(p);
+    run(mla_qa_kernel<false>, mla_split_kernel<false>, mla_combine_kernel<false>);
   }
 }
 

@@ -91,7 +91,9 @@ struct MlaDecodeParams {
   const int32_t* count;   // [B]
   bf16* o;                // [B, NH, dv]
   int64_t B, NH, dqk, dv, KL, max_len, max_sel;
+  float* work;            // mla_decode_workspace_floats(B, NH, KL) floats
 };
+int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL);
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st);
 
 // ---- Filling the caches from a prefill (the packed forward of N prompts, sequence n in slot slot[n]) ----

@@ -874,7 +874,7 @@ struct CudaModel::Impl {
     }
     bf16* o = arena.alloc<bf16>(B * NH * dv);
     const MlaDecodeParams mp{q, w.kv_b.w, c.latent, r.slot, r.pos, sel, count, o, B, NH, dqk, dv, KL, r.max_len,
-                             max_sel};
+                             max_sel, arena.alloc<float>(mla_decode_workspace_floats(B, NH, KL))};
     mark_begin("mla attention");
     mla_decode_attention(mp, stream);
     mark_end("mla attention");

@@ -392,7 +392,9 @@ std::vector<float> mla_decode(const std::vector<float>& q, const std::vector<flo
                           KL, max_len, nullptr);
   cuda::MlaDecodeParams p{dq.as<float>(), dkv.as<cuda::bf16>(), dlat.as<cuda::bf16>(), dslot.as<int32_t>(),
                           dpos.as<int32_t>(), dsel.as<int32_t>(), dcount.as<int32_t>(), o.as<cuda::bf16>(),
-                          B, NH, dqk, dv, KL, max_len, max_sel};
+                          B, NH, dqk, dv, KL, max_len, max_sel, nullptr};
+  Buf work = upload(std::vector<float>(cuda::mla_decode_workspace_floats(B, NH, KL), NAN));
+  p.work = work.as<float>();
   cuda::mla_decode_attention(p, nullptr);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   return widen(download<cuda::bf16>(o, B * NH * dv));
