@@ -28,7 +28,7 @@ echo "== GPU tests"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ -z "${NEXTLM_SKIP_MEMCHECK:-}" ]; then
   echo "== compute-sanitizer memcheck on the kernel tests"
-  compute-sanitizer --tool memcheck --error-exitcode 7 "$tests" --gtest_filter='CudaKda*:CudaGroupedGemm*:CudaDecode*:*tiny*' >"$out/memcheck.log" 2>&1
+  compute-sanitizer --tool memcheck --error-exitcode 7 "$tests" --gtest_filter='CudaKda*:CudaGroupedGemm*:CudaDecode*:CudaMhc*:*CudaIndexerPrefill*:CudaModelBatchInvariance*:*tiny*' >"$out/memcheck.log" 2>&1
   rc=$?
   echo "memcheck exit $rc (7 = memory errors; 1 = a test assertion failed)"; tail -3 "$out/memcheck.log"
   [ "$rc" = 7 ] && status=1

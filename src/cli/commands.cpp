@@ -519,8 +519,6 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
     // Straight from the checkpoint in bf16, as `score --device cuda` loads it, so that the log-probs reported here
     // agree with its scores.
     gpu = CudaModel::load(a.model);
-    std::cerr << "warning: decoding on the GPU (--device cuda) has not been checked on a GPU yet; --device cpu is the "
-                 "reference\n";
 #endif
   } else {
     model.emplace(Model::load(a.model));

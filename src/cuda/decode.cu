@@ -422,16 +422,37 @@ __device__ __forceinline__ MlaWork mla_work(const MlaDecodeParams& p) {
   return MlaWork{p.work, p.work + p.B * p.NH * p.KL, p.work + p.B * p.NH * (p.KL + 2 * kMlaSplits)};
 }
 
-// Sums the blockDim·8 group partials `part` of piece-sliced rows into dst[KL]·f (one barrier before and after).
-__device__ __forceinline__ void reduce_groups(const float* part, float* dst, float f, int64_t KL, int64_t G) {
+// Sums the blockDim·8 group partials `part` of piece-sliced rows into dst[KL] (one barrier before and after).
+__device__ __forceinline__ void reduce_groups(const float* part, float* dst, int64_t KL, int64_t G) {
   __syncthreads();
   const int64_t C = KL / 8;
   for (int64_t l = threadIdx.x; l < KL; l += blockDim.x) {
     float acc = 0.0f;
     for (int64_t gg = 0; gg < G; ++gg) acc += part[(gg * C + l / 8) * 8 + l % 8];
-    dst[l] = acc * f;
+    dst[l] = acc;
   }
   __syncthreads();
+}
+
+// dst[KL] = Σ_r coef(r)·row(r) over rows r < R (bf16 rows of KL, a multiple of 8, 16-byte aligned), piece-sliced
+// over the block's groups as described above. Every thread of the block calls it.
+template <class RowFn, class CoefFn>
+__device__ __forceinline__ void weighted_rows(RowFn row, CoefFn coef, int64_t R, int64_t KL, float* part,
+                                              float* dst) {
+  const int64_t C = KL / 8, G = blockDim.x / C, g = threadIdx.x / C, pc = threadIdx.x % C;
+  if (g < G) {
+    float acc[8] = {};
+    for (int64_t r = g; r < R; r += G) {
+      float xf[8];
+      unpack8(__ldg(reinterpret_cast<const uint4*>(row(r)) + pc), xf);
+      const float c = coef(r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = fmaf(c, xf[j], acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
+  }
+  reduce_groups(part, dst, KL, G);
 }
 
 template <bool kVec>
@@ -439,28 +460,14 @@ __global__ void __launch_bounds__(kMlaThreads) mla_qa_kernel(MlaDecodeParams p) 
   extern __shared__ float sm[];
   const int64_t b = blockIdx.x, h = blockIdx.y, KL = p.KL, dqk = p.dqk, dv = p.dv;
   float* qs = sm;           // [dqk]
-  float* qa = qs + dqk;     // [KL]
-  float* part = qa + KL;    // kVec: [blockDim·8]
+  float* part = qs + dqk;   // kVec: [blockDim·8]
   const int tid = threadIdx.x, nt = blockDim.x;
   for (int64_t d = tid; d < dqk; d += nt) qs[d] = p.q[(b * p.NH + h) * dqk + d];
   __syncthreads();
   const bf16* Wk = p.kv_b + h * (dqk + dv) * KL;
   float* out = mla_work(p).qa + (b * p.NH + h) * KL;
   if constexpr (kVec) {
-    const int64_t C = KL / 8, G = nt / C, g = tid / C, pc = tid % C;
-    float acc[8] = {};
-    if (g < G) {
-      for (int64_t d = g; d < dqk; d += G) {
-        float wf[8];
-        unpack8(__ldg(reinterpret_cast<const uint4*>(Wk + d * KL) + pc), wf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = fmaf(qs[d], wf[j], acc[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
-    }
-    reduce_groups(part, qa, 1.0f, KL, G);
-    for (int64_t l = tid; l < KL; l += nt) out[l] = qa[l];
+    weighted_rows([&](int64_t d) { return Wk + d * KL; }, [&](int64_t d) { return qs[d]; }, dqk, KL, part, out);
   } else {
     for (int64_t l = tid; l < KL; l += nt) {
       float acc = 0.0f;
@@ -518,19 +525,8 @@ __global__ void __launch_bounds__(kMlaThreads) mla_split_kernel(MlaDecodeParams 
   __syncthreads();
   float* acc_out = w.acc + row * KL;
   if constexpr (kVec) {
-    const int64_t C = KL / 8, G = nt / C, g = tid / C, pc = tid % C;
-    float acc[8] = {};
-    if (g < G) {
-      for (int64_t i = g; i < m; i += G) {
-        float cf[8];
-        unpack8(*(reinterpret_cast<const uint4*>(lat + key(i0 + i) * KL) + pc), cf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = fmaf(pr[i], cf[j], acc[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) part[(g * C + pc) * 8 + j] = acc[j];
-    }
-    reduce_groups(part, acc_out, 1.0f, KL, G);
+    weighted_rows([&](int64_t i) { return lat + key(i0 + i) * KL; }, [&](int64_t i) { return pr[i]; }, m, KL, part,
+                  acc_out);
   } else {
     for (int64_t l = tid; l < KL; l += nt) {
       float acc = 0.0f;
@@ -674,7 +670,7 @@ void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   // The vector path depends on the shapes and the buffers' alignment only, never on B.
   const bool vec = p.KL % 8 == 0 && p.KL / 8 <= kMlaThreads && aligned16(p.kv_b) && aligned16(p.latent);
   const size_t part = vec ? 8 * kMlaThreads : 0;
-  const size_t qa_smem = (p.dqk + p.KL + part) * sizeof(float);
+  const size_t qa_smem = (p.dqk + part) * sizeof(float);
   const size_t split_smem = (p.KL + p.max_sel / kMlaSplits + 1 + part) * sizeof(float);
   const size_t combine_smem = p.KL * sizeof(float);
   const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH));

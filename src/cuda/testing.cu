@@ -516,38 +516,4 @@ std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in) {
   return rows;
 }
 
-double time_indexer_prefill(const std::vector<int64_t>& seqlens, int64_t IH, int64_t ID, int64_t P, int64_t topk,
-                            bool tail, int iters) {
-  IndexerPrefill in;
-  in.IH = IH, in.ID = ID, in.P = P, in.topk = topk, in.tail = tail, in.cu_seqlens = {0};
-  for (int64_t L : seqlens) in.cu_seqlens.push_back(in.cu_seqlens.back() + L);
-  const int64_t T = in.cu_seqlens.back();
-  std::mt19937 gen{7};
-  std::normal_distribution<float> nd{0.0f, 1.0f};
-  auto rnd = [&](int64_t m) {
-    std::vector<float> x(m);
-    for (float& e : x) e = nd(gen);
-    return x;
-  };
-  in.qi = rnd(T * IH * ID), in.ki = rnd(T * ID), in.gs = rnd(T * ID), in.wts = rnd(T * IH), in.ape = rnd(P * ID);
-  IndexerDevice d(in, 0);
-  cudaEvent_t a, b;
-  NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
-  NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int it = 0; it < iters + 3; ++it) {
-    NEXTLM_CUDA_CHECK(cudaEventRecord(a));
-    d.run();
-    NEXTLM_CUDA_CHECK(cudaEventRecord(b));
-    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    if (it >= 3) ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 }  // namespace nextlm::cuda_testing

@@ -134,9 +134,4 @@ struct IndexerPrefill {
 };
 std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in);
 
-// Median milliseconds of pool_keys + indexer_select (scores and selection) on random device inputs of the given
-// sequence lengths, as in a prefill.
-double time_indexer_prefill(const std::vector<int64_t>& seqlens, int64_t IH, int64_t ID, int64_t P, int64_t topk,
-                            bool tail, int iters);
-
 }  // namespace nextlm::cuda_testing
