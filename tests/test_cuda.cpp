@@ -533,3 +533,60 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaIndexerPrefill,
 
 }  // namespace
 }  // namespace nextlm
+
+namespace nextlm {
+namespace {
+
+// The batch-invariant GEMM mode (cuda/gemm.h) against a host reference of the bf16-rounded operands (on the rows
+// r0 … r0+96), over shapes the model has: a long reduction, a width off the 256-column tile with accumulation, a narrow output (which takes the
+// decoding GEMV); and each row of a 97-row product bitwise equal to the same row inside a 2031-row product. The
+// cuBLASLt default is held to the reference too; its batch dependence is only reported.
+TEST(CudaGemm, BatchInvariantModeMatchesHostAndIgnoresTheBatch) {
+  struct Shape {
+    int64_t out, in;
+    bool accumulate;
+  };
+  const int64_t T = 2031, r0 = 700, Ts = 97;
+  unsigned seed = 900;
+  for (const Shape sh : {Shape{1024, 12288, false}, Shape{4104, 1024, true}, Shape{2, 48, false}}) {
+    std::vector<float> x = test::randn(T * sh.in, ++seed), W = test::randn(sh.out * sh.in, ++seed);
+    for (float& e : W) e *= 0.05f;
+    for (std::vector<float>* v : {&x, &W})
+      for (float& e : *v) e = bf16_to_f32(f32_to_bf16(e));
+    std::vector<float> y0;
+    if (sh.accumulate) y0 = test::randn(T * sh.out, ++seed);
+    std::vector<double> ref(Ts * sh.out);  // rows r0 … r0+Ts−1
+    for (int64_t t = 0; t < Ts; ++t)
+      for (int64_t o = 0; o < sh.out; ++o) {
+        double acc = sh.accumulate ? y0[(r0 + t) * sh.out + o] : 0.0;
+        for (int64_t i = 0; i < sh.in; ++i) acc += double(x[(r0 + t) * sh.in + i]) * W[o * sh.in + i];
+        ref[t * sh.out + o] = acc;
+      }
+    const std::vector<float> xs(x.begin() + r0 * sh.in, x.begin() + (r0 + Ts) * sh.in);
+    const std::vector<float> y0s =
+        sh.accumulate ? std::vector<float>(y0.begin() + r0 * sh.out, y0.begin() + (r0 + Ts) * sh.out) : y0;
+    for (bool inv : {false, true}) {
+      const std::vector<float> big = cuda_testing::dense_gemm(x, W, y0, T, sh.out, sh.in, inv);
+      const std::vector<float> small = cuda_testing::dense_gemm(xs, W, y0s, Ts, sh.out, sh.in, inv);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double d = big[r0 * sh.out + i] - ref[i];
+        num += d * d, den += ref[i] * ref[i];
+      }
+      int64_t differ = 0;
+      for (int64_t i = 0; i < Ts * sh.out; ++i) differ += small[i] != big[r0 * sh.out + i];
+      std::printf("[cuda] GEMM %lldx%lld%s, %s: ||dy||/||y|| = %.2e vs the host; %lld of %lld values differ between "
+                  "97 and 2031 rows\n",
+                  static_cast<long long>(sh.out), static_cast<long long>(sh.in), sh.accumulate ? " (+=)" : "",
+                  inv ? "batch-invariant" : "cuBLASLt", std::sqrt(num / den), static_cast<long long>(differ),
+                  static_cast<long long>(Ts * sh.out));
+      EXPECT_LE(std::sqrt(num / den), 5e-5);  // fp32 sums of up to 12288 terms: 1.4e-5 on the H200
+      if (inv) {
+        EXPECT_EQ(differ, 0);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nextlm

@@ -98,14 +98,15 @@ TEST(CudaModelRandom, DeterministicSeedDependentAndAtInitScale) {
 }
 
 // Issue: a sequence's log-probs must not depend on the sequences that share its batch. With batch-invariant GEMMs
-// the logits of one sequence scored alone and packed between two longer ones (other row counts, so cuBLASLt would
-// choose other algorithms) are bitwise equal; the cuBLASLt default is reported, not asserted. Both modes agree to
-// bf16 accuracy.
+// the logits of one sequence scored alone and packed between two longer ones (other row counts, so cuBLASLt
+// chooses other algorithms: on the H200 397308 of its 397312 logits differ) are bitwise equal; the cuBLASLt
+// default is reported, not asserted.
 TEST(CudaModelBatchInvariance, SequenceLogitsDoNotDependOnTheBatch) {
-  // The golden's layout at widths where cuBLASLt's choices vary with the row count (at the golden's own widths it
-  // picked the same kernels for 97 and 2031 rows on the H200).
+  // The golden's layout at larger widths, with a long reduction in the dense MLP's down projection (12288), where a
+  // GEMM library is most tempted to split K for a short batch (at the golden's own widths, and at 1024/2048,
+  // cuBLASLt picked the same kernels for 97 and 2031 rows on the H200).
   ModelConfig c = Model::load(test::golden_dir("bf16_stable")).config();
-  c.hidden_size = 1024, c.intermediate_size = 2048, c.moe_intermediate_size = 512, c.vocab_size = 4096;
+  c.hidden_size = 1024, c.intermediate_size = 12288, c.moe_intermediate_size = 512, c.vocab_size = 4096;
   const std::unique_ptr<CudaModel> m = CudaModel::random(c, 7);
   const int64_t V = m->config().vocab_size;
   auto seq = [&](int64_t L, int64_t salt) {
@@ -134,10 +135,11 @@ TEST(CudaModelBatchInvariance, SequenceLogitsDoNotDependOnTheBatch) {
     }
     alone_logits.push_back(a);
   }
-  const double rel =
-      test::max_rel_error(alone_logits[1].ptr(), alone_logits[0].ptr(), alone_logits[0].data.size());
-  std::printf("[cuda] batch-invariant vs cuBLASLt logits: max rel %.2e\n", rel);
-  EXPECT_LE(rel, 2e-2);
+  // Reported only: the two modes round differently (cuBLASLt splits the long reduction for a short batch), and in
+  // this random model that moves some tokens' routing; CudaGemm.BatchInvariantModeMatchesHostAndIgnoresTheBatch
+  // holds each mode's GEMM to a host reference.
+  std::printf("[cuda] batch-invariant vs cuBLASLt logits: ||d||/||logits|| = %.2e\n",
+              test::norm_rel_error(alone_logits[1].ptr(), alone_logits[0].ptr(), alone_logits[0].data.size()));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <random>
 
+#include "cuda/gemm.h"
 #include "cuda/kernels.h"
 
 namespace nextlm::cuda_testing {
@@ -514,6 +515,21 @@ std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in) {
     rows[t].assign(sh.begin() + t * d.max_sel, sh.begin() + t * d.max_sel + ch[t]);
   }
   return rows;
+}
+
+}  // namespace nextlm::cuda_testing
+
+namespace nextlm::cuda_testing {
+
+std::vector<float> dense_gemm(const std::vector<float>& x, const std::vector<float>& W, const std::vector<float>& y0,
+                              int64_t T, int64_t out, int64_t in, bool invariant) {
+  Buf dx = upload(to_bf16(x)), dw = upload(to_bf16(W));
+  Buf dy = upload(y0.empty() ? std::vector<float>(T * out, NAN) : y0);
+  cuda::Gemm g(nullptr);
+  g.set_batch_invariant(invariant);
+  g.run(dx.as<cuda::bf16>(), in, dw.as<cuda::bf16>(), out, in, dy.as<float>(), out, T, !y0.empty());
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+  return download<float>(dy, T * out);
 }
 
 }  // namespace nextlm::cuda_testing

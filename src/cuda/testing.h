@@ -134,4 +134,9 @@ struct IndexerPrefill {
 };
 std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in);
 
+// cuda::Gemm (cuBLASLt, or its batch-invariant mode) on x [T, in] and W [out, in], both rounded to bf16: y [T, out]
+// fp32; with y0 non-empty, y = y0 + x·Wᵀ.
+std::vector<float> dense_gemm(const std::vector<float>& x, const std::vector<float>& W, const std::vector<float>& y0,
+                              int64_t T, int64_t out, int64_t in, bool invariant);
+
 }  // namespace nextlm::cuda_testing
