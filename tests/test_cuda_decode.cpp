@@ -52,20 +52,6 @@ TEST(CudaDecode, LinearMatchesCpuAndIsBatchInvariant) {
       EXPECT_TRUE(bitwise_equal(alone, std::vector<float>(y.begin() + m * out, y.begin() + (m + 1) * out)))
           << "row " << m << " differs when computed alone (in=" << in << ")";
     }
-    // The gathered form (an expert matrix per row) gives the same bits as the plain one on that matrix.
-    const int64_t E = 3;
-    const std::vector<float> We = test::randn(E * out * in, 3);
-    const std::vector<int32_t> expert{2, 0, 1, 1, 2, 0, 0};
-    const int64_t Mg = static_cast<int64_t>(expert.size());
-    const std::vector<float> xg(x.begin(), x.begin() + Mg * in);
-    const std::vector<float> yg = cuda_testing::decode_linear_gathered(xg, We, expert, Mg, out, in);
-    for (int64_t m = 0; m < Mg; ++m) {
-      const std::vector<float> Wm(We.begin() + expert[m] * out * in, We.begin() + (expert[m] + 1) * out * in);
-      const std::vector<float> row(x.begin() + m * in, x.begin() + (m + 1) * in);
-      EXPECT_TRUE(bitwise_equal(cuda_testing::decode_linear(row, Wm, 1, out, in),
-                                std::vector<float>(yg.begin() + m * out, yg.begin() + (m + 1) * out)))
-          << "gathered row " << m;
-    }
   }
 }
 

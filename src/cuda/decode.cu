@@ -28,14 +28,13 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
 // l, l+32, …, then the xor-shuffle tree), whatever M, R or the row's neighbours.
 template <bool kVec, int R>
 __global__ void __launch_bounds__(kLinWarps * 32)
-    linear_kernel(const bf16* x, int64_t ldx, int64_t x_div, const bf16* W0, const bf16* const* table,
-                  const int32_t* expert, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M, bool accumulate) {
+    linear_kernel(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
+                  bool accumulate) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t n = blockIdx.x * int64_t(kLinWarps) + warp;
   if (n >= out) return;
   const int64_t m0 = blockIdx.y * int64_t(R);
   const int rows = static_cast<int>(M - m0 < R ? M - m0 : R);
-  const bf16* W = table ? table[expert[m0]] : W0;  // a table means R = 1
   const bf16* w = W + n * in;
   float acc[R];
 #pragma unroll
@@ -49,7 +48,7 @@ __global__ void __launch_bounds__(kLinWarps * 32)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r < rows) {
-          unpack8(*(reinterpret_cast<const uint4*>(x + ((m0 + r) / x_div) * ldx) + c), xf);
+          unpack8(*(reinterpret_cast<const uint4*>(x + (m0 + r) * ldx) + c), xf);
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
         }
@@ -60,7 +59,7 @@ __global__ void __launch_bounds__(kLinWarps * 32)
       const float wv = __bfloat162float(w[i]);
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (r < rows) acc[r] = fmaf(wv, __bfloat162float(x[((m0 + r) / x_div) * ldx + i]), acc[r]);
+        if (r < rows) acc[r] = fmaf(wv, __bfloat162float(x[(m0 + r) * ldx + i]), acc[r]);
     }
   }
 #pragma unroll
@@ -76,11 +75,6 @@ __global__ void __launch_bounds__(kLinWarps * 32)
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-__global__ void iota_kernel(int32_t* x, int64_t n) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < n) x[i] = static_cast<int32_t>(i);
-}
 
 // ---- KDA ----
 
@@ -601,32 +595,10 @@ void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64
   check(grid.y <= 65535, "decode_linear: too many rows (", M, ")");
   // The vector path depends on the shapes and the buffers' alignment only, never on M.
   if (in % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(W)) {
-    linear_kernel<true, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, 1, W, nullptr, nullptr, out, in, y, ldy, M,
-                                                                   accumulate);
+    linear_kernel<true, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
   } else {
-    linear_kernel<false, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, 1, W, nullptr, nullptr, out, in, y, ldy,
-                                                                    M, accumulate);
+    linear_kernel<false, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
   }
-}
-
-void decode_linear_gathered(const bf16* x, int64_t ldx, int64_t x_div, const bf16* const* W_table,
-                            const int32_t* expert, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
-                            cudaStream_t st) {
-  if (!M || !out) return;
-  check(M <= 65535, "decode_linear_gathered: too many rows (", M, ")");
-  const dim3 grid(static_cast<unsigned>(ceil_div(out, kLinWarps)), static_cast<unsigned>(M));
-  // Expert matrices are separate cudaMalloc allocations (256-byte aligned), so rows are aligned when in % 8 == 0.
-  if (in % 8 == 0 && ldx % 8 == 0 && aligned16(x)) {
-    linear_kernel<true, 1><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, x_div, nullptr, W_table, expert, out, in, y, ldy,
-                                                            M, false);
-  } else {
-    linear_kernel<false, 1><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, x_div, nullptr, W_table, expert, out, in, y,
-                                                             ldy, M, false);
-  }
-}
-
-void iota(int32_t* x, int64_t n, cudaStream_t st) {
-  if (n) iota_kernel<<<ceil_div(n, 256), 256, 0, st>>>(x, n);
 }
 
 void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st) {

@@ -15,13 +15,6 @@ namespace nextlm::cuda {
 // the batch-invariant replacement of Gemm::run for decoding.
 void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
                    int64_t M, bool accumulate, cudaStream_t st);
-// The same with a weight matrix per row, for the MoE experts: row m reads x[m / x_div] and the matrix
-// W_table[expert[m]] ([out, in] each).
-void decode_linear_gathered(const bf16* x, int64_t ldx, int64_t x_div, const bf16* const* W_table,
-                            const int32_t* expert, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
-                            cudaStream_t st);
-// x[i] = i for i < n (the identity slot map that moe_combine reads when every (token, choice) has its own row).
-void iota(int32_t* x, int64_t n, cudaStream_t st);
 
 // ---- KDA ----
 // One token per row b, in cache slot slot[b]: the causal conv over [the slot's last W−1 pre-conv projections; the

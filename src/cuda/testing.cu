@@ -300,22 +300,6 @@ std::vector<float> decode_linear(const std::vector<float>& x, const std::vector<
   return download<float>(dy, M * out);
 }
 
-std::vector<float> decode_linear_gathered(const std::vector<float>& x, const std::vector<float>& W,
-                                          const std::vector<int32_t>& expert, int64_t M, int64_t out, int64_t in) {
-  const int64_t E = static_cast<int64_t>(W.size()) / (out * in);
-  std::vector<Buf> mats;
-  std::vector<const cuda::bf16*> table;
-  for (int64_t e = 0; e < E; ++e) {
-    mats.push_back(upload(to_bf16(std::vector<float>(W.begin() + e * out * in, W.begin() + (e + 1) * out * in))));
-    table.push_back(mats.back().as<cuda::bf16>());
-  }
-  Buf dt = upload(table), de = upload(expert), dx = upload(to_bf16(x)), dy = upload(std::vector<float>(M * out, NAN));
-  cuda::decode_linear_gathered(dx.as<cuda::bf16>(), in, 1, dt.as<const cuda::bf16*>(), de.as<int32_t>(), out, in,
-                               dy.as<float>(), out, M, nullptr);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-  return download<float>(dy, M * out);
-}
-
 std::vector<std::vector<float>> kda_decode_steps(const KdaDecodeSteps& in, std::vector<float>& conv_hist,
                                                  std::vector<float>& state) {
   const int64_t H = in.H, K = in.K, HK = H * K;

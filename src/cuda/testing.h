@@ -49,12 +49,9 @@ void mla_attention_both(const std::vector<float>& q, const std::vector<float>& k
 // ---- Decoding kernels (src/cuda/decode_kernels.h) ----
 namespace nextlm::cuda_testing {
 
-// decode_linear on x [M, in] and W [out, in] (both rounded to bf16 on the way in): y [M, out]; and
-// decode_linear_gathered, row m using matrix expert[m] of W ([E, out, in]) and x row m.
+// decode_linear on x [M, in] and W [out, in] (both rounded to bf16 on the way in): y [M, out].
 std::vector<float> decode_linear(const std::vector<float>& x, const std::vector<float>& W, int64_t M, int64_t out,
                                  int64_t in);
-std::vector<float> decode_linear_gathered(const std::vector<float>& x, const std::vector<float>& W,
-                                          const std::vector<int32_t>& expert, int64_t M, int64_t out, int64_t in);
 
 // KDA decoding steps: step s feeds one token to each slot in slots[s] (distinct), with its pre-conv projections
 // raw[s] [B_s, 3·H·K], f_b output graw[s] [B_s, H·K] and beta[s] [B_s, H]. The caches conv_hist
