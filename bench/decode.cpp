@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +16,7 @@
 
 #include "cuda/device_model.h"
 #include "model/config.h"
+#include "slice4.h"
 
 namespace nextlm::bench {
 
@@ -25,16 +25,6 @@ namespace {
 constexpr double kBytesPerMs = 4.14e12 / 1e3;
 constexpr int64_t kPrompt = 4096;
 constexpr int kWarmup = 3, kSteps = 32;
-
-std::string decode_config_path() {
-  if (const char* p = std::getenv("NEXTLM_SLICE4_CONFIG")) return p;
-  if (const char* d = std::getenv("NEXTLM_SOURCE_DIR")) return std::string(d) + "/bench/slice4/config.json";
-#ifdef NEXTLM_SOURCE_DIR
-  if (std::filesystem::exists(NEXTLM_SOURCE_DIR "/bench/slice4/config.json"))
-    return NEXTLM_SOURCE_DIR "/bench/slice4/config.json";
-#endif
-  return "bench/slice4/config.json";
-}
 
 // Bytes one decoding step must read at least: every weight it touches once in bf16 (the B tokens' distinct experts
 // counted as min(E, B·k)), the mHC matrices in fp32, each slot's KDA states (read and written, fp32) and its
@@ -68,7 +58,7 @@ double step_floor_ms(const ModelConfig& c, int64_t B, int64_t len) {
 }  // namespace
 
 void slice4_decode_case(const std::string& name, int64_t B) {
-  const std::string path = decode_config_path();
+  const std::string path = slice4_config_path();
   const ModelConfig cfg = load_config(path);
   auto model = CudaModel::random(cfg, 1);
   CudaDecoder dec(*model, B, kPrompt + kWarmup + kSteps + 2);
@@ -138,7 +128,7 @@ void slice4_decode_case(const std::string& name, int64_t B) {
 // sequence, as `nextlm score --device cuda` computes it.
 // Run with the tensor-core KDA in the forward (the default) and with the fp32 KDA kernels.
 void slice4_train_inference_case(const std::string& name) {
-  const ModelConfig cfg = load_config(decode_config_path());
+  const ModelConfig cfg = load_config(slice4_config_path());
   auto model = CudaModel::random(cfg, 1);
   model->set_empty_selection(EmptySelection::SeenKeys);  // as the decoder (with the tail on, no selection is empty)
   for (bool tc : {true, false}) {

@@ -25,15 +25,7 @@
 
 namespace nextlm::bench {
 
-namespace {
-
-constexpr double kBytesPerMs = 4.14e12 / 1e3;
-constexpr double kFlopsPerMs = 729e12 / 1e3;
-constexpr int64_t kT = 4096;
-constexpr int kWarmup = 2, kIters = 10;
-constexpr uint64_t kSeed = 1;
-
-std::string config_path() {
+std::string slice4_config_path() {
   if (const char* p = std::getenv("NEXTLM_SLICE4_CONFIG")) return p;
   if (const char* d = std::getenv("NEXTLM_SOURCE_DIR")) return std::string(d) + "/bench/slice4/config.json";
 #ifdef NEXTLM_SOURCE_DIR
@@ -42,6 +34,14 @@ std::string config_path() {
 #endif
   return "bench/slice4/config.json";
 }
+
+namespace {
+
+constexpr double kBytesPerMs = 4.14e12 / 1e3;
+constexpr double kFlopsPerMs = 729e12 / 1e3;
+constexpr int64_t kT = 4096;
+constexpr int kWarmup = 2, kIters = 10;
+constexpr uint64_t kSeed = 1;
 
 // A roofline cost: the floor is whichever of the bytes and the FLOPs takes longer at the measured ceilings.
 struct Cost {
@@ -146,7 +146,7 @@ const SliceResult& slice_result() {
   static std::optional<SliceResult> cached;
   if (cached) return *cached;
   SliceResult r;
-  const std::string path = config_path();
+  const std::string path = slice4_config_path();
   r.cfg = load_config(path);
   std::fprintf(stderr, "slice4: config %s (%lld layers, vocab %lld, %lld experts)\n", path.c_str(),
                static_cast<long long>(r.cfg.num_hidden_layers), static_cast<long long>(r.cfg.vocab_size),

@@ -4,6 +4,10 @@
 
 namespace nextlm::bench {
 
+// The slice's config.json: $NEXTLM_SLICE4_CONFIG, else bench/slice4/config.json under $NEXTLM_SOURCE_DIR, the
+// source tree the binary was built from, or the working directory.
+std::string slice4_config_path();
+
 // `slice4_prefill_T4096`: one 4096-token prefill with the lm_head (log-probs) on random device weights, median of
 // several CUDA-event timings after warm-up, then one profiled run broken down by component against each floor.
 void slice4_prefill_case(const std::string& name);
