@@ -131,8 +131,14 @@ void slice4_train_inference_case(const std::string& name) {
   const ModelConfig cfg = load_config(slice4_config_path());
   auto model = CudaModel::random(cfg, 1);
   model->set_empty_selection(EmptySelection::SeenKeys);  // as the decoder (with the tail on, no selection is empty)
-  for (bool tc : {true, false}) {
-    model->set_kda_tensor_cores(tc);
+  // The default (tensor-core KDA), the fp32 KDA kernels, and batch-invariant mode (one arithmetic for both).
+  struct Mode {
+    const char* suffix;
+    bool tc, invariant;
+  };
+  for (const Mode mode : {Mode{"", true, false}, Mode{"_fp32_kda", false, false}, Mode{"_batch_invariant", true, true}}) {
+    model->set_kda_tensor_cores(mode.tc);
+    model->set_batch_invariant(mode.invariant);
     constexpr int64_t kNew = 64;
     std::mt19937 gen(13);
     std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
@@ -145,36 +151,44 @@ void slice4_train_inference_case(const std::string& name) {
       return double(logits[target]) - mx - std::log(sum);
     };
     std::vector<double> decoded;
+    double step_ms = 0;
     {
       CudaDecoder dec(*model, 1, kPrompt + kNew);
       const std::vector<int32_t> prompt(seq.begin(), seq.begin() + kPrompt);
       decoded.push_back(logprob(dec.prefill({0}, {prompt})[0], seq[kPrompt]));
-      for (int64_t t = kPrompt; t + 1 < kPrompt + kNew; ++t)
+      for (int64_t t = kPrompt; t + 1 < kPrompt + kNew; ++t) {
         decoded.push_back(logprob(dec.step({0}, {seq[t]})[0], seq[t + 1]));
+        step_ms += dec.last_ms();
+      }
     }
     PackedBatch b;
     b.add(seq);
-    const std::vector<double> scored = model->next_token_logprobs(b)[0];
+    std::vector<double> scored;
+    for (int rep = 0; rep < 2; ++rep) scored = model->next_token_logprobs(b)[0];  // the second one timed
+    const double score_ms = model->last_forward_ms();
     double sum = 0, worst = 0;
     for (size_t i = 0; i < decoded.size(); ++i) {
       const double d = std::fabs(decoded[i] - scored[kPrompt - 1 + i]);
       sum += d, worst = std::max(worst, d);
     }
     const double mean = sum / static_cast<double>(decoded.size());
-    char note[300];
+    char note[400];
     std::snprintf(note, sizeof note,
                   "4-layer slice, random device weights: log-probs of %zu decoded tokens after a %lld-token prompt vs "
                   "the packed forward's score of the sequence; target mean |dlogprob| <= 1e-3 (Megatron vs vLLM "
-                  "~0.055)",
-                  decoded.size(), static_cast<long long>(kPrompt));
-    const nlohmann::json line{{"case", tc ? name : name + "_fp32_kda"},
+                  "~0.055); score_ms: the scoring forward of the %lld tokens, decode_step_ms: mean b1 step",
+                  decoded.size(), static_cast<long long>(kPrompt), static_cast<long long>(kPrompt + kNew));
+    const nlohmann::json line{{"case", name + mode.suffix},
                               {"mean_abs_dlogprob", mean},
                               {"max_abs_dlogprob", worst},
+                              {"score_ms", score_ms},
+                              {"decode_step_ms", step_ms / static_cast<double>(kNew - 1)},
                               {"note", note}};
     std::printf("%s\n", line.dump().c_str());
     std::fflush(stdout);
   }
   model->set_kda_tensor_cores(true);
+  model->set_batch_invariant(false);
 }
 
 }  // namespace nextlm::bench

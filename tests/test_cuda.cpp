@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "cuda/device_model.h"
@@ -111,6 +112,50 @@ TEST_P(CudaKdaTc, MatchesCpuRecurrentOnPackedSequences) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaKdaTc, ::testing::Values(16, 32, 64, 128));
+
+// Decoding recomputes a sequence's partial chunk from the state at its last chunk boundary, so the kernels must give
+// a chunk's rows 0 … r the same bits whether the chunk ends there or runs on: rows of a cut sequence equal the
+// whole sequence's, the boundary state of a cut equals the final state at that boundary, and the rows after the
+// boundary recomputed alone from it equal the whole sequence's. At the model's bound and at one that needs the
+// shifted references (kda_tc.cu).
+TEST(CudaKdaTcPrefix, CutChunksGiveTheSameBits) {
+  const int64_t K = 128, H = 2, L = 200;
+  for (float bound : {-5.0f, -8.0f}) {
+    KdaCase c = make_kda(L, H, K, 51);
+    const std::vector<float> graw = test::randn(L * H * K, 52), A_log = test::randn(H, 53), dt = test::randn(H * K, 54);
+    std::vector<float> s_in = test::randn(H * K * K, 55);
+    for (float& x : s_in) x *= 0.3f;
+    auto rows = [&](const std::vector<float>& x, int64_t width, int64_t a, int64_t b) {
+      return std::vector<float>(x.begin() + a * width, x.begin() + b * width);
+    };
+    auto run = [&](int64_t a, int64_t b, const std::vector<float>& s0, std::vector<float>* s_out, bool boundary) {
+      return cuda_testing::kda_chunked_tc(rows(c.q, H * K, a, b), rows(c.k, H * K, a, b), rows(c.v, H * K, a, b),
+                                          rows(graw, H * K, a, b), rows(c.beta, H, a, b), A_log, dt, bound, {0, b - a},
+                                          H, K, s0, s_out, boundary);
+    };
+    std::vector<float> s_full;
+    const std::vector<float> full = run(0, L, s_in, &s_full, false);
+    for (int64_t n : {1, 6, 16, 17, 41, 63, 64, 65, 100, 127, 128, 150, 199}) {
+      std::vector<float> s_cut;
+      const std::vector<float> cut = run(0, n, s_in, &s_cut, true);
+      ASSERT_EQ(std::memcmp(cut.data(), full.data(), cut.size() * sizeof(float)), 0)
+          << "rows of a sequence cut at " << n << ", bound " << bound;
+      if (n < 64) {
+        for (float x : s_cut) ASSERT_TRUE(std::isnan(x)) << "a cut with no complete chunk leaves the state alone";
+        continue;
+      }
+      const int64_t edge = n / 64 * 64;
+      std::vector<float> s_edge;
+      run(0, edge, s_in, &s_edge, false);
+      ASSERT_EQ(std::memcmp(s_cut.data(), s_edge.data(), s_cut.size() * sizeof(float)), 0)
+          << "boundary state of a cut at " << n;
+      if (edge == n) continue;
+      const std::vector<float> tail = run(edge, n, s_cut, nullptr, false);
+      ASSERT_EQ(std::memcmp(tail.data(), full.data() + edge * H * K, tail.size() * sizeof(float)), 0)
+          << "rows " << edge << " … " << n - 1 << " recomputed from the boundary state";
+    }
+  }
+}
 
 // The tensor-core MLA attention against the CUDA-core one (which the sub-layer tests hold to the CPU), on packed
 // sequences with random selections, some empty (uniform over the sequence), and a long sequence whose queries skip

@@ -79,6 +79,7 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 // ---- KDA ----
 
 constexpr int kKdaMaxK = 128;
+constexpr int kKdaChunk = 64;  // the tensor-core KDA's chunk length
 
 // One delta-rule token on thread (j, r)'s slice s of column j (rows 32r … 32r+31) of a head's state, from q, k, v
 // and the decay factors e^g in shared memory: S ← diag(e^g)·S; u = β(v − Sᵀk); S += k uᵀ; returns (Sᵀq)_j to the
@@ -120,6 +121,47 @@ __device__ __forceinline__ float delta_token(float (&s)[32], int j, int r, int R
   return o;
 }
 
+// The new token of row b, head h, in cache slot `slot`: the causal conv over [the slot's last W−1 pre-conv
+// projections; raw] (the history shifted by one), SiLU and the L2 norms of q and k (q also × K^-1/2) in the lane
+// order of kda_conv_norm, into qkv[3][K] in shared memory, rounded to bf16 when `round` (as the tensor-core forward
+// stores them): what kda_conv_norm gives the forward for this token. Every thread of the block calls it; it ends
+// with a barrier.
+__device__ __forceinline__ void conv_norm_token(const float* raw, const float* conv, float* conv_hist, int64_t b,
+                                                int64_t h, int64_t slot, int64_t H, int64_t K, int64_t W, bool round,
+                                                float (*qkv)[kKdaMaxK], float* scale) {
+  const int64_t HK = H * K, W1 = W - 1;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  for (int64_t c = tid; c < 3 * K; c += nt) {
+    const int64_t which = c / K, d = c % K, ch = which * HK + h * K + d;
+    float* hist = conv_hist + (slot * 3 + which) * W1 * HK + h * K + d;
+    const float* w = conv + ch * W;
+    const float xn = raw[b * 3 * HK + ch];
+    float acc = 0.0f;
+    for (int64_t i = 0; i < W1; ++i) acc += w[i] * hist[i * HK];
+    acc += w[W1] * xn;
+    for (int64_t i = 0; i + 1 < W1; ++i) hist[i * HK] = hist[(i + 1) * HK];
+    if (W1 > 0) hist[(W1 - 1) * HK] = xn;
+    qkv[which][d] = silu(acc);
+  }
+  __syncthreads();
+  if (tid < 32) {
+    for (int which = 0; which < 2; ++which) {
+      float ss = 0.0f;
+      for (int64_t d = tid; d < K; d += 32) ss += qkv[which][d] * qkv[which][d];
+      ss = warp_sum(ss);
+      if (tid == 0) scale[which] = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
+    }
+  }
+  __syncthreads();
+  for (int64_t c = tid; c < 3 * K; c += nt) {
+    const int64_t which = c / K, d = c % K;
+    float v = qkv[which][d] * (which < 2 ? scale[which] : 1.0f);
+    if (round) v = __bfloat162float(__float2bfloat16(v));
+    qkv[which][d] = v;
+  }
+  __syncthreads();
+}
+
 // One block per (row, head): Kp·R threads (Kp = K rounded up to 32, R = ⌈K/32⌉ groups of 32 state rows). Thread
 // (j, r) owns column j of rows 32r … 32r+31 of the head's state; sums over rows are taken per group in row order,
 // then over groups in order.
@@ -128,22 +170,9 @@ __global__ void __launch_bounds__(512) kda_step_kernel(KdaDecodeParams p) {
   __shared__ float eg[kKdaMaxK];
   __shared__ float red[4][kKdaMaxK];
   __shared__ float scale[2];
-  const int64_t b = blockIdx.x, h = blockIdx.y, K = p.K, H = p.H, HK = H * K, W1 = p.W - 1;
+  const int64_t b = blockIdx.x, h = blockIdx.y, K = p.K, H = p.H, HK = H * K;
   const int64_t slot = p.slot[b];
   const int tid = threadIdx.x, nt = blockDim.x;
-  // Conv over [history; new projection], history shifted, SiLU.
-  for (int64_t c = tid; c < 3 * K; c += nt) {
-    const int64_t which = c / K, d = c % K, ch = which * HK + h * K + d;
-    float* hist = p.conv_hist + (slot * 3 + which) * W1 * HK + h * K + d;
-    const float* w = p.conv + ch * p.W;
-    const float xn = p.raw[b * 3 * HK + ch];
-    float acc = 0.0f;
-    for (int64_t i = 0; i < W1; ++i) acc += w[i] * hist[i * HK];
-    acc += w[W1] * xn;
-    for (int64_t i = 0; i + 1 < W1; ++i) hist[i * HK] = hist[(i + 1) * HK];
-    if (W1 > 0) hist[(W1 - 1) * HK] = xn;
-    qkv[which][d] = silu(acc);
-  }
   // Decay gate (as kda_gate), kept as the factor e^g.
   for (int64_t d = tid; d < K; d += nt) {
     const int64_t c = h * K + d;
@@ -153,25 +182,7 @@ __global__ void __launch_bounds__(512) kda_step_kernel(KdaDecodeParams p) {
                                 : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
     eg[d] = expf(g);
   }
-  __syncthreads();
-  // L2 norms of q and k in the lane order of kda_conv_norm.
-  if (tid < 32) {
-    for (int which = 0; which < 2; ++which) {
-      float ss = 0.0f;
-      for (int64_t d = tid; d < K; d += 32) ss += qkv[which][d] * qkv[which][d];
-      ss = warp_sum(ss);
-      if (tid == 0)
-        scale[which] = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
-    }
-  }
-  __syncthreads();
-  for (int64_t c = tid; c < 3 * K; c += nt) {
-    const int64_t which = c / K, d = c % K;
-    float v = qkv[which][d] * (which < 2 ? scale[which] : 1.0f);
-    if (p.round_qkv) v = __bfloat162float(__float2bfloat16(v));
-    qkv[which][d] = v;
-  }
-  __syncthreads();
+  conv_norm_token(p.raw, p.conv, p.conv_hist, b, h, slot, H, K, p.W, false, qkv, scale);
   // S ← diag(e^g)·S; u = β(v − Sᵀk); S += k uᵀ; o = Sᵀq.
   const int Kp = static_cast<int>((K + 31) / 32 * 32), R = nt / Kp;
   const int j = tid % Kp, r = tid / Kp;
@@ -226,6 +237,41 @@ __global__ void __launch_bounds__(512) kda_final_state_kernel(const float* q, co
     const int i = 32 * r + ii;
     if (active && i < K) S[i * K + j] = s[ii];
   }
+}
+
+// One block per (row, head): the new token's q, k, v (conv_norm_token, rounded to bf16), raw gate and β into row
+// pos mod 64 of its slot's chunk buffers.
+__global__ void __launch_bounds__(256) kda_chunk_append_kernel(KdaChunkAppendParams p) {
+  __shared__ float qkv[3][kKdaMaxK];
+  __shared__ float scale[2];
+  const int64_t b = blockIdx.x, h = blockIdx.y, K = p.K, H = p.H, HK = H * K;
+  const int64_t slot = p.slot[b], row = slot * kKdaChunk + p.pos[b] % kKdaChunk;
+  conv_norm_token(p.raw, p.conv, p.conv_hist, b, h, slot, H, K, p.W, true, qkv, scale);
+  for (int64_t d = threadIdx.x; d < K; d += blockDim.x) {
+    const int64_t c = row * HK + h * K + d;
+    p.q[c] = __float2bfloat16(qkv[0][d]);
+    p.k[c] = __float2bfloat16(qkv[1][d]);
+    p.v[c] = __float2bfloat16(qkv[2][d]);
+    p.g[c] = p.graw[b * HK + h * K + d];
+  }
+  if (threadIdx.x == 0) p.beta_out[row * H + h] = p.beta[b * H + h];
+}
+
+// Block (sequence n, row r): row r of the sequence's last, incomplete chunk (if it has row r) into its slot's chunk
+// buffers.
+__global__ void store_chunk_rows_kernel(const bf16* q, const bf16* k, const bf16* v, const float* g,
+                                        const float* beta, PrefillSeqs ps, bf16* cq, bf16* ck, bf16* cv, float* cg,
+                                        float* cb, int64_t H, int64_t HK) {
+  const int64_t n = blockIdx.x, r = blockIdx.y, L = ps.seq_len[n];
+  if (r >= L % kKdaChunk) return;
+  const int64_t src = ps.seq_start[n] + L / kKdaChunk * kKdaChunk + r, dst = ps.slot[n] * kKdaChunk + r;
+  for (int64_t c = threadIdx.x; c < HK; c += blockDim.x) {
+    cq[dst * HK + c] = q[src * HK + c];
+    ck[dst * HK + c] = k[src * HK + c];
+    cv[dst * HK + c] = v[src * HK + c];
+    cg[dst * HK + c] = g[src * HK + c];
+  }
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) cb[dst * H + c] = beta[src * H + c];
 }
 
 // One block per sequence: the last W−1 pre-conv projections (zeros before the sequence's start).
@@ -476,7 +522,7 @@ __global__ void __launch_bounds__(kMlaThreads) mla_split_kernel(MlaDecodeParams 
   extern __shared__ float sm[];
   __shared__ float scratch[32];
   const int64_t b = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, KL = p.KL;
-  const int64_t slot = p.slot[b], pos = p.pos[b];
+  const int64_t slot = p.row_start ? 0 : p.slot[b], pos = p.pos[b];
   int64_t n = p.count[b];
   const bool uniform = n == 0;
   if (uniform) n = pos + 1;
@@ -490,7 +536,7 @@ __global__ void __launch_bounds__(kMlaThreads) mla_split_kernel(MlaDecodeParams 
   for (int64_t l = tid; l < KL; l += nt) qa[l] = w.qa[(b * p.NH + h) * KL + l];
   __syncthreads();
   auto key = [&](int64_t i) -> int64_t { return uniform ? i : p.sel[b * p.max_sel + i]; };
-  const bf16* lat = p.latent + slot * p.max_len * KL;
+  const bf16* lat = p.latent + (p.row_start ? static_cast<int64_t>(p.row_start[b]) : slot * p.max_len) * KL;
   const float scale = rsqrtf(static_cast<float>(p.dqk));
   for (int64_t i = warp; i < m; i += nw) {
     const bf16* c = lat + key(i0 + i) * KL;
@@ -660,6 +706,20 @@ void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   } else {
     run(mla_qa_kernel<false>, mla_split_kernel<false>, mla_combine_kernel<false>);
   }
+}
+
+void kda_chunk_append(const KdaChunkAppendParams& p, cudaStream_t st) {
+  check(p.K >= 1 && p.K <= kKdaMaxK, "CUDA KDA decoding: linear_head_dim must be at most ", kKdaMaxK, ", got ", p.K);
+  check(p.W >= 1, "CUDA KDA decoding: conv kernel size must be positive");
+  if (p.B) kda_chunk_append_kernel<<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.H)), 256, 0, st>>>(p);
+}
+
+void kda_store_chunk_rows(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
+                          const PrefillSeqs& s, bf16* chunk_q, bf16* chunk_k, bf16* chunk_v, float* chunk_g,
+                          float* chunk_beta, int64_t H, int64_t K, cudaStream_t st) {
+  if (s.N)
+    store_chunk_rows_kernel<<<dim3(static_cast<unsigned>(s.N), kKdaChunk), 256, 0, st>>>(
+        q, k, v, g, beta, s, chunk_q, chunk_k, chunk_v, chunk_g, chunk_beta, H, H * K);
 }
 
 void kda_store_conv_hist(const float* raw, const PrefillSeqs& s, float* conv_hist, int64_t HK, int64_t W,

@@ -34,9 +34,28 @@ struct KdaDecodeParams {
   int64_t B, H, K, W;
   bool has_bound;  // safe gate bound·sigmoid(e^A_log·f), else −e^A_log·softplus(f)
   float bound;
-  bool round_qkv;  // round q, k, v to bf16 after the norm, as the tensor-core forward stores them
 };
 void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st);
+
+// The tensor-core path decodes by recomputation: each slot keeps the state at its last chunk boundary (every 64
+// tokens from the sequence's start) and the inputs of the tokens since, and each step runs the forward's chunked
+// kernels (kda_chunked_tc) on that partial chunk. A chunk's rows do not depend on the rows after them (kernels.h),
+// so a step's output is bit for bit the forward's for the same token. This appends the new token of each row:
+// the conv step of kda_decode_step (rounded to bf16), its raw gate and β, as row pos[b] mod 64 of the slot's buffers.
+struct KdaChunkAppendParams {
+  const float* raw;     // [B, 3·HK] the new q | k | v projections (before the conv)
+  const float* conv;    // [3·HK, W]
+  const float* graw;    // [B, HK] f_b output, before dt_bias
+  const float* beta;    // [B, H] after the sigmoid
+  const int32_t* slot;  // [B]
+  const int32_t* pos;   // [B] the token's position in its sequence
+  float* conv_hist;     // [slots, 3, W−1, HK]
+  bf16 *q, *k, *v;      // [slots, 64, HK] the chunk's normed q, k, v
+  float* g;             // [slots, 64, HK] raw gates
+  float* beta_out;      // [slots, 64, H]
+  int64_t B, H, K, W;
+};
+void kda_chunk_append(const KdaChunkAppendParams& p, cudaStream_t st);
 
 // ---- DSA indexer ----
 // The indexer's per-slot cache, for the next token of each row at sequence position pos[b] (= the tokens already in
@@ -85,6 +104,9 @@ struct MlaDecodeParams {
   bf16* o;                // [B, NH, dv]
   int64_t B, NH, dqk, dv, KL, max_len, max_sel;
   float* work;            // mla_decode_workspace_floats(B, NH, KL) floats
+  // Packed rows instead of slots (a forward running these kernels): row b's sequence starts at row row_start[b] of
+  // latent [T, KL], and slot and max_len are unused.
+  const int32_t* row_start = nullptr;
 };
 int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL);
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st);
@@ -106,6 +128,12 @@ void kda_store_conv_hist(const float* raw, const PrefillSeqs& s, float* conv_his
 // kda_conv_norm leaves them, g [T, HK] log decay, beta [T, H]; state [slots, H, K, K].
 void kda_final_state(const float* q, const float* k, const float* v, const float* g, const float* beta,
                      const PrefillSeqs& s, float* state, int64_t H, int64_t K, cudaStream_t st);
+// The tensor-core path's chunk buffers (KdaChunkAppendParams): the rows of each sequence's last, incomplete chunk
+// from the forward's q, k, v bf16 [T, HK], raw gates g [T, HK] and beta [T, H]. (Its boundary state comes from
+// kda_chunked_tc with KdaTcStates::boundary.)
+void kda_store_chunk_rows(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
+                          const PrefillSeqs& s, bf16* chunk_q, bf16* chunk_k, bf16* chunk_v, float* chunk_g,
+                          float* chunk_beta, int64_t H, int64_t K, cudaStream_t st);
 // Copies rows: dst[dst_index[i]] = src[src_index[i]] for i < n, rows of `width` floats (states, pool keys).
 void copy_rows(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index, int64_t n,
                int64_t width, cudaStream_t st);

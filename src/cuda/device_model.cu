@@ -265,13 +265,17 @@ struct Plan {
   int64_t T = 0, num_seqs = 0, max_len = 0, max_pools = 0, num_pools = 0;
   int32_t *tokens, *targets, *seq_start, *seq_len, *pool_base, *pool_token;
   int32_t* seen_len;  // per token: its position in its sequence + 1 (the keys an empty selection sees if SeenKeys)
+  int32_t* pos;       // per token: its position in its sequence
   KdaChunks chunks{};
 };
 
 // One layer's decoding caches for every slot of a CudaDecoder (device memory the decoder owns).
 struct LayerCache {
   float* conv_hist = nullptr;     // KDA: [slots, 3, W−1, HK] pre-conv projections of the last W−1 tokens
-  float* state = nullptr;         // KDA: [slots, H, K, K] recurrent state, fp32
+  float* state = nullptr;         // KDA: [slots, H, K, K] fp32 state: after the last token (fp32 kernels), or after
+                                  // the last complete chunk (tensor-core kernels, which recompute the partial one)
+  bf16 *chunk_q = nullptr, *chunk_k = nullptr, *chunk_v = nullptr;  // tensor-core KDA: [slots, 64, HK] the partial
+  float *chunk_g = nullptr, *chunk_beta = nullptr;                  // chunk's inputs ([slots, 64, H] for β)
   bf16* latent = nullptr;         // DSA: [slots, max_len, KL] normed kv latents (bf16, as the forward feeds kv_b)
   float* pending_key = nullptr;   // full indexer: [slots, P, ID] keys of the incomplete pool
   float* pending_gate = nullptr;  // full indexer: [slots, P, ID] their gate scores
@@ -505,8 +509,11 @@ struct CudaModel::Impl {
       sn.push_back(static_cast<int32_t>(cs.size()) - sf.back());
     }
     p.num_pools = static_cast<int64_t>(pool_token.size());
-    std::vector<int32_t> seen(p.T);
-    for (int64_t t = 0; t < p.T; ++t) seen[t] = static_cast<int32_t>(t - start[t] + 1);
+    std::vector<int32_t> seen(p.T), pos(p.T);
+    for (int64_t t = 0; t < p.T; ++t) {
+      seen[t] = static_cast<int32_t>(t - start[t] + 1);
+      pos[t] = seen[t] - 1;
+    }
     auto up = [&](const std::vector<int32_t>& v) {
       int32_t* d = arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
       NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
@@ -519,6 +526,7 @@ struct CudaModel::Impl {
     p.pool_base = up(pool_base);
     p.pool_token = up(pool_token);
     p.seen_len = up(seen);
+    p.pos = up(pos);
     p.chunks = KdaChunks{up(cs), up(cl), up(sf), up(sn), static_cast<int64_t>(cs.size()), p.num_seqs};
     // The uploads read host vectors that die here: wait for them.
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -568,11 +576,15 @@ struct CudaModel::Impl {
       kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
       bf16* o = arena.alloc<bf16>(T * HK);
       void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(p.chunks.num_chunks, H, K));
-      float* s_out = cache ? arena.alloc<float>(p.num_seqs * H * K * K) : nullptr;
+      // A prefill leaves in each prompt's slot its state at its last chunk boundary and the inputs of its partial
+      // chunk, which decoding recomputes (decode_kernels.h).
+      const KdaTcStates states = cache ? KdaTcStates{nullptr, cache->state, capture->seqs.slot, true} : KdaTcStates{};
       mark_begin("kda core");
       kda_chunked_tc(q, k, v, g, beta, w.dt_bias, w.A_log, bound, o, p.chunks,
-                     kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, nullptr, s_out, stream);
-      if (cache) copy_rows(s_out, capture->seq_index, cache->state, capture->seqs.slot, p.num_seqs, H * K * K, stream);
+                     kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, states, stream);
+      if (cache)
+        kda_store_chunk_rows(q, k, v, g, beta, capture->seqs, cache->chunk_q, cache->chunk_k, cache->chunk_v,
+                             cache->chunk_g, cache->chunk_beta, H, K, stream);
       mark_end("kda core");
       kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
     } else {
@@ -635,7 +647,18 @@ struct CudaModel::Impl {
     }
     bf16* o = arena.alloc<bf16>(T * NH * dv);
     mark_begin("sparse attention");
-    if (mla_tc_supported(dqk, dv)) {
+    if (gemm->batch_invariant()) {
+      // The decoding kernels (the absorbed form over the normed latents), in row blocks: every token gets bit for bit
+      // what a decoding step computes for it. Empty selections attend to the keys seen so far, as in decoding.
+      const int64_t rows = std::min<int64_t>(T, 512);
+      float* work = arena.alloc<float>(mla_decode_workspace_floats(rows, NH, KL));
+      for (int64_t b0 = 0; b0 < T; b0 += rows) {
+        MlaDecodeParams mp{q + b0 * NH * dqk, w.kv_b.w, lat16, nullptr, p.pos + b0, sel + b0 * max_sel, count + b0,
+                           o + b0 * NH * dv, std::min(rows, T - b0), NH, dqk, dv, KL, 0, max_sel, work};
+        mp.row_start = p.seq_start + b0;
+        mla_decode_attention(mp, stream);
+      }
+    } else if (mla_tc_supported(dqk, dv)) {
       bf16 *q16 = arena.alloc<bf16>(T * NH * dqk), *kv16 = arena.alloc<bf16>(T * NH * (dqk + dv));
       to_bf16(q, q16, T * NH * dqk, stream);
       to_bf16(kv, kv16, T * NH * (dqk + dv), stream);
@@ -660,7 +683,7 @@ struct CudaModel::Impl {
                   I = cfg.moe_intermediate_size, n = T * k;
     float* logits = arena.alloc<float>(T * E);
     if (step) {
-      decode_linear(a, D, w.router.w, E, D, logits, E, T, false, stream);
+      lin(a, D, w.router.w, E, D, logits, E, T);
     } else {
       gemm->run(a, D, w.router.w, E, D, logits, E, T);
     }
@@ -775,68 +798,102 @@ struct CudaModel::Impl {
   }
 
   // ---- Decoding (CudaDecoder): one token for each of B slots through the decoding kernels, every reduction in an
-  // order fixed by the shapes (src/cuda/decode_kernels.h). The GEMMs are decode_linear, not cuBLASLt, whose
-  // algorithm may change with B.
+  // order fixed by the shapes (src/cuda/decode_kernels.h). The GEMMs are decode_linear (or, batch-invariant, the
+  // forward's own GEMM), not cuBLASLt, whose algorithm may change with B.
+
+  // A decoding step's projection: the decoding GEMV, or in batch-invariant mode the forward's own GEMM, whose rows do
+  // not depend on the batch either: a step then computes for its token bit for bit what a forward over the whole
+  // sequence computes for it.
+  void lin(const cuda::bf16* x, int64_t ldx, const cuda::bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
+           int64_t B) {
+    if (gemm->batch_invariant()) {
+      gemm->run(x, ldx, W, out, in, y, ldy, B);
+    } else {
+      cuda::decode_linear(x, ldx, W, out, in, y, ldy, B, false, stream);
+    }
+  }
 
   void mlp_step(const cuda::DMlp& m, const cuda::bf16* a, int64_t B, float* y) {
     using namespace cuda;
     const int64_t D = cfg.hidden_size;
     float* gu = arena.alloc<float>(B * 2 * m.I);
     bf16* act = arena.alloc<bf16>(B * m.I);
-    decode_linear(a, D, m.gate_up.w, 2 * m.I, D, gu, 2 * m.I, B, false, stream);
+    lin(a, D, m.gate_up.w, 2 * m.I, D, gu, 2 * m.I, B);
     swiglu(gu, act, B, m.I, static_cast<float>(cfg.swiglu_limit), stream);
-    decode_linear(act, m.I, m.down.w, D, m.I, y, D, B, false, stream);
+    lin(act, m.I, m.down.w, D, m.I, y, D, B);
   }
 
   // Every (token, choice) gets its own row through its expert's matrices; moe_combine then sums each token's rows in
   // choice order.
   void moe_step(size_t layer, const cuda::bf16* a, int64_t B, float* y) { moe(layers[layer].moe, a, B, y, true); }
-  void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, int64_t B, const int32_t* slot,
-                float* y) {
-    using namespace cuda;
-    const int64_t D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K;
-    const bool has_bound = cfg.linear_lower_bound.has_value();
-    const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
-    // Mirror the forward's roundings where it uses the tensor-core path (bf16 q, k, v and o).
-    const bool tc = kda_tensor_cores && kda_tc_supported(K, has_bound, bound);
-    const float eps = static_cast<float>(cfg.rms_norm_eps);
-    float* raw = arena.alloc<float>(B * 3 * HK);
-    decode_linear(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, B, false, stream);
-    float* fa = arena.alloc<float>(B * K);
-    bf16* fa16 = arena.alloc<bf16>(B * K);
-    float* g = arena.alloc<float>(B * HK);
-    decode_linear(a, D, w.f_a.w, K, D, fa, K, B, false, stream);
-    to_bf16(fa, fa16, B * K, stream);
-    decode_linear(fa16, K, w.f_b.w, HK, K, g, HK, B, false, stream);
-    float* beta = arena.alloc<float>(B * H);
-    decode_linear(a, D, w.b.w, H, D, beta, H, B, false, stream);
-    sigmoid_inplace(beta, B * H, stream);
-    float* ga = arena.alloc<float>(B * K);
-    bf16* ga16 = arena.alloc<bf16>(B * K);
-    float* gate = arena.alloc<float>(B * HK);
-    decode_linear(a, D, w.g_a.w, K, D, ga, K, B, false, stream);
-    to_bf16(ga, ga16, B * K, stream);
-    decode_linear(ga16, K, w.g_b.w, HK, K, gate, HK, B, false, stream);
-    float* o = arena.alloc<float>(B * HK);
-    const KdaDecodeParams kp{raw, w.conv, g, w.dt_bias, w.A_log, beta, slot, c.conv_hist, c.state, o,
-                             B, H, K, cfg.linear_conv_kernel_dim, has_bound, bound, tc};
-    kda_decode_step(kp, stream);
-    bf16* o16 = arena.alloc<bf16>(B * HK);
-    if (tc) {
-      bf16* ob = arena.alloc<bf16>(B * HK);
-      to_bf16(o, ob, B * HK, stream);
-      kda_out_norm(ob, gate, w.o_norm, o16, B, H, K, eps, stream);
-    } else {
-      kda_out_norm(o, gate, w.o_norm, o16, B, H, K, eps, stream);
-    }
-    decode_linear(o16, HK, w.o.w, D, HK, y, D, B, false, stream);
+
+  // Whether the KDA runs on the tensor-core kernels (which decide how CudaDecoder keeps its KDA caches).
+  bool kda_tc_path() const {
+    return kda_tensor_cores && cuda::kda_tc_supported(cfg.linear_head_dim, cfg.linear_lower_bound.has_value(),
+                                                      static_cast<float>(cfg.linear_lower_bound.value_or(0.0)));
   }
 
   struct StepRows {
     int64_t B;
     const int32_t *slot, *pos;  // [B]
     int64_t max_len, max_pools, max_selectable;
+    // Tensor-core KDA: each row's partial chunk in its slot's buffers (chunk b starts at row 64·slot, pos mod 64 + 1
+    // rows), the row of its new token there, and the outputs of those buffers [slots, 64, HK].
+    cuda::KdaChunks kda_chunks;
+    const int32_t* kda_row;
+    cuda::bf16* kda_o;
   };
+
+  void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, float* y) {
+    using namespace cuda;
+    const int64_t B = r.B, D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K,
+                  W = cfg.linear_conv_kernel_dim;
+    const bool has_bound = cfg.linear_lower_bound.has_value();
+    const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* raw = arena.alloc<float>(B * 3 * HK);
+    lin(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, B);
+    float* fa = arena.alloc<float>(B * K);
+    bf16* fa16 = arena.alloc<bf16>(B * K);
+    float* g = arena.alloc<float>(B * HK);
+    lin(a, D, w.f_a.w, K, D, fa, K, B);
+    to_bf16(fa, fa16, B * K, stream);
+    lin(fa16, K, w.f_b.w, HK, K, g, HK, B);
+    float* beta = arena.alloc<float>(B * H);
+    lin(a, D, w.b.w, H, D, beta, H, B);
+    sigmoid_inplace(beta, B * H, stream);
+    float* ga = arena.alloc<float>(B * K);
+    bf16* ga16 = arena.alloc<bf16>(B * K);
+    float* gate = arena.alloc<float>(B * HK);
+    lin(a, D, w.g_a.w, K, D, ga, K, B);
+    to_bf16(ga, ga16, B * K, stream);
+    lin(ga16, K, w.g_b.w, HK, K, gate, HK, B);
+    bf16* o16 = arena.alloc<bf16>(B * HK);
+    mark_begin("kda core");
+    if (kda_tc_path()) {
+      // The new token joins its slot's partial chunk, which the forward's kernels recompute from the slot's state at
+      // the chunk boundary (a complete chunk moves that state on): the forward's output for the token, bit for bit.
+      kda_chunk_append(KdaChunkAppendParams{raw, w.conv, g, beta, r.slot, r.pos, c.conv_hist, c.chunk_q, c.chunk_k,
+                                            c.chunk_v, c.chunk_g, c.chunk_beta, B, H, K, W},
+                       stream);
+      void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(B, H, K));
+      kda_chunked_tc(c.chunk_q, c.chunk_k, c.chunk_v, c.chunk_g, c.chunk_beta, w.dt_bias, w.A_log, bound, r.kda_o,
+                     r.kda_chunks, kda_tc_workspace(work, B, H, K), H, K, KdaTcStates{c.state, c.state, r.slot, true},
+                     stream);
+      bf16* ob = arena.alloc<bf16>(B * HK);
+      gather_rows(r.kda_o, r.kda_row, ob, B, HK, stream);
+      kda_out_norm(ob, gate, w.o_norm, o16, B, H, K, eps, stream);
+    } else {
+      // The fp32 recurrence on the slot's state after its last token.
+      float* o = arena.alloc<float>(B * HK);
+      kda_decode_step(KdaDecodeParams{raw, w.conv, g, w.dt_bias, w.A_log, beta, r.slot, c.conv_hist, c.state, o, B,
+                                      H, K, W, has_bound, bound},
+                      stream);
+      kda_out_norm(o, gate, w.o_norm, o16, B, H, K, eps, stream);
+    }
+    mark_end("kda core");
+    lin(o16, HK, w.o.w, D, HK, y, D, B);
+  }
 
   void dsa_step(const cuda::DDsa& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, int32_t* sel,
                 int32_t* count, int64_t max_sel, float* y) {
@@ -847,23 +904,23 @@ struct CudaModel::Impl {
     float* qa = arena.alloc<float>(B * QL);
     bf16* qr = arena.alloc<bf16>(B * QL);
     float* q = arena.alloc<float>(B * NH * dqk);
-    decode_linear(a, D, w.q_a.w, QL, D, qa, QL, B, false, stream);
+    lin(a, D, w.q_a.w, QL, D, qa, QL, B);
     rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
-    decode_linear(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B, false, stream);
+    lin(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B);
     float* lat = arena.alloc<float>(B * KL);
     bf16* lat16 = arena.alloc<bf16>(B * KL);
-    decode_linear(a, D, w.kv_a.w, KL, D, lat, KL, B, false, stream);
+    lin(a, D, w.kv_a.w, KL, D, lat, KL, B);
     rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, B, KL, eps, stream);
     mla_decode_append(lat16, r.slot, r.pos, c.latent, B, KL, r.max_len, stream);
     if (w.has_indexer) {
       const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
       float *qi = arena.alloc<float>(B * IH * ID), *ki = arena.alloc<float>(B * ID), *gs = arena.alloc<float>(B * ID),
             *wts = arena.alloc<float>(B * IH), *scores = arena.alloc<float>(B * r.max_pools);
-      decode_linear(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, B, false, stream);
-      decode_linear(a, D, w.idx.wk.w, ID, D, ki, ID, B, false, stream);
+      lin(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, B);
+      lin(a, D, w.idx.wk.w, ID, D, ki, ID, B);
       layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, B, ID, 1e-6f, stream);
-      decode_linear(a, D, w.idx.gate.w, ID, D, gs, ID, B, false, stream);
-      decode_linear(a, D, w.idx.weights.w, IH, D, wts, IH, B, false, stream);
+      lin(a, D, w.idx.gate.w, ID, D, gs, ID, B);
+      lin(a, D, w.idx.weights.w, IH, D, wts, IH, B);
       const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate,
                                    c.pool_key, scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools,
                                    r.max_selectable, cfg.index_kpool_always_select_tail};
@@ -878,7 +935,7 @@ struct CudaModel::Impl {
     mark_begin("mla attention");
     mla_decode_attention(mp, stream);
     mark_end("mla attention");
-    decode_linear(o, NH * dv, w.o.w, D, NH * dv, y, D, B, false, stream);
+    lin(o, NH * dv, w.o.w, D, NH * dv, y, D, B);
   }
 
   // One decoding step: tokens tok [B] appended to slots r.slot at positions r.pos; returns the logits fp32 [B, V]
@@ -903,7 +960,7 @@ struct CudaModel::Impl {
       mark_end("mhc");
       mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
       if (L.kda_layer) {
-        kda_step(L.kda, caches[i], a, B, r.slot, y);
+        kda_step(L.kda, caches[i], a, r, y);
       } else {
         dsa_step(L.dsa, caches[i], a, r, sel, count, max_sel, y);
       }
@@ -927,7 +984,7 @@ struct CudaModel::Impl {
     bf16* hn = arena.alloc<bf16>(B * D);
     stream_mean_norm(h, final_norm, hn, B, S, D, static_cast<float>(cfg.rms_norm_eps), stream);
     float* logits = arena.alloc<float>(B * V);
-    decode_linear(hn, D, lm_head, V, D, logits, V, B, false, stream);
+    lin(hn, D, lm_head, V, D, logits, V, B);
     mark_end("lm_head");
     return logits;
   }
@@ -1154,6 +1211,7 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
 
 void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e == EmptySelection::SeenKeys; }
 void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
+bool CudaModel::kda_on_tensor_cores() const { return impl_->kda_tc_path(); }
 void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 
 // ---- CudaDecoder ----
@@ -1161,6 +1219,7 @@ void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(
 struct CudaDecoder::State {
   CudaModel::Impl* m;
   int64_t slots, max_len, max_pools;
+  bool tc = false;  // the KDA caches are the tensor-core path's (boundary states and partial chunks)
   std::vector<int64_t> length;           // [slots]
   std::vector<cuda::LayerCache> caches;  // [layers]
   std::vector<std::pair<void*, size_t>> buffers;  // every cache allocation, [slot-major] with its bytes per slot
@@ -1184,6 +1243,10 @@ struct CudaDecoder::State {
   void check_slot(int64_t s) const {
     check(s >= 0 && s < slots, "decoder slot ", s, " is outside [0, ", slots, ")");
   }
+  void check_kernels() const {
+    check(m->kda_tc_path() == tc, "CudaDecoder: the model's KDA kernels (set_kda_tensor_cores) changed after the "
+          "decoder was made");
+  }
 };
 
 CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : st_(std::make_unique<State>()) {
@@ -1193,6 +1256,7 @@ CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : 
   check(max_seqs >= 1 && max_len >= 1, "CudaDecoder needs at least one slot of at least one token, got ", max_seqs,
         " × ", max_len);
   s.slots = max_seqs, s.max_len = max_len, s.max_pools = std::max<int64_t>(max_len / c.index_kpool, 1);
+  s.tc = s.m->kda_tc_path();
   s.length.assign(max_seqs, 0);
   NEXTLM_CUDA_CHECK(cudaSetDevice(s.m->device));
   const int64_t H = c.linear_num_heads, K = c.linear_head_dim, W1 = c.linear_conv_kernel_dim - 1;
@@ -1203,6 +1267,13 @@ CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : 
     if (L.kda_layer) {
       lc.conv_hist = s.alloc<float>(3 * W1 * H * K);
       lc.state = s.alloc<float>(H * K * K);
+      if (s.tc) {
+        lc.chunk_q = s.alloc<cuda::bf16>(64 * H * K);
+        lc.chunk_k = s.alloc<cuda::bf16>(64 * H * K);
+        lc.chunk_v = s.alloc<cuda::bf16>(64 * H * K);
+        lc.chunk_g = s.alloc<float>(64 * H * K);
+        lc.chunk_beta = s.alloc<float>(64 * H);
+      }
     } else {
       lc.latent = s.alloc<cuda::bf16>(max_len * c.kv_lora_rank);
       if (L.dsa.has_indexer) {
@@ -1264,6 +1335,7 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
   check(slots.size() == prompts.size() && !slots.empty(), "prefill: ", slots.size(), " slots for ", prompts.size(),
         " prompts");
   check_distinct(slots, "prefill");
+  s.check_kernels();
   PackedBatch b;
   for (size_t n = 0; n < slots.size(); ++n) {
     s.check_slot(slots[n]);
@@ -1317,7 +1389,7 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
     NEXTLM_CUDA_CHECK(cudaMemcpyAsync(last + n * D, hn + (b.cu_seqlens[n + 1] - 1) * D, D * sizeof(cuda::bf16),
                                       cudaMemcpyDeviceToDevice, m.stream));
   float* logits = m.arena.alloc<float>(N * V);
-  cuda::decode_linear(last, D, m.lm_head, V, D, logits, V, N, false, m.stream);
+  m.lin(last, D, m.lm_head, V, D, logits, V, N);
   NEXTLM_CUDA_CHECK(cudaEventRecord(s.end, m.stream));
   std::vector<std::vector<float>> out = logits_to_host(logits, N, V, m.stream);
   float ms = 0.0f;
@@ -1345,6 +1417,7 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
   check(slots.size() == tokens.size() && !slots.empty(), "step: ", slots.size(), " slots for ", tokens.size(),
         " tokens");
   check_distinct(slots, "step");
+  s.check_kernels();
   const int64_t B = static_cast<int64_t>(slots.size());
   std::vector<int32_t> slot(B), pos(B);
   int64_t max_selectable = 0;
@@ -1366,7 +1439,20 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
     return d;
   };
   const int32_t* d_tok = up(tokens);
-  const CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, max_selectable};
+  CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, max_selectable, {}, nullptr, nullptr};
+  if (s.tc) {
+    // Row i's partial chunk: buffer rows 64·slot … 64·slot + pos mod 64, the last one its new token's.
+    std::vector<int32_t> start(B), len(B), first(B), one(B, 1), row(B);
+    for (int64_t i = 0; i < B; ++i) {
+      start[i] = slot[i] * 64;
+      len[i] = pos[i] % 64 + 1;
+      first[i] = static_cast<int32_t>(i);
+      row[i] = start[i] + len[i] - 1;
+    }
+    rows.kda_chunks = cuda::KdaChunks{up(start), up(len), up(first), up(one), B, B};
+    rows.kda_row = up(row);
+    rows.kda_o = m.arena.alloc<cuda::bf16>(s.slots * 64 * c.linear_num_heads * c.linear_head_dim);
+  }
   const float* logits = m.decode_step(s.caches, d_tok, rows);
   NEXTLM_CUDA_CHECK(cudaEventRecord(s.end, m.stream));
   // The uploads read host vectors that die here.

@@ -85,8 +85,14 @@ class CudaModel {
   void set_empty_selection(EmptySelection e);
   // Whether the KDA runs on the tensor-core kernels where they support the config (default) or on the fp32 ones.
   void set_kda_tensor_cores(bool on);
-  // Batch-invariant dense projections (cuda/gemm.h: our own GEMM instead of cuBLASLt, off by default): with it a
-  // sequence's log-probs in a forward are bitwise the same whatever other sequences share its batch.
+  // Whether the KDA runs on the tensor-core kernels now (set so, and the config's gate and head dim have them).
+  bool kda_on_tensor_cores() const;
+  // Batch-invariant mode (off by default): every dense projection on our own GEMM instead of cuBLASLt (cuda/gemm.h),
+  // so a sequence's log-probs in a forward are bitwise the same whatever other sequences share its batch; and one
+  // arithmetic for the forward and CudaDecoder: decoding steps use that GEMM too and the forward's MLA attention
+  // runs the decoding kernels (the absorbed form; an empty selection then attends to the keys seen so far), so with
+  // the tensor-core KDA a decoded token's logits equal the forward's for the same prefix bit for bit: the log-probs
+  // of generation and of scoring agree exactly. Slower: the forward's attention reads the latents per head.
   void set_batch_invariant(bool on);
 
  private:
@@ -102,7 +108,9 @@ class CudaModel {
 // prefilled through the packed forward, which fills the caches on its way; then any set of slots steps one token at
 // a time through the decoding kernels (src/cuda/decode_kernels.h), whose reductions run in orders fixed by the
 // shapes alone: a slot's logits are bitwise the same whatever other slots step with it. (A prefill goes through the
-// cuBLASLt GEMMs of the forward, so its results may depend on the other prompts of the same prefill call.)
+// cuBLASLt GEMMs of the forward, so its results may depend on the other prompts of the same prefill call, unless
+// the model is in batch-invariant mode.) With the tensor-core KDA a slot keeps its state at the last 64-token chunk
+// boundary and the inputs of the partial chunk since, and each step recomputes that chunk on the forward's kernels.
 // Empty selections attend to the keys seen so far (EmptySelection::SeenKeys), as the CPU decoder does.
 // Refers to its model, which must outlive it; the model must not run a forward while a step is in flight (they
 // share the stream and the arena; every call here returns synchronised).

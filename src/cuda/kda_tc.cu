@@ -8,10 +8,15 @@
 //    state S[:, tile] in registers and per chunk computes v_new = U − W·S, o = qg·S + Aqk·v_new and
 //    S ← e^gl∘S + kdᵀ·v_new, with the chunk's factors double-buffered into shared memory by cp.async.
 //
-// Overflow: e^gc and e^−gc are never formed across a whole chunk. Row block I (16 rows) uses the reference
-// m_I = gc[16I + 8]; left factors e^(gc_i − m_I) and right factors e^(m_I − gc_j) are at most e^(8·|bound|) on the
-// diagonal block and at most 1 off it, so with the safe gate (bound ≥ −10) nothing overflows fp32 or bf16, and what
-// underflows is a product below 1e-21. The softplus gate has no bound: it uses the fp32 kernels of kda.cu.
+// References: e^gc and e^−gc are never formed across a whole chunk. Row block I (16 rows) uses the reference
+// m_I = gc[16I − 1] + c (gc[−1] = 0), c = min(0, 16·bound + 80): the cumulative gate just before the block, shifted
+// by c only when the bound is below −5. Every factor then lies in [e^−80, e^80] (with the safe gate, bound ≥ −10),
+// the off-diagonal right factors e^(m_J − gc_j) and the per-block constants e^(m_J − m_I) (J ≥ I), e^(gl − m_I),
+// e^(m_I) are at most e^c ≤ 1, and what underflows is a product below e^−7 when c < 0 (bound < −5), below e^−80
+// otherwise. A reference taken from the rows at or before a block's first row makes the chunk's results for rows
+// 0 … r depend on those rows only: a chunk cut after row r (a decoding step recomputing its partial chunk, padded
+// with zeros) gives those rows bit for bit what the whole chunk gives them. The softplus gate has no bound: it uses
+// the fp32 kernels of kda.cu.
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 
@@ -41,7 +46,7 @@ __device__ __forceinline__ void store2(bf16* p, float a, float b) {
 
 // Kernel 1. Eight warps; thread (d, half) owns channel d over rows 0–31 or 32–63, and each element costs two
 // exponentials, base = e^(m_I − gc_i) and left = e^(gc_i − m_I), the rest coming from per-channel constants
-// (e^(m_J − m_I) ≤ 1 for J ≥ I, e^(gl − m_I) ≤ 1, e^(m_I)).
+// (e^(m_J − m_I) ≤ 1 for J ≥ I, e^(gl − m_I), e^(m_I)).
 constexpr int kPrepThreads = 256;
 
 template <int K>
@@ -127,14 +132,16 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   }
   __syncthreads();
   if (active) {
+    float before = 0.0f;  // gc of the row before this half
     if (hf == 1) {
-      const float off = glv[d];
+      before = glv[d];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) gcol[i] += off;
+      for (int i = 0; i < 32; ++i) gcol[i] += before;
       glv[d] = gcol[31];
     }
-    mref[(2 * hf) * K + d] = gcol[8];
-    mref[(2 * hf + 1) * K + d] = gcol[24];
+    const float shift = fminf(0.0f, 16.0f * bound + 80.0f);
+    mref[(2 * hf) * K + d] = before + shift;
+    mref[(2 * hf + 1) * K + d] = gcol[15] + shift;
   }
   __syncthreads();  // the gate staging is free for R; m_I and gl are known
 
@@ -303,8 +310,7 @@ struct StateLayout {
 
 template <int K, int TV>
 __global__ void __launch_bounds__(kThreads)
-    state_kernel(KdaTcWork w, KdaChunks ch, bf16* __restrict__ o, const float* __restrict__ s_in,
-                 float* __restrict__ s_out, int H) {
+    state_kernel(KdaTcWork w, KdaChunks ch, bf16* __restrict__ o, KdaTcStates states, int H) {
   using L = StateLayout<K, TV>;
   constexpr int KS = L::KS, AS = L::AS, VS = L::VS;
   constexpr int MT = K / 16, MTW = (MT + 3) / 4, NT = TV / 8;
@@ -317,8 +323,9 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int64_t HK = int64_t(H) * K;
   const int first = ch.seq_first_chunk[seq], count = ch.seq_num_chunks[seq];
-  const int64_t state0 = (int64_t(seq) * H + h) * K * K;
-
+  const int64_t state0 = (int64_t(states.row ? states.row[seq] : seq) * H + h) * K * K;
+  const float* s_in = states.in;  // may be states.out (decoding reads and writes a slot's state in place)
+  float* s_out = states.out;
   float s[MTW][NT][4];
 #pragma unroll
   for (int qi = 0; qi < MTW; ++qi)
@@ -329,6 +336,20 @@ __global__ void __launch_bounds__(kThreads)
         const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
         s[qi][nt][x] = (s_in && mt < MT) ? s_in[state0 + int64_t(dd) * K + e] : 0.0f;
       }
+
+  // The chunk after which s_out is written in boundary mode: the last complete one (−1: none, s_out untouched).
+  const int boundary_it = count > 0 && ch.chunk_len[first + count - 1] == kC ? count - 1 : count - 2;
+  auto store_state = [&]() {
+#pragma unroll
+    for (int qi = 0; qi < MTW; ++qi)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
+          if (mt < MT) s_out[state0 + int64_t(dd) * K + e] = s[qi][nt][x];
+        }
+  };
 
   auto stage_ptr = [&](int st) { return smem + st * L::stage_bytes; };
   auto load_stage = [&](int cidx, int st) {
@@ -476,21 +497,11 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
+    if (s_out && states.boundary && it == boundary_it) store_state();
     __syncthreads();  // everyone is done with this stage and with VN and Sb
   }
   cp_async_wait<0>();
-
-  if (s_out) {
-#pragma unroll
-    for (int qi = 0; qi < MTW; ++qi)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
-          if (mt < MT) s_out[state0 + int64_t(dd) * K + e] = s[qi][nt][x];
-        }
-  }
+  if (s_out && !states.boundary) store_state();
 }
 
 template <int K, class GT>
@@ -506,21 +517,21 @@ void launch_prepare(const bf16* q, const bf16* k, const bf16* v, const GT* graw,
 }
 
 template <int K, int TV>
-void launch_state_tv(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const float* s_in, float* s_out,
+void launch_state_tv(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const KdaTcStates& states,
                      cudaStream_t st) {
   if (!ch.num_seqs) return;
   const int bytes = StateLayout<K, TV>::bytes;
   NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(state_kernel<K, TV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   state_kernel<K, TV><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV), kThreads, bytes,
-                        st>>>(w, ch, o, s_in, s_out, static_cast<int>(H));
+                        st>>>(w, ch, o, states, static_cast<int>(H));
 }
 
 // Value tiles of 64 columns (two blocks per head at K = 128: on the H200 a 32-column tile took 0.73 ms against
 // 0.45 ms at T = 8192).
 template <int K>
-void launch_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const float* s_in, float* s_out,
+void launch_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const KdaTcStates& states,
                   cudaStream_t st) {
-  launch_state_tv<K, (K < 64 ? K : 64)>(ch, w, o, H, s_in, s_out, st);
+  launch_state_tv<K, (K < 64 ? K : 64)>(ch, w, o, H, states, st);
 }
 
 template <class GT>
@@ -579,29 +590,29 @@ void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* gra
   prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
 }
 
-void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const float* s_in,
-                  float* s_out, cudaStream_t st) {
+void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const KdaTcStates& states,
+                  cudaStream_t st) {
   switch (K) {
-    case 16: return launch_state<16>(ch, w, o, H, s_in, s_out, st);
-    case 32: return launch_state<32>(ch, w, o, H, s_in, s_out, st);
-    case 64: return launch_state<64>(ch, w, o, H, s_in, s_out, st);
-    case 128: return launch_state<128>(ch, w, o, H, s_in, s_out, st);
+    case 16: return launch_state<16>(ch, w, o, H, states, st);
+    case 32: return launch_state<32>(ch, w, o, H, states, st);
+    case 64: return launch_state<64>(ch, w, o, H, states, st);
+    case 128: return launch_state<128>(ch, w, o, H, states, st);
     default: fail("CUDA KDA (tensor cores): linear_head_dim must be 16, 32, 64 or 128, got ", K);
   }
 }
 
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st) {
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st) {
   kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
-  kda_tc_state(ch, w, o, H, K, s_in, s_out, st);
+  kda_tc_state(ch, w, o, H, K, states, st);
 }
 
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st) {
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st) {
   kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
-  kda_tc_state(ch, w, o, H, K, s_in, s_out, st);
+  kda_tc_state(ch, w, o, H, K, states, st);
 }
 
 }  // namespace nextlm::cuda

@@ -68,18 +68,28 @@ void kda_out_norm(const bf16* o, const float* gate, const float* w, bf16* out, i
 
 // The chunked delta rule on tensor cores (src/cuda/kda_tc.cu) for the safe gate: q, k, v bf16 [T, H, K] as
 // kda_conv_norm leaves them, graw [T, HK] the f_b output before dt_bias (fp32 or bf16), beta [T, H] after the
-// sigmoid; o bf16 [T, H, K]. s_in / s_out (either may be null): fp32 states [num_seqs, H, K, K] to start from / to
-// leave. The workspace holds per (chunk, head) factors: kda_tc_workspace_bytes bytes, carved by kda_tc_workspace.
+// sigmoid; o bf16 [T, H, K]. The workspace holds per (chunk, head) factors: kda_tc_workspace_bytes bytes, carved by
+// kda_tc_workspace. A chunk's outputs for its rows 0 … r depend on those rows only (and the state it starts from):
+// a chunk cut short after row r gives them bit for bit (kda_tc.cu: the references), which decoding relies on.
 struct KdaTcWork {
   bf16 *w, *u, *qg, *kd, *aqk;
   float* gl;
+};
+// The fp32 states [rows, H, K, K] a sequence starts from (in) and leaves (out); each may be null (zero start, nothing
+// left); in may equal out. Sequence n uses row row[n] (row null: row n). With boundary, out gets the state after the
+// sequence's last complete (64-token) chunk, and is left as it is for a sequence without one.
+struct KdaTcStates {
+  const float* in = nullptr;
+  float* out = nullptr;
+  const int32_t* row = nullptr;
+  bool boundary = false;
 };
 bool kda_tc_supported(int64_t K, bool has_bound, float bound);
 size_t kda_tc_workspace_bytes(int64_t num_chunks, int64_t H, int64_t K);
 KdaTcWork kda_tc_workspace(void* base, int64_t num_chunks, int64_t H, int64_t K);
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st);
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st);
 // Its two kernels, for timing them apart.
 void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
@@ -87,11 +97,11 @@ void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const float* gr
 void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
                     int64_t H, int64_t K, cudaStream_t st);
-void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const float* s_in,
-                  float* s_out, cudaStream_t st);
+void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const KdaTcStates& states,
+                  cudaStream_t st);
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const float* s_in, float* s_out, cudaStream_t st);
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st);
 
 // ---- DSA ----
 void layernorm_rows(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, cudaStream_t st);

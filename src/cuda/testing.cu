@@ -105,7 +105,7 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
                                   const std::vector<float>& graw, const std::vector<float>& beta,
                                   const std::vector<float>& A_log, const std::vector<float>& dt_bias, float bound,
                                   const std::vector<int64_t>& cu, int64_t H, int64_t K, const std::vector<float>& s_in,
-                                  std::vector<float>* s_out) {
+                                  std::vector<float>* s_out, bool boundary) {
   const int64_t T = cu.back(), N = static_cast<int64_t>(cu.size()) - 1;
   Chunks ch(cu);
   Buf dq = upload(to_bf16(q)), dk = upload(to_bf16(k)), dv = upload(to_bf16(v)), dg = upload(graw), db = upload(beta);
@@ -119,8 +119,9 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
   cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(), nc, N};
   cuda::kda_chunked_tc(dq.as<cuda::bf16>(), dk.as<cuda::bf16>(), dv.as<cuda::bf16>(), dg.as<float>(), db.as<float>(),
                        dd.as<float>(), da.as<float>(), bound, o.as<cuda::bf16>(), kc,
-                       cuda::kda_tc_workspace(work.p, nc, H, K), H, K, s_in.empty() ? nullptr : si.as<float>(),
-                       so.as<float>(), nullptr);
+                       cuda::kda_tc_workspace(work.p, nc, H, K), H, K,
+                       cuda::KdaTcStates{s_in.empty() ? nullptr : si.as<float>(), so.as<float>(), nullptr, boundary},
+                       nullptr);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   std::vector<cuda::bf16> out16(T * H * K);
   NEXTLM_CUDA_CHECK(cudaMemcpy(out16.data(), o.p, out16.size() * 2, cudaMemcpyDeviceToHost));
@@ -168,7 +169,7 @@ KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, in
         cuda::kda_tc_prepare(bq[s].as<cuda::bf16>(), bk[s].as<cuda::bf16>(), bv[s].as<cuda::bf16>(),
                              bg[s].as<cuda::bf16>(), db.as<float>(), dt.as<float>(), alog.as<float>(), -5.0f, kc, w, H,
                              K, nullptr);
-      if (part != 1) cuda::kda_tc_state(kc, w, o.as<cuda::bf16>(), H, K, nullptr, nullptr, nullptr);
+      if (part != 1) cuda::kda_tc_state(kc, w, o.as<cuda::bf16>(), H, K, cuda::KdaTcStates{}, nullptr);
       NEXTLM_CUDA_CHECK(cudaEventRecord(b));
       NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
       NEXTLM_CUDA_CHECK(cudaGetLastError());
@@ -312,7 +313,7 @@ std::vector<std::vector<float>> kda_decode_steps(const KdaDecodeSteps& in, std::
     Buf o = upload(std::vector<float>(B * HK, NAN));
     cuda::KdaDecodeParams p{raw.as<float>(), conv.as<float>(), graw.as<float>(), dt.as<float>(), al.as<float>(),
                             beta.as<float>(), slot.as<int32_t>(), hist.as<float>(), st.as<float>(), o.as<float>(),
-                            B, H, K, in.W, in.has_bound, in.bound, in.round_qkv};
+                            B, H, K, in.W, in.has_bound, in.bound};
     cuda::kda_decode_step(p, nullptr);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
     out.push_back(download<float>(o, B * HK));

@@ -14,12 +14,13 @@ std::vector<float> kda_chunked(const std::vector<float>& q, const std::vector<fl
 
 // The tensor-core KDA kernels (safe gate in the kernel) on packed sequences: q, k, v [T, H, K] (rounded to bf16 on
 // the way in), graw [T, H·K] the f_b output before dt_bias, beta [T, H], A_log [H], dt_bias [H·K], states
-// [N, H, K, K] (s_in empty for zeros). Returns o [T, H, K] (bf16 widened); s_out gets the final states.
+// [N, H, K, K] (s_in empty for zeros). Returns o [T, H, K] (bf16 widened); s_out gets the final states, or with
+// boundary the states after each sequence's last complete chunk (NaN for a sequence without one).
 std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
                                   const std::vector<float>& graw, const std::vector<float>& beta,
                                   const std::vector<float>& A_log, const std::vector<float>& dt_bias, float bound,
                                   const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                  const std::vector<float>& s_in, std::vector<float>* s_out);
+                                  const std::vector<float>& s_in, std::vector<float>* s_out, bool boundary = false);
 
 // Median milliseconds of the tensor-core KDA forward on bf16 device inputs (q, k, v, the raw gate; fp32 beta), the
 // safe gate computed in the kernel, as fla's chunk_kda is timed with use_gate_in_kernel; and of its two kernels
@@ -62,7 +63,6 @@ struct KdaDecodeSteps {
   std::vector<float> conv, dt_bias, A_log;  // [3·HK, W], [HK], [H]
   bool has_bound = true;
   float bound = -5.0f;
-  bool round_qkv = false;
   std::vector<std::vector<int32_t>> slots;
   std::vector<std::vector<float>> raw, graw, beta;
 };
