@@ -81,6 +81,10 @@ int main(int argc, char** argv) {
        }},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
+      // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA
+      // attention on the absorbed kernels of decoding.
+      {"slice4_prefill_T4096_batch_invariant", nextlm::bench::slice4_prefill_case},
+      {"slice4_prefill_T4096_absorbed_mla", nextlm::bench::slice4_prefill_case},
       // Decoding steps on the slice after 4096-token prompts (bench/decode.cpp).
       {"slice4_decode_b1", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 1); }},
       {"slice4_decode_b16", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 16); }},

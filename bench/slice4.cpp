@@ -141,10 +141,13 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Runs the slice once per process (both cases read it).
-const SliceResult& slice_result() {
-  static std::optional<SliceResult> cached;
-  if (cached) return *cached;
+// How the slice runs: the defaults, batch-invariant mode, or the absorbed MLA attention with cuBLASLt GEMMs.
+enum class Variant { kDefault, kBatchInvariant, kAbsorbedMla };
+
+// Runs the slice once per process and variant (the cases of a variant read it).
+const SliceResult& slice_result(Variant variant = Variant::kDefault) {
+  static std::map<Variant, SliceResult> cached;
+  if (cached.count(variant)) return cached.at(variant);
   SliceResult r;
   const std::string path = slice4_config_path();
   r.cfg = load_config(path);
@@ -153,6 +156,8 @@ const SliceResult& slice_result() {
                static_cast<long long>(r.cfg.n_routed_experts));
   const auto t0 = std::chrono::steady_clock::now();
   auto model = CudaModel::random(r.cfg, kSeed);
+  model->set_batch_invariant(variant == Variant::kBatchInvariant);
+  model->set_mla_absorbed(variant == Variant::kAbsorbedMla);
   r.init_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fprintf(stderr, "slice4: random device weights in %.1f s\n", r.init_s);
 
@@ -205,8 +210,7 @@ const SliceResult& slice_result() {
   model->next_token_logprobs(b);
   model->set_profiling(false);
   for (const auto& [name, ms] : model->profile()) r.profile[name] = ms;
-  cached = std::move(r);
-  return *cached;
+  return cached.emplace(variant, std::move(r)).first->second;
 }
 
 std::string fmt(const char* f, double x) {
@@ -218,7 +222,10 @@ std::string fmt(const char* f, double x) {
 }  // namespace
 
 void slice4_prefill_case(const std::string& name) {
-  const SliceResult& r = slice_result();
+  const Variant variant = name.find("batch_invariant") != std::string::npos ? Variant::kBatchInvariant
+                          : name.find("absorbed_mla") != std::string::npos  ? Variant::kAbsorbedMla
+                                                                            : Variant::kDefault;
+  const SliceResult& r = slice_result(variant);
   const auto costs = slice_costs(r.cfg, kT);
   double floor = 0, profiled = 0;
   for (const std::string& part : kTopLevel) {

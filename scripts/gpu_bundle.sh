@@ -2,19 +2,20 @@
 # Builds the GPU test and benchmark binaries here (the GPU machine has nvcc and the CUDA libraries but not the Debian
 # ones) and packs them, with every shared library they need that is not part of the base system or CUDA, into
 # .devbuild/bundle.tar.xz (git-ignored), to be carried there, unpacked with `tar xJf bundle.tar.xz -C .devbuild`
-# and run as `scripts/test_gpu.sh .devbuild`. fla's source for the peer timing goes in peers/fla (also ignored).
+# and run as `scripts/test_gpu.sh .devbuild` (the GPU server's load test: BUILD_DIR=.devbuild NEXTLM_DEVICE=cuda
+# scripts/load_test.sh). fla's source for the peer timing goes in peers/fla (also ignored).
 # BUILD_DIR picks the build directory (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 build=${BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNEXTLM_CUDA=ON >/dev/null
-cmake --build "$build" --target test_cuda nextlm_bench nextlm
+cmake --build "$build" --target test_cuda nextlm_bench nextlm nextlm_load_test
 stage=$(mktemp -d)
 mkdir -p "$stage/lib"
-bins=("$build/tests/test_cuda" "$build/bench/nextlm_bench" "$build/nextlm")
+bins=("$build/tests/test_cuda" "$build/bench/nextlm_bench" "$build/nextlm" "$build/nextlm_load_test")
 cp "${bins[@]}" "$stage/"
-strip "$stage/test_cuda" "$stage/nextlm_bench" "$stage/nextlm"
+strip "$stage/test_cuda" "$stage/nextlm_bench" "$stage/nextlm" "$stage/nextlm_load_test"
 # Libraries from Debian packages (OpenBLAS, ICU, Open MPI, ...); the C/C++ runtime and CUDA are on the GPU machine.
 ldd "${bins[@]}" | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
   case "$(basename "$lib")" in

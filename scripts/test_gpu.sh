@@ -18,6 +18,8 @@ else
   bench=$bin/nextlm_bench
   export LD_LIBRARY_PATH="$PWD/$bin/lib:${LD_LIBRARY_PATH:-}"
 fi
+# The serve tests start the CLI binary.
+export NEXTLM_BINARY="$PWD/$bin/nextlm"
 out=${OUT:-/tmp/nextlm_gpu}
 mkdir -p "$out"
 export NEXTLM_TEST_DATA="$PWD/tests" NEXTLM_SOURCE_DIR="$PWD"
@@ -33,6 +35,10 @@ if [ -z "${NEXTLM_SKIP_MEMCHECK:-}" ]; then
   echo "memcheck exit $rc (7 = memory errors; 1 = a test assertion failed)"; tail -3 "$out/memcheck.log"
   [ "$rc" = 7 ] && status=1
 fi
+echo "== load test of the GPU server (tiny model)"
+BUILD_DIR=$bin NEXTLM_DEVICE=cuda scripts/load_test.sh 16 8 64 16 2>&1 | tee "$out/load_test.txt" || status=1
+BUILD_DIR=$bin NEXTLM_DEVICE=cuda NEXTLM_SERVE_ARGS=--batch-invariant scripts/load_test.sh 16 8 64 16 2>&1 |
+  tee "$out/load_test_batch_invariant.txt" || status=1
 echo "== benchmarks"
 "$bench" | tee "$out/ours.jsonl"
 if [ -d peers/fla ]; then

@@ -363,6 +363,22 @@ TEST_F(Cli, UsageErrors) {
   }
 }
 
+// The GPU-only flags of serve (and score's --batch-invariant) without --device cuda, and bad --max-len values, are
+// usage errors found before the model is read (a model directory that does not exist would be exit code 1; a server
+// that started would never exit).
+TEST(CliServe, UsageErrors) {
+  const std::string serve = "serve --port 0 --model /nonexistent/model";
+  expect_error(run_nextlm(serve + " --batch-invariant"), 2, {"--batch-invariant", "--device cuda"});
+  expect_error(run_nextlm(serve + " --device cpu --batch-invariant"), 2, {"--batch-invariant", "--device cuda"});
+  expect_error(run_nextlm(serve + " --max-len 64"), 2, {"--max-len", "--device cuda"});
+  for (const char* bad : {"0", "1", "-5", "abc", "1.5", "''", "99999999999999999999"})
+    expect_error(run_nextlm(serve + " --max-len " + bad), 2, {"--max-len"});
+  expect_error(run_nextlm(serve + " --max-len"), 2, {"--max-len"});
+  expect_error(run_nextlm(serve + " --device tpu"), 2, {"--device", "tpu"});
+  expect_error(run_nextlm("score --model /nonexistent/model --input /nonexistent/in.jsonl --batch-invariant"), 2,
+               {"--batch-invariant", "--device cuda"});
+}
+
 // ------------------------------------------------------------------------------------- input and model errors (1)
 
 TEST_F(Cli, BadInputLines) {

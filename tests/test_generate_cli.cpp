@@ -283,6 +283,8 @@ TEST(GenerateCli, BadArguments) {
   expect_error(run_nextlm("generate" + ok + " --seed -5"), 2, {"--seed"});
   expect_error(run_nextlm("generate" + ok + " --format xml"), 2, {"--format", "xml"});
   expect_error(run_nextlm("generate" + ok + " --device tpu"), 2, {"--device", "tpu"});
+  expect_error(run_nextlm("generate" + ok + " --batch-invariant"), 2, {"--batch-invariant", "--device cuda"});
+  expect_error(run_nextlm("generate" + ok + " --device cpu --batch-invariant"), 2, {"--batch-invariant", "--device cuda"});
   expect_error(run_nextlm("generate" + ok + " --threads 0"), 2, {"--threads"});
   expect_error(run_nextlm("generate --prompt-tokens 1 --max-new-tokens 2"), 2, {"--model"});
   // Input and model errors: exit 1.

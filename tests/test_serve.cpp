@@ -3,17 +3,23 @@
 // logprobs equal `score`'s, every validation error gives its status and OpenAI-style body, concurrent requests each
 // equal their single-request result, the model's eos_token_id ends generation unless ignore_eos, and SIGTERM lets
 // the request in flight finish and exits 0. Also unit tests of the UTF-8 and stop-string helpers that streaming
-// relies on, and of a Job's stop strings, hold-back and eos on the hand tokenizer's multi-byte tokens.
+// relies on, and of a Job's stop strings, hold-back and eos on the hand tokenizer's multi-byte tokens. And the
+// scheduler without HTTP: on the CPU backend each job equals generate(); on a stand-in decoder, newcomers are
+// prefilled in one call and the running jobs step in one, slots are cleared and reused, cancelling frees a slot.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -23,10 +29,14 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
 #include "cpu/linear.h"
 #include "io/tokenizer.h"
+#include "model/decode.h"
 #include "model/model.h"
+#include "serve/backend.h"
 #include "serve/scheduler.h"
+#include "serve/server.h"
 #include "test_util.h"
 
 namespace nextlm::test {
@@ -434,6 +444,9 @@ TEST_F(Serve, ValidationErrors) {
     EXPECT_EQ(e["param"], c.param.empty() ? json(nullptr) : json(c.param)) << c.body << " -> " << r.raw;
     EXPECT_EQ(e["code"], c.code) << c.body << " -> " << r.raw;
   }
+  // The limit's message names the flag that sets it.
+  const Reply long_one = post(port(), C, std::string(R"({"prompt": "hi", "max_tokens": 199})"));
+  EXPECT_NE(long_one.raw.find("limit of 200 tokens (--max-tokens)"), std::string::npos) << long_one.raw;
   // Unknown model names are accepted (one model), and the limit is prompt + max_tokens ≤ --max-tokens exactly.
   const Reply ok = post(port(), C, std::string(R"({"prompt": "hi", "model": "gpt-4", "max_tokens": 198, "temperature": 0,
                                       "stop_token_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]})"));
@@ -761,6 +774,362 @@ TEST(ServeText, StopHoldback) {
   EXPECT_EQ(serve::stop_holdback("hello", {"world"}), 0u);
   EXPECT_EQ(serve::stop_holdback("ab", {"xyz", "bq"}), 1u);
   EXPECT_EQ(serve::stop_holdback("a", {"a"}), 0u);  // a whole match is not held back: it ends the job
+}
+
+
+// ---- The scheduler over its decoder backends (serve/backend.h), without HTTP ----
+
+// A job's request for the same prompt and options as `generate`.
+JobRequest request_of(const std::vector<int32_t>& prompt, const GenerateOptions& opt) {
+  JobRequest r;
+  r.prompt = prompt;
+  r.max_tokens = opt.max_new_tokens;
+  r.sampling = opt.sampling;
+  r.stop_tokens = opt.stop_tokens;
+  r.eos_tokens = opt.eos_tokens;
+  return r;
+}
+
+// Waits (at most 60 s) until the job is finished.
+Job::Snapshot wait_finished(const Job& job) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  Job::Snapshot s = job.snapshot();
+  while (!s.finished && std::chrono::steady_clock::now() < deadline) {
+    job.wait(s.samples.size(), 100);
+    s = job.snapshot();
+  }
+  EXPECT_TRUE(s.finished) << "the job did not finish within 60 s";
+  return s;
+}
+
+// Whether `pred` becomes true within 10 s (the scheduler clears a slot just after the job's last token).
+bool eventually(const std::function<bool()>& pred) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// The job's tokens, logprobs, alternatives and finish reason are the generation's, bit for bit.
+void expect_same_generation(const Job::Snapshot& s, const Generation& g, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(s.finish_reason, g.stopped ? "stop" : "length") << s.error;
+  ASSERT_EQ(s.samples.size(), g.tokens.size());
+  for (size_t i = 0; i < g.tokens.size(); ++i) {
+    EXPECT_EQ(s.samples[i].token, g.tokens[i]) << "token " << i;
+    EXPECT_EQ(s.samples[i].logprob, g.logprobs[i]) << "token " << i;
+    ASSERT_EQ(s.samples[i].top.size(), g.top[i].size()) << "token " << i;
+    for (size_t k = 0; k < g.top[i].size(); ++k) {
+      EXPECT_EQ(s.samples[i].top[k].token, g.top[i][k].token) << "token " << i << " alternative " << k;
+      EXPECT_EQ(s.samples[i].top[k].logprob, g.top[i][k].logprob) << "token " << i << " alternative " << k;
+    }
+  }
+}
+
+// Jobs of different prompt lengths, greedy and sampled, some with alternatives or a stop token.
+struct SchedulerCase {
+  std::vector<int32_t> prompt;
+  GenerateOptions opt;
+};
+
+std::vector<SchedulerCase> scheduler_cases(int64_t V) {
+  std::vector<SchedulerCase> cases;
+  const std::vector<int64_t> lengths = {1, 5, 17, 64, 3, 40, 9};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SchedulerCase c;
+    for (int64_t t = 0; t < lengths[i]; ++t) c.prompt.push_back(static_cast<int32_t>((t * 37 + i * 101 + 7) % V));
+    c.opt.max_new_tokens = 6 + 5 * static_cast<int64_t>(i);
+    c.opt.sampling.temperature = i % 3 == 0 ? 0.0 : 0.9;
+    c.opt.sampling.top_k = i % 2 ? 20 : 0;
+    c.opt.sampling.seed = 1000 + i;
+    c.opt.sampling.top_logprobs = i % 4 == 1 ? 3 : 0;
+    if (i == 4) c.opt.stop_tokens = {static_cast<int32_t>('e'), static_cast<int32_t>(' ')};
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// The CPU backend: 7 jobs on 3 slots (so some queue and take the slots others free) each equal generate().
+TEST(ServeScheduler, CpuJobsEqualGenerate) {
+  cpu::set_num_threads(1);
+  const Model model = Model::load(kModel);
+  const std::vector<SchedulerCase> cases = scheduler_cases(model.config().vocab_size);
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    serve::Scheduler sched(std::make_unique<serve::CpuBackend>(model, 3, 1));
+    for (const SchedulerCase& c : cases) {
+      jobs.push_back(std::make_shared<Job>(request_of(c.prompt, c.opt)));
+      sched.submit(jobs.back());
+    }
+    for (const auto& j : jobs) wait_finished(*j);
+  }
+  for (size_t i = 0; i < cases.size(); ++i)
+    expect_same_generation(jobs[i]->snapshot(), generate(model, cases[i].prompt, cases[i].opt),
+                           "job " + std::to_string(i));
+}
+
+// A stand-in decoder that checks how the scheduler drives it: the logits of a slot are a function of the tokens the
+// slot holds (so a job that got another's slot, or a stale one, gives other tokens), and every call is logged. Its
+// steps can be held (to make several jobs arrive while the scheduler is busy), and a prompt starting with kPoison
+// makes its prefill call throw.
+class FakeBackend final : public serve::DecodeBackend {
+ public:
+  static constexpr int64_t kVocab = 32;
+  static constexpr int32_t kPoison = 31;
+
+  struct Call {
+    bool prefill = false;
+    std::vector<int64_t> slots;
+  };
+
+  FakeBackend(int64_t slots, int64_t max_len) : held_(slots), max_len_(max_len) {}
+
+  // The logits after `tokens`: well spread values from a hash of the sequence.
+  static std::vector<float> logits_of(const std::vector<int32_t>& tokens) {
+    uint64_t h = 1469598103934665603ull;
+    for (int32_t t : tokens) h = (h ^ static_cast<uint64_t>(t)) * 1099511628211ull;
+    std::vector<float> l(kVocab);
+    for (int64_t v = 0; v < kVocab; ++v) l[v] = static_cast<float>(((h >> (v % 29)) ^ (v * 2654435761ull)) % 997) / 97.0f;
+    return l;
+  }
+
+  int64_t slots() const override { return static_cast<int64_t>(held_.size()); }
+  int64_t vocab_size() const override { return kVocab; }
+  int64_t max_len() const override { return max_len_; }
+
+  std::vector<std::vector<float>> prefill(const std::vector<int64_t>& slots,
+                                          const std::vector<std::vector<int32_t>>& prompts) override {
+    log({true, slots});
+    std::vector<std::vector<float>> out;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::vector<int32_t>& seq = held_.at(slots[i]);
+      check(seq.empty(), "fake prefill: slot ", slots[i], " is not empty");
+      check(prompts[i].front() != kPoison, "fake prefill: poisoned prompt");
+      seq = prompts[i];
+      out.push_back(logits_of(seq));
+    }
+    return out;
+  }
+
+  std::vector<std::vector<float>> step(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens) override {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      waiting_ = hold_;
+      cv_.notify_all();
+      cv_.wait(lk, [&] { return !hold_; });
+      waiting_ = false;
+    }
+    log({false, slots});
+    std::vector<std::vector<float>> out;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::vector<int32_t>& seq = held_.at(slots[i]);
+      check(!seq.empty(), "fake step: slot ", slots[i], " was not prefilled");
+      seq.push_back(tokens[i]);
+      check(max_len_ == 0 || static_cast<int64_t>(seq.size()) <= max_len_, "fake step: slot ", slots[i], " is full");
+      out.push_back(logits_of(seq));
+    }
+    return out;
+  }
+
+  void clear(int64_t slot) override {
+    held_.at(slot).clear();
+    std::lock_guard<std::mutex> lk(mu_);
+    ++clears_;
+  }
+
+  // Makes the next steps wait until release(); wait_held() returns once the scheduler waits in one.
+  void hold() {
+    std::lock_guard<std::mutex> lk(mu_);
+    hold_ = true;
+  }
+  void wait_held() {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return waiting_; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lk(mu_);
+    hold_ = false;
+    cv_.notify_all();
+  }
+  std::vector<Call> calls() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return calls_;
+  }
+  int64_t clears() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return clears_;
+  }
+
+ private:
+  void log(Call c) {
+    std::lock_guard<std::mutex> lk(mu_);
+    calls_.push_back(std::move(c));
+  }
+
+  std::vector<std::vector<int32_t>> held_;  // [slots]: the tokens each slot holds (scheduler thread only)
+  const int64_t max_len_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false, waiting_ = false;
+  std::vector<Call> calls_;
+  int64_t clears_ = 0;
+};
+
+// generate_with over FakeBackend's logits: what each job must produce.
+Generation fake_generate(const std::vector<int32_t>& prompt, const GenerateOptions& opt) {
+  std::vector<int32_t> seq;
+  return generate_with(
+      FakeBackend::kVocab, prompt, opt,
+      [&](const std::vector<int32_t>& p) {
+        seq = p;
+        return FakeBackend::logits_of(seq);
+      },
+      [&](int32_t token) {
+        seq.push_back(token);
+        return FakeBackend::logits_of(seq);
+      });
+}
+
+// Newcomers that arrive while the scheduler is busy are prefilled in one call; from then on every running job steps
+// in one call; each job's tokens are generate_with's over the same logits; the slots freed by finished jobs are
+// cleared and taken by queued ones.
+TEST(ServeScheduler, NewcomersPrefillTogetherAndRunningJobsStepTogether) {
+  auto backend = std::make_unique<FakeBackend>(4, 0);
+  FakeBackend& fake = *backend;
+  serve::Scheduler sched(std::move(backend));
+  GenerateOptions first_opt;
+  first_opt.max_new_tokens = 40;
+  first_opt.sampling.temperature = 0;
+  const std::vector<int32_t> first_prompt = {1, 2, 3};
+  auto first = std::make_shared<Job>(request_of(first_prompt, first_opt));
+  fake.hold();  // the job is prefilled, then waits in its first step while the others arrive
+  sched.submit(first);
+  fake.wait_held();
+  std::vector<SchedulerCase> cases;
+  for (int i = 0; i < 5; ++i) {
+    SchedulerCase c;
+    for (int t = 0; t <= 4 * i; ++t) c.prompt.push_back((t * 7 + i) % 30);
+    c.opt.max_new_tokens = 5 + 3 * i;
+    c.opt.sampling.temperature = i % 2 ? 0.8 : 0.0;
+    c.opt.sampling.seed = 50 + i;
+    c.opt.sampling.top_logprobs = i == 3 ? 2 : 0;
+    cases.push_back(c);
+  }
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const SchedulerCase& c : cases) {
+    jobs.push_back(std::make_shared<Job>(request_of(c.prompt, c.opt)));
+    sched.submit(jobs.back());
+  }
+  EXPECT_EQ(sched.queued(), 5);
+  fake.release();
+  const Job::Snapshot first_done = wait_finished(*first);
+  for (const auto& j : jobs) wait_finished(*j);
+  expect_same_generation(first_done, fake_generate(first_prompt, first_opt), "the first job");
+  for (size_t i = 0; i < cases.size(); ++i)
+    expect_same_generation(jobs[i]->snapshot(), fake_generate(cases[i].prompt, cases[i].opt),
+                           "job " + std::to_string(i));
+
+  const std::vector<FakeBackend::Call> calls = fake.calls();
+  ASSERT_GE(calls.size(), 3u);
+  // The first job alone, then its first step (held while the others queue); in the next iteration its step and the
+  // three newcomers that got the free slots in one prefill; then one step of all four.
+  ASSERT_GE(calls.size(), 5u);
+  EXPECT_TRUE(calls[0].prefill);
+  EXPECT_EQ(calls[0].slots, std::vector<int64_t>{0});
+  EXPECT_FALSE(calls[1].prefill);
+  EXPECT_EQ(calls[1].slots, std::vector<int64_t>{0});
+  EXPECT_FALSE(calls[2].prefill);
+  EXPECT_EQ(calls[2].slots, std::vector<int64_t>{0});
+  EXPECT_TRUE(calls[3].prefill);
+  EXPECT_EQ(calls[3].slots, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_FALSE(calls[4].prefill);
+  EXPECT_EQ(calls[4].slots, (std::vector<int64_t>{0, 1, 2, 3}));
+  // Never more than one step and one prefill per iteration, never a slot twice in a call, never more than 4 slots.
+  for (const FakeBackend::Call& c : calls) {
+    std::vector<int64_t> v = c.slots;
+    std::sort(v.begin(), v.end());
+    EXPECT_TRUE(std::adjacent_find(v.begin(), v.end()) == v.end());
+    EXPECT_LE(v.size(), 4u);
+  }
+  EXPECT_TRUE(eventually([&] { return fake.clears() == 6; })) << fake.clears();  // every job's slot, once each
+}
+
+// Cancelling a running job frees its slot (cleared) for a queued one, which then runs as if alone.
+TEST(ServeScheduler, CancellingFreesTheSlotForAQueuedJob) {
+  auto backend = std::make_unique<FakeBackend>(1, 0);
+  FakeBackend& fake = *backend;
+  serve::Scheduler sched(std::move(backend));
+  GenerateOptions long_opt;
+  long_opt.max_new_tokens = 1000000;
+  long_opt.sampling.temperature = 0;
+  auto running = std::make_shared<Job>(request_of({4, 5}, long_opt));
+  GenerateOptions opt;
+  opt.max_new_tokens = 12;
+  opt.sampling.seed = 9;
+  auto queued = std::make_shared<Job>(request_of({6, 7, 8}, opt));
+  fake.hold();
+  sched.submit(running);
+  fake.wait_held();
+  sched.submit(queued);
+  EXPECT_EQ(sched.active(), 1);
+  EXPECT_EQ(sched.queued(), 1);
+  running->cancel();
+  fake.release();
+  const Job::Snapshot c = wait_finished(*running);
+  EXPECT_EQ(c.finish_reason, "cancelled");
+  EXPECT_LT(c.samples.size(), 5u);
+  expect_same_generation(wait_finished(*queued), fake_generate({6, 7, 8}, opt), "the queued job");
+  EXPECT_TRUE(eventually([&] { return fake.clears() == 2; })) << fake.clears();
+}
+
+// A job longer than the decoder's max_len fails at once with a message; a failed prefill call fails its jobs and
+// clears their slots; the other jobs are not affected.
+TEST(ServeScheduler, TooLongJobsAndBackendErrorsFailOnlyTheirJobs) {
+  auto backend = std::make_unique<FakeBackend>(2, 20);
+  FakeBackend& fake = *backend;
+  serve::Scheduler sched(std::move(backend));
+  GenerateOptions opt;
+  opt.max_new_tokens = 10;
+  opt.sampling.temperature = 0;
+  const std::vector<int32_t> ten(10, 3), eleven(11, 3), poison = {FakeBackend::kPoison, 1};
+  auto fits = std::make_shared<Job>(request_of(ten, opt));      // 10 + 10 = max_len exactly
+  auto too_long = std::make_shared<Job>(request_of(eleven, opt));
+  auto poisoned = std::make_shared<Job>(request_of(poison, opt));
+  sched.submit(too_long);
+  const Job::Snapshot t = wait_finished(*too_long);
+  EXPECT_EQ(t.finish_reason, "error");
+  EXPECT_NE(t.error.find("20 tokens per sequence"), std::string::npos) << t.error;
+  EXPECT_TRUE(t.samples.empty());
+  sched.submit(poisoned);
+  const Job::Snapshot p = wait_finished(*poisoned);
+  EXPECT_EQ(p.finish_reason, "error");
+  EXPECT_NE(p.error.find("poisoned"), std::string::npos) << p.error;
+  EXPECT_TRUE(eventually([&] { return fake.clears() == 1; })) << fake.clears();  // the poisoned job's slot
+  sched.submit(fits);
+  expect_same_generation(wait_finished(*fits), fake_generate(ten, opt), "the job that fits");
+}
+
+// --max-len's default: the smaller of --max-tokens, max_position_embeddings (nested or flat) and 8192.
+TEST(ServeOptions, DecoderMaxLenDefault) {
+  TempDir dir;
+  serve::ServeOptions opt;
+  opt.model_dir = dir.str();
+  auto write_config = [&](const json& j) { std::ofstream(dir.str("config.json")) << j.dump(); };
+  write_config({{"model_type", "glm5_next"}, {"text_config", {{"max_position_embeddings", 1048576}}}});
+  opt.max_tokens = 4096;
+  EXPECT_EQ(serve::decoder_max_len(opt), 4096);
+  opt.max_tokens = 100000;
+  EXPECT_EQ(serve::decoder_max_len(opt), serve::kDefaultMaxLen);
+  write_config({{"model_type", "glm5_next"}, {"text_config", {{"max_position_embeddings", 1000}}}});
+  EXPECT_EQ(serve::decoder_max_len(opt), 1000);
+  write_config({{"model_type", "glm5_next"}, {"max_position_embeddings", 2000}});
+  EXPECT_EQ(serve::decoder_max_len(opt), 2000);
+  write_config({{"model_type", "glm5_next"}});
+  EXPECT_EQ(serve::decoder_max_len(opt), serve::kDefaultMaxLen);
+  opt.max_len = 12345;  // given: as it is
+  EXPECT_EQ(serve::decoder_max_len(opt), 12345);
 }
 
 }  // namespace

@@ -456,6 +456,7 @@ struct GenerateArgs {
   int threads = 0;
   bool chat = false;  // --chat: --prompt is one user message in GLM's chat format
   bool ignore_eos = false;  // --ignore-eos: the model's eos_token_id does not end generation
+  bool batch_invariant = false;  // --device cuda: GEMMs whose results do not depend on the batch (cuda/gemm.h)
   int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
 
@@ -485,6 +486,7 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   if (has_prompt_tokens && has_prompt) throw UsageError("give either --prompt-tokens or --prompt, not both");
   if (!has_prompt_tokens && !has_prompt) throw UsageError("no prompt: give --prompt-tokens or --prompt");
   if (a.chat && !has_prompt) throw UsageError("--chat needs --prompt (the user message)");
+  if (a.batch_invariant && a.device != "cuda") throw UsageError("--batch-invariant applies to --device cuda only");
   GenerateOptions opt;
   if (has_prompt_tokens) parse_token_list("--prompt-tokens", a.prompt_tokens);  // usage errors before loading
   if (!a.stop_tokens.empty()) opt.stop_tokens = parse_token_list("--stop-tokens", a.stop_tokens);
@@ -519,6 +521,7 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
     // Straight from the checkpoint in bf16, as `score --device cuda` loads it, so that the log-probs reported here
     // agree with its scores.
     gpu = CudaModel::load(a.model);
+    gpu->set_batch_invariant(a.batch_invariant);
 #endif
   } else {
     model.emplace(Model::load(a.model));
@@ -600,6 +603,15 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
   std::cerr << "generated " << g.tokens.size() << " tokens after a " << prompt.size() << "-token prompt ("
             << (g.eos ? "eos token" : g.stopped ? "stop token" : "max-new-tokens") << ") in " << number(secs) << " s\n";
   return 0;
+}
+
+// `serve`: the flag combinations are checked here (usage errors, before the model loads), then run_server.
+int cmd_serve(const serve::ServeOptions& opt, bool has_max_len) {
+  if (opt.device != "cuda") {
+    if (opt.batch_invariant) throw UsageError("--batch-invariant applies to --device cuda only");
+    if (has_max_len) throw UsageError("--max-len applies to --device cuda only (the CPU decoder has no fixed length)");
+  }
+  return serve::run_server(opt);
 }
 
 std::string layer_pattern(const ModelConfig& c) {
@@ -720,6 +732,9 @@ int run_cli_impl(int argc, char** argv) {
   ge->add_option("--device", gen.device, "compute device (cpu, or cuda in a CUDA build)")
       ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();
+  ge->add_flag("--batch-invariant", gen.batch_invariant,
+               "--device cuda: nextlm's own batch-invariant GEMM instead of cuBLASLt (slower); the tokens are those "
+               "`serve --device cuda --batch-invariant` gives for the same request");
   ge->add_option("--format", gen.format,
                  "text (decoded with tokenizer.json, bytes of a byte-level model, else ids) or json (+ \"text\" "
                  "with a tokenizer)")
@@ -745,10 +760,17 @@ int run_cli_impl(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
   sv->add_option("--threads", srv.threads, "CPU threads (default: all)")->check(thread_count());
-  std::string serve_device = "cpu";
-  sv->add_option("--device", serve_device, "compute device (cpu)")
-      ->check(one_of({"cpu"}, "a device serve runs on"))
+  sv->add_option("--device", srv.device, "compute device (cpu, or cuda in a CUDA build)")
+      ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();
+  CLI::Option* serve_max_len =
+      sv->add_option("--max-len", srv.max_len,
+                     "--device cuda: tokens per decoder slot, which bounds prompt + max_tokens (default: the smaller "
+                     "of --max-tokens, max_position_embeddings and " + std::to_string(serve::kDefaultMaxLen) + ")")
+          ->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
+  sv->add_flag("--batch-invariant", srv.batch_invariant,
+               "--device cuda: nextlm's own batch-invariant GEMM instead of cuBLASLt (slower), so that a request's "
+               "tokens do not depend on the requests prefilled with it: they are `generate --batch-invariant`'s");
 
   TrainArgs train;
   CLI::App* tr = add_train_command(app, train);
@@ -786,7 +808,7 @@ int run_cli_impl(int argc, char** argv) {
     if (*gr) return cmd_grad(grad);
     if (*tr) return cmd_train(train, *tr);
     if (*mg) return cmd_merge(merge);
-    if (*sv) return serve::run_server(srv);
+    if (*sv) return cmd_serve(srv, serve_max_len->count() > 0);
   } catch (const TrainUsageError& e) {
     print_error(std::string(e.what()) + " (run nextlm train --help)");
     return 2;

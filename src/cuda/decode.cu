@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include "cuda/mma.cuh"
+
 namespace nextlm::cuda {
 
 namespace {
@@ -626,6 +628,160 @@ __global__ void __launch_bounds__(kMlaThreads) mla_combine_kernel(MlaDecodeParam
   }
 }
 
+// The split kernel on tensor cores (mla_decode_tc): one block per (row, split) for all the row's heads. The row's
+// qa (heads padded to 16·HG) against 64-key tiles of the split's latents: scores on tensor cores, an online softmax
+// in the log2 domain, and the P-weighted latent sum on tensor cores. qa and P go in as bf16 pairs hi + lo (about 16
+// bits each; the latents are bf16 already), so the products lose next to nothing to the tensor cores: with plain
+// bf16 qa and P, decoding's log-probs sat several times further from the forward's on the goldens. Warp w takes heads
+// 16(w mod 4) … +15 and latent columns (w / 4)·KL/2 … +KL/2 − 1 of the sum; the two warps of a head group compute its
+// scores alike (the same instructions on the same data). Every sum runs in an order set by KL and the row's own
+// keys, so a row's result never depends on the batch, and the forward's attention in batch-invariant mode runs this
+// same kernel.
+constexpr int kMlaTcThreads = 256, kMlaTcKeys = 64;
+
+template <int KL>
+struct MlaTcLayout {
+  static constexpr int LS = KL + 8;                          // padded row (bf16 elements)
+  static constexpr int bytes = 3 * 64 * LS * 2 + kMlaTcKeys * 4;  // Q hi, Q lo, the key tile, its key positions
+};
+
+template <int KL>
+__global__ void __launch_bounds__(kMlaTcThreads) mla_split_tc_kernel(MlaDecodeParams p, float scale_log2) {
+  using L = MlaTcLayout<KL>;
+  constexpr int LS = L::LS, HALF = KL / 2, NT = HALF / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [64 heads][LS] qa's bf16 value
+  bf16* Ql = Qs + 64 * LS;                   // [64 heads][LS] the bf16 of what is left
+  bf16* Cs = Ql + 64 * LS;                   // [64 keys][LS]
+  int32_t* keys = reinterpret_cast<int32_t*>(Cs + 64 * LS);
+  const int64_t b = blockIdx.x, sp = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int NH = static_cast<int>(p.NH), HG = (NH + 15) / 16, hg = warp & 3, dh = warp >> 2;
+  const bool active = hg < HG;
+  const int64_t pos = p.pos[b];
+  int64_t n = p.count[b];
+  const bool uniform = n == 0;
+  if (uniform) n = pos + 1;
+  const int64_t i0 = n * sp / kMlaSplits, m = n * (sp + 1) / kMlaSplits - i0;
+  const MlaWork w = mla_work(p);
+  const bf16* lat = p.latent + (p.row_start ? static_cast<int64_t>(p.row_start[b]) : p.slot[b] * p.max_len) * KL;
+  for (int i = tid; i < 16 * HG * (KL / 2); i += kMlaTcThreads) {
+    const int h = i / (KL / 2), c = 2 * (i % (KL / 2));
+    const float2 v = h < NH ? *reinterpret_cast<const float2*>(w.qa + (b * NH + h) * KL + c) : make_float2(0.f, 0.f);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+    *reinterpret_cast<__nv_bfloat162*>(Qs + h * LS + c) = hi;
+    *reinterpret_cast<__nv_bfloat162*>(Ql + h * LS + c) =
+        __floats2bfloat162_rn(v.x - __low2float(hi), v.y - __high2float(hi));
+  }
+  float oc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) oc[nt][0] = oc[nt][1] = oc[nt][2] = oc[nt][3] = 0.0f;
+  float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};
+  for (int64_t k0 = 0; k0 < m; k0 += kMlaTcKeys) {
+    __syncthreads();  // the last tile's reads are done (and Q is in place)
+    if (tid < kMlaTcKeys) {
+      const int64_t i = i0 + k0 + tid;
+      keys[tid] = k0 + tid < m ? (uniform ? static_cast<int32_t>(i) : p.sel[b * p.max_sel + i]) : 0;
+    }
+    __syncthreads();
+    for (int i = tid; i < kMlaTcKeys * (KL / 8); i += kMlaTcThreads) {
+      const int r = i / (KL / 8), c = i % (KL / 8);
+      cp_async16(Cs + r * LS + 8 * c, lat + static_cast<int64_t>(keys[r]) * KL + 8 * c, k0 + r < m);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (!active) continue;
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    if (!uniform) {
+#pragma unroll 4
+      for (int kk = 0; kk < KL / 16; ++kk) {
+        uint32_t a[4], al[4];
+        load_a(a, Qs + 16 * hg * LS + 16 * kk, LS);
+        load_a(al, Ql + 16 * hg * LS + 16 * kk, LS);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t bb[4];
+          load_b_nk(bb, Cs + 16 * np * LS + 16 * kk, LS);
+          mma_bf16(s[2 * np], a, bb[0], bb[1]);
+          mma_bf16(s[2 * np + 1], a, bb[2], bb[3]);
+          mma_bf16(s[2 * np], al, bb[0], bb[1]);
+          mma_bf16(s[2 * np + 1], al, bb[2], bb[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * hf + e];
+          x = k0 + 8 * nt + 2 * tq + e < m ? (uniform ? 0.0f : x * scale_log2) : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(mrow[hf], mx);  // finite: key k0 is in every tile
+      const float alpha = exp2f(mrow[hf] - mnew);
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * hf + e];
+          x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
+          sum += x;
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      lrow[hf] = lrow[hf] * alpha + sum;
+      mrow[hf] = mnew;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) oc[nt][2 * hf] *= alpha, oc[nt][2 * hf + 1] *= alpha;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // P as a bf16 pair too: hi + lo.
+      uint32_t a[4], al[4];
+      const float* x[4] = {&s[2 * kk][0], &s[2 * kk][2], &s[2 * kk + 1][0], &s[2 * kk + 1][2]};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(x[r][0], x[r][1]);
+        a[r] = *reinterpret_cast<const uint32_t*>(&hi);
+        al[r] = pack_bf16(x[r][0] - __low2float(hi), x[r][1] - __high2float(hi));
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Cs + 16 * kk * LS + dh * HALF + 16 * np, LS);
+        mma_bf16(oc[2 * np], a, bb[0], bb[1]);
+        mma_bf16(oc[2 * np + 1], a, bb[2], bb[3]);
+        mma_bf16(oc[2 * np], al, bb[0], bb[1]);
+        mma_bf16(oc[2 * np + 1], al, bb[2], bb[3]);
+      }
+    }
+  }
+  if (!active) return;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int h = 16 * hg + gq + 8 * hf;
+    if (h >= NH) continue;
+    const int64_t row = (b * NH + h) * kMlaSplits + sp;
+    float* acc = w.acc + row * KL + dh * HALF;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      *reinterpret_cast<float2*>(acc + 8 * nt + 2 * tq) = make_float2(oc[nt][2 * hf], oc[nt][2 * hf + 1]);
+    if (dh == 0 && tq == 0) {
+      w.ml[2 * row] = mrow[hf] * 0.6931471805599453f;  // natural-log units, −∞ for an empty split
+      w.ml[2 * row + 1] = lrow[hf];
+    }
+  }
+}
+
 void set_smem(const void* kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -683,6 +839,22 @@ int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL) {
   return B * NH * (KL + 2 * kMlaSplits + kMlaSplits * KL);
 }
 
+bool mla_decode_tc(int64_t NH, int64_t KL) {
+  return NH >= 1 && NH <= 64 && (KL == 32 || KL == 64 || KL == 128 || KL == 256 || KL == 512);
+}
+
+namespace {
+
+template <int KL>
+void launch_split_tc(const MlaDecodeParams& p, cudaStream_t st) {
+  const int bytes = MlaTcLayout<KL>::bytes;
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(mla_split_tc_kernel<KL>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const float scale_log2 = 1.4426950408889634f * rsqrtf(static_cast<float>(p.dqk));
+  mla_split_tc_kernel<KL><<<dim3(static_cast<unsigned>(p.B), kMlaSplits), kMlaTcThreads, bytes, st>>>(p, scale_log2);
+}
+
+}  // namespace
+
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   if (!p.B) return;
   // The vector path depends on the shapes and the buffers' alignment only, never on B.
@@ -693,12 +865,23 @@ void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   const size_t combine_smem = p.KL * sizeof(float);
   const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH));
   const dim3 split_grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH), kMlaSplits);
+  const bool tc = mla_decode_tc(p.NH, p.KL) && aligned16(p.latent);
   auto run = [&](auto qa_k, auto split_k, auto combine_k) {
     set_smem(reinterpret_cast<const void*>(qa_k), qa_smem);
-    set_smem(reinterpret_cast<const void*>(split_k), split_smem);
     set_smem(reinterpret_cast<const void*>(combine_k), combine_smem);
     qa_k<<<grid, kMlaThreads, qa_smem, st>>>(p);
-    split_k<<<split_grid, kMlaThreads, split_smem, st>>>(p);
+    if (tc) {
+      switch (p.KL) {
+        case 32: launch_split_tc<32>(p, st); break;
+        case 64: launch_split_tc<64>(p, st); break;
+        case 128: launch_split_tc<128>(p, st); break;
+        case 256: launch_split_tc<256>(p, st); break;
+        default: launch_split_tc<512>(p, st); break;
+      }
+    } else {
+      set_smem(reinterpret_cast<const void*>(split_k), split_smem);
+      split_k<<<split_grid, kMlaThreads, split_smem, st>>>(p);
+    }
     combine_k<<<grid, kMlaThreads, combine_smem, st>>>(p);
   };
   if (vec) {

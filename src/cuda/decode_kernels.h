@@ -110,6 +110,11 @@ struct MlaDecodeParams {
 };
 int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL);
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st);
+// Whether mla_decode_attention scores and sums the keys on tensor cores (all heads of a row at once; qa and the
+// softmax weights as bf16 pairs, fp32 accumulation): NH ≤ 64 and KL one of 32, 64, 128, 256, 512 (and 16-byte aligned
+// latents). Otherwise on CUDA cores in fp32 (one block per row, head and split). Either way the choice and every
+// reduction order depend on the shapes only.
+bool mla_decode_tc(int64_t NH, int64_t KL);
 
 // ---- Filling the caches from a prefill (the packed forward of N prompts, sequence n in slot slot[n]) ----
 // seq_start [N] first packed token, seq_len [N] its length.

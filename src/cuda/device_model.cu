@@ -315,6 +315,7 @@ struct CudaModel::Impl {
 
   bool empty_seen = false;       // empty selections attend to keys 0 … t (EmptySelection::SeenKeys), not all keys
   bool kda_tensor_cores = true;  // the tensor-core KDA where it supports the config (else the fp32 kernels)
+  bool mla_absorbed = false;     // the forward's MLA attention on the absorbed decoding kernels
   const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
 
@@ -616,14 +617,16 @@ struct CudaModel::Impl {
     gemm->run(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, T);
     float* lat = arena.alloc<float>(T * KL);
     bf16* lat16 = arena.alloc<bf16>(T * KL);
-    float* kv = arena.alloc<float>(T * NH * (dqk + dv));
+    // The absorbed form works on the latents; the expanded one needs every key and value through kv_b.
+    const bool absorbed = mla_absorbed || gemm->batch_invariant();
+    float* kv = absorbed ? nullptr : arena.alloc<float>(T * NH * (dqk + dv));
     gemm->run(a, D, w.kv_a.w, KL, D, lat, KL, T);
     rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, T, KL, eps, stream);
     // A prefill keeps each prompt's latents and indexer pools in its slot.
     const cuda::LayerCache* cache = capture ? &capture->layers[cur_layer] : nullptr;
     if (cache)
       mla_decode_append(lat16, capture->tok_slot, capture->tok_pos, cache->latent, T, KL, capture->max_len, stream);
-    gemm->run(lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, kv, NH * (dqk + dv), T);
+    if (!absorbed) gemm->run(lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, kv, NH * (dqk + dv), T);
     if (w.has_indexer) {
       mark_begin("indexer");
       const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
@@ -647,7 +650,7 @@ struct CudaModel::Impl {
     }
     bf16* o = arena.alloc<bf16>(T * NH * dv);
     mark_begin("sparse attention");
-    if (gemm->batch_invariant()) {
+    if (absorbed) {
       // The decoding kernels (the absorbed form over the normed latents), in row blocks: every token gets bit for bit
       // what a decoding step computes for it. Empty selections attend to the keys seen so far, as in decoding.
       const int64_t rows = std::min<int64_t>(T, 512);
@@ -1212,6 +1215,7 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
 void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e == EmptySelection::SeenKeys; }
 void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
 bool CudaModel::kda_on_tensor_cores() const { return impl_->kda_tc_path(); }
+void CudaModel::set_mla_absorbed(bool on) { impl_->mla_absorbed = on; }
 void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 
 // ---- CudaDecoder ----

@@ -85,6 +85,9 @@ class CudaModel {
   void set_empty_selection(EmptySelection e);
   // Whether the KDA runs on the tensor-core kernels where they support the config (default) or on the fp32 ones.
   void set_kda_tensor_cores(bool on);
+  // Whether the forward's MLA attention runs the absorbed decoding kernels (over the normed latents) instead of
+  // expanding every key and value through kv_b; batch-invariant mode always does. Off by default.
+  void set_mla_absorbed(bool on);
   // Whether the KDA runs on the tensor-core kernels now (set so, and the config's gate and head dim have them).
   bool kda_on_tensor_cores() const;
   // Batch-invariant mode (off by default): every dense projection on our own GEMM instead of cuBLASLt (cuda/gemm.h),

@@ -359,6 +359,8 @@ std::vector<std::vector<std::vector<int32_t>>> indexer_decode_steps(const Indexe
   return out;
 }
 
+bool mla_decode_on_tensor_cores(int64_t NH, int64_t KL) { return cuda::mla_decode_tc(NH, KL); }
+
 std::vector<float> mla_decode(const std::vector<float>& q, const std::vector<float>& kv_b,
                               const std::vector<float>& latent, const std::vector<float>& new_latent,
                               const std::vector<int32_t>& slots, const std::vector<int32_t>& pos,

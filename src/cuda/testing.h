@@ -84,6 +84,8 @@ std::vector<std::vector<std::vector<int32_t>>> indexer_decode_steps(const Indexe
 // Absorbed MLA decoding for rows b: appends new_latent[b] [KL] at (slots[b], pos[b]) of the latent cache
 // [num_slots, max_len, KL] (rounded to bf16 with the new rows), then attends with q [B, NH, dqk] over sel[b]
 // (empty: uniform over 0 … pos[b]). kv_b [NH·(dqk+dv), KL] is rounded to bf16. Returns o [B, NH, dv] (bf16 widened).
+// Whether mla_decode runs the tensor-core split kernel for these shapes (cuda::mla_decode_tc).
+bool mla_decode_on_tensor_cores(int64_t NH, int64_t KL);
 std::vector<float> mla_decode(const std::vector<float>& q, const std::vector<float>& kv_b,
                               const std::vector<float>& latent, const std::vector<float>& new_latent,
                               const std::vector<int32_t>& slots, const std::vector<int32_t>& pos,

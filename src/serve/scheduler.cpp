@@ -1,11 +1,13 @@
-// The serve scheduler: a job queue, one thread that steps every running job by one token, and the text helpers
-// that streaming relies on (UTF-8 cut points, stop-string hold-back).
+// The serve scheduler: a job queue, one thread that advances every running job by one token through a decoder
+// backend, and the text helpers that streaming relies on (UTF-8 cut points, stop-string hold-back).
 #include "serve/scheduler.h"
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <iostream>
 
-#include "cpu/linear.h"
+#include "core/error.h"
 
 namespace nextlm::serve {
 
@@ -163,18 +165,18 @@ size_t tokens_for_text(const std::vector<size_t>& ends, size_t text) {
 }
 
 struct Scheduler::Running {
-  Running(const Model& model, std::shared_ptr<Job> j)
-      : job(std::move(j)), state(model), sampler(job->request.sampling) {}
+  Running(std::shared_ptr<Job> j, int64_t slot) : job(std::move(j)), sampler(job->request.sampling), slot(slot) {}
   std::shared_ptr<Job> job;
-  DecodeState state;
   Sampler sampler;
+  const int64_t slot;   // the job's decoder slot
+  bool used = false;    // the slot went to the decoder: it must be cleared when the job leaves
   bool prefilled = false;
-  int32_t last = 0;   // the last sampled token, fed to the next decode step
-  bool done = false;  // finished or cancelled: leaves the running set after this step
+  int32_t last = 0;     // the last sampled token, fed to the next decode step
+  bool done = false;    // finished or cancelled: leaves the running set after this iteration
 };
 
-Scheduler::Scheduler(const Model& model, int64_t max_batch, int threads)
-    : model_(model), max_batch_(max_batch), threads_(threads) {
+Scheduler::Scheduler(std::unique_ptr<DecodeBackend> backend) : backend_(std::move(backend)) {
+  check(backend_ && backend_->slots() >= 1, "the scheduler needs a decoder with at least one slot");
   thread_ = std::thread([this] { run(); });
 }
 
@@ -205,23 +207,44 @@ int64_t Scheduler::queued() const {
   return static_cast<int64_t>(queue_.size());
 }
 
-// The same calls in the same order as generate(): prefill, sample, then (while not finished) decode_step, sample.
-void Scheduler::step(Running& r) {
-  if (r.job->cancelled()) {
-    r.job->finish("cancelled");
-    r.done = true;
+// The same calls in the same order as generate_with() (model/decode.h), per job: prefill, sample, then (while not
+// finished) step, sample. The sampler reads only the job's own logits, so batching changes nothing it sees.
+void Scheduler::advance(const std::vector<Running*>& batch, bool prefill) {
+  if (batch.empty()) return;
+  std::vector<int64_t> slots;
+  for (const Running* r : batch) slots.push_back(r->slot);
+  std::vector<std::vector<float>> logits;
+  try {
+    if (prefill) {
+      std::vector<std::vector<int32_t>> prompts;
+      for (Running* r : batch) {
+        prompts.push_back(r->job->request.prompt);
+        r->used = true;
+      }
+      logits = backend_->prefill(slots, prompts);
+    } else {
+      std::vector<int32_t> tokens;
+      for (const Running* r : batch) tokens.push_back(r->last);
+      logits = backend_->step(slots, tokens);
+    }
+    check(logits.size() == batch.size(), "the decoder returned ", logits.size(), " rows of logits for ", batch.size(),
+          " sequences");
+  } catch (const std::exception& e) {
+    for (Running* r : batch) {
+      r->job->fail(e.what());
+      r->done = true;
+    }
     return;
   }
-  const int64_t V = model_.config().vocab_size;
+  for (size_t i = 0; i < batch.size(); ++i) sample(*batch[i], logits[i]);
+}
+
+void Scheduler::sample(Running& r, const std::vector<float>& logits) {
   try {
-    if (r.job->request.max_tokens == 0) {
-      r.job->finish("length");
-      r.done = true;
-      return;
-    }
-    const std::vector<float> logits = r.prefilled ? decode_step(r.state, r.last) : prefill(r.state, r.job->request.prompt);
-    r.prefilled = true;
+    const int64_t V = backend_->vocab_size();
+    check(static_cast<int64_t>(logits.size()) == V, "the decoder returned ", logits.size(), " logits, not ", V);
     Sample s = r.sampler.sample(logits.data(), V);
+    r.prefilled = true;
     r.last = s.token;
     r.done = r.job->append(std::move(s));
   } catch (const std::exception& e) {
@@ -231,27 +254,69 @@ void Scheduler::step(Running& r) {
 }
 
 void Scheduler::run() {
-  cpu::set_num_threads(threads_);
+  backend_->start();
+  const int64_t max_len = backend_->max_len();
+  std::vector<int64_t> free_slots;  // the lowest last, so that it is taken first
+  for (int64_t s = backend_->slots() - 1; s >= 0; --s) free_slots.push_back(s);
   std::vector<std::unique_ptr<Running>> running;
   while (true) {
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !queue_.empty() || !running.empty(); });
       if (stop_ && queue_.empty() && running.empty()) return;
-      // Newcomers join between steps, up to max_batch running at once; the rest wait in arrival order.
-      while (static_cast<int64_t>(running.size()) < max_batch_ && !queue_.empty()) {
+      // Newcomers take the free slots between iterations; the rest wait in arrival order.
+      while (!free_slots.empty() && !queue_.empty()) {
         std::shared_ptr<Job> job = std::move(queue_.front());
         queue_.pop_front();
+        const JobRequest& q = job->request;
+        const int64_t len = static_cast<int64_t>(q.prompt.size()) + q.max_tokens;
+        if (max_len > 0 && len > max_len) {  // the HTTP layer refuses these first
+          job->fail("the prompt (" + std::to_string(q.prompt.size()) + " tokens) plus max_tokens (" +
+                    std::to_string(q.max_tokens) + ") is more than the decoder's " + std::to_string(max_len) +
+                    " tokens per sequence");
+          continue;
+        }
         try {
-          running.push_back(std::make_unique<Running>(model_, job));
+          running.push_back(std::make_unique<Running>(job, free_slots.back()));
+          free_slots.pop_back();
         } catch (const std::exception& e) {  // bad sampling options (the HTTP layer checks them first)
           job->fail(e.what());
         }
       }
       active_count_ = static_cast<int64_t>(running.size());
     }
-    for (auto& r : running) step(*r);
+    std::vector<Running*> stepping, newcomers;
+    for (auto& r : running) {
+      if (r->job->cancelled()) {
+        r->job->finish("cancelled");
+        r->done = true;
+      } else if (!r->prefilled && r->job->request.max_tokens == 0) {  // as generate(): no tokens, no prefill
+        r->job->finish("length");
+        r->done = true;
+      } else {
+        (r->prefilled ? stepping : newcomers).push_back(r.get());
+      }
+    }
+    // The running jobs first, so that their tokens are not held up behind the newcomers' prefill.
+    advance(stepping, false);
+    advance(newcomers, true);
+    for (auto& r : running) {
+      if (!r->done) continue;
+      // A slot whose clearing failed is handed out all the same: the decoder refuses to prefill a slot that is not
+      // empty, which fails that job with a message rather than leaving the queue waiting for a slot forever.
+      if (r->used) {
+        try {
+          backend_->clear(r->slot);
+        } catch (const std::exception& e) {
+          std::cerr << "serve: cannot clear decoder slot " << r->slot << ": " << e.what() << "\n" << std::flush;
+        }
+      }
+      free_slots.push_back(r->slot);
+    }
     std::erase_if(running, [](const std::unique_ptr<Running>& r) { return r->done; });
+    std::sort(free_slots.begin(), free_slots.end(), std::greater<int64_t>());
+    std::lock_guard<std::mutex> lk(mu_);
+    active_count_ = static_cast<int64_t>(running.size());
   }
 }
 

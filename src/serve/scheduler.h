@@ -1,6 +1,8 @@
-// Continuous batching for `nextlm serve`: one scheduler thread owns the model and advances every active request by
-// one token per step (prefill for a newcomer), each request with its own DecodeState and Sampler, so a request's
-// tokens never depend on which others share its steps: they are exactly what generate() (model/decode.h) returns.
+// Continuous batching for `nextlm serve`: one scheduler thread owns a decoder (serve/backend.h: the CPU decode path
+// or a CudaDecoder) and advances every running request by one token per iteration: the newcomers in one prefill
+// call, the others in one step call. Each request has its own decoder slot and Sampler, and a slot's logits do not
+// depend on the other slots, so a request's tokens are exactly what generate() (model/decode.h) or cuda_generate()
+// return for the same options and seed.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -13,9 +15,8 @@
 #include <vector>
 
 #include "io/tokenizer.h"
-#include "model/decode.h"
-#include "model/model.h"
 #include "model/sampling.h"
+#include "serve/backend.h"
 
 namespace nextlm::serve {
 
@@ -105,10 +106,15 @@ size_t find_stop(const std::string& bytes, size_t from, const std::vector<std::s
 // found later starts at or after `text`.
 size_t tokens_for_text(const std::vector<size_t>& ends, size_t text);
 
+// Each iteration: jobs from the queue take the free slots (arrival order); a cancelled job, or one asking for no
+// tokens, finishes without the decoder; the running jobs step in one backend.step call and the newcomers are
+// prefilled in one backend.prefill call; each job samples its token from its own logits, and a job that finished
+// (or was cancelled, or failed) gives its slot back, cleared, for the next iteration. A job longer than the
+// backend's max_len (prompt + max_tokens) fails at once; the HTTP layer refuses it first. A failed backend call
+// fails the jobs of that call only.
 class Scheduler {
  public:
-  // threads: CPU threads for the model (0: all), set on the scheduler's own thread (OpenMP's count is per thread).
-  Scheduler(const Model& model, int64_t max_batch, int threads);
+  explicit Scheduler(std::unique_ptr<DecodeBackend> backend);  // backend->slots() jobs run at once
   ~Scheduler();  // finishes every submitted job, then stops
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -118,13 +124,13 @@ class Scheduler {
   int64_t queued() const;
 
  private:
-  struct Running;  // a job with its decode state and sampler
+  struct Running;  // a job with its slot and sampler
   void run();
-  void step(Running& r);
+  // One backend call for `batch` (prefill of its prompts, or a step with each one's last token), then the samples.
+  void advance(const std::vector<Running*>& batch, bool prefill);
+  void sample(Running& r, const std::vector<float>& logits);
 
-  const Model& model_;
-  const int64_t max_batch_;
-  const int threads_;
+  const std::unique_ptr<DecodeBackend> backend_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <random>
@@ -25,6 +26,7 @@
 #include "io/tokenizer.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "serve/backend.h"
 #include "serve/scheduler.h"
 
 namespace nextlm::serve {
@@ -64,7 +66,8 @@ struct Context {
   bool byte_level = false;  // vocab_size 256 and no tokenizer.json: text is UTF-8 bytes
   const Tokenizer* tokenizer = nullptr;  // the model directory's tokenizer.json, if it has one
   std::vector<int32_t> eos_tokens;       // load_eos_token_ids: end a request unless it sets ignore_eos
-  int64_t max_tokens = 0;   // --max-tokens
+  int64_t max_tokens = 0;   // prompt + max_tokens of a request, at most: --max-tokens, or a smaller --max-len
+  std::string limit_flag;   // the flag that set max_tokens
   int64_t created = 0;      // server start, Unix seconds
 };
 
@@ -201,7 +204,7 @@ Parsed parse_request(const json& body, const Context& ctx, bool chat) {
     bad(max_name, "context_length_exceeded",
         "the prompt (" + std::to_string(prompt_len) + " tokens) plus " + max_name + " (" +
             std::to_string(r.max_tokens) + ") is more than this server's limit of " + std::to_string(ctx.max_tokens) +
-            " tokens");
+            " tokens (" + ctx.limit_flag + ")");
 
   SamplingOptions& s = r.sampling;
   s.temperature = get_number(body, "temperature", 1.0);
@@ -553,16 +556,56 @@ std::string model_name(std::string dir) {
 
 }  // namespace
 
+int64_t decoder_max_len(const ServeOptions& opt) {
+  if (opt.max_len > 0) return opt.max_len;
+  int64_t len = std::min(opt.max_tokens, kDefaultMaxLen);
+  // ModelConfig does not keep max_position_embeddings (the NoPE model has no use for it), so it is read here.
+  std::ifstream f(opt.model_dir + "/config.json");
+  const json cfg = json::parse(f, nullptr, false);
+  if (cfg.is_object()) {
+    const json& text = cfg.contains("text_config") && cfg["text_config"].is_object() ? cfg["text_config"] : cfg;
+    if (const json* m = field(text, "max_position_embeddings"); m && m->is_number_integer() && m->get<int64_t>() >= 2)
+      len = std::min(len, m->get<int64_t>());
+  }
+  return len;
+}
+
 int run_server(const ServeOptions& opt) {
   check(opt.max_batch >= 1, "--max-batch must be >= 1, got ", opt.max_batch);
   check(opt.max_tokens >= 2, "--max-tokens must be >= 2, got ", opt.max_tokens);
   check(opt.port >= 0 && opt.port <= 65535, "--port must be from 0 to 65535, got ", opt.port);
+  check(opt.device == "cpu" || opt.device == "cuda", "--device must be cpu or cuda, got \"", opt.device, "\"");
+  check(opt.device == "cuda" || (opt.max_len == 0 && !opt.batch_invariant),
+        "--max-len and --batch-invariant apply to --device cuda only");
+  check(opt.max_len == 0 || opt.max_len >= 2, "--max-len must be >= 2, got ", opt.max_len);
   cpu::set_num_threads(opt.threads);
-  const Model model = Model::load(opt.model_dir);
+
+  // The model on its device and the scheduler's decoder over it (both outlive the scheduler).
+  std::optional<Model> model;
+  std::unique_ptr<DecodeBackend> backend;
+  const ModelConfig* config = nullptr;
+#ifdef NEXTLM_HAVE_CUDA
+  std::unique_ptr<CudaModel> gpu;
+#endif
+  if (opt.device == "cuda") {
+#ifdef NEXTLM_HAVE_CUDA
+    // Straight from the checkpoint in bf16, as `generate --device cuda` loads it.
+    gpu = CudaModel::load(opt.model_dir);
+    gpu->set_batch_invariant(opt.batch_invariant);
+    backend = std::make_unique<CudaBackend>(*gpu, opt.max_batch, decoder_max_len(opt));
+    config = &gpu->config();
+#else
+    fail("--device cuda needs a build with the CUDA backend (NEXTLM_CUDA)");
+#endif
+  } else {
+    model.emplace(Model::load(opt.model_dir));
+    backend = std::make_unique<CpuBackend>(*model, opt.max_batch, opt.threads);
+    config = &model->config();
+  }
 
   Context ctx;
   ctx.model_name = model_name(opt.model_dir);
-  ctx.vocab_size = model.config().vocab_size;
+  ctx.vocab_size = config->vocab_size;
   // A tokenizer.json beside the checkpoint gives text prompts, chat and text output; without one a byte-level model
   // (vocab 256) reads and writes UTF-8 bytes.
   std::optional<Tokenizer> tokenizer;
@@ -573,11 +616,14 @@ int run_server(const ServeOptions& opt) {
     ctx.tokenizer = &*tokenizer;
   }
   ctx.byte_level = !tokenizer && ctx.vocab_size == 256;
-  ctx.eos_tokens = load_eos_token_ids(opt.model_dir, model.config());
+  ctx.eos_tokens = load_eos_token_ids(opt.model_dir, *config);
   ctx.max_tokens = opt.max_tokens;
+  ctx.limit_flag = "--max-tokens";
+  if (backend->max_len() > 0 && backend->max_len() < ctx.max_tokens)
+    ctx.max_tokens = backend->max_len(), ctx.limit_flag = "--max-len";
   ctx.created = unix_now();
 
-  Scheduler sched(model, opt.max_batch, opt.threads);
+  Scheduler sched(std::move(backend));
   Api api(ctx, sched);
   httplib::Server svr;
   // Every waiting or streaming request holds a worker thread, so allow well over max_batch of them.
@@ -634,9 +680,9 @@ int run_server(const ServeOptions& opt) {
 
   std::cerr << "serve: model " << ctx.model_name << " (vocab " << ctx.vocab_size
             << (tokenizer ? ", tokenizer.json" : ctx.byte_level ? ", bytes" : ", token ids only") << ", eos "
-            << (ctx.eos_tokens.empty() ? std::string("none") : dump(ctx.eos_tokens)) << "), max batch "
-            << opt.max_batch
-            << ", max tokens " << opt.max_tokens << "\n";
+            << (ctx.eos_tokens.empty() ? std::string("none") : dump(ctx.eos_tokens)) << "), device " << opt.device
+            << (opt.batch_invariant ? " (batch-invariant)" : "") << ", max batch " << opt.max_batch
+            << ", max tokens " << ctx.max_tokens << " (" << ctx.limit_flag << ")\n";
   std::cout << "listening on http://" << opt.host << ":" << port << std::endl;
   svr.listen_after_bind();  // returns once stopped and every handler has returned
 
