@@ -4,11 +4,7 @@
 // decoder's prefill and step calls; cancelling a request frees its slot, cleared, for a queued one; a request longer
 // than the decoder's max_len fails before it reaches the GPU. And end to end: `nextlm serve --device cuda` answers
 // concurrent requests with what `nextlm generate --device cuda` prints, and refuses one beyond --max-len with a 400.
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -298,68 +294,13 @@ std::string nextlm_binary() {
   return e ? e : NEXTLM_BINARY;
 }
 
-// `nextlm serve --port 0 ARGS` as a child process (its stderr is this test's); the port comes from its "listening
-// on" line. Stopped with SIGTERM when this goes out of scope.
-class ServerProcess {
+// `nextlm serve --port 0 ARGS` as a child process (its stderr is this test's; CUDA start-up and the weights' upload
+// may take a while).
+class ServerProcess : public test::ServeProcess {
  public:
-  explicit ServerProcess(std::vector<std::string> args) {
-    int out[2];
-    if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
-    args.insert(args.begin(), {nextlm_binary(), "serve", "--port", "0"});
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], 1);
-      ::close(out[0]);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    out_ = out[0];
-    // CUDA start-up and the weights' upload: up to 180 s.
-    std::string line;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
-    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-      pollfd p = {out_, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      char buf[256];
-      const ssize_t n = ::read(out_, buf, sizeof buf);
-      if (n <= 0) break;
-      line.append(buf, n);
-    }
-    const size_t colon = line.rfind(':');
-    if (line.rfind("listening on http://127.0.0.1:", 0) != 0 || colon == std::string::npos)
-      throw std::runtime_error("the server did not start: \"" + line + "\"");
-    port_ = std::stoi(line.substr(colon + 1));
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (out_ >= 0) ::close(out_);
-  }
-  int port() const { return port_; }
-  // SIGTERM; the exit status, or −1 when it did not exit within 60 s (it is then killed).
-  int stop() {
-    ::kill(pid_, SIGTERM);
-    int status = 0;
-    for (int i = 0; i < 6000; ++i) {
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int out_ = -1;
-  int port_ = 0;
+  explicit ServerProcess(std::vector<std::string> args)
+      : test::ServeProcess(nextlm_binary(), std::move(args), 180, false) {}
+  int stop() { return test::ServeProcess::stop(SIGTERM, 60); }
 };
 
 nlohmann::json post(int port, const nlohmann::json& body, int* status) {

@@ -266,13 +266,17 @@ namespace nextlm {
 namespace {
 
 // Gradients: the parallel backward at 2 and 4 ranks, gathered into full tensors, against model_forward_backward.
-// Tolerances: the whole gradient (every tensor as one vector) ‖Δ‖/‖ref‖ ≤ 2e-5, and each tensor ≤ 1e-4.
+// Tolerances: the whole gradient (every tensor as one vector) ‖Δ‖/‖ref‖ ≤ 2e-5, and each tensor ≤ 2e-4.
 // The sharded backward sums the same terms in another order (partial input gradients over ranks, experts apart from the
 // shared expert). That is the rounding noise of the single-process backward itself: between this packed batch and
 // its sequences run alone, model_forward_backward differs by 9.9e-6 (whole) and 5.4e-5 (worst tensor, an mHC scale)
 // on tiny-glm5-next (8 layers), 2.5e-6 / 1.3e-5 on the 4–5-layer goldens; the sharded one measures 1.0e-5 / 6.3e-5
 // and 3.4e-6 / 1.6e-5. So 1e-5 sits on the noise floor and 2e-5 leaves it room, while a missing all-reduce or a
-// misplaced slice is off by O(1).
+// misplaced slice is off by O(1). The worst tensor is always an mHC scale: three scalars, each a sum over every token
+// and stream with much cancellation, so their relative error swings with any rounding change. Taking KDA's
+// activations from the chunked core (the forward's) instead of the recurrent one moved fp32_tail_off's
+// layers.0.hc_attn_scale by 4.6e-5 in the single-process backward alone, and its sharded error at np 2 ep 2 from
+// 1.3e-5 to 1.2e-4 (on four other batches the worst tensor stayed within 1.5e-6–6.7e-6 either way); hence 2e-4.
 class DistGrad : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DistGrad, EqualsSingleProcessGradients) {
@@ -313,7 +317,7 @@ TEST_P(DistGrad, EqualsSingleProcessGradients) {
         ASSERT_EQ(named[i].shape, ref_named[i].shape) << named[i].name;
         const size_t n = Tensor::count(named[i].shape);
         const double err = test::norm_rel_error(named[i].data, ref_named[i].data, n);
-        EXPECT_LE(err, 1e-4) << what << " " << named[i].name;
+        EXPECT_LE(err, 2e-4) << what << " " << named[i].name;
         if (err > worst) worst = err, worst_name = named[i].name;
         all.insert(all.end(), named[i].data, named[i].data + n);
         all_ref.insert(all_ref.end(), ref_named[i].data, ref_named[i].data + n);
@@ -329,6 +333,44 @@ TEST_P(DistGrad, EqualsSingleProcessGradients) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, DistGrad, ::testing::ValuesIn(test::golden_cases()),
                          [](const auto& info) { return test::param_name(info.param); });
+
+// The recompute policy changes when the sharded sub-layers run (and so how many collectives), not what they compute:
+// every rank's loss and gradient slices are the same bits under each policy.
+TEST(DistGrad, EveryRecomputePolicyGivesTheSameBits) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  PackedBatch batch;
+  std::vector<int32_t> s1, s2;
+  for (int i = 0; i < 19; ++i) s1.push_back((i * 53 + 7) % 256);
+  for (int i = 0; i < 7; ++i) s2.push_back((i * 19 + 1) % 256);
+  batch.add(s1);
+  batch.add(s2);
+  const Layout l{4, 2, 2};
+  auto run = [&](const RecomputePolicy& p, std::vector<double>& loss) {
+    std::vector<ModelWeights> g(l.n);
+    dist::run_ranks(l.n, [&](dist::Comm& w) {
+      dist::Mesh mesh(w, {l.tp, l.ep});
+      const dist::ShardedModel m = dist::load_sharded(dir, mesh);
+      g[w.rank()] = zeros_like(m.weights);
+      loss[w.rank()] = dist::parallel_forward_backward(m, mesh, batch, g[w.rank()], p);
+    });
+    return g;
+  };
+  std::vector<double> ref_loss(l.n), loss(l.n);
+  const std::vector<ModelWeights> ref = run(RecomputePolicy{}, ref_loss);
+  const ModelConfig c = Model::load(dir).config();
+  for (const char* policy : {"none", "kda,moe", "mla,mlp,mhc"}) {
+    const std::vector<ModelWeights> g = run(parse_recompute(policy), loss);
+    for (int r = 0; r < l.n; ++r) {
+      EXPECT_EQ(loss[r], ref_loss[r]) << policy << " rank " << r;
+      const auto a = hub_gradients(c, g[r], ""), b = hub_gradients(c, ref[r], "");
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_EQ(std::memcmp(a[i].data, b[i].data, Tensor::count(a[i].shape) * sizeof(float)), 0)
+            << policy << " rank " << r << " " << a[i].name;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace nextlm

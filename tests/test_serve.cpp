@@ -6,11 +6,7 @@
 // relies on, and of a Job's stop strings, hold-back and eos on the hand tokenizer's multi-byte tokens. And the
 // scheduler without HTTP: on the CPU backend each job equals generate(); on a stand-in decoder, newcomers are
 // prefilled in one call and the running jobs step in one, slots are cleared and reused, cancelling frees a slot.
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -48,72 +44,17 @@ using serve::JobRequest;
 
 const std::string kModel = std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next";
 
-// `nextlm serve --port 0 …` as a child process; the port is read from its "listening on" line.
-class ServerProcess {
+// `nextlm serve --port 0 --model MODEL --threads 1 EXTRA` as a child process.
+class ServerProcess : public ServeProcess {
  public:
-  explicit ServerProcess(const std::vector<std::string>& extra, const std::string& model = kModel) {
-    int out[2];
-    if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
-    std::vector<std::string> args = {NEXTLM_BINARY, "serve", "--model", model, "--port", "0", "--threads", "1"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], 1);
-      const int devnull = ::open("/dev/null", O_WRONLY);
-      ::dup2(devnull, 2);
-      ::close(out[0]);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    out_ = out[0];
-    // Read "listening on http://127.0.0.1:PORT\n", for at most 30 s.
-    std::string line;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-      pollfd p = {out_, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      char buf[256];
-      const ssize_t n = ::read(out_, buf, sizeof buf);
-      if (n <= 0) break;
-      line.append(buf, n);
-    }
-    const size_t colon = line.rfind(':');
-    if (line.rfind("listening on http://127.0.0.1:", 0) != 0 || colon == std::string::npos)
-      throw std::runtime_error("the server did not start: \"" + line + "\"");
-    port_ = std::stoi(line.substr(colon + 1));
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) stop(SIGKILL);
-    if (out_ >= 0) ::close(out_);
-  }
-
-  int port() const { return port_; }
-
-  // Sends the signal and returns the exit status (−1 when it did not exit within 15 s; it is then killed).
-  int stop(int sig) {
-    ::kill(pid_, sig);
-    int status = 0;
-    for (int i = 0; i < 1500; ++i) {
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return -1;
-  }
+  explicit ServerProcess(const std::vector<std::string>& extra, const std::string& model = kModel)
+      : ServeProcess(NEXTLM_BINARY, with_model(extra, model)) {}
 
  private:
-  pid_t pid_ = -1;
-  int out_ = -1;
-  int port_ = 0;
+  static std::vector<std::string> with_model(std::vector<std::string> extra, const std::string& model) {
+    extra.insert(extra.begin(), {"--model", model, "--threads", "1"});
+    return extra;
+  }
 };
 
 std::unique_ptr<httplib::Client> client(int port) {

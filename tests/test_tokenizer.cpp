@@ -7,11 +7,7 @@
 //   that tests/golden/make_tokenizer_goldens.py writes to tests/golden/tokenizer/ (per variant: pre-tokenized pieces,
 //   ids, decode with and without special tokens, decode of random ids, chat rendering; regex.json: Split
 //   pre-tokenizers against Oniguruma). They FAIL when those files are missing.
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -359,53 +355,10 @@ TEST(TokenizerCli, ChatNeedsATokenizer) {
   EXPECT_NE(r.err.find("--chat needs the model's tokenizer.json"), std::string::npos) << r.err;
 }
 
-// `nextlm serve --port 0` on `model` as a child process, stopped with SIGTERM (and waited for) when this goes out of
-// scope; port() is 0 when it did not start, and `line` is what it printed.
-class Server {
+// `nextlm serve --port 0` on `model` as a child process.
+class Server : public ServeProcess {
  public:
-  explicit Server(const std::string& model) {
-    int out[2];
-    if (::pipe(out) != 0) return;
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], 1);
-      const int devnull = ::open("/dev/null", O_WRONLY);
-      ::dup2(devnull, 2);
-      ::close(out[0]);
-      ::execl(NEXTLM_BINARY, NEXTLM_BINARY, "serve", "--model", model.c_str(), "--port", "0", "--threads", "1",
-              static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    fd_ = out[0];
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-      pollfd pf = {fd_, POLLIN, 0};
-      if (::poll(&pf, 1, 100) <= 0) continue;
-      char buf[256];
-      const ssize_t n = ::read(fd_, buf, sizeof buf);
-      if (n <= 0) break;
-      line.append(buf, static_cast<size_t>(n));
-    }
-    if (line.rfind("listening on http://127.0.0.1:", 0) == 0) port_ = std::stoi(line.substr(line.rfind(':') + 1));
-  }
-  ~Server() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGTERM);
-      int status = 0;
-      ::waitpid(pid_, &status, 0);
-    }
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Server(const Server&) = delete;
-  Server& operator=(const Server&) = delete;
-  int port() const { return port_; }
-  std::string line;
-
- private:
-  pid_t pid_ = -1;
-  int fd_ = -1;
-  int port_ = 0;
+  explicit Server(const std::string& model) : ServeProcess(NEXTLM_BINARY, {"--model", model, "--threads", "1"}) {}
 };
 
 // `nextlm serve` on the model with a tokenizer: text prompts and chat are encoded as `generate` encodes them, and
@@ -414,7 +367,6 @@ TEST(TokenizerServe, TextPromptsChatAndOutputUseTheTokenizer) {
   TempDir tmp;
   const std::string model = make_model_with_tokenizer(tmp);
   Server server(model);
-  ASSERT_GT(server.port(), 0) << server.line;
   httplib::Client cli("127.0.0.1", server.port());
   cli.set_read_timeout(60);
   auto post = [&](const char* path, const json& body) {
@@ -501,7 +453,6 @@ TEST(TokenizerServe, StopStringsCutTextAndTokens) {
   TempDir tmp;
   const std::string model = make_model_with_tokenizer(tmp);
   Server server(model);
-  ASSERT_GT(server.port(), 0) << server.line;
   httplib::Client cli("127.0.0.1", server.port());
   cli.set_read_timeout(60);
   auto complete = [&](const json& body) {
@@ -583,7 +534,6 @@ TEST(TokenizerServe, StopStringsCutTextAndTokens) {
   make_model_with_tokenizer(bare);
   fs::remove(bare.str("tokenizer.json"));
   Server ids_only(bare.str());
-  ASSERT_GT(ids_only.port(), 0) << ids_only.line;
   httplib::Client cli2("127.0.0.1", ids_only.port());
   auto refused = cli2.Post("/v1/completions", json{{"prompt", {1, 2}}, {"stop", "x"}}.dump(), "application/json");
   ASSERT_TRUE(refused);

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "model/init.h"
 #include "model/model.h"
@@ -215,6 +217,112 @@ TEST(Trainer, ResumeReproducesTheNextStepBitForBit) {
   b.save(dir.str("ckpt"));
   EXPECT_EQ(Trainer::resume(dir.str("ckpt"), text_examples(), opt).steps_done(), 4);
   EXPECT_FALSE(std::filesystem::exists(dir.str("ckpt.old")));
+}
+
+}  // namespace
+}  // namespace nextlm::test
+
+namespace nextlm::test {
+namespace {
+
+// ---- Recompute policy -------------------------------------------------------------------------------------------
+
+TEST(RecomputePolicy, ParsesAndPrints) {
+  EXPECT_EQ(parse_recompute("all"), RecomputePolicy{});
+  const RecomputePolicy none{false, false, false, false, false};
+  EXPECT_EQ(parse_recompute("none"), none);
+  const RecomputePolicy kda_moe{true, false, true, false, false};
+  EXPECT_EQ(parse_recompute("kda,moe"), kda_moe);
+  EXPECT_EQ(parse_recompute("moe,kda"), kda_moe);
+  EXPECT_EQ(recompute_to_string(kda_moe), "kda,moe");
+  EXPECT_EQ(recompute_to_string(RecomputePolicy{}), "all");
+  EXPECT_EQ(recompute_to_string(none), "none");
+  EXPECT_EQ(parse_recompute("kda,mla,moe,mlp,mhc"), RecomputePolicy{});
+  // Every one of the 32 policies reads back from its printed form.
+  for (int bits = 0; bits < 32; ++bits) {
+    const RecomputePolicy p{(bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0, (bits & 8) != 0, (bits & 16) != 0};
+    EXPECT_EQ(parse_recompute(recompute_to_string(p)), p) << recompute_to_string(p);
+  }
+  for (const char* bad : {"", "kda,", ",kda", "KDA", "kda,kda", "attention", "all,kda", "none,mhc", "kda moe"})
+    EXPECT_THROW(parse_recompute(bad), Error) << '"' << bad << '"';
+}
+
+// The policies change only when each sub-layer's forward runs, not what runs on what, so the loss and every gradient
+// are the same bits under all of them: on a packed batch of three sequences (one shorter than a k-pool) through a
+// KDA layer, a full-indexer and a shared-indexer DSA layer, dense and MoE layers, with a loss mask, accumulating
+// into gradients that already hold a batch.
+TEST(RecomputePolicy, EveryPolicyGivesTheSameLossAndGradients) {
+  ModelConfig c = fortunes_config();
+  using LT = LayerType;
+  c.num_hidden_layers = 4;
+  c.layer_types = {LT::LinearAttention, LT::SparseAttention, LT::SparseAttention, LT::LinearAttention};
+  c.mlp_layer_types = {MlpType::Dense, MlpType::Sparse, MlpType::Dense, MlpType::Sparse};
+  c.indexer_types = {IndexerType::Full, IndexerType::Full, IndexerType::Shared, IndexerType::Full};
+  validate(c);
+  const Model model(c, init_weights(c, 3));
+  PackedBatch b;
+  std::vector<int32_t> s1, s2;
+  for (int i = 0; i < 37; ++i) s1.push_back((i * 53 + 7) % 256);
+  for (int i = 0; i < 21; ++i) s2.push_back((i * 19 + 1) % 256);
+  b.add(s1);
+  b.add({72, 105, 33});
+  b.add(s2);
+  b.target_weight.assign(b.tokens.size(), 1.0f);
+  for (size_t t = 0; t < b.tokens.size(); t += 5) b.target_weight[t] = 0.0f;
+  PackedBatch first;
+  first.add({10, 20, 30, 40, 50, 60});
+
+  auto run = [&](const RecomputePolicy& p, double& loss) {
+    ModelWeights g = zeros_like(model.weights());
+    model_forward_backward(model, first, g, p);
+    loss = model_forward_backward(model, b, g, p);
+    return g;
+  };
+  double ref_loss = 0.0;
+  const ModelWeights ref = run(RecomputePolicy{}, ref_loss);
+  // The gradients are not trivially equal: every trainable tensor got some.
+  for (const GradTensor& g : hub_gradients(c, ref, "")) {
+    double sum = 0.0;
+    for (size_t i = 0; i < Tensor::count(g.shape); ++i) sum += std::fabs(g.data[i]);
+    EXPECT_GT(sum, 0.0) << g.name;
+  }
+  for (const char* policy : {"none", "kda", "mla", "moe", "mlp", "mhc", "kda,moe", "mla,mlp,mhc"}) {
+    double loss = 0.0;
+    const ModelWeights g = run(parse_recompute(policy), loss);
+    EXPECT_EQ(loss, ref_loss) << policy;
+    EXPECT_TRUE(same_grads(c, g, ref)) << policy;
+  }
+}
+
+// The trainer takes the policy from its options and stores it in the checkpoint (old checkpoints without it read
+// as the default); a run under another policy takes the same steps.
+TEST(RecomputePolicy, TrainerStoresItAndStepsTheSame) {
+  const ModelConfig c = fortunes_config();
+  TrainOptions opt;
+  opt.steps = 2;
+  opt.batch_tokens = 48;
+  opt.seed = 2;
+  Trainer a(Model(c, init_weights(c, opt.seed)), text_examples(), opt);
+  opt.recompute = parse_recompute("moe,mhc");
+  Trainer b(Model(c, init_weights(c, opt.seed)), text_examples(), opt);
+  for (int i = 0; i < 2; ++i) {
+    const StepStats sa = a.step(), sb = b.step();
+    EXPECT_EQ(sa.loss, sb.loss);
+    EXPECT_EQ(sa.grad_norm, sb.grad_norm);
+  }
+  EXPECT_TRUE(same_weights(c, a.model().weights(), b.model().weights()));
+  TempDir dir;
+  b.save(dir.str("ckpt"));
+  EXPECT_EQ(Trainer::stored_options(dir.str("ckpt")).recompute, opt.recompute);
+  // A checkpoint from before the policy existed: no "recompute" in its options.
+  const std::string state = dir.str("ckpt") + "/trainer_state.json";
+  std::ifstream in(state);
+  nlohmann::json j = nlohmann::json::parse(in);
+  in.close();
+  ASSERT_EQ(j.at("options").at("recompute"), "moe,mhc");
+  j["options"].erase("recompute");
+  std::ofstream(state) << j.dump();
+  EXPECT_EQ(Trainer::stored_options(dir.str("ckpt")).recompute, RecomputePolicy{});
 }
 
 }  // namespace

@@ -108,6 +108,9 @@ TEST(TrainCli, BadInputGivesOneLineErrorAndNoOutput) {
       {"--config '" + config() + "' --data '" + data + "' --lr -1", 2, "--lr"},
       {"--config '" + config() + "' --data '" + data + "' --grad-accum 0", 2, "--grad-accum"},
       {"--resume '" + dir.str("nothing") + "' --data '" + data + "'", 1, "--resume"},
+      {"--config '" + config() + "' --data '" + data + "' --recompute kda,attention", 2, "--recompute: unknown"},
+      {"--config '" + config() + "' --data '" + data + "' --recompute ''", 2, "--recompute"},
+      {"--config '" + config() + "' --data '" + data + "' --recompute moe,moe", 2, "twice"},
   };
   for (const Case& c : cases) {
     const CliResult r = run_nextlm("train " + c.args + " --out '" + out + "' --steps 2");
@@ -117,6 +120,43 @@ TEST(TrainCli, BadInputGivesOneLineErrorAndNoOutput) {
     EXPECT_NE(r.err.find(c.mention), std::string::npos) << r.err;
     EXPECT_FALSE(fs::exists(out)) << c.args;
   }
+}
+
+// The columns of a log but the seconds.
+std::vector<std::string> csv_rows_without_time(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line.substr(0, line.rfind(',')));
+  return out;
+}
+
+// --recompute changes memory and time only: the same log bit for bit; the policy and the peak memory are reported
+// at the end, and a resumed run keeps the stored policy unless --recompute is given again.
+TEST(TrainCli, RecomputePolicyIsReportedStoredAndChangesNoResult) {
+  TempDir dir;
+  const std::string data = write_text_data(dir);
+  const std::string common = "train --config '" + config() + "' --data '" + data +
+                             "' --steps 3 --warmup 1 --lr 1e-2 --batch-tokens 128 --threads 2 --seed 4";
+  const CliResult all = run_nextlm(common + " --out '" + dir.str("all") + "'");
+  ASSERT_EQ(all.rc, 0) << all.err;
+  EXPECT_NE(all.err.find("recompute all"), std::string::npos) << all.err;
+  const CliResult none = run_nextlm(common + " --out '" + dir.str("none") + "' --recompute none");
+  ASSERT_EQ(none.rc, 0) << none.err;
+  const std::string done = none.err.substr(none.err.find("done:"));
+  EXPECT_NE(done.find("tokens/s"), std::string::npos) << done;
+  EXPECT_NE(done.find("peak memory"), std::string::npos) << done;
+  EXPECT_NE(done.find("with recompute none"), std::string::npos) << done;
+  const auto rows = csv_rows_without_time(dir.str("all") + "/train_log.csv");
+  EXPECT_EQ(rows.size(), 4u);
+  EXPECT_EQ(csv_rows_without_time(dir.str("none") + "/train_log.csv"), rows);
+  const std::string resume = "train --resume '" + dir.str("none") + "' --out '" + dir.str("none") + "' --data '" + data;
+  const CliResult resumed = run_nextlm(resume + "' --steps 4");
+  ASSERT_EQ(resumed.rc, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("with recompute none"), std::string::npos) << resumed.err;
+  const CliResult changed = run_nextlm(resume + "' --steps 5 --recompute kda,mhc");
+  ASSERT_EQ(changed.rc, 0) << changed.err;
+  EXPECT_NE(changed.err.find("with recompute kda,mhc"), std::string::npos) << changed.err;
 }
 
 TEST(TrainCli, SigintSavesACheckpointThatResumes) {

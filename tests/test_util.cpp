@@ -1,15 +1,22 @@
 // Test helpers (see test_util.h).
 #include "test_util.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <random>
 #include <sstream>
+#include <stdexcept>
+#include <thread>
 
 namespace nextlm::test {
 
@@ -133,6 +140,64 @@ void copy_dir(const std::string& from, const std::string& to) {
   std::filesystem::create_directories(to);
   std::filesystem::copy(from, to, std::filesystem::copy_options::recursive |
                                       std::filesystem::copy_options::overwrite_existing);
+}
+
+ServeProcess::ServeProcess(const std::string& binary, std::vector<std::string> args, int start_seconds, bool quiet) {
+  int out[2];
+  if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
+  args.insert(args.begin(), {binary, "serve", "--port", "0"});
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    ::dup2(out[1], 1);
+    if (quiet) ::dup2(::open("/dev/null", O_WRONLY), 2);
+    ::close(out[0]);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  out_ = out[0];
+  std::string line;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(start_seconds);
+  while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    pollfd p = {out_, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    char buf[256];
+    const ssize_t n = ::read(out_, buf, sizeof buf);
+    if (n <= 0) break;
+    line.append(buf, static_cast<size_t>(n));
+  }
+  const size_t colon = line.rfind(':');
+  if (line.rfind("listening on http://127.0.0.1:", 0) != 0 || colon == std::string::npos)
+    throw std::runtime_error("the server did not start: \"" + line + "\"");
+  port_ = std::stoi(line.substr(colon + 1));
+}
+
+ServeProcess::~ServeProcess() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  if (out_ >= 0) ::close(out_);
+}
+
+int ServeProcess::stop(int sig, int timeout_seconds) {
+  ::kill(pid_, sig);
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return -1;
 }
 
 }  // namespace nextlm::test

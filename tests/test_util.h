@@ -47,6 +47,26 @@ CliResult run_nextlm(const std::string& args);
 // s as one single-quoted shell word.
 std::string shell_quote(const std::string& s);
 
+// `BINARY serve --port 0 ARGS` as a child process: its stdout is read for the "listening on http://127.0.0.1:PORT"
+// line for up to start_seconds (CUDA start-up and a weights upload take a while); its stderr is this process's, or
+// /dev/null when quiet. Throws std::runtime_error with what it printed when it did not start. Killed and reaped when
+// this dies, unless stop() ran.
+class ServeProcess {
+ public:
+  ServeProcess(const std::string& binary, std::vector<std::string> args, int start_seconds = 30, bool quiet = true);
+  ~ServeProcess();
+  ServeProcess(const ServeProcess&) = delete;
+  ServeProcess& operator=(const ServeProcess&) = delete;
+  int port() const { return port_; }
+  // Sends `sig` and waits up to timeout_seconds: the exit status, or −1 (then it is killed).
+  int stop(int sig, int timeout_seconds = 15);
+
+ private:
+  int pid_ = -1;
+  int out_ = -1;
+  int port_ = 0;
+};
+
 // Copies a checkpoint directory.
 void copy_dir(const std::string& from, const std::string& to);
 

@@ -13,12 +13,14 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "cpu/linear.h"
 #include "dist/parallel_trainer.h"
 #include "io/atomic_file.h"
 #include "model/init.h"
+#include "model/train.h"
 #include "model/trainer.h"
 
 namespace nextlm {
@@ -135,6 +137,12 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   tr->add_option("--ep", a.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts); the "
                  "-np / lcm(tp, ep) replicas split each step's sequences (data parallelism)")
       ->capture_default_str();
+  tr->add_option("--recompute", a.recompute,
+                 "sub-layers the backward runs forward again (the others keep their activations from the forward: "
+                 "more memory, less time, the same results): all, none, or a comma-separated list of kda, mla, moe, "
+                 "mlp, mhc")
+      ->type_name("POLICY")
+      ->capture_default_str();
   tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
   tr->add_option("--lora-rank", a.lora_rank, "train LoRA adapters of this rank on the --model (frozen) instead");
   tr->add_option("--lora-alpha", a.lora_alpha, "LoRA alpha: W + (alpha/rank)·B·A (default: the rank)");
@@ -165,6 +173,14 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (a.threads < 0 || a.threads > 1024) throw TrainUsageError("--threads must be from 1 to 1024");
   if (a.tp < 1) throw TrainUsageError("--tp must be >= 1");
   if (a.ep < 1) throw TrainUsageError("--ep must be >= 1");
+  std::optional<RecomputePolicy> recompute;
+  if (given("--recompute")) {
+    try {
+      recompute = parse_recompute(a.recompute);
+    } catch (const Error& e) {
+      throw TrainUsageError(std::string("--recompute: ") + e.what());
+    }
+  }
   // Under mpirun (or with --tp/--ep) every rank trains its slices on its replica's share of the data.
   const bool parallel = a.tp > 1 || a.ep > 1 || dist::launched_by_mpi();
   if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
@@ -215,6 +231,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (resume_dir.empty() || given("--lr")) opt.adamw.lr = a.lr;
   if (resume_dir.empty() || given("--weight-decay")) opt.adamw.weight_decay = a.weight_decay;
   if (resume_dir.empty() || given("--adam-eps")) opt.adamw.eps = a.adam_eps;
+  if (resume_dir.empty() || recompute) opt.recompute = recompute.value_or(RecomputePolicy{});
   if (given("--lora-rank")) {
     LoraOptions lo;
     lo.rank = a.lora_rank;
@@ -308,13 +325,15 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
               << " data-parallel replicas of " << mesh->replica_size << " (tp " << a.tp << ", ep " << a.ep << ")\n";
   if (lead)
     std::cerr << "training " << num_trainable << " parameters, steps " << steps_done() << " -> " << opt.steps
-              << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step\n";
+              << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step, recompute "
+              << recompute_to_string(opt.recompute) << "\n";
   double elapsed = 0.0;
-  int64_t done_here = 0;
+  int64_t done_here = 0, tokens_here = 0;
   bool stop = false;
   while (steps_done() < opt.steps && !(stop = interrupted())) {
     const StepStats st = trainer ? trainer->step() : ptrainer->step();
     elapsed += st.seconds;
+    tokens_here += st.tokens;
     ++done_here;
     if (lead) {
       const LogRow r{st.step, st.loss, st.lr, st.grad_norm, st.tokens, st.seconds};
@@ -341,7 +360,8 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (lead)
     std::cerr << "done: " << steps_done() << " steps in " << duration(elapsed) << "; "
               << (trainer && trainer->lora() ? "adapter" : "model") << " and checkpoint in " << ckpt_dir << ", log "
-              << log << "; peak memory " << fmt("%.0f", peak_rss_mib()) << " MiB\n";
+              << log << "; " << fmt("%.0f", done_here > 0 ? tokens_here / elapsed : 0.0) << " tokens/s, peak memory "
+              << fmt("%.0f", peak_rss_mib()) << " MiB with recompute " << recompute_to_string(opt.recompute) << "\n";
   return 0;
 }
 

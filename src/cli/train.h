@@ -21,6 +21,7 @@ struct TrainArgs {
   double lora_alpha = 0.0;  // 0: the rank (scale 1)
   std::string lora_targets = "all", lora_experts = "per-expert";
   bool lora_rank_div_topk = false;
+  std::string recompute = "all";  // model/train.h's parse_recompute syntax
 };
 
 // A bad combination of train's flags (exit status 2, like CLI11's own parse errors).

@@ -121,25 +121,22 @@ double head_parallel_backward(const ShardedModel& m, const Mesh& mesh, const flo
 }  // namespace
 
 double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const PackedBatch& batch,
-                                 ModelWeights& grads) {
+                                 ModelWeights& grads, const RecomputePolicy& policy) {
   const ModelConfig& c = m.config;
-  const ModelConfig& lc = m.local;
   const ModelWeights& w = m.weights;
   validate_batch(batch, c.vocab_size);
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
         batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
   const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size;
   const size_t TD = static_cast<size_t>(T * D);
-  const float limit = static_cast<float>(c.swiglu_limit);
-  const auto& cu = batch.cu_seqlens;
   Comm& tp = *mesh.tp;
 
   // model_forward_backward's skeleton (model/train.cpp) with this rank's sharded sub-layers: attention heads and
   // the dense MLP / shared expert split over TP (their outputs and input gradients all-reduced), experts over EP,
   // the vocabulary over TP.
-  KdaActs kda_acts;
-  DsaActs dsa_acts;
   TrainParts parts;
+  parts.attention_config = &m.local;
+  parts.tp_sum = [&](float* x, size_t n) { tp.all_reduce_sum(x, n); };
   parts.embed = [&](const std::vector<int32_t>& tokens, float* e) {
     std::fill(e, e + TD, 0.0f);
     for (int64_t t = 0; t < T; ++t) {
@@ -148,70 +145,14 @@ double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const 
     }
     tp.all_reduce_sum(e, TD);
   };
-  parts.attention = [&](int64_t i, const float* a, float* y, Selection& sel) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.kda) {
-      kda_layer_forward(*lw.kda, lc, a, T, cu, y);
-    } else {
-      dsa_layer_forward(*lw.dsa, lc, a, T, cu, sel, y);
-    }
-    tp.all_reduce_sum(y, TD);
+  // moe_parallel_forward routes each rank's share of the tokens itself, to the same choice as `route`.
+  parts.moe_forward = [&](int64_t i, const float* a, const Routing&, float* y) {
+    moe_parallel_forward(*w.layers[i].moe, m, mesh, a, T, y);
   };
-  parts.ffn = [&](int64_t i, const float* a, float* y, Routing& route) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, limit, a, T, D, y);
-      tp.all_reduce_sum(y, TD);
-    } else {
-      route = route_forward(*lw.moe, c, a, T);
-      moe_parallel_forward(*lw.moe, m, mesh, a, T, y);
-    }
+  parts.moe_backward = [&](int64_t i, const float* a, const Routing& route, const float* dy, float* da) {
+    moe_parallel_backward(*w.layers[i].moe, m, mesh, a, T, route, dy, da, *grads.layers[i].moe);
   };
-  parts.head = [&](const float* h, float* dh) {
-    if (!c.tie_word_embeddings) return head_parallel_backward(m, mesh, h, batch, dh, grads);
-    Tensor dlm(grads.lm_head.shape, 0.0f);
-    std::swap(grads.lm_head, dlm);
-    const double loss = head_parallel_backward(m, mesh, h, batch, dh, grads);
-    std::swap(grads.lm_head, dlm);
-    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
-    return loss;
-  };
-  parts.attention_train = [&](int64_t i, const float* a, const Selection& sel, float* y) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.kda) {
-      kda_layer_forward_train(*lw.kda, lc, a, T, cu, kda_acts, y);
-    } else {
-      dsa_layer_forward_train(*lw.dsa, lc, a, T, cu, sel, dsa_acts, y);
-    }
-    tp.all_reduce_sum(y, TD);
-  };
-  parts.attention_backward = [&](int64_t i, const float* a, const Selection& sel, const float* dy, float* da) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.kda) {
-      kda_layer_backward(*lw.kda, lc, a, T, cu, kda_acts, dy, da, *grads.layers[i].kda);
-    } else {
-      dsa_layer_backward(*lw.dsa, lc, a, T, cu, sel, dsa_acts, dy, da, *grads.layers[i].dsa);
-    }
-    tp.all_reduce_sum(da, TD);
-  };
-  parts.ffn_train = [&](int64_t i, const float* a, const Routing&, float* y) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, limit, a, T, D, y);
-      tp.all_reduce_sum(y, TD);
-    } else {
-      moe_parallel_forward(*lw.moe, m, mesh, a, T, y);
-    }
-  };
-  parts.ffn_backward = [&](int64_t i, const float* a, const Routing& route, const float* dy, float* da) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.mlp) {
-      mlp_backward(*lw.mlp, limit, a, T, D, dy, da, *grads.layers[i].mlp);
-      tp.all_reduce_sum(da, TD);
-    } else {
-      moe_parallel_backward(*lw.moe, m, mesh, a, T, route, dy, da, *grads.layers[i].moe);
-    }
-  };
+  parts.head = [&](const float* h, float* dh) { return head_parallel_backward(m, mesh, h, batch, dh, grads); };
   parts.embed_backward = [&](const std::vector<int32_t>& tokens, const float* dh) {
     // Vocab-parallel embedding: this rank's rows.
     for (int64_t t = 0; t < T; ++t) {
@@ -223,7 +164,7 @@ double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const 
         for (int64_t d = 0; d < D; ++d) row[d] += dh[(t * S + s) * D + d];
     }
   };
-  return forward_backward(c, w, batch, grads, parts);
+  return forward_backward(c, w, batch, grads, parts, policy);
 }
 
 namespace {

@@ -21,9 +21,10 @@
 namespace nextlm::dist {
 
 // L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) (weighted by batch.target_weight as model_forward_backward), the same on
-// every rank, and grads += dL/dθ for this rank's slices (grads from zeros_like(m.weights)).
+// every rank, and grads += dL/dθ for this rank's slices (grads from zeros_like(m.weights)). `policy` as in
+// model_forward_backward (the same results under every policy); it must be the same on every rank.
 double parallel_forward_backward(const ShardedModel& m, const Mesh& mesh, const PackedBatch& batch,
-                                 ModelWeights& grads);
+                                 ModelWeights& grads, const RecomputePolicy& policy = {});
 
 // The full gradients with the checkpoint's shapes, assembled on every rank from every rank's slices (collective over
 // the TP and EP groups). Frozen tensors stay empty, as zeros_like leaves them.

@@ -189,7 +189,8 @@ StepStats ParallelTrainer::step() {
     tokens += b.num_tokens();
     weight += prediction_weight(b);
     const Range share = replica_share(b, dp.size(), dp.rank());
-    if (share.size() > 0) loss += parallel_forward_backward(model_, *mesh_, sub_batch(b, share), grads_);
+    if (share.size() > 0)
+      loss += parallel_forward_backward(model_, *mesh_, sub_batch(b, share), grads_, opt_.recompute);
   }
   // Sums over the replicas (one flat buffer), then the TP sums of the partial gradients.
   if (dp.size() > 1) {

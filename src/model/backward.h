@@ -15,8 +15,9 @@
 //  * The loss is L = Σ_seq Σ_t −log p(x[t+1] | x[..t]): a sum over every predicted token, not a mean.
 //
 // Saved activations: each layer's backward takes the struct its *_forward_train filled (or, for the cheap ones,
-// the forward's input, from which it recomputes what it needs). The model-level backward (train.h) saves only the
-// residual streams between sites and recomputes one layer at a time.
+// the forward's input, from which it recomputes what it needs). The model-level backward (train.h) saves the
+// residual streams between sites and, by its RecomputePolicy, either recomputes a layer's sub-layers right before
+// their backward or keeps their activations from the forward.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -86,6 +87,7 @@ void kda_recurrent_backward(const KdaSeq& s, const float* do_, float* dq, float*
 
 // What kda_layer_backward reads, filled by kda_layer_forward_train. Shapes [T, H·K] unless noted.
 struct KdaActs {
+  std::vector<float> q_raw, k_raw, v_raw;  // q/k/v projections of a, the conv inputs
   std::vector<float> q_pre, k_pre, v_pre;  // causal conv outputs before SiLU
   std::vector<float> q_act, k_act;         // after SiLU, before the L2 norm
   std::vector<float> q, k, v;              // the recurrence inputs (q L2-normed and scaled by K^-1/2, k L2-normed)
@@ -99,9 +101,12 @@ struct KdaActs {
   std::vector<float> on;                   // RMSNorm_K(o)·sigmoid(gate): the o_proj input
 };
 
-// The same function as kda_layer_forward (recurrent core), keeping the activations. a [T, D], y [T, D].
+// The same function as kda_layer_forward, keeping the activations. a [T, D], y [T, D]. `form` chooses the core that
+// makes acts.o (the training forward uses the chunked one, as kda_layer_forward, whose bits it then gives);
+// kda_layer_backward walks back through the recurrent form either way (the two are equal up to rounding).
 void kda_layer_forward_train(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T,
-                             const std::vector<int64_t>& cu_seqlens, KdaActs& acts, float* y);
+                             const std::vector<int64_t>& cu_seqlens, KdaActs& acts, float* y,
+                             KdaForm form = KdaForm::Recurrent);
 // da [T, D] += …, dw += … (every KDA parameter, conv weights [H·K, W], A_log and dt_bias included).
 void kda_layer_backward(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T,
                         const std::vector<int64_t>& cu_seqlens, const KdaActs& acts, const float* dy, float* da,
@@ -122,6 +127,10 @@ struct DsaActs {
 // or the previous layer, which gets no gradient). a [T, D], y [T, D].
 void dsa_layer_forward_train(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
                              const std::vector<int64_t>& cu_seqlens, const Selection& sel, DsaActs& acts, float* y);
+// The same for the training forward: a full-indexer layer first makes its selection into sel from the normed q
+// latent (as dsa_layer_forward does); a shared one reads the previous layer's from sel.
+void dsa_layer_forward_train_select(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
+                                    const std::vector<int64_t>& cu_seqlens, Selection& sel, DsaActs& acts, float* y);
 // da [T, D] += …, dw += … (indexer excluded). A query whose selection is empty has uniform weights over its
 // sequence in the forward; its backward is autograd's, as in transformers' eager attention (the all-masked row's
 // scores are finite and equal after adding finfo.min, and softmax's backward uses the uniform output), so v gets

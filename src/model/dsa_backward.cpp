@@ -28,14 +28,11 @@ std::vector<int32_t> keys_of(const Selection& sel, int64_t t0, int64_t t, int64_
   return keys;
 }
 
-}  // namespace
-
-void dsa_layer_forward_train(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
-                             const std::vector<int64_t>& cu, const Selection& sel, DsaActs& x, float* y) {
+// The projections of dsa_layer_forward_train: the q and kv latents, q and kv.
+void dsa_project_train(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T, DsaActs& x) {
   const int64_t D = c.hidden_size, NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim;
   const int64_t QL = c.q_lora_rank, KL = c.kv_lora_rank, dkv = dqk + dv;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  check(static_cast<int64_t>(sel.size()) == T, "DSA layer: selection has ", sel.size(), " rows for ", T, " tokens");
   x.qr_raw.assign(T * QL, 0.0f);
   x.qr.assign(T * QL, 0.0f);
   x.q.assign(T * NH * dqk, 0.0f);
@@ -49,7 +46,13 @@ void dsa_layer_forward_train(const DsaWeights& w, const ModelConfig& c, const fl
   cpu::linear(a, T, D, w.kv_a, x.lat_raw.data());
   rmsnorm_forward(x.lat_raw.data(), w.kv_a_norm.ptr(), x.lat.data(), T, KL, eps);
   cpu::linear(x.lat.data(), T, KL, w.kv_b, x.kv.data());
+}
 
+// The attention of dsa_layer_forward_train over the selection, from the projections in x; fills x.o, writes y.
+void dsa_attend_train(const DsaWeights& w, const ModelConfig& c, int64_t T, const std::vector<int64_t>& cu,
+                      const Selection& sel, DsaActs& x, float* y) {
+  const int64_t NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim, dkv = dqk + dv;
+  check(static_cast<int64_t>(sel.size()) == T, "DSA layer: selection has ", sel.size(), " rows for ", T, " tokens");
   const float scale = 1.0f / std::sqrt(static_cast<float>(dqk));
   for (size_t n = 0; n + 1 < cu.size(); ++n) {
     const int64_t t0 = cu[n], L = cu[n + 1] - cu[n];
@@ -70,6 +73,21 @@ void dsa_layer_forward_train(const DsaWeights& w, const ModelConfig& c, const fl
     }
   }
   cpu::linear(x.o.data(), T, NH * dv, w.o_proj, y);
+}
+
+}  // namespace
+
+void dsa_layer_forward_train(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
+                             const std::vector<int64_t>& cu, const Selection& sel, DsaActs& x, float* y) {
+  dsa_project_train(w, c, a, T, x);
+  dsa_attend_train(w, c, T, cu, sel, x, y);
+}
+
+void dsa_layer_forward_train_select(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,
+                                    const std::vector<int64_t>& cu, Selection& sel, DsaActs& x, float* y) {
+  dsa_project_train(w, c, a, T, x);
+  if (w.indexer) sel = indexer_forward(*w.indexer, c, a, x.qr.data(), T, cu);
+  dsa_attend_train(w, c, T, cu, sel, x, y);
 }
 
 void dsa_layer_backward(const DsaWeights& w, const ModelConfig& c, const float* a, int64_t T,

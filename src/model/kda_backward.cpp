@@ -191,22 +191,21 @@ void kda_recurrent_backward(const KdaSeq& s, const float* do_, float* dq, float*
 }
 
 void kda_layer_forward_train(const KdaWeights& w, const ModelConfig& c, const float* a, int64_t T,
-                             const std::vector<int64_t>& cu, KdaActs& x, float* y) {
+                             const std::vector<int64_t>& cu, KdaActs& x, float* y, KdaForm form) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K;
   const size_t n = static_cast<size_t>(T * HK);
-  std::vector<float> raw(n);
-  for (auto* v : {&x.q_pre, &x.k_pre, &x.v_pre, &x.q_act, &x.k_act, &x.q, &x.k, &x.v, &x.f, &x.g, &x.o, &x.gate,
-                  &x.on})
+  for (auto* v : {&x.q_raw, &x.k_raw, &x.v_raw, &x.q_pre, &x.k_pre, &x.v_pre, &x.q_act, &x.k_act, &x.q, &x.k,
+                  &x.v, &x.f, &x.g, &x.o, &x.gate, &x.on})
     v->assign(n, 0.0f);
   x.fa.assign(T * K, 0.0f);
   x.ga.assign(T * K, 0.0f);
   x.beta.assign(T * H, 0.0f);
-  cpu::linear(a, T, D, w.q_proj, raw.data());
-  causal_conv(raw.data(), w.q_conv, T, HK, cu, x.q_pre.data());
-  cpu::linear(a, T, D, w.k_proj, raw.data());
-  causal_conv(raw.data(), w.k_conv, T, HK, cu, x.k_pre.data());
-  cpu::linear(a, T, D, w.v_proj, raw.data());
-  causal_conv(raw.data(), w.v_conv, T, HK, cu, x.v_pre.data());
+  cpu::linear(a, T, D, w.q_proj, x.q_raw.data());
+  causal_conv(x.q_raw.data(), w.q_conv, T, HK, cu, x.q_pre.data());
+  cpu::linear(a, T, D, w.k_proj, x.k_raw.data());
+  causal_conv(x.k_raw.data(), w.k_conv, T, HK, cu, x.k_pre.data());
+  cpu::linear(a, T, D, w.v_proj, x.v_raw.data());
+  causal_conv(x.v_raw.data(), w.v_conv, T, HK, cu, x.v_pre.data());
   for (size_t i = 0; i < n; ++i) {
     x.q_act[i] = siluf(x.q_pre[i]);
     x.k_act[i] = siluf(x.k_pre[i]);
@@ -241,7 +240,11 @@ void kda_layer_forward_train(const KdaWeights& w, const ModelConfig& c, const fl
       KdaSeq seq{x.q.data() + off, x.k.data() + off, x.v.data() + off, x.g.data() + off, x.beta.data() + t0 * H + h,
                  cu[s + 1] - t0, K, HK, H, x.o.data() + off};
       std::vector<float> state(K * K, 0.0f);
-      kda_recurrent_forward(seq, state.data());
+      if (form == KdaForm::Chunked) {
+        kda_chunked_forward(seq, state.data());
+      } else {
+        kda_recurrent_forward(seq, state.data());
+      }
     }
 
   cpu::linear(a, T, D, w.g_a, x.ga.data());
@@ -320,9 +323,10 @@ void kda_layer_backward(const KdaWeights& w, const ModelConfig& c, const float* 
   cpu::linear_backward(a, T, D, w.f_a, dfa.data(), da, &dw.f_a);
 
   // q = K^-1/2·L2(silu(conv(q_proj·a))), k = L2(silu(conv(k_proj·a))), v = silu(conv(v_proj·a))
-  std::vector<float> dact(n), draw(n), raw(n);
-  auto branch = [&](const std::vector<float>& pre, const std::vector<float>* act, const std::vector<float>& dout,
-                    float scale, const Tensor& proj, const Tensor& conv, Tensor& dproj, Tensor& dconv) {
+  std::vector<float> dact(n), draw(n);
+  auto branch = [&](const std::vector<float>& raw, const std::vector<float>& pre, const std::vector<float>* act,
+                    const std::vector<float>& dout, float scale, const Tensor& proj, const Tensor& conv, Tensor& dproj,
+                    Tensor& dconv) {
     if (act) {
       std::fill(dact.begin(), dact.end(), 0.0f);
       l2norm_backward(act->data(), dout.data(), T * H, K, scale, dact.data());
@@ -330,14 +334,14 @@ void kda_layer_backward(const KdaWeights& w, const ModelConfig& c, const float* 
       dact = dout;
     }
     for (size_t i = 0; i < n; ++i) dact[i] *= silu_grad(pre[i]);  // now d pre
-    cpu::linear(a, T, D, proj, raw.data());
     std::fill(draw.begin(), draw.end(), 0.0f);
     causal_conv_backward(raw.data(), conv, T, HK, cu, dact.data(), draw.data(), dconv);
     cpu::linear_backward(a, T, D, proj, draw.data(), da, &dproj);
   };
-  branch(x.q_pre, &x.q_act, dq, 1.0f / std::sqrt(static_cast<float>(K)), w.q_proj, w.q_conv, dw.q_proj, dw.q_conv);
-  branch(x.k_pre, &x.k_act, dk, 1.0f, w.k_proj, w.k_conv, dw.k_proj, dw.k_conv);
-  branch(x.v_pre, nullptr, dv, 1.0f, w.v_proj, w.v_conv, dw.v_proj, dw.v_conv);
+  branch(x.q_raw, x.q_pre, &x.q_act, dq, 1.0f / std::sqrt(static_cast<float>(K)), w.q_proj, w.q_conv, dw.q_proj,
+         dw.q_conv);
+  branch(x.k_raw, x.k_pre, &x.k_act, dk, 1.0f, w.k_proj, w.k_conv, dw.k_proj, dw.k_conv);
+  branch(x.v_raw, x.v_pre, nullptr, dv, 1.0f, w.v_proj, w.v_conv, dw.v_proj, dw.v_conv);
 }
 
 }  // namespace nextlm

@@ -3,6 +3,7 @@
 #include "model/train.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "core/error.h"
 #include "model/norm.h"
@@ -59,161 +60,259 @@ ModelWeights zeros_like(const ModelWeights& w) {
   return g;
 }
 
+namespace {
+
+constexpr const char* kComponents[] = {"kda", "mla", "moe", "mlp", "mhc"};
+
+// The flag of kComponents[i].
+bool& component(RecomputePolicy& p, size_t i) {
+  bool* f[] = {&p.kda, &p.mla, &p.moe, &p.mlp, &p.mhc};
+  return *f[i];
+}
+
+// What the forward keeps of one mHC site for its backward.
+struct SiteSaved {
+  std::vector<float> h;              // [T, S, D] the streams entering the site (always)
+  HcMix mix;                         // mhc kept
+  std::vector<float> a_raw, a;       // [T, D] the sub-layer input before and after its RMSNorm (mhc kept)
+  std::vector<float> y;              // [T, D] the sub-layer's output (the sub-layer kept)
+};
+
+struct LayerSaved {
+  SiteSaved attn, ffn;
+  Selection sel;    // DSA layers: the selection attended over (a constant of the backward)
+  Routing route;    // MoE layers: the experts chosen (a constant of the backward)
+  KdaActs kda;      // kda kept
+  DsaActs dsa;      // mla kept
+};
+
+}  // namespace
+
+std::string recompute_to_string(const RecomputePolicy& p) {
+  if (p == RecomputePolicy{}) return "all";
+  std::string out;
+  RecomputePolicy q = p;
+  for (size_t i = 0; i < std::size(kComponents); ++i) {
+    if (!component(q, i)) continue;
+    if (!out.empty()) out += ',';
+    out += kComponents[i];
+  }
+  return out.empty() ? "none" : out;
+}
+
+RecomputePolicy parse_recompute(const std::string& s) {
+  const std::string expected = " (expected all, none or a comma-separated list of kda, mla, moe, mlp, mhc)";
+  if (s == "all") return RecomputePolicy{};
+  RecomputePolicy p{false, false, false, false, false};
+  if (s == "none") return p;
+  check(!s.empty(), "empty recompute policy", expected);
+  size_t b = 0;
+  while (true) {
+    const size_t e = std::min(s.find(',', b), s.size());
+    const std::string name = s.substr(b, e - b);
+    size_t i = 0;
+    while (i < std::size(kComponents) && name != kComponents[i]) ++i;
+    check(i < std::size(kComponents), "unknown component \"", name, "\" in \"", s, "\"", expected);
+    check(!component(p, i), "component \"", name, "\" given twice in \"", s, "\"");
+    component(p, i) = true;
+    if (e == s.size()) break;
+    b = e + 1;
+  }
+  return p;
+}
+
 double forward_backward(const ModelConfig& c, const ModelWeights& w, const PackedBatch& batch, ModelWeights& grads,
-                        const TrainParts& parts) {
+                        const TrainParts& parts, const RecomputePolicy& policy) {
   check(grads.layers.size() == w.layers.size(), "gradients have ", grads.layers.size(), " layers, the model ",
         w.layers.size());
   const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, Lyr = c.num_hidden_layers;
-  const size_t TSD = static_cast<size_t>(T * S * D);
+  const size_t TD = static_cast<size_t>(T * D), TSD = static_cast<size_t>(T * S * D);
   const float eps = static_cast<float>(c.rms_norm_eps);
+  const float limit = static_cast<float>(c.swiglu_limit);
+  const ModelConfig& ac = parts.attention_config ? *parts.attention_config : c;
+  const auto& cu = batch.cu_seqlens;
+  auto tp_sum = [&](float* x) {
+    if (parts.tp_sum) parts.tp_sum(x, TD);
+  };
 
-  // Forward, keeping the streams entering each site, the selections and the expert choices.
-  std::vector<std::vector<float>> h_attn(Lyr), h_ffn(Lyr);
-  std::vector<Selection> sels(Lyr);
-  std::vector<Routing> routes(Lyr);
-  std::vector<float> h(TSD), a(T * D), y(T * D);
+  // The sub-layers. Their forwards are the functions the backward recomputes with, so that a sub-layer kept from
+  // the forward and one recomputed give the same bits; kda/dsa fill the layer's acts when kept, else the scratch
+  // ones (those of the layer being walked back).
+  std::vector<LayerSaved> saved(Lyr);
+  KdaActs kda_scratch;
+  DsaActs dsa_scratch;
+  auto kda_acts = [&](int64_t i) -> KdaActs& { return policy.kda ? kda_scratch : saved[i].kda; };
+  auto dsa_acts = [&](int64_t i) -> DsaActs& { return policy.mla ? dsa_scratch : saved[i].dsa; };
+  // sel: the selection in flight in the forward (a full-indexer layer writes it, the layer after reads it).
+  auto attention_forward = [&](int64_t i, const float* a, float* y, Selection* sel) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.kda) {
+      kda_layer_forward_train(*lw.kda, ac, a, T, cu, kda_acts(i), y, KdaForm::Chunked);
+    } else if (sel) {
+      dsa_layer_forward_train_select(*lw.dsa, ac, a, T, cu, *sel, dsa_acts(i), y);
+    } else {
+      dsa_layer_forward_train(*lw.dsa, ac, a, T, cu, saved[i].sel, dsa_acts(i), y);
+    }
+    tp_sum(y);
+  };
+  auto attention_backward = [&](int64_t i, const float* a, const float* dy, float* da) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.kda) {
+      kda_layer_backward(*lw.kda, ac, a, T, cu, kda_acts(i), dy, da, *grads.layers[i].kda);
+    } else {
+      dsa_layer_backward(*lw.dsa, ac, a, T, cu, saved[i].sel, dsa_acts(i), dy, da, *grads.layers[i].dsa);
+    }
+    tp_sum(da);
+  };
+  auto ffn_forward = [&](int64_t i, const float* a, float* y) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_forward(*lw.mlp, limit, a, T, D, y);
+      tp_sum(y);
+    } else {
+      parts.moe_forward(i, a, saved[i].route, y);
+    }
+  };
+  auto ffn_backward = [&](int64_t i, const float* a, const float* dy, float* da) {
+    const LayerWeights& lw = w.layers[i];
+    if (lw.mlp) {
+      mlp_backward(*lw.mlp, limit, a, T, D, dy, da, *grads.layers[i].mlp);
+      tp_sum(da);
+    } else {
+      parts.moe_backward(i, a, saved[i].route, dy, da);
+    }
+  };
+  auto recompute_attention = [&](int64_t i) { return w.layers[i].kda ? policy.kda : policy.mla; };
+  auto recompute_ffn = [&](int64_t i) { return w.layers[i].mlp ? policy.mlp : policy.moe; };
+
+  // Forward, keeping the streams entering each site, the selections, the expert choices and what the policy keeps.
+  std::vector<float> h(TSD), h_next(TSD), a_raw(TD), a(TD), y(TD);
+  HcMix mix;
+  // One site: h → the sub-layer's input → sub(i, a, y) → h.
+  auto site_forward = [&](SiteSaved& site, const HcWeights& hc, const Tensor& norm, bool keep_sub, auto&& sub) {
+    HcMix& m = policy.mhc ? mix : site.mix;
+    mhc_pre_forward(hc, c, h.data(), T, m, a_raw.data());
+    rmsnorm_forward(a_raw.data(), norm.ptr(), a.data(), T, D, eps);
+    if (!policy.mhc) {
+      site.a_raw = a_raw;
+      site.a = a;
+    }
+    sub(a.data(), y.data());
+    if (keep_sub) site.y = y;
+    mhc_post_forward(m, h.data(), y.data(), T, S, D, h_next.data());
+    site.h.swap(h);  // the streams entering the site are kept; h_next becomes the current streams
+    h.swap(h_next);
+    h_next.resize(TSD);
+  };
   parts.embed(batch.tokens, y.data());
   for (int64_t t = 0; t < T; ++t)
     for (int64_t s = 0; s < S; ++s) std::copy_n(y.data() + t * D, D, h.data() + (t * S + s) * D);
   Selection sel;
-  HcMix mix;
   for (int64_t i = 0; i < Lyr; ++i) {
     const LayerWeights& lw = w.layers[i];
-    h_attn[i] = h;
-    mhc_pre_forward(lw.hc_attn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.input_norm.ptr(), a.data(), T, D, eps);
-    parts.attention(i, a.data(), y.data(), sel);
-    if (lw.dsa) sels[i] = sel;
-    mhc_post_forward(mix, h_attn[i].data(), y.data(), T, S, D, h.data());
-
-    h_ffn[i] = h;
-    mhc_pre_forward(lw.hc_ffn, c, h.data(), T, mix, a.data());
-    rmsnorm_forward(a.data(), lw.post_attention_norm.ptr(), a.data(), T, D, eps);
-    parts.ffn(i, a.data(), y.data(), routes[i]);
-    mhc_post_forward(mix, h_ffn[i].data(), y.data(), T, S, D, h.data());
+    site_forward(saved[i].attn, lw.hc_attn, lw.input_norm, !recompute_attention(i), [&](const float* x, float* out) {
+      attention_forward(i, x, out, lw.dsa ? &sel : nullptr);
+    });
+    if (lw.dsa) saved[i].sel = sel;
+    site_forward(saved[i].ffn, lw.hc_ffn, lw.post_attention_norm, !recompute_ffn(i), [&](const float* x, float* out) {
+      if (lw.moe) saved[i].route = route_forward(*lw.moe, c, x, T);
+      ffn_forward(i, x, out);
+    });
     if (!(lw.dsa && lw.dsa->indexer)) sel.clear();  // a selection goes only to the layer directly after
   }
 
-  // Head and loss.
-  std::vector<float> dh(TSD, 0.0f), dh_prev(TSD), a_raw(T * D), da(T * D), da_raw(T * D), dy(T * D);
-  const double loss = parts.head(h.data(), dh.data());
+  // Head and loss. With tied embeddings the lm_head is the embedding: this call's lm_head gradient is collected
+  // apart and added to the embedding's.
+  std::vector<float> dh(TSD, 0.0f), dh_prev(TSD), da(TD), da_raw(TD), dy(TD);
+  double loss = 0.0;
+  if (c.tie_word_embeddings) {
+    Tensor dlm = zeros(grads.lm_head);
+    std::swap(grads.lm_head, dlm);
+    loss = parts.head(h.data(), dh.data());
+    std::swap(grads.lm_head, dlm);
+    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
+  } else {
+    loss = parts.head(h.data(), dh.data());
+  }
 
-  // Backward, one layer at a time from the last: recompute the site's forward, then walk back through it.
+  // Backward, one layer at a time from the last: recompute what the site did not keep, then walk back through it.
   std::vector<float> dpost(T * S), dcomb(T * S * S);
-  auto site_backward = [&](const HcWeights& hc, HcWeights& dhc, const Tensor& norm, Tensor& dnorm,
-                           const std::vector<float>& h_in, auto&& forward, auto&& backward) {
-    mhc_pre_forward(hc, c, h_in.data(), T, mix, a_raw.data());
-    rmsnorm_forward(a_raw.data(), norm.ptr(), a.data(), T, D, eps);
-    forward(a.data(), y.data());
+  auto site_backward = [&](SiteSaved& site, const HcWeights& hc, HcWeights& dhc, const Tensor& norm, Tensor& dnorm,
+                           auto&& forward, auto&& backward) {
+    const HcMix* m = &site.mix;
+    const float* x_raw = site.a_raw.data();
+    const float* x = site.a.data();
+    if (policy.mhc) {
+      mhc_pre_forward(hc, c, site.h.data(), T, mix, a_raw.data());
+      rmsnorm_forward(a_raw.data(), norm.ptr(), a.data(), T, D, eps);
+      m = &mix;
+      x_raw = a_raw.data();
+      x = a.data();
+    }
+    const float* out = site.y.data();
+    if (site.y.empty()) {
+      forward(x, y.data());
+      out = y.data();
+    }
     std::fill(dh_prev.begin(), dh_prev.end(), 0.0f);
     std::fill(dy.begin(), dy.end(), 0.0f);
     std::fill(dpost.begin(), dpost.end(), 0.0f);
     std::fill(dcomb.begin(), dcomb.end(), 0.0f);
-    mhc_post_backward(mix, h_in.data(), y.data(), T, S, D, dh.data(), dh_prev.data(), dy.data(), dpost.data(),
+    mhc_post_backward(*m, site.h.data(), out, T, S, D, dh.data(), dh_prev.data(), dy.data(), dpost.data(),
                       dcomb.data());
     std::fill(da.begin(), da.end(), 0.0f);
-    backward(a.data(), dy.data(), da.data());
+    backward(x, dy.data(), da.data());
     std::fill(da_raw.begin(), da_raw.end(), 0.0f);
-    rmsnorm_backward(a_raw.data(), norm.ptr(), da.data(), T, D, eps, da_raw.data(), dnorm.ptr());
-    mhc_pre_backward(hc, c, h_in.data(), T, dpost.data(), dcomb.data(), da_raw.data(), dh_prev.data(), dhc);
+    rmsnorm_backward(x_raw, norm.ptr(), da.data(), T, D, eps, da_raw.data(), dnorm.ptr());
+    mhc_pre_backward(hc, c, site.h.data(), T, dpost.data(), dcomb.data(), da_raw.data(), dh_prev.data(), dhc);
     dh.swap(dh_prev);
+    site = SiteSaved{};  // walked back: its memory goes
   };
   for (int64_t i = Lyr - 1; i >= 0; --i) {
     const LayerWeights& lw = w.layers[i];
     LayerWeights& gl = grads.layers[i];
     site_backward(
-        lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm, h_ffn[i],
-        [&](const float* x, float* out) { parts.ffn_train(i, x, routes[i], out); },
-        [&](const float* x, const float* g, float* dx) { parts.ffn_backward(i, x, routes[i], g, dx); });
+        saved[i].ffn, lw.hc_ffn, gl.hc_ffn, lw.post_attention_norm, gl.post_attention_norm,
+        [&](const float* x, float* out) { ffn_forward(i, x, out); },
+        [&](const float* x, const float* g, float* dx) { ffn_backward(i, x, g, dx); });
     site_backward(
-        lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm, h_attn[i],
-        [&](const float* x, float* out) { parts.attention_train(i, x, sels[i], out); },
-        [&](const float* x, const float* g, float* dx) { parts.attention_backward(i, x, sels[i], g, dx); });
+        saved[i].attn, lw.hc_attn, gl.hc_attn, lw.input_norm, gl.input_norm,
+        [&](const float* x, float* out) { attention_forward(i, x, out, nullptr); },
+        [&](const float* x, const float* g, float* dx) { attention_backward(i, x, g, dx); });
+    saved[i] = LayerSaved{};
   }
   parts.embed_backward(batch.tokens, dh.data());
   return loss;
 }
 
-double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads) {
+double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads,
+                              const RecomputePolicy& policy) {
   const ModelConfig& c = model.config();
   const ModelWeights& w = model.weights();
   validate_batch(batch, c.vocab_size);
   const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size;
-  const float limit = static_cast<float>(c.swiglu_limit);
   const auto& cu = batch.cu_seqlens;
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(), "batch: target_weight has ",
         batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
   const float* tw = batch.target_weight.empty() ? nullptr : batch.target_weight.data();
 
-  KdaActs kda_acts;  // of the layer being walked back (attention_train fills it, attention_backward reads it)
-  DsaActs dsa_acts;
   TrainParts parts;
   parts.embed = [&](const std::vector<int32_t>& tokens, float* e) {
     for (int64_t t = 0; t < T; ++t) std::copy_n(w.embed.ptr() + static_cast<int64_t>(tokens[t]) * D, D, e + t * D);
   };
-  parts.attention = [&](int64_t i, const float* a, float* y, Selection& sel) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.kda) {
-      kda_layer_forward(*lw.kda, c, a, T, cu, y);
-    } else {
-      dsa_layer_forward(*lw.dsa, c, a, T, cu, sel, y);
-    }
+  parts.moe_forward = [&](int64_t i, const float* a, const Routing& route, float* y) {
+    moe_forward_routed(*w.layers[i].moe, c, a, T, route, y);
   };
-  parts.ffn = [&](int64_t i, const float* a, float* y, Routing& route) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, limit, a, T, D, y);
-    } else {
-      route = route_forward(*lw.moe, c, a, T);
-      moe_forward(*lw.moe, c, a, T, y);
-    }
+  parts.moe_backward = [&](int64_t i, const float* a, const Routing& route, const float* dy, float* da) {
+    moe_backward(*w.layers[i].moe, c, a, T, route, dy, da, *grads.layers[i].moe);
   };
   parts.head = [&](const float* h, float* dh) {
-    if (!c.tie_word_embeddings) return head_loss_backward(w, c, h, batch.tokens, cu, dh, grads, tw);
-    // The lm_head is the embedding: collect this call's lm_head gradient apart and add it to the embedding's.
-    Tensor dlm = zeros(grads.lm_head);
-    std::swap(grads.lm_head, dlm);
-    const double loss = head_loss_backward(w, c, h, batch.tokens, cu, dh, grads, tw);
-    std::swap(grads.lm_head, dlm);
-    for (int64_t i = 0; i < grads.embed.numel(); ++i) grads.embed.data[i] += dlm.data[i];
-    return loss;
-  };
-  parts.attention_train = [&](int64_t i, const float* a, const Selection& sel, float* y) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.kda) {
-      kda_layer_forward_train(*lw.kda, c, a, T, cu, kda_acts, y);
-    } else {
-      dsa_layer_forward_train(*lw.dsa, c, a, T, cu, sel, dsa_acts, y);
-    }
-  };
-  parts.attention_backward = [&](int64_t i, const float* a, const Selection& sel, const float* dy, float* da) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.kda) {
-      kda_layer_backward(*lw.kda, c, a, T, cu, kda_acts, dy, da, *grads.layers[i].kda);
-    } else {
-      dsa_layer_backward(*lw.dsa, c, a, T, cu, sel, dsa_acts, dy, da, *grads.layers[i].dsa);
-    }
-  };
-  parts.ffn_train = [&](int64_t i, const float* a, const Routing& route, float* y) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.mlp) {
-      mlp_forward(*lw.mlp, limit, a, T, D, y);
-    } else {
-      moe_forward_routed(*lw.moe, c, a, T, route, y);
-    }
-  };
-  parts.ffn_backward = [&](int64_t i, const float* a, const Routing& route, const float* dy, float* da) {
-    const LayerWeights& lw = w.layers[i];
-    if (lw.mlp) {
-      mlp_backward(*lw.mlp, limit, a, T, D, dy, da, *grads.layers[i].mlp);
-    } else {
-      moe_backward(*lw.moe, c, a, T, route, dy, da, *grads.layers[i].moe);
-    }
+    return head_loss_backward(w, c, h, batch.tokens, cu, dh, grads, tw);
   };
   parts.embed_backward = [&](const std::vector<int32_t>& tokens, const float* dh) {
     embedding_backward(tokens.data(), T, S, dh, c.pad_token_id, grads.embed);
   };
-  return forward_backward(c, w, batch, grads, parts);
+  return forward_backward(c, w, batch, grads, parts, policy);
 }
 
 std::string text_prefix(const Checkpoint& ckpt) {

@@ -13,37 +13,67 @@
 
 namespace nextlm {
 
+// Which sub-layers the training backward runs forward again and which keep their activations from the forward.
+// Each component either recomputes (true: the forward keeps nothing of it, and its forward runs again, with its
+// activations kept, right before its backward: one layer's activations alive at a time) or keeps (false: the forward
+// keeps what its backward reads, for every layer, so its forward runs once). Every policy gives the same loss and
+// gradients bit for bit: the same functions run on the same inputs, only at other times. What "keep" keeps:
+//   kda  KdaActs (16 [T, H·K] buffers, the gates' [T, K] inputs and beta) and the output [T, D] of every KDA layer;
+//   mla  DsaActs (q and kv latents, q, kv [T, NH·(dqk+dv)], o) and the output of every DSA layer;
+//   moe  the output [T, D] of every MoE layer (the routing is kept under every policy);
+//   mlp  the output [T, D] of every dense-MLP layer;
+//   mhc  at every site the mixing coefficients (HcMix) and the sub-layer input before and after its RMSNorm
+//        (2·[T, D]).
+// The backward functions recompute some of their forward internally whatever the policy (they take only the
+// sub-layer input or the acts above): kda_layer_backward RMSNorm_K(o) and the recurrence's states (from checkpoints
+// every 64 steps); dsa_layer_backward each query's softmax weights; mlp_backward and moe_backward the gate and up
+// projections, and moe_backward the router's scores and each expert's output; mhc_pre_backward the normed streams
+// and the fn logits.
+struct RecomputePolicy {
+  bool kda = true, mla = true, moe = true, mlp = true, mhc = true;
+  bool operator==(const RecomputePolicy&) const = default;
+};
+// The policy as --recompute writes it: "all", "none", or the recomputed components comma-separated in the order
+// kda,mla,moe,mlp,mhc (the others are kept).
+std::string recompute_to_string(const RecomputePolicy& p);
+// Reads that form: "all", "none" or a comma-separated list of the components to recompute (any order, no repeats).
+// Throws Error naming the bad part.
+RecomputePolicy parse_recompute(const std::string& s);
+
 // L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) over the batch (each sequence independent, as run alone; each term
 // weighted by batch.target_weight[t+1] when that is given), and
 // grads += dL/dθ for every trainable tensor (the convention of backward.h). grads comes from
 // zeros_like(model.weights()), or holds earlier accumulations. With tie_word_embeddings the lm_head's gradient is
 // added to grads.embed (grads.lm_head is left alone).
-// The forward runs once with the reference's own component functions and keeps only the residual streams entering
-// each mHC site, the DSA selections and the MoE choices (constants of the backward); the backward then recomputes
-// one layer at a time with its *_forward_train and walks back through it, so activation memory is one layer's plus
-// 2·layers·T·S·D floats of streams.
-double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads);
+// The forward runs once, with the functions the backward recomputes with (kda_layer_forward_train with the chunked
+// core, dsa_layer_forward_train, mlp_forward, moe_forward_routed: the bits of the Model's forward), and keeps the
+// residual streams entering each mHC site, the DSA selections, the MoE choices and what `policy` keeps; the
+// backward then walks back one layer at a time, recomputing first what the policy did not keep. Under the default
+// policy (recompute all) the activation memory is one layer's plus 2·layers·T·S·D floats of streams.
+double model_forward_backward(const Model& model, const PackedBatch& batch, ModelWeights& grads,
+                              const RecomputePolicy& policy = {});
 
-// The pieces of model_forward_backward around its fixed skeleton (the mHC sites, the RMSNorms and the layer loop),
-// so that the tensor/expert-parallel trainer (src/dist) runs the same skeleton with its sharded sub-layers. Each
-// forward gives the full sub-layer output and each backward adds the full input gradient (collectives inside).
+// What differs between the whole model and one rank's slices of it (src/dist) around the shared training skeleton
+// (the mHC sites, the RMSNorms, the layer loop, the sub-layers and the recompute policy).
 struct TrainParts {
+  // The config the attention layers run with: the model's, or a rank's share of the heads.
+  const ModelConfig* attention_config = nullptr;
+  // Sums x [n] over the tensor-parallel ranks: the outputs of the attention and dense-MLP slices and their input
+  // gradients are partial sums. Empty: one process, nothing to sum.
+  std::function<void(float* x, size_t n)> tp_sum;
   std::function<void(const std::vector<int32_t>& tokens, float* e)> embed;  // e [T, D]
-  // The forward pass of layer i: attention (`sel` as in AttentionFn) and feed-forward (`route`: the MoE's choices).
-  std::function<void(int64_t i, const float* a, float* y, Selection& sel)> attention;
-  std::function<void(int64_t i, const float* a, float* y, Routing& route)> ffn;
-  // The loss from the final streams h [T, S, D]: adds dL/dh into dh and the head's gradients into the gradients.
+  // The MoE of layer i with the experts chosen (`route`, from route_forward): its full output y [T, D], and its
+  // backward, which adds the full input gradient into da [T, D] (collectives inside).
+  std::function<void(int64_t i, const float* a, const Routing& route, float* y)> moe_forward;
+  std::function<void(int64_t i, const float* a, const Routing& route, const float* dy, float* da)> moe_backward;
+  // The loss from the final streams h [T, S, D]: adds dL/dh into dh and the head's gradients into the gradients
+  // (the skeleton moves the lm_head's into the embedding's when they are tied).
   std::function<double(const float* h, float* dh)> head;
-  // Layer i's sub-layer recomputed with its activations kept, then its backward (called right after it).
-  std::function<void(int64_t i, const float* a, const Selection& sel, float* y)> attention_train;
-  std::function<void(int64_t i, const float* a, const Selection& sel, const float* dy, float* da)> attention_backward;
-  std::function<void(int64_t i, const float* a, const Routing& route, float* y)> ffn_train;
-  std::function<void(int64_t i, const float* a, const Routing& route, const float* dy, float* da)> ffn_backward;
   std::function<void(const std::vector<int32_t>& tokens, const float* dh)> embed_backward;  // dh [T, S, D]
 };
-// The skeleton: c and w give the mHC and norm weights, grads receives theirs.
+// The skeleton: c and w give the model's weights (a rank's slices of them), grads receives their gradients.
 double forward_backward(const ModelConfig& c, const ModelWeights& w, const PackedBatch& batch, ModelWeights& grads,
-                        const TrainParts& parts);
+                        const TrainParts& parts, const RecomputePolicy& policy = {});
 
 // The text-model prefix of a checkpoint's tensor names ("model.language_model." or "model."), chosen as the loader
 // chooses it.

@@ -175,7 +175,7 @@ StepStats Trainer::step() {
   int64_t tokens = 0;
   for (int64_t a = 0; a < opt_.grad_accum; ++a) {
     const PackedBatch b = next_batch();
-    loss += model_forward_backward(model_, b, grads_);
+    loss += model_forward_backward(model_, b, grads_, opt_.recompute);
     tokens += b.num_tokens();
     weight += prediction_weight(b);
   }
@@ -208,7 +208,8 @@ json options_json(const TrainOptions& o) {
   json j{{"steps", o.steps},          {"warmup", o.warmup}, {"batch_tokens", o.batch_tokens},
          {"grad_accum", o.grad_accum}, {"clip", o.clip},     {"min_lr_ratio", o.min_lr_ratio},
          {"seed", o.seed},            {"lr", o.adamw.lr},   {"beta1", o.adamw.beta1},
-         {"beta2", o.adamw.beta2},    {"eps", o.adamw.eps}, {"weight_decay", o.adamw.weight_decay}};
+         {"beta2", o.adamw.beta2},    {"eps", o.adamw.eps}, {"weight_decay", o.adamw.weight_decay},
+         {"recompute", recompute_to_string(o.recompute)}};
   if (o.lora) {
     j["lora"] = lora_options_json(*o.lora);
     j["base_model"] = o.base_model;
@@ -230,6 +231,8 @@ TrainOptions options_from_json(const json& j) {
   o.adamw.beta2 = j.at("beta2").get<double>();
   o.adamw.eps = j.at("eps").get<double>();
   o.adamw.weight_decay = j.at("weight_decay").get<double>();
+  // Checkpoints written before the policy existed recomputed everything (the default).
+  if (j.contains("recompute")) o.recompute = parse_recompute(j.at("recompute").get<std::string>());
   if (j.contains("lora") && !j.at("lora").is_null()) {
     o.lora = lora_options_from_json(j.at("lora"));
     o.base_model = j.at("base_model").get<std::string>();

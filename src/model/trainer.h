@@ -12,6 +12,7 @@
 #include "model/lora.h"
 #include "model/model.h"
 #include "model/optim.h"
+#include "model/train.h"
 
 namespace nextlm {
 
@@ -36,6 +37,9 @@ struct TrainOptions {
   double min_lr_ratio = 0.1;    // the cosine's floor, as a fraction of the peak lr
   uint64_t seed = 0;            // init (with --config), LoRA init and data order
   AdamWOptions adamw;
+  // Which sub-layers the backward recomputes and which keep their activations from the forward (train.h): memory
+  // against time, the same results under every policy.
+  RecomputePolicy recompute;
   // LoRA fine-tuning (model/lora.h): only the adapters train, the model given is the frozen base. base_model is
   // its directory, recorded in the checkpoint so that a resume can load it again.
   std::optional<LoraOptions> lora;
