@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <tuple>
 #include <optional>
 
 #include "cuda/decode_kernels.h"
@@ -1224,6 +1225,14 @@ struct CudaDecoder::State {
   CudaModel::Impl* m;
   int64_t slots, max_len, max_pools;
   bool tc = false;  // the KDA caches are the tensor-core path's (boundary states and partial chunks)
+  // Decoding steps replayed from CUDA graphs, one per (rows, batch-invariant mode, MoE expert kernel): the first
+  // step of a kind runs plainly (it sizes the arena), the second is captured, the rest replay it.
+  bool graphs = true;
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    const float* logits = nullptr;
+  };
+  std::map<std::tuple<int64_t, bool, int>, StepGraph> step_graphs;
   std::vector<int64_t> length;           // [slots]
   std::vector<cuda::LayerCache> caches;  // [layers]
   std::vector<std::pair<void*, size_t>> buffers;  // every cache allocation, [slot-major] with its bytes per slot
@@ -1240,6 +1249,8 @@ struct CudaDecoder::State {
     return static_cast<T*>(p);
   }
   ~State() {
+    for (auto& g : step_graphs)
+      if (g.second.exec) cudaGraphExecDestroy(g.second.exec);
     for (auto& b : buffers) cudaFree(b.first);
     if (begin) cudaEventDestroy(begin);
     if (end) cudaEventDestroy(end);
@@ -1301,6 +1312,7 @@ int64_t CudaDecoder::length(int64_t slot) const {
   return st_->length[slot];
 }
 double CudaDecoder::last_ms() const { return st_->ms; }
+void CudaDecoder::set_graphs(bool on) { st_->graphs = on; }
 
 void CudaDecoder::clear(int64_t slot) {
   State& s = *st_;
@@ -1443,7 +1455,11 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
     return d;
   };
   const int32_t* d_tok = up(tokens);
-  CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, max_selectable, {}, nullptr, nullptr};
+  // A graph keeps its kernels' launch shapes: the indexer's scoring grid then covers the slots' capacity (blocks
+  // past a row's pools return at once) instead of this step's largest row.
+  const bool graph = s.graphs && !m.profiling;
+  const int64_t selectable = graph ? s.max_pools : max_selectable;
+  CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, selectable, {}, nullptr, nullptr};
   if (s.tc) {
     // Row i's partial chunk: buffer rows 64·slot … 64·slot + pos mod 64, the last one its new token's.
     std::vector<int32_t> start(B), len(B), first(B), one(B, 1), row(B);
@@ -1457,7 +1473,38 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
     rows.kda_row = up(row);
     rows.kda_o = m.arena.alloc<cuda::bf16>(s.slots * 64 * c.linear_num_heads * c.linear_head_dim);
   }
-  const float* logits = m.decode_step(s.caches, d_tok, rows);
+  // Every allocation above and in decode_step comes from the arena in the same order for the same kind of step, so
+  // a captured graph finds its buffers, and this step's uploads, where it left them.
+  const float* logits = nullptr;
+  if (!graph) {
+    logits = m.decode_step(s.caches, d_tok, rows);
+  } else {
+    const auto key = std::make_tuple(B, m.gemm->batch_invariant(), g_moe_expert_gemm);
+    auto it = s.step_graphs.find(key);
+    if (it == s.step_graphs.end()) {
+      logits = m.decode_step(s.caches, d_tok, rows);
+      s.step_graphs.emplace(key, State::StepGraph{});
+    } else if (it->second.exec) {
+      NEXTLM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, m.stream));
+      logits = it->second.logits;
+    } else {
+      cudaGraph_t g = nullptr;
+      NEXTLM_CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
+      try {
+        logits = m.decode_step(s.caches, d_tok, rows);
+      } catch (...) {
+        cudaStreamEndCapture(m.stream, &g);
+        if (g) cudaGraphDestroy(g);
+        throw;
+      }
+      NEXTLM_CUDA_CHECK(cudaStreamEndCapture(m.stream, &g));
+      const cudaError_t e = cudaGraphInstantiate(&it->second.exec, g, 0);
+      cudaGraphDestroy(g);
+      NEXTLM_CUDA_CHECK(e);
+      it->second.logits = logits;
+      NEXTLM_CUDA_CHECK(cudaGraphLaunch(it->second.exec, m.stream));
+    }
+  }
   NEXTLM_CUDA_CHECK(cudaEventRecord(s.end, m.stream));
   // The uploads read host vectors that die here.
   NEXTLM_CUDA_CHECK(cudaEventSynchronize(s.end));

@@ -141,6 +141,10 @@ class CudaDecoder {
   void step_no_copy(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens);
   // Milliseconds of the last prefill or step on the device's stream (CUDA events).
   double last_ms() const;
+  // Steps replayed from CUDA graphs (on by default; off while the model profiles): the first step of a batch size
+  // runs plainly, the second is captured, later ones replay it, with the same kernels on the same buffers, so the
+  // results are bitwise those of plain steps.
+  void set_graphs(bool on);
 
  private:
   // Runs a step; returns the logits fp32 [B, V] in the model's arena (valid until its next call).
