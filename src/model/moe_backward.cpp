@@ -19,6 +19,35 @@ float silu_grad(float x) {
   return s * (1.0f + x * (1.0f - s));
 }
 
+// The clamped SwiGLU's pre-activations g = gate·x, u = up·x [T, I] and act = silu(min(g, L))·clamp(u, ±L), in the
+// arithmetic of mlp_forward.
+struct SwigluActs {
+  std::vector<float> g, u, act;
+};
+SwigluActs swiglu_acts(const MlpWeights& w, float L, const float* x, int64_t T, int64_t D) {
+  const int64_t I = w.gate.dim(0);
+  SwigluActs a{std::vector<float>(T * I), std::vector<float>(T * I), std::vector<float>(T * I)};
+  cpu::linear(x, T, D, w.gate, a.g.data());
+  cpu::linear(x, T, D, w.up, a.u.data());
+  for (int64_t i = 0; i < T * I; ++i) a.act[i] = siluf(std::min(a.g[i], L)) * std::clamp(a.u[i], -L, L);
+  return a;
+}
+
+// mlp_backward from the activations of its input x.
+void swiglu_backward(const MlpWeights& w, float L, const float* x, int64_t T, int64_t D, const SwigluActs& a,
+                     const float* dy, float* dx, MlpWeights& dw) {
+  const int64_t I = w.gate.dim(0);
+  std::vector<float> dact(T * I, 0.0f), dg(T * I), du(T * I);
+  cpu::linear_backward(a.act.data(), T, I, w.down, dy, dact.data(), &dw.down);
+  for (int64_t i = 0; i < T * I; ++i) {
+    const float g = a.g[i], u = a.u[i], gc = std::min(g, L), uc = std::clamp(u, -L, L);
+    dg[i] = g <= L ? dact[i] * uc * silu_grad(gc) : 0.0f;
+    du[i] = (u >= -L && u <= L) ? dact[i] * siluf(gc) : 0.0f;
+  }
+  cpu::linear_backward(x, T, D, w.gate, dg.data(), dx, &dw.gate);
+  cpu::linear_backward(x, T, D, w.up, du.data(), dx, &dw.up);
+}
+
 }  // namespace
 
 void routed_weights(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
@@ -52,7 +81,9 @@ void expert_backward(const MlpWeights& ew, float L, const float* x, const Expert
   const int64_t n = static_cast<int64_t>(list.size());
   std::vector<float> xin(n * D), out(n * D), dout(n * D), dxin(n * D, 0.0f);
   for (int64_t i = 0; i < n; ++i) std::copy_n(x + list[i].first * D, D, xin.data() + i * D);
-  mlp_forward(ew, L, xin.data(), n, D, out.data());
+  // The expert's output (for the gradient of its routing weight) and its backward share one set of activations.
+  const SwigluActs acts = swiglu_acts(ew, L, xin.data(), n, D);
+  cpu::linear(acts.act.data(), n, ew.gate.dim(0), ew.down, out.data());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = list[i].first, slot = t * k + list[i].second;
     float acc = 0.0f;
@@ -62,7 +93,7 @@ void expert_backward(const MlpWeights& ew, float L, const float* x, const Expert
     }
     dweights[slot] = acc;
   }
-  mlp_backward(ew, L, xin.data(), n, D, dout.data(), dxin.data(), dew);
+  swiglu_backward(ew, L, xin.data(), n, D, acts, dout.data(), dxin.data(), dew);
   if (dx)
     for (int64_t i = 0; i < n; ++i)
       for (int64_t d = 0; d < D; ++d) dx[list[i].first * D + d] += dxin[i * D + d];
@@ -93,19 +124,7 @@ void router_backward(const MoeWeights& w, const ModelConfig& c, const float* x, 
 
 void mlp_backward(const MlpWeights& w, float L, const float* x, int64_t T, int64_t D, const float* dy, float* dx,
                   MlpWeights& dw) {
-  const int64_t I = w.gate.dim(0);
-  std::vector<float> g(T * I), u(T * I), act(T * I), dact(T * I, 0.0f), dg(T * I), du(T * I);
-  cpu::linear(x, T, D, w.gate, g.data());
-  cpu::linear(x, T, D, w.up, u.data());
-  for (int64_t i = 0; i < T * I; ++i) act[i] = siluf(std::min(g[i], L)) * std::clamp(u[i], -L, L);
-  cpu::linear_backward(act.data(), T, I, w.down, dy, dact.data(), &dw.down);
-  for (int64_t i = 0; i < T * I; ++i) {
-    const float gc = std::min(g[i], L), uc = std::clamp(u[i], -L, L);
-    dg[i] = g[i] <= L ? dact[i] * uc * silu_grad(gc) : 0.0f;
-    du[i] = (u[i] >= -L && u[i] <= L) ? dact[i] * siluf(gc) : 0.0f;
-  }
-  cpu::linear_backward(x, T, D, w.gate, dg.data(), dx, &dw.gate);
-  cpu::linear_backward(x, T, D, w.up, du.data(), dx, &dw.up);
+  swiglu_backward(w, L, x, T, D, swiglu_acts(w, L, x, T, D), dy, dx, dw);
 }
 
 void moe_forward_routed(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t T, const Routing& r,
