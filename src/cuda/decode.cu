@@ -286,14 +286,6 @@ __global__ void store_conv_hist_kernel(const float* raw, PrefillSeqs ps, float* 
   }
 }
 
-__global__ void copy_rows_kernel(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index,
-                                 int64_t width) {
-  const float* a = src + static_cast<int64_t>(src_index[blockIdx.y]) * width;
-  float* b = dst + static_cast<int64_t>(dst_index[blockIdx.y]) * width;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < width; i += int64_t(gridDim.x) * blockDim.x)
-    b[i] = a[i];
-}
-
 // One block per sequence: complete pools' keys and the incomplete pool's pending rows.
 __global__ void indexer_store_prefill_kernel(const float* ki, const float* gs, const float* pk,
                                              const int32_t* pool_base, PrefillSeqs ps, float* pending_key,
@@ -917,14 +909,6 @@ void kda_final_state(const float* q, const float* k, const float* v, const float
   const int64_t Kp = (K + 31) / 32 * 32, R = (K + 31) / 32;
   kda_final_state_kernel<<<dim3(static_cast<unsigned>(s.N), static_cast<unsigned>(H)), static_cast<unsigned>(Kp * R),
                            0, st>>>(q, k, v, g, beta, s, state, H, K);
-}
-
-void copy_rows(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index, int64_t n,
-               int64_t width, cudaStream_t st) {
-  if (!n || !width) return;
-  check(n <= 65535, "copy_rows: too many rows (", n, ")");
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(width, 256), 1024)), static_cast<unsigned>(n));
-  copy_rows_kernel<<<grid, 256, 0, st>>>(src, src_index, dst, dst_index, width);
 }
 
 void indexer_store_prefill(const float* ki, const float* gs, const float* pk, const int32_t* pool_base,

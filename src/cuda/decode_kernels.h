@@ -139,9 +139,6 @@ void kda_final_state(const float* q, const float* k, const float* v, const float
 void kda_store_chunk_rows(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
                           const PrefillSeqs& s, bf16* chunk_q, bf16* chunk_k, bf16* chunk_v, float* chunk_g,
                           float* chunk_beta, int64_t H, int64_t K, cudaStream_t st);
-// Copies rows: dst[dst_index[i]] = src[src_index[i]] for i < n, rows of `width` floats (states, pool keys).
-void copy_rows(const float* src, const int32_t* src_index, float* dst, const int32_t* dst_index, int64_t n,
-               int64_t width, cudaStream_t st);
 // The indexer caches of each sequence: its complete pools' keys from pk [num_pools, ID] (sequence n's pool 0 at
 // pool_base[n]) into pool_key [slots, max_pools, ID], its incomplete pool's keys and gate scores (ki, gs [T, ID])
 // into pending_key / pending_gate [slots, P, ID].

@@ -287,7 +287,6 @@ struct LayerCache {
 struct Capture {
   const LayerCache* layers;  // [num layers]
   PrefillSeqs seqs;          // the prompts (packed order) and their slots
-  const int32_t* seq_index;  // [N] 0 … N−1
   const int32_t* pool_base;  // [N] each prompt's pool 0 among the forward's pool keys
   const int32_t* tok_slot;   // [T] slot of every packed token
   const int32_t* tok_pos;    // [T] its position in its sequence
@@ -1365,13 +1364,12 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
   m.start(b);
   NEXTLM_CUDA_CHECK(cudaEventRecord(s.begin, m.stream));
   const cuda::Plan p = m.plan(b);
-  std::vector<int32_t> start(N), len(N), slot(N), index(N), pool_base(N), tok_slot(T), tok_pos(T);
+  std::vector<int32_t> start(N), len(N), slot(N), pool_base(N), tok_slot(T), tok_pos(T);
   int32_t pools = 0;
   for (int64_t n = 0; n < N; ++n) {
     start[n] = static_cast<int32_t>(b.cu_seqlens[n]);
     len[n] = static_cast<int32_t>(b.cu_seqlens[n + 1] - b.cu_seqlens[n]);
     slot[n] = static_cast<int32_t>(slots[n]);
-    index[n] = static_cast<int32_t>(n);
     pool_base[n] = pools;
     pools += static_cast<int32_t>(len[n] / P);
     for (int64_t t = b.cu_seqlens[n]; t < b.cu_seqlens[n + 1]; ++t) {
@@ -1385,7 +1383,7 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
     return d;
   };
   const int32_t* d_slot = up(slot);
-  const cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(index), up(pool_base),
+  const cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(pool_base),
                           up(tok_slot), up(tok_pos), s.max_len, s.max_pools};
   // The forward fills the caches; empty selections see the keys so far, as decoding steps do.
   m.capture = &cap;
