@@ -272,6 +272,54 @@ void slice4_prefill_case(const std::string& name) {
   std::fflush(stdout);
 }
 
+void slice4_train_step_case(const std::string& name) {
+  const ModelConfig cfg = load_config(slice4_config_path());
+  auto model = CudaModel::random(cfg, kSeed);
+  // The base of a LoRA step: every input gradient, but no weight gradient for the frozen projections and experts.
+  model->set_train_linears(false);
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
+  std::vector<int32_t> seq(kT);
+  for (int32_t& x : seq) x = tok(gen);
+  PackedBatch b;
+  b.add(seq);
+  const double loss = model->forward_backward(b);  // warm-up: arena, GEMM algorithms
+  std::vector<double> gpu, wall;
+  constexpr int kStepIters = 3;
+  for (int i = 0; i < kStepIters; ++i) {
+    model->zero_grads();
+    const auto w0 = std::chrono::steady_clock::now();
+    model->forward_backward(b);
+    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count());
+    gpu.push_back(model->last_forward_ms());
+  }
+  const double ms = median(gpu);
+  // FLOPs the step needs: the forward and, for frozen weights, the input-gradient GEMMs (as many again); the
+  // recomputation of each sub-layer before its backward is not counted.
+  double forward = 0;
+  for (const auto& [part, cost] : slice_costs(cfg, kT))
+    if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
+  const double needed = 2 * forward;
+  constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;  // H200 dense bf16, the spec sheet's figure
+  nlohmann::json line{
+      {"case", name},
+      {"ours_ms", std::round(ms * 1e4) / 1e4},
+      {"floor_ms", std::round(needed / kFlopsPerMs * 1e4) / 1e4},
+      {"tokens_per_s", std::round(kT / ms * 1e3)},
+      {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
+      {"target_mfu", 0.35},
+      {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
+      {"finite", std::isfinite(loss)},
+      {"note", "forward + backward of the 4-layer slice at " + std::to_string(kT) +
+                   " tokens with frozen linear weights (the base of a LoRA step: adapters and optimizer not "
+                   "included), every sub-layer recomputed before its backward; fp32 KDA (backward through time) and "
+                   "MLA attention backward, per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) +
+                   " CUDA-event timings (host wall median " + fmt("%.1f", median(wall)) +
+                   " ms); MFU = (forward + input-gradient FLOPs) / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
 void mhc_share_case(const std::string& name) {
   const SliceResult& r = slice_result();
   const auto costs = slice_costs(r.cfg, kT);

@@ -11,6 +11,9 @@ std::string slice4_config_path();
 // `slice4_prefill_T4096`: one 4096-token prefill with the lm_head (log-probs) on random device weights, median of
 // several CUDA-event timings after warm-up, then one profiled run broken down by component against each floor.
 void slice4_prefill_case(const std::string& name);
+// `slice4_train_step_T4096`: one training forward + backward of the slice at 4096 tokens with frozen linear
+// weights (CudaModel::set_train_linears(false)): tokens/s and MFU.
+void slice4_train_step_case(const std::string& name);
 // `mhc`: the mHC share of the slice's layer time (from the same profiled run), target ≤ 7%.
 void mhc_share_case(const std::string& name);
 

@@ -194,52 +194,13 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, CudaMlaTc,
 
 class CudaGolden : public ::testing::TestWithParam<std::string> {};
 
-void round_tensor(Tensor& t) {
-  for (float& v : t.data) v = bf16_to_f32(f32_to_bf16(v));
-}
-void round_mlp(MlpWeights& m) {
-  round_tensor(m.gate);
-  round_tensor(m.up);
-  round_tensor(m.down);
-}
-
-// The CPU reference with the weights that the GPU stores in bf16 rounded to bf16 (the projections, experts,
-// embedding and lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both). For a bf16 checkpoint
-// this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
-Model bf16_weights_reference(const std::string& dir) {
-  const Model m = Model::load(dir);
-  ModelWeights w = m.weights();
-  round_tensor(w.embed);
-  round_tensor(w.lm_head);
-  for (LayerWeights& l : w.layers) {
-    if (l.kda) {
-      for (Tensor* t : {&l.kda->q_proj, &l.kda->k_proj, &l.kda->v_proj, &l.kda->f_a, &l.kda->f_b, &l.kda->b_proj,
-                        &l.kda->g_a, &l.kda->g_b, &l.kda->o_proj})
-        round_tensor(*t);
-    }
-    if (l.dsa) {
-      for (Tensor* t : {&l.dsa->q_a, &l.dsa->q_b, &l.dsa->kv_a, &l.dsa->kv_b, &l.dsa->o_proj}) round_tensor(*t);
-      if (l.dsa->indexer)
-        for (Tensor* t : {&l.dsa->indexer->wq_b, &l.dsa->indexer->wk, &l.dsa->indexer->weights_proj,
-                          &l.dsa->indexer->gate})
-          round_tensor(*t);
-    }
-    if (l.mlp) round_mlp(*l.mlp);
-    if (l.moe) {
-      round_tensor(l.moe->router);
-      for (MlpWeights& e : l.moe->experts) round_mlp(e);
-      if (l.moe->shared) round_mlp(*l.moe->shared);
-    }
-  }
-  return Model(m.config(), std::move(w));
-}
 
 // The whole forward: bf16 activations against the fp32 reference (with the same bf16-rounded weights). On these
 // tiny random models a bf16 rounding can flip an MoE routing or an indexer choice, which moves that token's logits
 // by O(1), so the figures are reported and the bound is on the mean log-probability error; the kernels themselves
 // are held to tight bounds one sub-layer at a time below.
 TEST_P(CudaGolden, LogitsMatchCpuReference) {
-  const Model cpu = bf16_weights_reference(test::golden_dir(GetParam()));
+  const Model cpu = test::bf16_weights_reference(test::golden_dir(GetParam()));
   CudaModel gpu(cpu);
   PackedBatch b;
   for (int64_t L : {1, 3, 63, 65, 150}) {
@@ -278,7 +239,7 @@ std::vector<float> round_bf16(std::vector<float> x) {
 // Each sub-layer alone on the same bf16-rounded input as the CPU reference, so that no routing or selection choice
 // can differ upstream: what remains is bf16 rounding of the intermediate activations (~1e-2 relative in norm).
 TEST_P(CudaGolden, EverySublayerMatchesCpu) {
-  const Model cpu = bf16_weights_reference(test::golden_dir(GetParam()));
+  const Model cpu = test::bf16_weights_reference(test::golden_dir(GetParam()));
   const ModelConfig& c = cpu.config();
   CudaModel gpu(cpu);
   PackedBatch b;

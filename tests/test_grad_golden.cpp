@@ -204,7 +204,7 @@ TEST(GradCli, BadInputLeavesNoOutput) {
        1, "nodir"},
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(tmp.str("")), 1, "directory"},
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(tmp.str("ok.jsonl")), 2, "--out"},
-      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --device cuda", 2,
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --device tpu", 2,
        "--device"},
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --threads 0", 2,
        "--threads"},

@@ -111,6 +111,7 @@ TEST(TrainCli, BadInputGivesOneLineErrorAndNoOutput) {
       {"--config '" + config() + "' --data '" + data + "' --recompute kda,attention", 2, "--recompute: unknown"},
       {"--config '" + config() + "' --data '" + data + "' --recompute ''", 2, "--recompute"},
       {"--config '" + config() + "' --data '" + data + "' --recompute moe,moe", 2, "twice"},
+      {"--config '" + config() + "' --data '" + data + "' --device tpu", 2, "--device"},
   };
   for (const Case& c : cases) {
     const CliResult r = run_nextlm("train " + c.args + " --out '" + out + "' --steps 2");

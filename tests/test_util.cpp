@@ -18,6 +18,9 @@
 #include <stdexcept>
 #include <thread>
 
+#include "io/safetensors.h"
+#include "model/model.h"
+
 namespace nextlm::test {
 
 // The bundled example model is a golden case too; it lives in examples/ for users.
@@ -128,7 +131,9 @@ std::string shell_quote(const std::string& s) {
 }
 
 CliResult run_nextlm(const std::string& args) {
-  std::string cmd = shell_quote(NEXTLM_BINARY);
+  // $NEXTLM_BINARY when the tests run away from their build tree (the GPU machine), else the one built with them.
+  const char* bin = std::getenv("NEXTLM_BINARY");
+  std::string cmd = shell_quote(bin ? bin : NEXTLM_BINARY);
   cmd.push_back(' ');
   cmd.append(args);
   CliResult r;
@@ -198,6 +203,50 @@ int ServeProcess::stop(int sig, int timeout_seconds) {
   ::waitpid(pid_, &status, 0);
   pid_ = -1;
   return -1;
+}
+
+namespace {
+
+void round_tensor(Tensor& t) {
+  for (float& v : t.data) v = bf16_to_f32(f32_to_bf16(v));
+}
+void round_mlp(MlpWeights& m) {
+  round_tensor(m.gate);
+  round_tensor(m.up);
+  round_tensor(m.down);
+}
+
+}  // namespace
+
+// The CPU reference with the weights that the GPU stores in bf16 rounded to bf16 (the projections, experts,
+// embedding and lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both). For a bf16 checkpoint
+// this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
+Model bf16_weights_reference(const std::string& dir) {
+  const Model m = Model::load(dir);
+  ModelWeights w = m.weights();
+  round_tensor(w.embed);
+  round_tensor(w.lm_head);
+  for (LayerWeights& l : w.layers) {
+    if (l.kda) {
+      for (Tensor* t : {&l.kda->q_proj, &l.kda->k_proj, &l.kda->v_proj, &l.kda->f_a, &l.kda->f_b, &l.kda->b_proj,
+                        &l.kda->g_a, &l.kda->g_b, &l.kda->o_proj})
+        round_tensor(*t);
+    }
+    if (l.dsa) {
+      for (Tensor* t : {&l.dsa->q_a, &l.dsa->q_b, &l.dsa->kv_a, &l.dsa->kv_b, &l.dsa->o_proj}) round_tensor(*t);
+      if (l.dsa->indexer)
+        for (Tensor* t : {&l.dsa->indexer->wq_b, &l.dsa->indexer->wk, &l.dsa->indexer->weights_proj,
+                          &l.dsa->indexer->gate})
+          round_tensor(*t);
+    }
+    if (l.mlp) round_mlp(*l.mlp);
+    if (l.moe) {
+      round_tensor(l.moe->router);
+      for (MlpWeights& e : l.moe->experts) round_mlp(e);
+      if (l.moe->shared) round_mlp(*l.moe->shared);
+    }
+  }
+  return Model(m.config(), std::move(w));
 }
 
 }  // namespace nextlm::test

@@ -6,6 +6,10 @@
 
 #include "core/tensor.h"
 
+namespace nextlm {
+class Model;
+}
+
 namespace nextlm::test {
 
 // Golden case directories under tests/golden (each holds a checkpoint and golden.safetensors).
@@ -13,6 +17,11 @@ std::vector<std::string> golden_cases();
 std::string golden_dir(const std::string& name);
 // A case name usable as a GoogleTest parameter name (letters, digits, underscores).
 std::string param_name(const std::string& name);
+
+// The model in DIR with the weights the GPU stores in bf16 rounded to bf16 (the projections, experts, embedding and
+// lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both): the CPU reference of the CUDA path.
+// For a bf16 checkpoint this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
+Model bf16_weights_reference(const std::string& dir);
 
 // A fresh empty directory under the system temp dir, removed when the object dies.
 class TempDir {

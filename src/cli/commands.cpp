@@ -416,7 +416,20 @@ int cmd_grad(const GradArgs& a) {
   double loss = 0.0;
   std::vector<std::vector<int32_t>> seqs;
   PackedBatch batch;
-  if (parallel_run(a.tp, a.ep)) {
+  std::optional<ModelConfig> device_config;
+  if (a.device == "cuda" && parallel_run(a.tp, a.ep))
+    throw UsageError("--device cuda runs on one GPU: --tp/--ep and mpirun apply to --device cpu");
+  if (a.device == "cuda") {
+#ifdef NEXTLM_HAVE_CUDA
+    // Straight from the checkpoint in bf16 (CudaModel::forward_backward): all sequences in one packed batch.
+    const std::unique_ptr<CudaModel> gpu = CudaModel::load(a.model);
+    device_config = gpu->config();
+    seqs = read_token_jsonl(a.input, device_config->vocab_size);
+    for (const auto& s : seqs) batch.add(s);
+    loss = gpu->forward_backward(batch);
+    grads = gpu->gradients();
+#endif
+  } else if (parallel_run(a.tp, a.ep)) {
     load_parallel(a.model, a.tp, a.ep, mesh, sharded);
     seqs = read_token_jsonl(a.input, sharded->config.vocab_size);
     for (const auto& s : seqs) batch.add(s);
@@ -431,7 +444,7 @@ int cmd_grad(const GradArgs& a) {
     grads = zeros_like(model->weights());
     loss = model_forward_backward(*model, batch, grads);
   }
-  const ModelConfig& config = model ? model->config() : sharded->config;
+  const ModelConfig& config = device_config ? *device_config : model ? model->config() : sharded->config;
   std::vector<TensorToWrite> out;
   for (const GradTensor& g : hub_gradients(config, grads, text_prefix(Checkpoint(a.model))))
     out.push_back({g.name, DType::F32, g.shape, g.data});
@@ -697,8 +710,8 @@ int run_cli_impl(int argc, char** argv) {
   gr->add_option("--model", grad.model, "model directory (config.json + safetensors)")->required()->check(non_empty());
   gr->add_option("--input", grad.input, "JSONL file, one {\"tokens\": [ids...]} per line")->required()->check(non_empty());
   gr->add_option("--out", grad.out, "safetensors file for the gradients and `loss`")->required()->check(non_empty());
-  gr->add_option("--device", grad.device, "compute device (cpu)")
-      ->check(one_of({"cpu"}, "a device grad runs on"))
+  gr->add_option("--device", grad.device, "compute device (cpu, or cuda in a CUDA build: bf16 weights and GEMMs)")
+      ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();
   gr->add_option("--threads", grad.threads, "CPU threads (default: all)")->check(thread_count());
   gr->add_option("--tp", grad.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")

@@ -17,6 +17,9 @@
 #include <sstream>
 
 #include "cpu/linear.h"
+#ifdef NEXTLM_HAVE_CUDA
+#include "cuda/device_model.h"
+#endif
 #include "dist/parallel_trainer.h"
 #include "io/atomic_file.h"
 #include "model/init.h"
@@ -115,7 +118,7 @@ void write_text(const std::string& path, const std::string& text) {
 }  // namespace
 
 CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
-  CLI::App* tr = app.add_subcommand("train", "train on JSONL token sequences (CPU fp32, AdamW)");
+  CLI::App* tr = app.add_subcommand("train", "train on JSONL token sequences (AdamW; CPU fp32 or CUDA bf16)");
   tr->add_option("--config", a.config, "config.json of a new model (random init from --seed)");
   tr->add_option("--model", a.model, "model directory to start from (fresh optimizer)");
   tr->add_option("--data", a.data, "JSONL, one {\"tokens\": [...], \"loss_mask\": [0/1...]} per line")->required();
@@ -142,6 +145,10 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
                  "more memory, less time, the same results): all, none, or a comma-separated list of kda, mla, moe, "
                  "mlp, mhc")
       ->type_name("POLICY")
+      ->capture_default_str();
+  tr->add_option("--device", a.device,
+                 "where the gradients are computed: cpu, or cuda in a CUDA build (bf16 weights and GEMMs on the GPU; "
+                 "the fp32 master weights, the optimizer and the checkpoints stay on the host)")
       ->capture_default_str();
   tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
   tr->add_option("--lora-rank", a.lora_rank, "train LoRA adapters of this rank on the --model (frozen) instead");
@@ -185,6 +192,14 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   const bool parallel = a.tp > 1 || a.ep > 1 || dist::launched_by_mpi();
   if (!dist::mpi_available() && (a.tp > 1 || a.ep > 1))
     throw TrainUsageError("--tp/--ep need a build with MPI (NEXTLM_MPI) started by mpirun");
+  if (a.device != "cpu" && a.device != "cuda")
+    throw TrainUsageError("--device must be cpu or cuda, got \"" + a.device + "\"");
+#ifndef NEXTLM_HAVE_CUDA
+  if (a.device == "cuda") throw TrainUsageError("--device cuda needs a CUDA build (NEXTLM_CUDA)");
+#endif
+  if (a.device == "cuda" && parallel) throw TrainUsageError("--device cuda trains on one GPU: no mpirun or --tp/--ep");
+  if (a.device == "cuda" && recompute && *recompute != RecomputePolicy{})
+    throw TrainUsageError("--device cuda recomputes every sub-layer (--recompute all)");
   const bool lora_flags = given("--lora-alpha") || given("--lora-targets") || given("--lora-experts") ||
                           given("--lora-rank-div-topk");
   if (given("--lora-rank") || lora_flags) {
@@ -277,6 +292,30 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     Model m = a.config.empty() ? Model::load(a.model) : Model(cfg, init_weights(cfg, opt.seed));
     trainer.emplace(std::move(m), std::move(data), opt);
   }
+#ifdef NEXTLM_HAVE_CUDA
+  // The GPU computes each micro-batch's gradients on bf16 copies of the host's fp32 weights, refreshed after every
+  // optimizer step; the trainer does the rest as on the CPU (so checkpoints and resumes are the same).
+  std::unique_ptr<CudaModel> gpu;
+  int64_t gpu_version = -1;
+  if (a.device == "cuda")
+    trainer->set_gradient_fn([&](const Model& m, int64_t version, const PackedBatch& b, ModelWeights& grads) {
+      if (!gpu) {
+        gpu = std::make_unique<CudaModel>(m);
+      } else if (version != gpu_version) {
+        gpu->set_weights(m);
+      }
+      gpu_version = version;
+      gpu->zero_grads();
+      const double loss = gpu->forward_backward(b);
+      const ModelWeights g = gpu->gradients();
+      const auto from = hub_gradients(m.config(), g, ""), into = hub_gradients(m.config(), grads, "");
+      for (size_t i = 0; i < into.size(); ++i) {
+        float* dst = const_cast<float*>(into[i].data);
+        for (size_t j = 0, n = Tensor::count(into[i].shape); j < n; ++j) dst[j] += from[i].data[j];
+      }
+      return loss;
+    });
+#endif
   auto steps_done = [&] { return trainer ? trainer->steps_done() : ptrainer->steps_done(); };
   const bool lead = !mesh || mesh->world->rank() == 0;  // prints and writes the log
   // Every rank stops after the same step: a ctrl-C seen by any rank stops all.
@@ -324,7 +363,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     std::cerr << "parallel: " << mesh->world->size() << " ranks, " << mesh->dp->size()
               << " data-parallel replicas of " << mesh->replica_size << " (tp " << a.tp << ", ep " << a.ep << ")\n";
   if (lead)
-    std::cerr << "training " << num_trainable << " parameters, steps " << steps_done() << " -> " << opt.steps
+    std::cerr << "training " << num_trainable << " parameters on " << a.device << ", steps " << steps_done() << " -> " << opt.steps
               << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step, recompute "
               << recompute_to_string(opt.recompute) << "\n";
   double elapsed = 0.0;

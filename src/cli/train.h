@@ -22,6 +22,7 @@ struct TrainArgs {
   std::string lora_targets = "all", lora_experts = "per-expert";
   bool lora_rank_div_topk = false;
   std::string recompute = "all";  // model/train.h's parse_recompute syntax
+  std::string device = "cpu";     // cuda: gradients on the GPU (CudaModel::forward_backward), AdamW on the host
 };
 
 // A bad combination of train's flags (exit status 2, like CLI11's own parse errors).

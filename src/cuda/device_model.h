@@ -51,6 +51,9 @@ class CudaModel {
   CudaModel& operator=(const CudaModel&) = delete;
 
   const ModelConfig& config() const;
+  // Replaces every weight with a host model's (same config; bf16 on the way as at construction), in place: for a
+  // trainer whose fp32 master weights live on the host.
+  void set_weights(const Model& model);
 
   // Logits [T, V] in fp32 on the host.
   Tensor forward(const PackedBatch& batch);
@@ -98,9 +101,30 @@ class CudaModel {
   // of generation and of scoring agree exactly. Slower: the forward's attention reads the latents per head.
   void set_batch_invariant(bool on);
 
+  // ---- Training (src/cuda/train.cu) ----
+  // L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) over the batch (each term weighted by batch.target_weight[t+1] when
+  // given), and dL/dθ ADDED into the model's fp32 gradients on the device (zero when the first call makes them;
+  // zero_grads() zeroes them): the device counterpart of model_forward_backward (model/train.h) under its default
+  // policy. The forward keeps the streams entering each mHC site and the DSA selections; the backward recomputes
+  // each site's sub-layer, keeping its activations, right before walking back through it. Weights and GEMM inputs
+  // are bf16; the KDA (forward chunked, backward through time) runs in fp32, the MLA attention's backward too (its
+  // forward on the tensor-core kernel where it applies); the experts on one cuBLASLt GEMM each. The indexer and the
+  // correction bias are frozen, as on the CPU.
+  double forward_backward(const PackedBatch& batch);
+  void zero_grads();
+  // Whether the backward computes the gradients of the linear weights (projections, experts, embedding, lm_head; on
+  // by default). Off, only the small fp32 tensors (norms, mHC, conv, gates) get theirs, while the input gradients
+  // flow through everything: the cost of a LoRA step's frozen base. Changing it drops the gradients.
+  void set_train_linears(bool on);
+  // The accumulated gradients on the host, shaped as zeros_like(weights) (model/backward.h): the indexer and the
+  // correction bias empty; with tied embeddings the lm_head's gradient is added into the embedding's.
+  ModelWeights gradients() const;
+
+  // The internals (src/cuda/model_impl.h), shared by the forward, the decoder and the training backward.
+  struct Impl;
+
  private:
   friend class CudaDecoder;
-  struct Impl;
   explicit CudaModel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -54,16 +54,41 @@ void Gemm::launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_
                   int64_t ldy, int64_t T, bool accumulate) {
   if (T == 0 || out == 0) return;
   if (invariant_ && invariant_launch(x, ldx, W, out, in, y, ytype, ldy, T, accumulate)) return;
+  lt(true, false, out, T, in, W, in, x, ldx, y, ytype, ldy, accumulate);
+}
+
+// Row-major dx[T, in] = dy[T, out]·W[out, in] is column-major dxᵀ[in, T] = W(as [in, out])·dyᵀ[out, T].
+void Gemm::run_dx(const bf16* dy, int64_t lddy, const bf16* W, int64_t out, int64_t in, float* dx, int64_t lddx,
+                  int64_t T, bool accumulate) {
+  if (T == 0 || in == 0) return;
+  lt(false, false, in, T, out, W, in, dy, lddy, dx, CUDA_R_32F, lddx, accumulate);
+}
+
+// Row-major dW[out, in] (+)= dy[T, out]ᵀ·x[T, in] is column-major dWᵀ[in, out] = xᵀ(as [in, T])·op_T(dyᵀ as
+// [out, T]).
+void Gemm::run_dw(const bf16* dy, int64_t lddy, const bf16* x, int64_t ldx, int64_t out, int64_t in, int64_t T,
+                  float* dW, bool accumulate) {
+  if (out == 0 || in == 0) return;
+  if (T == 0) {
+    if (!accumulate) NEXTLM_CUDA_CHECK(cudaMemsetAsync(dW, 0, out * in * sizeof(float), stream_));
+    return;
+  }
+  lt(false, true, in, out, T, x, ldx, dy, lddy, dW, CUDA_R_32F, in, accumulate);
+}
+
+void Gemm::lt(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const bf16* A, int64_t lda, const bf16* B,
+              int64_t ldb, void* C, cudaDataType_t ctype, int64_t ldc, bool accumulate) {
   cublasLtMatmulDesc_t op;
   NEXTLM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  NEXTLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-  NEXTLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  NEXTLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
+  NEXTLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
   cublasLtMatrixLayout_t la, lb, lc;
-  NEXTLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, in, out, in));
-  NEXTLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, in, T, ldx));
-  NEXTLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, ytype, out, T, ldy));
-  const auto key = std::make_tuple(out, in, T, ldx, ldy, static_cast<int>(ytype), accumulate);
+  // Stored shapes (column-major rows × columns): A is k×m when transposed, else m×k; B is n×k when transposed.
+  NEXTLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, ta ? k : m, ta ? m : k, lda));
+  NEXTLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, tb ? n : k, tb ? k : n, ldb));
+  NEXTLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, ctype, m, n, ldc));
+  const AlgoKey key{ta, tb, m, n, k, lda, ldb, ldc, static_cast<int>(ctype), accumulate};
   auto it = algos_.find(key);
   if (it == algos_.end()) {
     cublasLtMatmulPreference_t pref;
@@ -71,14 +96,14 @@ void Gemm::launch(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_
     NEXTLM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                              &workspace_bytes_, sizeof workspace_bytes_));
     cublasLtMatmulHeuristicResult_t res;
-    int n = 0;
-    NEXTLM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &res, &n));
+    int found = 0;
+    NEXTLM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &res, &found));
     cublasLtMatmulPreferenceDestroy(pref);
-    check(n > 0, "cuBLASLt has no algorithm for a ", out, "x", in, " x T=", T, " GEMM");
+    check(found > 0, "cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " GEMM");
     it = algos_.emplace(key, res.algo).first;
   }
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  NEXTLM_CUBLAS_CHECK(cublasLtMatmul(handle_, op, &alpha, W, la, x, lb, &beta, y, lc, y, lc, &it->second, workspace_,
+  NEXTLM_CUBLAS_CHECK(cublasLtMatmul(handle_, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &it->second, workspace_,
                                      workspace_bytes_, stream_));
   cublasLtMatrixLayoutDestroy(la);
   cublasLtMatrixLayoutDestroy(lb);

@@ -175,7 +175,8 @@ StepStats Trainer::step() {
   int64_t tokens = 0;
   for (int64_t a = 0; a < opt_.grad_accum; ++a) {
     const PackedBatch b = next_batch();
-    loss += model_forward_backward(model_, b, grads_, opt_.recompute);
+    loss += grad_fn_ ? grad_fn_(model_, adam_.steps(), b, grads_)
+                     : model_forward_backward(model_, b, grads_, opt_.recompute);
     tokens += b.num_tokens();
     weight += prediction_weight(b);
   }

@@ -77,6 +77,14 @@ class Trainer {
   // one AdamW update at the schedule's learning rate.
   StepStats step();
 
+  // What computes a micro-batch's loss L and adds dL/dθ into grads (zeros_like layout) for the model's current
+  // weights: model_forward_backward on the CPU by default; `train --device cuda` plugs in the GPU's. `version`
+  // changes exactly when the weights have (the number of optimizer steps taken), so an engine holding a copy of
+  // them knows when to refresh it.
+  using GradientFn =
+      std::function<double(const Model& model, int64_t version, const PackedBatch& batch, ModelWeights& grads)>;
+  void set_gradient_fn(GradientFn f) { grad_fn_ = std::move(f); }
+
   // Writes DIR (created, or replaced as a whole): config.json + model.safetensors (a model dir Model::load reads),
   // optimizer.safetensors (moments, under the tensors' names) and trainer_state.json (step, data position,
   // options). The new checkpoint is built beside DIR and swapped in with one rename, so DIR is always a complete
@@ -112,6 +120,7 @@ class Trainer {
   std::vector<int64_t> order_;  // the current epoch's permutation
   std::optional<LoraAdapter> lora_;
   std::vector<Tensor> lora_base_;  // the base weights under the adapters (LoraAdapter::capture)
+  GradientFn grad_fn_;             // empty: model_forward_backward
 };
 
 // The order in which epoch `epoch` visits n sequences (Fisher–Yates from a generator seeded by seed and epoch).

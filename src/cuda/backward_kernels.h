@@ -1,0 +1,140 @@
+// Launchers of the CUDA kernels of the training backward (the device counterparts of src/model/backward.h). Shapes
+// use the project's letters; all pointers are device pointers. Conventions, as on the CPU:
+//  * input gradients (dx, dh, dq, …) are ADDED into caller-zeroed buffers, unless a comment says "written";
+//  * parameter gradients (dw, dfn, ddt_bias, …) are ADDED (fp32), so they accumulate over micro-batches;
+//  * everything is fp32 unless a pointer is bf16; a reduction over tokens into a parameter gradient runs in an order
+//    fixed by the shapes (per-block partials, then a second pass), so gradients are reproducible run to run, except
+//    where a comment says atomics are used.
+// The GEMMs of the backward (dx = dy·W, dW += dyᵀ·x) go through cuda::Gemm (gemm.h).
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace nextlm::cuda {
+
+// ---- Norms and mHC (src/cuda/mhc_backward.cu) ----
+
+// Backward of y = w ⊙ x·rsqrt(mean(x²) + eps) over rows of width n (w null: unweighted). x [rows, n] (row stride
+// ldx) is the forward's input, dy [rows, n] (contiguous). dx [rows, n] += …; dw [n] += … (ignored when w is null).
+// work: rmsnorm_backward_workspace_floats(rows, n) floats.
+int64_t rmsnorm_backward_workspace_floats(int64_t rows, int64_t n);
+void rmsnorm_backward(const float* x, int64_t ldx, const float* w, const float* dy, float* dx, float* dw, int64_t rows,
+                      int64_t n, float eps, float* work, cudaStream_t st);
+
+// Backward of mhc_pre (kernels.h: the mix and the normed collapse a = RMSNorm(Σ_s pre_s·h_s; norm_w)) from the
+// streams h [T, S, D] entering the site; everything else is recomputed. dpost [T, S], dcomb [T, S, S] and da [T, D]
+// are the gradients of its outputs (da: of a, whose forward value was rounded to bf16; the backward uses the fp32
+// value). dh [T, S, D] += …; dfn [(2+S)S, S·D], dbase [(2+S)S], dscale [3], dnorm_w [D] += ….
+// work: mhc_pre_backward_workspace_floats(T, S, D) floats. Matches mhc_pre_backward + rmsnorm_backward of the CPU.
+int64_t mhc_pre_backward_workspace_floats(int64_t T, int64_t S, int64_t D);
+void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
+                      float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work, cudaStream_t st);
+
+// Backward of mhc_post (h_out[t, s] = post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r]) given dout [T, S, D]; h [T, S, D]
+// are the streams before the post-mix, y [T, D] the sub-layer output. dh [T, S, D], dy [T, D], dpost [T, S],
+// dcomb [T, S, S] all += ….
+void mhc_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
+                       float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
+                       cudaStream_t st);
+
+// Backward of stream_mean_norm (out[t] = RMSNorm(mean_s h[t, s]; w)) given dout [T, D]: dh [T, S, D] += …,
+// dw [D] += …. work: rmsnorm_backward_workspace_floats(T, D) + T·D floats.
+void stream_mean_norm_backward(const float* h, const float* w, const float* dout, float* dh, float* dw, int64_t T,
+                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st);
+
+// ---- Head, embedding, MoE pieces (src/cuda/moe_backward.cu) ----
+
+// For rows of logits [n, V] (fp32) with targets target [n] (< 0: no term) and optional weights wt [n] (null: 1):
+// loss[r] = −wt[r]·log softmax(logits[r])[target[r]] (written; 0 without a term), and dlogits [n, V] (bf16, written)
+// = wt[r]·(softmax(logits[r]) − onehot(target[r])), zero rows without a term.
+void softmax_xent_backward(const float* logits, const int32_t* target, const float* wt, double* loss, bf16* dlogits,
+                           int64_t n, int64_t V, cudaStream_t st);
+
+// dembed [V, D] += Σ_s dh[t, s] at row tok[t] for every t, except tok[t] == pad_id (pad_id < 0: none). Atomics (the
+// order of additions into a repeated token's row is not fixed).
+void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int64_t T, int64_t S, int64_t D,
+                        int64_t pad_id, cudaStream_t st);
+
+// Backward of swiglu (kernels.h) from gu [n, 2I] (gate | up, fp32) and dact [n, I] (fp32): dgu [n, 2I] written in
+// bf16 (the input of the two GEMMs that follow). Zero gradient where a clamp is active (gate > L; up outside
+// [−L, L]), passing at exactly ±L, as torch.clamp.
+void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st);
+// The same with act recomputed from gu and written in bf16 too (act [n, I], the down projection's input), for
+// callers that did not keep it. Either output may be null.
+void swiglu_forward_f32(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st);
+
+// Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]): dout [T·k, D] written in bf16 (row
+// slot_of[t, i] = w[t, i]·dy[t]); dweights [T, k] written (= dy[t]·out[slot_of[t, i]]).
+void moe_combine_backward(const float* dy, const float* out, const int32_t* slot_of, const float* weights,
+                          bf16* dout, float* dweights, int64_t T, int64_t k, int64_t D, cudaStream_t st);
+
+// Backward of gather_rows for the MoE: dx[t] += Σ_i dxp[slot_of[t, i]] in i order. dxp [T·k, D].
+void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+                         cudaStream_t st);
+
+// Backward of the routing weights (moe_route; the chosen experts are constants): from the router logits [T, E] and
+// the chosen experts [T, k], given dweights [T, k]: dlogits [T, E] written (zero at experts not chosen), through
+// weights = scale·s_i (/ Σ_j s_j when norm), s = sigmoid(logit). The correction bias only chose the experts.
+void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,
+                        int64_t T, int64_t E, int64_t k, bool norm, float scale, cudaStream_t st);
+
+// y (bf16, written) = x (fp32), for GEMM inputs; and y (fp32) += x.
+void f32_to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st);
+void add_inplace(float* y, const float* x, int64_t n, cudaStream_t st);
+
+// ---- KDA (src/cuda/kda_backward.cu: the recurrence; src/cuda/kda_layer_backward.cu: the rest) ----
+
+// Backward of the delta rule (the recurrent form, the definition of kda_chunked) over packed sequences from zero
+// states: q, k, v, g [T, H, K] (q normalised and scaled, k normalised, g the log decay), beta [T, H], do [T, H, K].
+// cu [N+1] device sequence offsets. dq, dk, dv, dg [T, H, K] and dbeta [T, H] += …. States are recomputed from
+// checkpoints. work: kda_recurrent_backward_workspace_bytes(T, N, H, K) bytes. K ≤ 128.
+size_t kda_recurrent_backward_workspace_bytes(int64_t T, int64_t N, int64_t H, int64_t K);
+void kda_recurrent_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                            const float* do_, const int32_t* cu, int64_t N, int64_t T, int64_t H, int64_t K,
+                            float* dq, float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st);
+
+// Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
+// gradients of its outputs. draw [T, 3·HK] += …, dconv [3·HK, W] += …. seq_start [T] as the forward.
+// work: kda_conv_norm_backward_workspace_floats(T, H, K, W) floats.
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W);
+void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
+                            const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
+                            int64_t K, int64_t W, float* work, cudaStream_t st);
+
+// Backward of the gate: f [T, HK] the f_b output (before dt_bias), g = kda_gate(f): dg [T, HK] → df [T, HK] written
+// (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += …. work:
+// kda_gate_backward_workspace_floats(T, H, K) floats.
+int64_t kda_gate_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
+void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log, const float* dg, float* df,
+                       float* ddt_bias, float* dA_log, int64_t T, int64_t H, int64_t K, bool has_bound, float bound,
+                       float* work, cudaStream_t st);
+
+// d ← d·y·(1 − y) in place (the backward of y = sigmoid(x), for β and the output gate).
+void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t st);
+
+// Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32, gate [T, HK] (before the
+// sigmoid), don [T, HK] fp32. do_ [T, H, K] += …, dgate [T, HK] written, dw [K] += …. work:
+// kda_out_norm_backward_workspace_floats(T, H, K) floats.
+int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
+void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
+                           float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
+                           cudaStream_t st);
+
+// ---- DSA (src/cuda/dsa_backward.cu) ----
+
+// Backward of mla_sparse_attention (the expanded form): q [T, NH, dqk], kv [T, NH, dqk+dv] (k | v per head) fp32,
+// the selection (sel, count, max_sel) and seq_start / seq_len as the forward got them (an empty selection has
+// uniform weights over keys seq_start … seq_start + seq_len − 1), do [T, NH, dv]. dq [T, NH, dqk] += …,
+// dkv [T, NH, dqk+dv] += …, both reproducibly (no atomics). max_len ≥ the longest packed sequence (bounds the
+// selected positions); a selection holds no key twice. Head dims: dqk ≤ 256, dqk + dv ≤ 512 (rounded up to 4s).
+// work: mla_sparse_attention_backward_workspace_bytes(T, NH, max_len) bytes.
+size_t mla_sparse_attention_backward_workspace_bytes(int64_t T, int64_t NH, int64_t max_len);
+void mla_sparse_attention_backward(const float* q, const float* kv, const int32_t* sel, const int32_t* count,
+                                   const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
+                                   float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
+                                   int64_t max_len, void* work, cudaStream_t st);
+
+}  // namespace nextlm::cuda

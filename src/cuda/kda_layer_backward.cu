@@ -1,0 +1,317 @@
+// The KDA layer backward outside the recurrence: the fused causal conv + SiLU + L2 norm, the decay gate (both forms),
+// the β/gate sigmoid and the gated per-head output RMSNorm. The device counterparts of the matching parts of
+// kda_layer_backward (src/model/kda_backward.cpp) and rmsnorm_backward (src/model/norm_backward.cpp); the inverses of
+// kda_conv_norm, kda_gate and kda_out_norm (src/cuda/kda.cu), whose data layouts they share.
+#include <algorithm>
+
+#include "cuda/backward_kernels.h"
+
+namespace nextlm::cuda {
+
+namespace {
+
+constexpr int kMaxW = 8;          // conv taps kept in registers
+constexpr int kMaxPer = 8;        // K/32 values per lane, K ≤ 256
+constexpr int kMaxParts = 128;    // token ranges of the deterministic parameter-gradient reductions
+constexpr int kPartTokens = 64;   // fewest tokens per range
+constexpr int kChanThreads = 128; // threads (= channels) per block of the per-channel passes
+
+// Token ranges for the per-channel passes: a function of T only, so the order of every sum is fixed by the shapes.
+int64_t num_parts(int64_t T) { return std::min<int64_t>(ceil_div(T, kPartTokens), kMaxParts); }
+
+// Grid of a warp-per-row kernel of 256 threads, capped (the kernels stride over rows).
+unsigned warp_grid(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>(ceil_div(rows * 32, 256), 1 << 20)); }
+
+// Accurate forms (expf, not __expf): these gradients are compared with the CPU at 1e-4.
+__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu_grad(float x) {
+  const float s = sigm(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+// ---- conv + SiLU + L2 norm ----
+
+// One warp per (token, head, which of q/k/v), as conv_norm_kernel: recompute pre = conv(raw) and act = SiLU(pre) of
+// its K channels, then dpre [T, 3·HK] (written) = SiLU'(pre)·(L2-norm backward of the output gradient), with
+// y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no norm.
+__global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
+                                      const float* dk, const float* dv, float* dpre, int64_t T, int64_t H, int64_t K,
+                                      int64_t W, float qscale) {
+  const int lane = threadIdx.x & 31;
+  const int64_t HK = H * K, C3 = 3 * HK, rows = T * H * 3;
+  const int per = static_cast<int>((K + 31) / 32);
+  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < rows; wid += nwarps) {
+    const int64_t which = wid % 3, h = (wid / 3) % H, t = wid / (3 * H);
+    const int64_t s0 = seq_start[t];
+    const float* dy = (which == 0 ? dq : (which == 1 ? dk : dv)) + (t * H + h) * K;
+    float pre[kMaxPer], act[kMaxPer], g[kMaxPer];
+    float ss = 0.0f, dot = 0.0f;
+    for (int i = 0; i < per; ++i) {
+      pre[i] = act[i] = g[i] = 0.0f;
+      const int64_t d = lane + 32 * i;
+      if (d >= K) continue;
+      const int64_t ch = which * HK + h * K + d;
+      float acc = 0.0f;
+      for (int64_t w = 0; w < W; ++w) {
+        const int64_t src = t + w - (W - 1);
+        if (src >= s0) acc += conv[ch * W + w] * raw[src * C3 + ch];
+      }
+      pre[i] = acc;
+      act[i] = acc * sigm(acc);
+      g[i] = dy[d];
+      ss += act[i] * act[i];
+      dot += g[i] * act[i];
+    }
+    float scale = 1.0f, inv_n = 1.0f, c = 0.0f;
+    if (which < 2) {
+      ss = warp_sum(ss);
+      dot = warp_sum(dot);
+      const float n = sqrtf(ss + 1e-6f);
+      inv_n = 1.0f / n;
+      c = dot / (n * n * n);
+      scale = which == 0 ? qscale : 1.0f;
+    }
+    for (int i = 0; i < per; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d >= K) continue;
+      const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
+      dpre[t * C3 + which * HK + h * K + d] = dact * silu_grad(pre[i]);
+    }
+  }
+}
+
+// Grid (channel blocks, token ranges); a thread owns one channel of one token range. pre[t] = Σ_i w[i]·x[t+i−(W−1)]
+// over taps inside t's sequence, so
+//   dx[s] += Σ_i w[i]·dpre[s+(W−1)−i]   (the later token in s's sequence, i.e. seq_start of it ≤ s),
+//   dw[i] += Σ_t dpre[t]·x[t+i−(W−1)]   (per-range partials [parts, C3, W] in part, summed by conv_dw_reduce_kernel).
+__global__ void conv_backward_kernel(const float* raw, const float* conv, const int32_t* seq_start, const float* dpre,
+                                     float* draw, float* part, int64_t T, int64_t C3, int64_t W, int64_t span) {
+  const int64_t ch = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (ch >= C3) return;
+  const int64_t t_begin = blockIdx.y * span, t_end = t_begin + span < T ? t_begin + span : T;
+  float w[kMaxW], acc[kMaxW];
+  for (int i = 0; i < kMaxW; ++i) {
+    w[i] = i < W ? conv[ch * W + i] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const float d = dpre[t * C3 + ch];
+    const int64_t s0 = seq_start[t];
+    float dx = 0.0f;
+    for (int i = 0; i < W; ++i) {
+      const int64_t src = t + i - (W - 1);
+      if (src >= s0) acc[i] += d * raw[src * C3 + ch];
+      const int64_t dst = t + (W - 1) - i;  // the token whose tap i reads t
+      if (dst < T && seq_start[dst] <= t) dx += w[i] * dpre[dst * C3 + ch];
+    }
+    draw[t * C3 + ch] += dx;
+  }
+  float* out = part + (blockIdx.y * C3 + ch) * W;
+  for (int i = 0; i < W; ++i) out[i] = acc[i];
+}
+
+// dconv [C3·W] += Σ_p part[p] in p order.
+__global__ void conv_dw_reduce_kernel(const float* part, float* dconv, int64_t n, int64_t parts) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  float s = 0.0f;
+  for (int64_t p = 0; p < parts; ++p) s += part[p * n + i];
+  dconv[i] += s;
+}
+
+// ---- the decay gate ----
+
+// Grid (column blocks, token ranges); a thread owns one column c = h·K + d of one token range: df (written) and the
+// range's partial sums of df (for dt_bias) and of the A_log gradient of that column, in part [2, parts, HK].
+//   bound:    g = lb·sigmoid(rate·f):      dz = dg·lb·σ(1−σ); df = dz·rate; dA = dz·rate·f;
+//   softplus: g = −rate·softplus(f):       df = −dg·rate·sigmoid(f) (1 past the f > 20 cutoff); dA = dg·g.
+__global__ void gate_backward_kernel(const float* f, const float* dt_bias, const float* A_log, const float* dg,
+                                     float* df, float* part, int64_t T, int64_t H, int64_t K, bool has_bound,
+                                     float bound, int64_t span, int64_t parts) {
+  const int64_t HK = H * K, c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= HK) return;
+  const int64_t t_begin = blockIdx.y * span, t_end = t_begin + span < T ? t_begin + span : T;
+  const float rate = expf(A_log[c / K]), bias = dt_bias[c];
+  float sdf = 0.0f, sdA = 0.0f;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t i = t * HK + c;
+    const float x = f[i] + bias, gd = dg[i];
+    float d;
+    if (has_bound) {
+      const float s = sigm(rate * x);
+      const float dz = gd * bound * s * (1.0f - s);
+      d = dz * rate;
+      sdA += dz * rate * x;
+    } else {
+      d = -gd * rate * (x > 20.0f ? 1.0f : sigm(x));
+      sdA += gd * (-rate * (x > 20.0f ? x : logf(1.0f + expf(x))));
+    }
+    df[i] = d;
+    sdf += d;
+  }
+  part[blockIdx.y * HK + c] = sdf;
+  part[(parts + blockIdx.y) * HK + c] = sdA;
+}
+
+// ddt_bias [HK] += Σ_p part_df[p] in p order.
+__global__ void gate_dt_reduce_kernel(const float* part, float* ddt_bias, int64_t HK, int64_t parts) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= HK) return;
+  float s = 0.0f;
+  for (int64_t p = 0; p < parts; ++p) s += part[p * HK + c];
+  ddt_bias[c] += s;
+}
+
+// One block per head: dA_log[h] += Σ over (range, d) of part_dA, each thread summing a fixed subset, then block_sum.
+__global__ void gate_dA_reduce_kernel(const float* part_dA, float* dA_log, int64_t H, int64_t K, int64_t parts) {
+  __shared__ float scratch[32];
+  const int64_t h = blockIdx.x, HK = H * K, n = parts * K;
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += part_dA[(j / K) * HK + h * K + j % K];
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) dA_log[h] += s;
+}
+
+// ---- sigmoid ----
+
+__global__ void sigmoid_backward_kernel(const float* y, float* d, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    d[i] *= y[i] * (1.0f - y[i]);
+}
+
+// ---- the gated output norm ----
+
+// Warps stride over the rows (token, head) of K. With r = rsqrt(mean(o²) + eps), σ = sigmoid(gate), dn = don·σ:
+//   dgate = don·(w⊙o·r)·σ(1−σ) (written), do += r·w⊙dn − o·r³·Σ(w⊙dn⊙o)/K, dw += Σ_rows dn⊙o·r.
+// A lane keeps its columns' dw sums over the warp's rows; the block adds its warps in order into part [blocks, K].
+__global__ void out_norm_backward_kernel(const float* o, const float* gate, const float* w, const float* don,
+                                         float* do_, float* dgate, float* part, int64_t rows, int64_t K, float eps) {
+  __shared__ float red[8][kMaxPer * 32];  // [warp, K] (K ≤ 256, 256 threads)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int per = static_cast<int>((K + 31) / 32);
+  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  float wv[kMaxPer], dwacc[kMaxPer];
+  for (int i = 0; i < per; ++i) {
+    const int64_t d = lane + 32 * i;
+    wv[i] = d < K ? w[d] : 0.0f;
+    dwacc[i] = 0.0f;
+  }
+  for (int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; row < rows; row += nwarps) {
+    const float* orow = o + row * K;
+    float x[kMaxPer], dn[kMaxPer], sg[kMaxPer], dr[kMaxPer];
+    float ss = 0.0f, dot = 0.0f;
+    for (int i = 0; i < per; ++i) {
+      x[i] = dn[i] = sg[i] = dr[i] = 0.0f;
+      const int64_t d = lane + 32 * i;
+      if (d >= K) continue;
+      x[i] = orow[d];
+      sg[i] = sigm(gate[row * K + d]);
+      dr[i] = don[row * K + d];
+      dn[i] = dr[i] * sg[i];
+      ss += x[i] * x[i];
+      dot += wv[i] * dn[i] * x[i];
+    }
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    const float r = 1.0f / sqrtf(ss / K + eps);
+    const float c = dot / K * r * r * r;
+    for (int i = 0; i < per; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d >= K) continue;
+      const float xr = x[i] * r;
+      dgate[row * K + d] = dr[i] * (wv[i] * xr) * sg[i] * (1.0f - sg[i]);
+      do_[row * K + d] += r * wv[i] * dn[i] - c * x[i];
+      dwacc[i] += dn[i] * xr;
+    }
+  }
+  for (int i = 0; i < per; ++i) red[warp][lane + 32 * i] = dwacc[i];
+  __syncthreads();
+  const int nw = blockDim.x >> 5;
+  for (int64_t d = threadIdx.x; d < K; d += blockDim.x) {
+    float s = 0.0f;
+    for (int j = 0; j < nw; ++j) s += red[j][d];
+    part[blockIdx.x * K + d] = s;
+  }
+}
+
+// dw [K] += Σ_b part[b] in b order.
+__global__ void out_norm_dw_reduce_kernel(const float* part, float* dw, int64_t K, int64_t blocks) {
+  const int64_t d = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (d >= K) return;
+  float s = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) s += part[b * K + d];
+  dw[d] += s;
+}
+
+// Blocks of the output-norm backward: a function of the row count only (fixed reduction order).
+int64_t out_norm_blocks(int64_t rows) { return std::min<int64_t>(ceil_div(rows, 8), 512); }
+
+}  // namespace
+
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W) {
+  return T * 3 * H * K + num_parts(T) * 3 * H * K * W;
+}
+
+void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
+                            const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
+                            int64_t K, int64_t W, float* work, cudaStream_t st) {
+  check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
+  check(W >= 1 && W <= kMaxW, "CUDA KDA backward: conv kernel size must be 1..", kMaxW, ", got ", W);
+  if (T <= 0 || H * K == 0) return;
+  const int64_t C3 = 3 * H * K, parts = num_parts(T), span = ceil_div(T, parts);
+  float* dpre = work;                  // [T, C3]
+  float* part = work + T * C3;         // [parts, C3, W]
+  conv_norm_dpre_kernel<<<warp_grid(T * H * 3), 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, W,
+                                                               rsqrtf(static_cast<float>(K)));
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  conv_backward_kernel<<<dim3(static_cast<unsigned>(ceil_div(C3, kChanThreads)), static_cast<unsigned>(parts)),
+                         kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3, W, span);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  const int64_t n = C3 * W;
+  conv_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, st>>>(part, dconv, n, parts);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+int64_t kda_gate_backward_workspace_floats(int64_t T, int64_t H, int64_t K) { return 2 * num_parts(T) * H * K; }
+
+void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log, const float* dg, float* df,
+                       float* ddt_bias, float* dA_log, int64_t T, int64_t H, int64_t K, bool has_bound, float bound,
+                       float* work, cudaStream_t st) {
+  if (T <= 0 || H * K == 0) return;
+  const int64_t HK = H * K, parts = num_parts(T), span = ceil_div(T, parts);
+  const unsigned cblocks = static_cast<unsigned>(ceil_div(HK, kChanThreads));
+  gate_backward_kernel<<<dim3(cblocks, static_cast<unsigned>(parts)), kChanThreads, 0, st>>>(
+      f, dt_bias, A_log, dg, df, work, T, H, K, has_bound, bound, span, parts);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  gate_dt_reduce_kernel<<<cblocks, kChanThreads, 0, st>>>(work, ddt_bias, HK, parts);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  gate_dA_reduce_kernel<<<static_cast<unsigned>(H), 256, 0, st>>>(work + parts * HK, dA_log, H, K, parts);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  sigmoid_backward_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535)), 256, 0, st>>>(y, d, n);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K) {
+  return out_norm_blocks(T * H) * K;
+}
+
+void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
+                           float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
+                           cudaStream_t st) {
+  check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
+  const int64_t rows = T * H;
+  if (rows <= 0 || K == 0) return;
+  const int64_t blocks = out_norm_blocks(rows);
+  out_norm_backward_kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, work, rows, K,
+                                                                         eps);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  out_norm_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(K, 256)), 256, 0, st>>>(work, dw, K, blocks);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace nextlm::cuda

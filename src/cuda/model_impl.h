@@ -1,0 +1,975 @@
+// The device model's internals, shared by the forward (device_model.cu) and the training backward (train.cu):
+// the arena, the weight layout on the device, the plan of a packed batch, and CudaModel::Impl with its forward.
+// Internal to src/cuda; host code sees device_model.h only.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/decode_kernels.h"
+#include "cuda/device_model.h"
+#include "cuda/gemm.h"
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels.h"
+#include "cuda/random_init.h"
+#include "model/init.h"
+
+namespace nextlm {
+namespace cuda {
+
+
+// A bump allocator over device chunks. reset() rewinds; a forward of the same or a smaller shape reuses the chunks
+// of the first one, so cudaMalloc runs only when a larger batch arrives.
+class Arena {
+ public:
+  ~Arena() {
+    for (auto& c : chunks_) cudaFree(c.first);
+  }
+  void reset() { chunk_ = 0, offset_ = 0; }
+  // A position to come back to: what was allocated after mark() is given back by rewind(mark) (the training
+  // backward frees one site's activations this way).
+  struct Mark {
+    size_t chunk, offset;
+  };
+  Mark mark() const { return {chunk_, offset_}; }
+  void rewind(Mark m) { chunk_ = m.chunk, offset_ = m.offset; }
+  template <class T>
+  T* alloc(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
+    while (chunk_ < chunks_.size() && offset_ + bytes > chunks_[chunk_].second) ++chunk_, offset_ = 0;
+    if (chunk_ == chunks_.size()) {
+      const size_t size = std::max(bytes, size_t{256} << 20);
+      void* p = nullptr;
+      NEXTLM_CUDA_CHECK(cudaMalloc(&p, size));
+      chunks_.emplace_back(static_cast<char*>(p), size);
+      offset_ = 0;
+    }
+    T* p = reinterpret_cast<T*>(chunks_[chunk_].first + offset_);
+    offset_ += bytes;
+    return p;
+  }
+
+ private:
+  std::vector<std::pair<char*, size_t>> chunks_;
+  size_t chunk_ = 0, offset_ = 0;
+};
+
+// Device memory of the weights (one allocation per tensor), freed with the model.
+class Store {
+ public:
+  ~Store() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  template <class T>
+  T* alloc(int64_t n) {
+    T* p = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T)));
+    ptrs_.push_back(p);
+    return p;
+  }
+
+ private:
+  std::vector<void*> ptrs_;
+};
+
+struct DLinear {
+  bf16* w = nullptr;
+  int64_t out = 0, in = 0;
+};
+
+struct DHc {
+  float *fn, *base, *scale;
+};
+struct DKda {
+  DLinear qkv, f_a, f_b, b, g_a, g_b, o;
+  float *conv, *dt_bias, *A_log, *o_norm;
+};
+struct DIndexer {
+  DLinear wq_b, wk, weights, gate;
+  float *k_norm_w, *k_norm_b, *ape;
+};
+struct DDsa {
+  DLinear q_a, q_b, kv_a, kv_b, o;
+  float *q_a_norm, *kv_a_norm;
+  bool has_indexer = false;
+  DIndexer idx;
+};
+struct DMlp {
+  DLinear gate_up, down;
+  int64_t I = 0;
+};
+struct DMoe {
+  DLinear router;
+  float* bias;
+  std::vector<DMlp> experts;
+  const bf16** gate_up_ptrs = nullptr;  // [E] device arrays of the experts' weight pointers (grouped GEMM)
+  const bf16** down_ptrs = nullptr;
+  bool has_shared = false;
+  DMlp shared;
+};
+struct DLayer {
+  DHc hc_attn, hc_ffn;
+  float *in_norm, *post_norm;
+  bool kda_layer = false, moe_layer = false;
+  DKda kda;
+  DDsa dsa;
+  DMlp mlp;
+  DMoe moe;
+};
+
+// Where the weights come from. The model asks for every tensor by its checkpoint name (text-model prefix included,
+// `lm_head.weight` at the top) with the shape it expects and the distribution a random init would draw it from; a
+// source writes it into device memory as bf16 or fp32.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  // "model.language_model." or "model." (text-only checkpoints).
+  virtual std::string prefix() const = 0;
+  virtual bool has(const std::string& name) const = 0;
+  // Whether the weights are drawn at random (the embedding's padding row is then zeroed, as padding_idx does).
+  virtual bool random() const { return false; }
+  virtual void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                         bf16* dst) = 0;
+  virtual void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                        float* dst) = 0;
+};
+
+inline int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+
+// The plan of a packed batch, shared by every layer.
+struct Plan {
+  int64_t T = 0, num_seqs = 0, max_len = 0, max_pools = 0, num_pools = 0;
+  int32_t *tokens, *targets, *seq_start, *seq_len, *pool_base, *pool_token;
+  int32_t* seen_len;  // per token: its position in its sequence + 1 (the keys an empty selection sees if SeenKeys)
+  int32_t* pos;       // per token: its position in its sequence
+  int32_t* cu;        // [num_seqs + 1] sequence offsets
+  KdaChunks chunks{};
+};
+
+// One layer's decoding caches for every slot of a CudaDecoder (device memory the decoder owns).
+struct LayerCache {
+  float* conv_hist = nullptr;     // KDA: [slots, 3, W−1, HK] pre-conv projections of the last W−1 tokens
+  float* state = nullptr;         // KDA: [slots, H, K, K] fp32 state: after the last token (fp32 kernels), or after
+                                  // the last complete chunk (tensor-core kernels, which recompute the partial one)
+  bf16 *chunk_q = nullptr, *chunk_k = nullptr, *chunk_v = nullptr;  // tensor-core KDA: [slots, 64, HK] the partial
+  float *chunk_g = nullptr, *chunk_beta = nullptr;                  // chunk's inputs ([slots, 64, H] for β)
+  bf16* latent = nullptr;         // DSA: [slots, max_len, KL] normed kv latents (bf16, as the forward feeds kv_b)
+  float* pending_key = nullptr;   // full indexer: [slots, P, ID] keys of the incomplete pool
+  float* pending_gate = nullptr;  // full indexer: [slots, P, ID] their gate scores
+  float* pool_key = nullptr;      // full indexer: [slots, max_pools, ID] compressed keys of complete pools
+};
+
+// While a prefill runs, what its forward fills besides its own work, and where.
+struct Capture {
+  const LayerCache* layers;  // [num layers]
+  PrefillSeqs seqs;          // the prompts (packed order) and their slots
+  const int32_t* pool_base;  // [N] each prompt's pool 0 among the forward's pool keys
+  const int32_t* tok_slot;   // [T] slot of every packed token
+  const int32_t* tok_pos;    // [T] its position in its sequence
+  int64_t max_len, max_pools;
+};
+
+// The fp32 gradients of the trainable weights on the device (src/cuda/train.cu), laid out as the weights (merged
+// q | k | v, gate | up and conv rows included); one allocation, so zeroing them is one memset. The indexer and
+// the correction bias are frozen and have none.
+struct GHc {
+  float *fn = nullptr, *base = nullptr, *scale = nullptr;
+};
+struct GKda {
+  float *qkv = nullptr, *f_a = nullptr, *f_b = nullptr, *b = nullptr, *g_a = nullptr, *g_b = nullptr, *o = nullptr;
+  float *conv = nullptr, *dt_bias = nullptr, *A_log = nullptr, *o_norm = nullptr;
+};
+struct GDsa {
+  float *q_a = nullptr, *q_b = nullptr, *kv_a = nullptr, *kv_b = nullptr, *o = nullptr;
+  float *q_a_norm = nullptr, *kv_a_norm = nullptr;
+};
+struct GMlp {
+  float *gate_up = nullptr, *down = nullptr;
+};
+struct GMoe {
+  float* router = nullptr;
+  std::vector<GMlp> experts;
+  GMlp shared;
+};
+struct GLayer {
+  GHc hc_attn, hc_ffn;
+  float *in_norm = nullptr, *post_norm = nullptr;
+  GKda kda;
+  GDsa dsa;
+  GMlp mlp;
+  GMoe moe;
+};
+struct Grads {
+  float* base = nullptr;  // the one allocation
+  int64_t floats = 0;
+  bool linears = true;    // whether the linear weights have gradients (CudaModel::set_train_linears)
+  // lm_head has its own buffer even when tied (gradients() adds it into the embedding's).
+  float *embed = nullptr, *lm_head = nullptr, *final_norm = nullptr;
+  std::vector<GLayer> layers;
+  ~Grads() { cudaFree(base); }
+};
+
+}  // namespace cuda
+
+struct CudaModel::Impl {
+  const ModelConfig cfg;
+  int device;
+  cudaStream_t stream = nullptr;
+  cuda::Store store;
+  cuda::Arena arena;
+  std::unique_ptr<cuda::Gemm> gemm;
+  cuda::bf16 *embed = nullptr, *lm_head = nullptr;
+  float* final_norm = nullptr;
+  std::vector<cuda::DLayer> layers;
+  bool profiling = false;
+  std::vector<std::pair<std::string, double>> prof;
+  std::map<std::string, std::pair<cudaEvent_t, cudaEvent_t>> events;
+
+  cudaEvent_t fwd_begin = nullptr, fwd_end = nullptr;
+  double last_ms = 0.0;
+
+  bool empty_seen = false;       // empty selections attend to keys 0 … t (EmptySelection::SeenKeys), not all keys
+  bool kda_tensor_cores = true;  // the tensor-core KDA where it supports the config (else the fp32 kernels)
+  bool mla_absorbed = false;     // the forward's MLA attention on the absorbed decoding kernels
+  const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
+  size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
+  std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward
+  bool train_linears = true;               // whether the backward computes the linear weights' gradients
+
+  Impl(const ModelConfig& c, int dev) : cfg(c), device(dev) {
+    check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
+    NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_begin));
+    NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_end));
+    gemm = std::make_unique<cuda::Gemm>(stream);
+  }
+  ~Impl() {
+    for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
+    if (fwd_begin) cudaEventDestroy(fwd_begin);
+    if (fwd_end) cudaEventDestroy(fwd_end);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  // Every tensor build() filled, in order: set_weights() fills the same places again from another source.
+  struct Fill {
+    std::string name;
+    std::vector<int64_t> shape;
+    cuda::DistSpec init;
+    void* dst;
+    bool bf16;
+  };
+  std::vector<Fill> fills;
+
+  // Allocates and fills every weight from `src`, layer by layer in checkpoint order. Each tensor names the
+  // distribution a random init draws it from (init_weights' choices, src/model/init.h).
+  void build(cuda::WeightSource& inner) {
+    using namespace cuda;
+    // Records each fill on its way to the source.
+    struct Recording : WeightSource {
+      WeightSource& in;
+      std::vector<Fill>& out;
+      Recording(WeightSource& i, std::vector<Fill>& o) : in(i), out(o) {}
+      std::string prefix() const override { return in.prefix(); }
+      bool has(const std::string& name) const override { return in.has(name); }
+      bool random() const override { return in.random(); }
+      void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                     bf16* dst) override {
+        out.push_back({name, shape, init, dst, true});
+        in.bf16_into(name, shape, init, dst);
+      }
+      void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                    float* dst) override {
+        out.push_back({name, shape, init, dst, false});
+        in.f32_into(name, shape, init, dst);
+      }
+    } src(inner, fills);
+    const ModelConfig& c = cfg;
+    const std::string P = src.prefix();
+    const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+    const float std_lin = static_cast<float>(c.initializer_range);
+    const DistSpec normal{Dist::Normal, std_lin}, ones{Dist::Const, 1.0f}, zeros{Dist::Const, 0.0f};
+    // A linear [Σ rows, in] from parts stacked row-wise (q | k | v, gate | up).
+    auto linear = [&](const std::vector<std::pair<std::string, int64_t>>& parts, int64_t in,
+                      const DistSpec* init = nullptr) {
+      const DistSpec d = init ? *init : normal;
+      DLinear l;
+      l.in = in;
+      for (const auto& p : parts) l.out += p.second;
+      l.w = store.alloc<bf16>(l.out * in);
+      int64_t row = 0;
+      for (const auto& p : parts) {
+        src.bf16_into(p.first, {p.second, in}, d, l.w + row * in);
+        row += p.second;
+      }
+      return l;
+    };
+    auto vec = [&](const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init) {
+      float* p = store.alloc<float>(numel_of(shape));
+      src.f32_into(name, shape, init, p);
+      return p;
+    };
+    auto mlp = [&](const std::string& p, int64_t I) {
+      return DMlp{linear({{p + "gate_proj.weight", I}, {p + "up_proj.weight", I}}, D),
+                  linear({{p + "down_proj.weight", D}}, I), I};
+    };
+
+    DLinear emb = linear({{P + "embed_tokens.weight", V}}, D);
+    embed = emb.w;
+    if (c.pad_token_id && *c.pad_token_id >= 0 && *c.pad_token_id < V && src.random())
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(embed + *c.pad_token_id * D, 0, D * sizeof(bf16), stream));  // padding_idx
+    final_norm = vec(P + "norm.weight", {D}, ones);
+    lm_head = c.tie_word_embeddings && !src.has("lm_head.weight") ? embed : linear({{"lm_head.weight", V}}, D).w;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const std::string p = P + "layers." + std::to_string(i) + ".";
+      DLayer L;
+      auto hc = [&](const std::string& h) {
+        return DHc{vec(p + h + "_fn", {M, S * D}, DistSpec{Dist::Normal, 0.02f}), vec(p + h + "_base", {M}, zeros),
+                   vec(p + h + "_scale", {3}, ones)};
+      };
+      L.hc_attn = hc("hc_attn");
+      L.hc_ffn = hc("hc_ffn");
+      L.in_norm = vec(p + "input_layernorm.weight", {D}, ones);
+      L.post_norm = vec(p + "post_attention_layernorm.weight", {D}, ones);
+      const std::string a = p + "self_attn.";
+      if (c.layer_types[i] == LayerType::LinearAttention) {
+        const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
+        L.kda_layer = true;
+        DKda& k = L.kda;
+        k.qkv = linear({{a + "q_proj.weight", HK}, {a + "k_proj.weight", HK}, {a + "v_proj.weight", HK}}, D);
+        // Depthwise conv weights [3·HK, W] (q | k | v); the hub stores each [HK, 1, W]. nn.Conv1d's own init.
+        const float bound = 1.0f / std::sqrt(static_cast<float>(W));
+        k.conv = store.alloc<float>(3 * HK * W);
+        int64_t off = 0;
+        for (const char* n : {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"}) {
+          src.f32_into(a + n, {HK, 1, W}, DistSpec{Dist::Uniform, -bound, bound}, k.conv + off);
+          off += HK * W;
+        }
+        k.f_a = linear({{a + "f_a_proj.weight", K}}, D);
+        k.f_b = linear({{a + "f_b_proj.weight", HK}}, K);
+        k.dt_bias = vec(a + "dt_bias", {HK}, DistSpec{Dist::DtBias, 1e-3f, 1e-1f});
+        k.A_log = vec(a + "A_log", {H}, c.linear_lower_bound ? zeros : DistSpec{Dist::LogUniform, 1.0f, 16.0f});
+        k.b = linear({{a + "b_proj.weight", H}}, D);
+        k.g_a = linear({{a + "g_a_proj.weight", K}}, D);
+        k.g_b = linear({{a + "g_b_proj.weight", HK}}, K);
+        k.o_norm = vec(a + "o_norm.weight", {K}, ones);
+        k.o = linear({{a + "o_proj.weight", D}}, HK);
+      } else {
+        const int64_t NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim, QL = c.q_lora_rank,
+                      KL = c.kv_lora_rank;
+        DDsa& d = L.dsa;
+        d.q_a = linear({{a + "q_a_proj.weight", QL}}, D);
+        d.q_a_norm = vec(a + "q_a_layernorm.weight", {QL}, ones);
+        d.q_b = linear({{a + "q_b_proj.weight", NH * dqk}}, QL);
+        d.kv_a = linear({{a + "kv_a_proj_with_mqa.weight", KL}}, D);
+        d.kv_a_norm = vec(a + "kv_a_layernorm.weight", {KL}, ones);
+        d.kv_b = linear({{a + "kv_b_proj.weight", NH * (dqk + dv)}}, KL);
+        d.o = linear({{a + "o_proj.weight", D}}, NH * dv);
+        if (c.indexer_types[i] == IndexerType::Full) {
+          const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
+          const std::string q = a + "indexer.";
+          d.has_indexer = true;
+          d.idx.wq_b = linear({{q + "wq_b.weight", IH * ID}}, QL);
+          d.idx.wk = linear({{q + "wk.weight", ID}}, D);
+          d.idx.k_norm_w = vec(q + "k_norm.weight", {ID}, ones);
+          d.idx.k_norm_b = vec(q + "k_norm.bias", {ID}, zeros);
+          d.idx.weights = linear({{q + "weights_proj.weight", IH}}, D);
+          d.idx.ape = vec(q + "index_kpool_compress_ape", {c.index_kpool, ID}, zeros);
+          d.idx.gate = linear({{q + "index_kpool_compress_gate", ID}}, D, &ones);
+        }
+      }
+      const std::string m = p + "mlp.";
+      if (c.mlp_layer_types[i] == MlpType::Sparse) {
+        const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
+        L.moe_layer = true;
+        L.moe.router = linear({{m + "gate.weight", E}}, D);
+        L.moe.bias = vec(m + "gate.e_score_correction_bias", {E}, zeros);
+        L.moe.experts.reserve(E);
+        for (int64_t e = 0; e < E; ++e) L.moe.experts.push_back(mlp(m + "experts." + std::to_string(e) + ".", I));
+        std::vector<const bf16*> gu_ptrs, dn_ptrs;
+        for (const DMlp& x : L.moe.experts) gu_ptrs.push_back(x.gate_up.w), dn_ptrs.push_back(x.down.w);
+        L.moe.gate_up_ptrs = store.alloc<const bf16*>(E);
+        L.moe.down_ptrs = store.alloc<const bf16*>(E);
+        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.gate_up_ptrs, gu_ptrs.data(), E * sizeof(bf16*), cudaMemcpyHostToDevice));
+        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.down_ptrs, dn_ptrs.data(), E * sizeof(bf16*), cudaMemcpyHostToDevice));
+        if (c.n_shared_experts > 0) {
+          L.moe.has_shared = true;
+          L.moe.shared = mlp(m + "shared_experts.", I * c.n_shared_experts);
+        }
+      } else {
+        L.mlp = mlp(m, c.intermediate_size);
+      }
+      layers.push_back(std::move(L));
+    }
+    NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // random fills run on the stream; copies are synchronous
+  }
+
+  // Profiling: named CUDA-event pairs around each part of the forward.
+  void mark_begin(const std::string& name) {
+    if (!profiling) return;
+    auto it = events.find(name);
+    if (it == events.end()) {
+      cudaEvent_t a, b;
+      NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
+      NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
+      it = events.emplace(name, std::make_pair(a, b)).first;
+    }
+    NEXTLM_CUDA_CHECK(cudaEventRecord(it->second.first, stream));
+  }
+  std::map<std::string, float> accum;
+  void mark_end(const std::string& name) {
+    if (!profiling) return;
+    auto& ev = events.at(name);
+    NEXTLM_CUDA_CHECK(cudaEventRecord(ev.second, stream));
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(ev.second));
+    float ms = 0.0f;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.first, ev.second));
+    accum[name] += ms;
+  }
+
+  cuda::Plan plan(const PackedBatch& b) {
+    using namespace cuda;
+    validate_batch(b, cfg.vocab_size);
+    Plan p;
+    p.T = b.num_tokens();
+    p.num_seqs = b.num_seqs();
+    const int64_t P = cfg.index_kpool;
+    std::vector<int32_t> targets(p.T, -1), start(p.T), len(p.T), pool_base(p.T), pool_token;
+    std::vector<int32_t> cs, cl, sf, sn;
+    for (int64_t n = 0; n < p.num_seqs; ++n) {
+      const int64_t s0 = b.cu_seqlens[n], L = b.cu_seqlens[n + 1] - s0;
+      p.max_len = std::max(p.max_len, L);
+      p.max_pools = std::max(p.max_pools, L / P);
+      const int32_t base = static_cast<int32_t>(pool_token.size());
+      for (int64_t j = 0; j < L / P; ++j) pool_token.push_back(static_cast<int32_t>(s0 + j * P));
+      for (int64_t t = s0; t < s0 + L; ++t) {
+        start[t] = static_cast<int32_t>(s0);
+        len[t] = static_cast<int32_t>(L);
+        pool_base[t] = base;
+        if (t + 1 < s0 + L) targets[t] = b.tokens[t + 1];
+      }
+      sf.push_back(static_cast<int32_t>(cs.size()));
+      for (int64_t c = 0; c < L; c += 64) {
+        cs.push_back(static_cast<int32_t>(s0 + c));
+        cl.push_back(static_cast<int32_t>(std::min<int64_t>(64, L - c)));
+      }
+      sn.push_back(static_cast<int32_t>(cs.size()) - sf.back());
+    }
+    p.num_pools = static_cast<int64_t>(pool_token.size());
+    std::vector<int32_t> seen(p.T), pos(p.T);
+    for (int64_t t = 0; t < p.T; ++t) {
+      seen[t] = static_cast<int32_t>(t - start[t] + 1);
+      pos[t] = seen[t] - 1;
+    }
+    auto up = [&](const std::vector<int32_t>& v) {
+      int32_t* d = arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      return d;
+    };
+    p.tokens = up(b.tokens);
+    p.targets = up(targets);
+    p.seq_start = up(start);
+    p.seq_len = up(len);
+    p.pool_base = up(pool_base);
+    p.pool_token = up(pool_token);
+    p.seen_len = up(seen);
+    p.pos = up(pos);
+    std::vector<int32_t> cu(b.cu_seqlens.begin(), b.cu_seqlens.end());
+    p.cu = up(cu);
+    p.chunks = KdaChunks{up(cs), up(cl), up(sf), up(sn), static_cast<int64_t>(cs.size()), p.num_seqs};
+    // The uploads read host vectors that die here: wait for them.
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return p;
+  }
+
+  // y = MLP(a) for a dense MLP or the shared expert; accumulate adds into y.
+  void mlp(const cuda::DMlp& m, const cuda::bf16* a, int64_t T, float* y, bool accumulate = false) {
+    using namespace cuda;
+    float* gu = arena.alloc<float>(T * 2 * m.I);
+    bf16* act = arena.alloc<bf16>(T * m.I);
+    gemm->run(a, cfg.hidden_size, m.gate_up.w, 2 * m.I, cfg.hidden_size, gu, 2 * m.I, T);
+    swiglu(gu, act, T, m.I, static_cast<float>(cfg.swiglu_limit), stream);
+    gemm->run(act, m.I, m.down.w, cfg.hidden_size, m.I, y, cfg.hidden_size, T, accumulate);
+  }
+
+  void kda(const cuda::DKda& w, const cuda::Plan& p, const cuda::bf16* a, float* y) {
+    using namespace cuda;
+    const int64_t T = p.T, D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K;
+    const bool has_bound = cfg.linear_lower_bound.has_value();
+    const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
+    // The tensor-core path (bf16 q/k/v, gate in the kernel) for the safe gate; the fp32 kernels otherwise.
+    const bool tc = kda_tensor_cores && kda_tc_supported(K, has_bound, bound);
+    float* raw = arena.alloc<float>(T * 3 * HK);
+    gemm->run(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, T);
+    // A prefill keeps each prompt's conv history and final state in its slot.
+    const cuda::LayerCache* cache = capture ? &capture->layers[cur_layer] : nullptr;
+    if (cache) kda_store_conv_hist(raw, capture->seqs, cache->conv_hist, HK, cfg.linear_conv_kernel_dim, stream);
+    float* fa = arena.alloc<float>(T * K);
+    bf16* fa16 = arena.alloc<bf16>(T * K);
+    float* g = arena.alloc<float>(T * HK);
+    gemm->run(a, D, w.f_a.w, K, D, fa, K, T);
+    to_bf16(fa, fa16, T * K, stream);
+    gemm->run(fa16, K, w.f_b.w, HK, K, g, HK, T);
+    float* beta = arena.alloc<float>(T * H);
+    gemm->run(a, D, w.b.w, H, D, beta, H, T);
+    sigmoid_inplace(beta, T * H, stream);
+    float* ga = arena.alloc<float>(T * K);
+    bf16* ga16 = arena.alloc<bf16>(T * K);
+    float* gate = arena.alloc<float>(T * HK);
+    gemm->run(a, D, w.g_a.w, K, D, ga, K, T);
+    to_bf16(ga, ga16, T * K, stream);
+    gemm->run(ga16, K, w.g_b.w, HK, K, gate, HK, T);
+    bf16* o16 = arena.alloc<bf16>(T * HK);
+    if (tc) {
+      bf16 *q = arena.alloc<bf16>(T * HK), *k = arena.alloc<bf16>(T * HK), *v = arena.alloc<bf16>(T * HK);
+      kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
+      bf16* o = arena.alloc<bf16>(T * HK);
+      void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(p.chunks.num_chunks, H, K));
+      // A prefill leaves in each prompt's slot its state at its last chunk boundary and the inputs of its partial
+      // chunk, which decoding recomputes (decode_kernels.h).
+      const KdaTcStates states = cache ? KdaTcStates{nullptr, cache->state, capture->seqs.slot, true} : KdaTcStates{};
+      mark_begin("kda core");
+      kda_chunked_tc(q, k, v, g, beta, w.dt_bias, w.A_log, bound, o, p.chunks,
+                     kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, states, stream);
+      if (cache)
+        kda_store_chunk_rows(q, k, v, g, beta, capture->seqs, cache->chunk_q, cache->chunk_k, cache->chunk_v,
+                             cache->chunk_g, cache->chunk_beta, H, K, stream);
+      mark_end("kda core");
+      kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
+    } else {
+      float *q = arena.alloc<float>(T * HK), *k = arena.alloc<float>(T * HK), *v = arena.alloc<float>(T * HK);
+      kda_conv_norm(raw, w.conv, p.seq_start, q, k, v, T, H, K, cfg.linear_conv_kernel_dim, stream);
+      kda_gate(g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, stream);
+      float* o = arena.alloc<float>(T * HK);
+      float* work = arena.alloc<float>(kda_workspace_floats(p.chunks.num_chunks, H, K));
+      mark_begin("kda core");
+      kda_chunked(q, k, v, g, beta, o, p.chunks, work, T, H, K, stream);
+      if (cache) kda_final_state(q, k, v, g, beta, capture->seqs, cache->state, H, K, stream);
+      mark_end("kda core");
+      kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
+    }
+    gemm->run(o16, HK, w.o.w, D, HK, y, D, T);
+  }
+
+  // The DSA indexer of a full-indexer layer: each token's selection (sel [T, max_sel], count [T]) from the layer
+  // input a and the normed q latent qr. A prefill also keeps each prompt's indexer pools in its slot.
+  void indexer(const cuda::DDsa& w, const cuda::Plan& p, const cuda::bf16* a, const cuda::bf16* qr, int32_t* sel,
+               int32_t* count, int64_t max_sel) {
+    using namespace cuda;
+    const int64_t T = p.T, D = cfg.hidden_size, QL = cfg.q_lora_rank;
+    const cuda::LayerCache* cache = capture ? &capture->layers[cur_layer] : nullptr;
+    mark_begin("indexer");
+    const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
+    float *qi = arena.alloc<float>(T * IH * ID), *ki = arena.alloc<float>(T * ID), *gs = arena.alloc<float>(T * ID),
+          *wts = arena.alloc<float>(T * IH), *pk = arena.alloc<float>(p.num_pools * ID);
+    gemm->run(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, T);
+    gemm->run(a, D, w.idx.wk.w, ID, D, ki, ID, T);
+    layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, T, ID, 1e-6f, stream);
+    gemm->run(a, D, w.idx.gate.w, ID, D, gs, ID, T);
+    gemm->run(a, D, w.idx.weights.w, IH, D, wts, IH, T);
+    IndexerParams ip{qi, ki, gs, wts, w.idx.ape, p.seq_start, p.seq_len, T, IH, ID, cfg.index_kpool,
+                     cfg.index_topk, p.max_pools, cfg.index_kpool_always_select_tail};
+    pool_keys(ip, p.pool_token, p.num_pools, pk, stream);
+    if (cache)
+      indexer_store_prefill(ki, gs, pk, capture->pool_base, capture->seqs, cache->pending_key, cache->pending_gate,
+                            cache->pool_key, cfg.index_kpool, ID, capture->max_pools, stream);
+    const int64_t score_rows = indexer_score_rows(ip);
+    float* scores = arena.alloc<float>(score_rows * p.max_pools);
+    indexer_select(ip, p.pool_base, pk, scores, score_rows, sel, count, max_sel, stream);
+    mark_end("indexer");
+  }
+
+  void dsa(const cuda::DDsa& w, const cuda::Plan& p, const cuda::bf16* a, int32_t* sel, int32_t* count,
+           int64_t max_sel, float* y) {
+    using namespace cuda;
+    const int64_t T = p.T, D = cfg.hidden_size, NH = cfg.num_attention_heads, dqk = cfg.qk_nope_head_dim,
+                  dv = cfg.v_head_dim, QL = cfg.q_lora_rank, KL = cfg.kv_lora_rank;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* qa = arena.alloc<float>(T * QL);
+    bf16* qr = arena.alloc<bf16>(T * QL);
+    float* q = arena.alloc<float>(T * NH * dqk);
+    gemm->run(a, D, w.q_a.w, QL, D, qa, QL, T);
+    rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, T, QL, eps, stream);
+    gemm->run(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, T);
+    float* lat = arena.alloc<float>(T * KL);
+    bf16* lat16 = arena.alloc<bf16>(T * KL);
+    // The absorbed form works on the latents; the expanded one needs every key and value through kv_b.
+    const bool absorbed = mla_absorbed || gemm->batch_invariant();
+    float* kv = absorbed ? nullptr : arena.alloc<float>(T * NH * (dqk + dv));
+    gemm->run(a, D, w.kv_a.w, KL, D, lat, KL, T);
+    rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, T, KL, eps, stream);
+    // A prefill keeps each prompt's latents and indexer pools in its slot.
+    const cuda::LayerCache* cache = capture ? &capture->layers[cur_layer] : nullptr;
+    if (cache)
+      mla_decode_append(lat16, capture->tok_slot, capture->tok_pos, cache->latent, T, KL, capture->max_len, stream);
+    if (!absorbed) gemm->run(lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, kv, NH * (dqk + dv), T);
+    if (w.has_indexer) indexer(w, p, a, qr, sel, count, max_sel);
+    bf16* o = arena.alloc<bf16>(T * NH * dv);
+    mark_begin("sparse attention");
+    if (absorbed) {
+      // The decoding kernels (the absorbed form over the normed latents), in row blocks: every token gets bit for bit
+      // what a decoding step computes for it. Empty selections attend to the keys seen so far, as in decoding.
+      const int64_t rows = std::min<int64_t>(T, 512);
+      float* work = arena.alloc<float>(mla_decode_workspace_floats(rows, NH, KL));
+      for (int64_t b0 = 0; b0 < T; b0 += rows) {
+        MlaDecodeParams mp{q + b0 * NH * dqk, w.kv_b.w, lat16, nullptr, p.pos + b0, sel + b0 * max_sel, count + b0,
+                           o + b0 * NH * dv, std::min(rows, T - b0), NH, dqk, dv, KL, 0, max_sel, work};
+        mp.row_start = p.seq_start + b0;
+        mla_decode_attention(mp, stream);
+      }
+    } else if (mla_tc_supported(dqk, dv)) {
+      bf16 *q16 = arena.alloc<bf16>(T * NH * dqk), *kv16 = arena.alloc<bf16>(T * NH * (dqk + dv));
+      to_bf16(q, q16, T * NH * dqk, stream);
+      to_bf16(kv, kv16, T * NH * (dqk + dv), stream);
+      const int64_t words = mla_mask_words(p.max_len);
+      uint32_t* mask = arena.alloc<uint32_t>(T * words);
+      mla_sparse_attention_tc(q16, kv16, sel, count, p.seq_start, empty_seen ? p.seen_len : p.seq_len, o, mask,
+                              words, T, NH, dqk, dv, max_sel, stream);
+    } else {
+      mla_sparse_attention(q, kv, sel, count, p.seq_start, empty_seen ? p.seen_len : p.seq_len, o, T, NH, dqk, dv,
+                           max_sel, stream);
+    }
+    mark_end("sparse attention");
+    gemm->run(o, NH * dv, w.o.w, D, NH * dv, y, D, T);
+  }
+
+  // The MoE of a forward, or (step) of a decoding step: there the router and the shared expert run on the decoding
+  // GEMV, and the experts always on the grouped GEMM, whose rows do not depend on the other rows of their tile (a
+  // step reads each chosen expert's weights once for all the rows that chose it).
+  void moe(const cuda::DMoe& w, const cuda::bf16* a, int64_t T, float* y, bool step = false) {
+    using namespace cuda;
+    const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
+                  I = cfg.moe_intermediate_size, n = T * k;
+    float* logits = arena.alloc<float>(T * E);
+    if (step) {
+      lin(a, D, w.router.w, E, D, logits, E, T);
+    } else {
+      gemm->run(a, D, w.router.w, E, D, logits, E, T);
+    }
+    int32_t* experts = arena.alloc<int32_t>(n);
+    float* weights = arena.alloc<float>(n);
+    moe_route(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
+              static_cast<float>(cfg.routed_scaling_factor), stream);
+    int32_t *keys = arena.alloc<int32_t>(n), *slots_in = arena.alloc<int32_t>(n), *slots = arena.alloc<int32_t>(n),
+            *token_of = arena.alloc<int32_t>(n), *slot_of = arena.alloc<int32_t>(n),
+            *offsets = arena.alloc<int32_t>(E + 1);
+    const size_t temp_bytes = moe_permute_temp_bytes(n);
+    void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
+    moe_permute(experts, T, k, E, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes, stream);
+    bf16* xp = arena.alloc<bf16>(n * D);
+    gather_rows(a, token_of, xp, n, D, stream);
+    bf16* act = arena.alloc<bf16>(n * I);
+    float* out = arena.alloc<float>(n * D);
+    mark_begin("experts");
+    if (moe_expert_gemm() >= 0 || step) {
+      // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
+      int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(E)));
+      const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm() >= 0 ? moe_expert_gemm() : 4);
+      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(E), static_cast<int>(2 * I),
+                     static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
+      grouped_gemm(gu, ws, stream);
+      GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(E), static_cast<int>(D),
+                     static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
+      grouped_gemm(dn, ws, stream);
+    } else {
+      // One cuBLASLt GEMM per expert, after a device-to-host copy of the expert boundaries.
+      std::vector<int32_t> off(E + 1);
+      NEXTLM_CUDA_CHECK(
+          cudaMemcpyAsync(off.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+      float* gu = arena.alloc<float>(n * 2 * I);
+      NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], m = off[e + 1] - off[e];
+        if (m) gemm->run(xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, gu + r0 * 2 * I, 2 * I, m);
+      }
+      swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], m = off[e + 1] - off[e];
+        if (m) gemm->run(act + r0 * I, I, w.experts[e].down.w, D, I, out + r0 * D, D, m);
+      }
+    }
+    mark_end("experts");
+    if (w.has_shared && step) {
+      mlp_step(w.shared, a, T, y);
+    } else if (w.has_shared) {
+      mlp(w.shared, a, T, y);
+    } else {
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), stream));
+    }
+    moe_combine(y, out, slot_of, weights, T, k, D, stream);
+  }
+
+  // The mHC parameters of one site of layer L (the attention one, or the feed-forward one when ffn), with the
+  // RMSNorm of the sub-layer that follows it.
+  cuda::MhcParams mhc_params(const cuda::DLayer& L, bool ffn, int64_t T) const {
+    const cuda::DHc& hc = ffn ? L.hc_ffn : L.hc_attn;
+    return cuda::MhcParams{hc.fn, hc.base, hc.scale, ffn ? L.post_norm : L.in_norm, T, cfg.hc_mult, cfg.hidden_size,
+                           static_cast<float>(cfg.rms_norm_eps), static_cast<float>(cfg.hc_eps),
+                           static_cast<int>(cfg.hc_sinkhorn_iters)};
+  }
+
+  // Runs every layer; returns the final normed hidden states bf16 [T, D] (arena memory).
+  cuda::bf16* hidden(const cuda::Plan& p) {
+    using namespace cuda;
+    const int64_t T = p.T, S = cfg.hc_mult, D = cfg.hidden_size;
+    float* h = arena.alloc<float>(T * S * D);
+    float* post = arena.alloc<float>(T * S);
+    float* comb = arena.alloc<float>(T * S * S);
+    float* mhc_work = arena.alloc<float>(mhc_pre_workspace_floats(T, S, D));
+    bf16* a = arena.alloc<bf16>(T * D);
+    float* y = arena.alloc<float>(T * D);
+    const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
+    int32_t* sel = arena.alloc<int32_t>(T * max_sel);
+    int32_t* count = arena.alloc<int32_t>(T);
+    embed_streams(p.tokens, embed, h, T, S, D, stream);
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      cur_layer = i;
+      const DLayer& L = layers[i];
+      mark_begin("mhc");
+      cuda::mhc_pre(mhc_params(L, false, T), h, post, comb, a, mhc_work, stream);
+      mark_end("mhc");
+      mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
+      if (L.kda_layer) {
+        kda(L.kda, p, a, y);
+      } else {
+        dsa(L.dsa, p, a, sel, count, max_sel, y);
+      }
+      mark_end(L.kda_layer ? "kda layer" : "dsa layer");
+      mark_begin("mhc");
+      mhc_post(h, y, post, comb, T, S, D, stream);
+      cuda::mhc_pre(mhc_params(L, true, T), h, post, comb, a, mhc_work, stream);
+      mark_end("mhc");
+      mark_begin(L.moe_layer ? "moe" : "dense mlp");
+      if (L.moe_layer) {
+        moe(L.moe, a, T, y);
+      } else {
+        mlp(L.mlp, a, T, y);
+      }
+      mark_end(L.moe_layer ? "moe" : "dense mlp");
+      mark_begin("mhc");
+      mhc_post(h, y, post, comb, T, S, D, stream);
+      mark_end("mhc");
+    }
+    bf16* hn = arena.alloc<bf16>(T * D);
+    stream_mean_norm(h, final_norm, hn, T, S, D, eps, stream);
+    return hn;
+  }
+
+  // ---- Decoding (CudaDecoder): one token for each of B slots through the decoding kernels, every reduction in an
+  // order fixed by the shapes (src/cuda/decode_kernels.h). The GEMMs are decode_linear (or, batch-invariant, the
+  // forward's own GEMM), not cuBLASLt, whose algorithm may change with B.
+
+  // A decoding step's projection: the decoding GEMV, or in batch-invariant mode the forward's own GEMM, whose rows do
+  // not depend on the batch either: a step then computes for its token bit for bit what a forward over the whole
+  // sequence computes for it.
+  void lin(const cuda::bf16* x, int64_t ldx, const cuda::bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
+           int64_t B) {
+    if (gemm->batch_invariant()) {
+      gemm->run(x, ldx, W, out, in, y, ldy, B);
+    } else {
+      cuda::decode_linear(x, ldx, W, out, in, y, ldy, B, false, stream);
+    }
+  }
+
+  void mlp_step(const cuda::DMlp& m, const cuda::bf16* a, int64_t B, float* y) {
+    using namespace cuda;
+    const int64_t D = cfg.hidden_size;
+    float* gu = arena.alloc<float>(B * 2 * m.I);
+    bf16* act = arena.alloc<bf16>(B * m.I);
+    lin(a, D, m.gate_up.w, 2 * m.I, D, gu, 2 * m.I, B);
+    swiglu(gu, act, B, m.I, static_cast<float>(cfg.swiglu_limit), stream);
+    lin(act, m.I, m.down.w, D, m.I, y, D, B);
+  }
+
+  // Every (token, choice) gets its own row through its expert's matrices; moe_combine then sums each token's rows in
+  // choice order.
+  void moe_step(size_t layer, const cuda::bf16* a, int64_t B, float* y) { moe(layers[layer].moe, a, B, y, true); }
+
+  // Whether the KDA runs on the tensor-core kernels (which decide how CudaDecoder keeps its KDA caches).
+  bool kda_tc_path() const {
+    return kda_tensor_cores && cuda::kda_tc_supported(cfg.linear_head_dim, cfg.linear_lower_bound.has_value(),
+                                                      static_cast<float>(cfg.linear_lower_bound.value_or(0.0)));
+  }
+
+  struct StepRows {
+    int64_t B;
+    const int32_t *slot, *pos;  // [B]
+    int64_t max_len, max_pools, max_selectable;
+    // Tensor-core KDA: each row's partial chunk in its slot's buffers (chunk b starts at row 64·slot, pos mod 64 + 1
+    // rows), the row of its new token there, and the outputs of those buffers [slots, 64, HK].
+    cuda::KdaChunks kda_chunks;
+    const int32_t* kda_row;
+    cuda::bf16* kda_o;
+  };
+
+  void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, float* y) {
+    using namespace cuda;
+    const int64_t B = r.B, D = cfg.hidden_size, H = cfg.linear_num_heads, K = cfg.linear_head_dim, HK = H * K,
+                  W = cfg.linear_conv_kernel_dim;
+    const bool has_bound = cfg.linear_lower_bound.has_value();
+    const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* raw = arena.alloc<float>(B * 3 * HK);
+    lin(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, B);
+    float* fa = arena.alloc<float>(B * K);
+    bf16* fa16 = arena.alloc<bf16>(B * K);
+    float* g = arena.alloc<float>(B * HK);
+    lin(a, D, w.f_a.w, K, D, fa, K, B);
+    to_bf16(fa, fa16, B * K, stream);
+    lin(fa16, K, w.f_b.w, HK, K, g, HK, B);
+    float* beta = arena.alloc<float>(B * H);
+    lin(a, D, w.b.w, H, D, beta, H, B);
+    sigmoid_inplace(beta, B * H, stream);
+    float* ga = arena.alloc<float>(B * K);
+    bf16* ga16 = arena.alloc<bf16>(B * K);
+    float* gate = arena.alloc<float>(B * HK);
+    lin(a, D, w.g_a.w, K, D, ga, K, B);
+    to_bf16(ga, ga16, B * K, stream);
+    lin(ga16, K, w.g_b.w, HK, K, gate, HK, B);
+    bf16* o16 = arena.alloc<bf16>(B * HK);
+    mark_begin("kda core");
+    if (kda_tc_path()) {
+      // The new token joins its slot's partial chunk, which the forward's kernels recompute from the slot's state at
+      // the chunk boundary (a complete chunk moves that state on): the forward's output for the token, bit for bit.
+      kda_chunk_append(KdaChunkAppendParams{raw, w.conv, g, beta, r.slot, r.pos, c.conv_hist, c.chunk_q, c.chunk_k,
+                                            c.chunk_v, c.chunk_g, c.chunk_beta, B, H, K, W},
+                       stream);
+      void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(B, H, K));
+      kda_chunked_tc(c.chunk_q, c.chunk_k, c.chunk_v, c.chunk_g, c.chunk_beta, w.dt_bias, w.A_log, bound, r.kda_o,
+                     r.kda_chunks, kda_tc_workspace(work, B, H, K), H, K, KdaTcStates{c.state, c.state, r.slot, true},
+                     stream);
+      bf16* ob = arena.alloc<bf16>(B * HK);
+      gather_rows(r.kda_o, r.kda_row, ob, B, HK, stream);
+      kda_out_norm(ob, gate, w.o_norm, o16, B, H, K, eps, stream);
+    } else {
+      // The fp32 recurrence on the slot's state after its last token.
+      float* o = arena.alloc<float>(B * HK);
+      kda_decode_step(KdaDecodeParams{raw, w.conv, g, w.dt_bias, w.A_log, beta, r.slot, c.conv_hist, c.state, o, B,
+                                      H, K, W, has_bound, bound},
+                      stream);
+      kda_out_norm(o, gate, w.o_norm, o16, B, H, K, eps, stream);
+    }
+    mark_end("kda core");
+    lin(o16, HK, w.o.w, D, HK, y, D, B);
+  }
+
+  void dsa_step(const cuda::DDsa& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, int32_t* sel,
+                int32_t* count, int64_t max_sel, float* y) {
+    using namespace cuda;
+    const int64_t B = r.B, D = cfg.hidden_size, NH = cfg.num_attention_heads, dqk = cfg.qk_nope_head_dim,
+                  dv = cfg.v_head_dim, QL = cfg.q_lora_rank, KL = cfg.kv_lora_rank;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    float* qa = arena.alloc<float>(B * QL);
+    bf16* qr = arena.alloc<bf16>(B * QL);
+    float* q = arena.alloc<float>(B * NH * dqk);
+    lin(a, D, w.q_a.w, QL, D, qa, QL, B);
+    rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
+    lin(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B);
+    float* lat = arena.alloc<float>(B * KL);
+    bf16* lat16 = arena.alloc<bf16>(B * KL);
+    lin(a, D, w.kv_a.w, KL, D, lat, KL, B);
+    rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, B, KL, eps, stream);
+    mla_decode_append(lat16, r.slot, r.pos, c.latent, B, KL, r.max_len, stream);
+    if (w.has_indexer) {
+      const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
+      float *qi = arena.alloc<float>(B * IH * ID), *ki = arena.alloc<float>(B * ID), *gs = arena.alloc<float>(B * ID),
+            *wts = arena.alloc<float>(B * IH), *scores = arena.alloc<float>(B * r.max_pools);
+      lin(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, B);
+      lin(a, D, w.idx.wk.w, ID, D, ki, ID, B);
+      layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, B, ID, 1e-6f, stream);
+      lin(a, D, w.idx.gate.w, ID, D, gs, ID, B);
+      lin(a, D, w.idx.weights.w, IH, D, wts, IH, B);
+      const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate,
+                                   c.pool_key, scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools,
+                                   r.max_selectable, cfg.index_kpool_always_select_tail};
+      mark_begin("indexer select");
+      indexer_decode_append(ip, stream);
+      indexer_decode_select(ip, sel, count, max_sel, stream);
+      mark_end("indexer select");
+    }
+    bf16* o = arena.alloc<bf16>(B * NH * dv);
+    const MlaDecodeParams mp{q, w.kv_b.w, c.latent, r.slot, r.pos, sel, count, o, B, NH, dqk, dv, KL, r.max_len,
+                             max_sel, arena.alloc<float>(mla_decode_workspace_floats(B, NH, KL))};
+    mark_begin("mla attention");
+    mla_decode_attention(mp, stream);
+    mark_end("mla attention");
+    lin(o, NH * dv, w.o.w, D, NH * dv, y, D, B);
+  }
+
+  // One decoding step: tokens tok [B] appended to slots r.slot at positions r.pos; returns the logits fp32 [B, V]
+  // (arena memory).
+  float* decode_step(const std::vector<cuda::LayerCache>& caches, const int32_t* tok, const StepRows& r) {
+    using namespace cuda;
+    const int64_t B = r.B, S = cfg.hc_mult, D = cfg.hidden_size, V = cfg.vocab_size;
+    float* h = arena.alloc<float>(B * S * D);
+    float* post = arena.alloc<float>(B * S);
+    float* comb = arena.alloc<float>(B * S * S);
+    float* mhc_work = arena.alloc<float>(mhc_pre_workspace_floats(B, S, D));
+    bf16* a = arena.alloc<bf16>(B * D);
+    float* y = arena.alloc<float>(B * D);
+    const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
+    int32_t* sel = arena.alloc<int32_t>(B * max_sel);
+    int32_t* count = arena.alloc<int32_t>(B);
+    embed_streams(tok, embed, h, B, S, D, stream);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const DLayer& L = layers[i];
+      mark_begin("mhc");
+      cuda::mhc_pre(mhc_params(L, false, B), h, post, comb, a, mhc_work, stream);
+      mark_end("mhc");
+      mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
+      if (L.kda_layer) {
+        kda_step(L.kda, caches[i], a, r, y);
+      } else {
+        dsa_step(L.dsa, caches[i], a, r, sel, count, max_sel, y);
+      }
+      mark_end(L.kda_layer ? "kda layer" : "dsa layer");
+      mark_begin("mhc");
+      mhc_post(h, y, post, comb, B, S, D, stream);
+      cuda::mhc_pre(mhc_params(L, true, B), h, post, comb, a, mhc_work, stream);
+      mark_end("mhc");
+      mark_begin(L.moe_layer ? "moe" : "dense mlp");
+      if (L.moe_layer) {
+        moe_step(i, a, B, y);
+      } else {
+        mlp_step(L.mlp, a, B, y);
+      }
+      mark_end(L.moe_layer ? "moe" : "dense mlp");
+      mark_begin("mhc");
+      mhc_post(h, y, post, comb, B, S, D, stream);
+      mark_end("mhc");
+    }
+    mark_begin("lm_head");
+    bf16* hn = arena.alloc<bf16>(B * D);
+    stream_mean_norm(h, final_norm, hn, B, S, D, static_cast<float>(cfg.rms_norm_eps), stream);
+    float* logits = arena.alloc<float>(B * V);
+    lin(hn, D, lm_head, V, D, logits, V, B);
+    mark_end("lm_head");
+    return logits;
+  }
+
+  void start(const PackedBatch& b) {
+    arena.reset();
+    accum.clear();
+    NEXTLM_CUDA_CHECK(cudaEventRecord(fwd_begin, stream));
+  }
+  // Marks the end of the device work of a forward (before its results are copied back).
+  void end_timing() { NEXTLM_CUDA_CHECK(cudaEventRecord(fwd_end, stream)); }
+  void finish_profile() {
+    prof.assign(accum.begin(), accum.end());
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(fwd_end));
+    float ms = 0.0f;
+    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&ms, fwd_begin, fwd_end));
+    last_ms = ms;
+  }
+};
+
+}  // namespace nextlm

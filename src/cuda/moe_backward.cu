@@ -1,0 +1,273 @@
+// The element-wise and routing pieces of the training backward on the GPU: the cross-entropy head (head_block of
+// src/model/head_backward.cpp), the embedding (embedding_backward), the clamped SwiGLU, the MoE combine / gather
+// and the router weights (src/model/moe_backward.cpp). The GEMMs between them are the caller's.
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/backward_kernels.h"
+
+namespace nextlm::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Blocks for a grid-stride loop over n items (every kernel below loops, so the grid only has to be big enough).
+int grid_for(int64_t n, int per_block = kThreads) {
+  return static_cast<int>(std::min<int64_t>(ceil_div(n, per_block), 65535));
+}
+
+// ---- Cross-entropy ----
+
+// Merge of two online-softmax states (max m, Σ exp(x − m)); an empty state has m = −inf, s = 0.
+__device__ __forceinline__ void softmax_merge(float& m, float& s, float om, float os) {
+  const float nm = fmaxf(m, om);
+  if (nm == -INFINITY) return;  // both empty
+  s = (m == -INFINITY ? 0.0f : s * expf(m - nm)) + (om == -INFINITY ? 0.0f : os * expf(om - nm));
+  m = nm;
+}
+
+// One block per row (grid-stride over rows): an online max / sum pass over V, then p = exp(x − max)/sum written as
+// wt·(p − onehot) in bf16. The log-sum-exp and the loss are formed in double, as the CPU's.
+__global__ void softmax_xent_kernel(const float* logits, const int32_t* target, const float* wt, double* loss,
+                                    bf16* dlogits, int64_t n, int64_t V) {
+  __shared__ float sm[32], ss[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* row = logits + r * V;
+    bf16* drow = dlogits + r * V;
+    const int32_t tg = target[r];
+    const float w = tg >= 0 && wt ? wt[r] : 1.0f;
+    if (tg < 0 || w == 0.0f) {  // no term (the CPU skips rows of weight 0 too)
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) drow[v] = __float2bfloat16(0.0f);
+      if (threadIdx.x == 0) loss[r] = 0.0;
+      continue;
+    }
+    float m = -INFINITY, s = 0.0f;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+      const float x = row[v];
+      if (x > m) {
+        s = (m == -INFINITY ? 0.0f : s * expf(m - x)) + 1.0f;
+        m = x;
+      } else {
+        s += expf(x - m);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, m, o), os = __shfl_xor_sync(0xffffffffu, s, o);
+      softmax_merge(m, s, om, os);
+    }
+    __syncthreads();  // the previous row's readers of sm / ss are done
+    if (lane == 0) sm[warp] = m, ss[warp] = s;
+    __syncthreads();
+    m = -INFINITY, s = 0.0f;
+    for (int i = 0; i < nwarps; ++i) softmax_merge(m, s, sm[i], ss[i]);  // same order in every thread
+    const float inv = 1.0f / s;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+      const float p = expf(row[v] - m) * inv;
+      drow[v] = __float2bfloat16(w * (v == tg ? p - 1.0f : p));
+    }
+    if (threadIdx.x == 0) {
+      const double lse = static_cast<double>(m) + log(static_cast<double>(s));
+      loss[r] = static_cast<double>(w) * (lse - static_cast<double>(row[tg]));
+    }
+  }
+}
+
+// ---- Embedding ----
+
+// Blocks over tokens (grid-stride), threads over D: the S streams are summed here, then added with atomics, since
+// a token repeated in the batch adds into the same row from several blocks.
+__global__ void embedding_backward_kernel(const int32_t* tok, const float* dh, float* dembed, int64_t T, int64_t S,
+                                          int64_t D, int64_t pad_id) {
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    const int64_t id = tok[t];
+    if (id == pad_id) continue;  // pad_id < 0 never matches a token
+    float* dst = dembed + id * D;
+    const float* src = dh + t * S * D;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < S; ++s) acc += src[s * D + d];
+      atomicAdd(dst + d, acc);
+    }
+  }
+}
+
+// ---- Clamped SwiGLU: act = silu(min(g, L))·clamp(u, −L, L) ----
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+__global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float L) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / I, c = i % I;
+    const float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c], da = dact[i];
+    const float gc = fminf(g, L), uc = fminf(fmaxf(u, -L), L);
+    const float sg = 1.0f / (1.0f + expf(-gc));
+    // The min / clamp pass the gradient at exactly ±L (torch.clamp's convention), and also where g or u is NaN the
+    // comparisons fail and give 0, as the CPU's.
+    const float dg = g <= L ? da * uc * (sg * (1.0f + gc * (1.0f - sg))) : 0.0f;
+    const float du = (u >= -L && u <= L) ? da * (gc * sg) : 0.0f;
+    dgu[r * 2 * I + c] = __float2bfloat16(dg);
+    dgu[r * 2 * I + I + c] = __float2bfloat16(du);
+  }
+}
+
+__global__ void swiglu_forward_kernel(const float* gu, bf16* act, int64_t n, int64_t I, float L) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / I, c = i % I;
+    const float g = fminf(gu[r * 2 * I + c], L);
+    const float u = fminf(fmaxf(gu[r * 2 * I + I + c], -L), L);
+    act[i] = __float2bfloat16(silu_f(g) * u);  // the arithmetic of swiglu (moe.cu)
+  }
+}
+
+// ---- MoE combine / gather ----
+
+// One warp per (token, choice): the scaled gradient of its permuted output row, and the dot product that is the
+// gradient of its routing weight (a warp reduction in a fixed order).
+__global__ void moe_combine_backward_kernel(const float* dy, const float* out, const int32_t* slot_of,
+                                            const float* weights, bf16* dout, float* dweights, int64_t T, int64_t k,
+                                            int64_t D) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t j = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; j < T * k; j += warps) {
+    const int64_t t = j / k, p = slot_of[j];
+    const float w = weights[j];
+    const float* g = dy + t * D;
+    const float* o = out + p * D;
+    bf16* dst = dout + p * D;
+    float acc = 0.0f;
+    for (int64_t d = lane; d < D; d += 32) {
+      acc += g[d] * o[d];
+      dst[d] = __float2bfloat16(w * g[d]);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) dweights[j] = acc;
+  }
+}
+
+__global__ void moe_gather_backward_kernel(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k,
+                                           int64_t D) {
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < k; ++i) acc += dxp[static_cast<int64_t>(slot_of[t * k + i]) * D + d];
+      dx[t * D + d] += acc;
+    }
+}
+
+// ---- Router weights ----
+
+// One warp per token. Every lane forms Σ s and Σ dweights·s over the k choices in choice order (the CPU's
+// router_backward), then writes the columns e ≡ lane (mod 32) of the dlogits row: the sum over the choices equal to
+// e (zero when none), so a full row is written without a separate zeroing pass.
+__global__ void moe_route_backward_kernel(const float* logits, const int32_t* experts, const float* dweights,
+                                          float* dlogits, int64_t T, int64_t E, int64_t k, bool norm, float scale) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; t < T; t += warps) {
+    const float* lg = logits + t * E;
+    const int32_t* ex = experts + t * k;
+    const float* dw = dweights + t * k;
+    float sum = 0.0f, wdot = 0.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float se = 1.0f / (1.0f + expf(-lg[ex[i]]));
+      sum += se;
+      wdot += dw[i] * se;
+    }
+    const float Z = sum + 1e-20f;  // as route_forward's normalisation
+    for (int64_t e = lane; e < E; e += 32) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < k; ++i) {
+        if (ex[i] != e) continue;
+        const float se = 1.0f / (1.0f + expf(-lg[e]));
+        const float ds = norm ? scale * (dw[i] / Z - wdot / (Z * Z)) : scale * dw[i];
+        acc += ds * se * (1.0f - se);
+      }
+      dlogits[t * E + e] = acc;
+    }
+  }
+}
+
+// ---- Element-wise ----
+
+__global__ void f32_to_bf16_kernel(const float* x, bf16* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(x[i]);
+}
+
+__global__ void add_inplace_kernel(float* y, const float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] += x[i];
+}
+
+}  // namespace
+
+void softmax_xent_backward(const float* logits, const int32_t* target, const float* wt, double* loss, bf16* dlogits,
+                           int64_t n, int64_t V, cudaStream_t st) {
+  if (n <= 0) return;
+  check(V > 0, "softmax_xent_backward: V must be positive");
+  softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kThreads, 0, st>>>(logits, target, wt, loss,
+                                                                                          dlogits, n, V);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int64_t T, int64_t S, int64_t D,
+                        int64_t pad_id, cudaStream_t st) {
+  if (T <= 0 || D <= 0) return;
+  embedding_backward_kernel<<<static_cast<int>(std::min<int64_t>(T, 65535)), kThreads, 0, st>>>(tok, dh, dembed, T, S,
+                                                                                                D, pad_id);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st) {
+  if (n * I <= 0) return;
+  swiglu_backward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, dact, dgu, n, I, limit);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void swiglu_forward_f32(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st) {
+  if (n * I <= 0 || !act) return;
+  swiglu_forward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, act, n, I, limit);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_combine_backward(const float* dy, const float* out, const int32_t* slot_of, const float* weights,
+                          bf16* dout, float* dweights, int64_t T, int64_t k, int64_t D, cudaStream_t st) {
+  if (T * k <= 0) return;
+  moe_combine_backward_kernel<<<grid_for(T * k, kThreads / 32), kThreads, 0, st>>>(dy, out, slot_of, weights, dout,
+                                                                                   dweights, T, k, D);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+                         cudaStream_t st) {
+  if (T <= 0 || D <= 0) return;
+  moe_gather_backward_kernel<<<static_cast<int>(std::min<int64_t>(T, 65535)), kThreads, 0, st>>>(dxp, slot_of, dx, T,
+                                                                                                 k, D);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,
+                        int64_t T, int64_t E, int64_t k, bool norm, float scale, cudaStream_t st) {
+  if (T <= 0 || E <= 0) return;
+  moe_route_backward_kernel<<<grid_for(T, kThreads / 32), kThreads, 0, st>>>(logits, experts, dweights, dlogits, T, E,
+                                                                             k, norm, scale);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void f32_to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(x, y, n);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void add_inplace(float* y, const float* x, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  add_inplace_kernel<<<grid_for(n), kThreads, 0, st>>>(y, x, n);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace nextlm::cuda

@@ -1,0 +1,21 @@
+// Host-side entry point to the DSA attention backward kernel (backward_kernels.h), for its test.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace nextlm::cuda_testing {
+
+// mla_sparse_attention_backward on packed sequences (cu_seqlens [N+1]): q [T, NH, dqk], kv [T, NH, dqk+dv] (k | v
+// per head), dout [T, NH, dv]; sel[t] the sorted sequence-relative keys of token t (empty: uniform over its
+// sequence), laid out in rows of max_sel (≥ every sel[t].size()) whose unused entries point far outside kv, so a
+// read of one faults. dq [T, NH, dqk] and dkv [T, NH, dqk+dv] are uploaded as they are, accumulated into and
+// downloaded; guard floats after both device buffers are checked to be untouched (throws otherwise). The workspace
+// starts filled with garbage (0xff bytes). ms non-null: the kernel runs once more from the same inputs, timed, and
+// *ms gets its milliseconds (the results are those of the first run).
+void mla_sparse_attention_backward(const std::vector<float>& q, const std::vector<float>& kv,
+                                   const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
+                                   const std::vector<int64_t>& cu_seqlens, int64_t NH, int64_t dqk, int64_t dv,
+                                   int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
+                                   double* ms = nullptr);
+
+}  // namespace nextlm::cuda_testing

@@ -1,0 +1,34 @@
+// Host-side entry points to the KDA layer backward kernels outside the recurrence (src/cuda/kda_layer_backward.cu),
+// for the kernel tests: host vectors in and out; outputs that are written (not added to) are poisoned with NaN first
+// and so is the workspace, so an unwritten element or a read of an unwritten partial shows.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace nextlm::cuda_testing {
+
+// kda_conv_norm_backward on packed sequences (cu_seqlens [N+1]): raw [T, 3·HK], conv [3·HK, W], dq, dk, dv [T, H, K].
+// draw [T, 3·HK] and dconv [3·HK, W] hold the starting values on entry and the accumulated gradients on return.
+void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
+                            const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
+                            const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
+                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
+
+// kda_gate_backward: f [T, HK] the f_b output, dt_bias [HK], A_log [H], dg [T, HK]. Returns df [T, HK]; ddt_bias
+// [HK] and dA_log [H] are accumulated into.
+std::vector<float> kda_gate_backward(const std::vector<float>& f, const std::vector<float>& dt_bias,
+                                     const std::vector<float>& A_log, const std::vector<float>& dg,
+                                     std::vector<float>& ddt_bias, std::vector<float>& dA_log, int64_t T, int64_t H,
+                                     int64_t K, bool has_bound, float bound);
+
+// sigmoid_backward_inplace: returns d·y·(1 − y).
+std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vector<float>& d);
+
+// kda_out_norm_backward: o [T, H, K], gate [T, HK], w [K], don [T, HK]. Returns dgate [T, HK]; do_ [T, H, K] and
+// dw [K] are accumulated into.
+std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
+                                         const std::vector<float>& w, const std::vector<float>& don,
+                                         std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
+                                         int64_t K, float eps);
+
+}  // namespace nextlm::cuda_testing

@@ -1,0 +1,37 @@
+// Host-side entry points to the mHC / RMSNorm backward kernels (src/cuda/mhc_backward.cu), for the kernel tests:
+// host vectors in, the gradient buffers uploaded with their values (the kernels accumulate), run, downloaded.
+// Workspaces are poisoned with NaN, so a read of an element the kernels did not write shows.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace nextlm::cuda_testing {
+
+// cuda::mhc_pre_backward on h [T, S, D] with fn [(2+S)S, S·D], base [(2+S)S], scale [3], norm_w [D] and the output
+// gradients dpost [T, S], dcomb [T, S, S], da [T, D] (an empty vector passes null). dh [T, S, D], dfn, dbase,
+// dscale, dnorm_w are added to.
+void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
+                      const std::vector<float>& scale, const std::vector<float>& norm_w,
+                      const std::vector<float>& dpost, const std::vector<float>& dcomb, const std::vector<float>& da,
+                      int64_t T, int64_t S, int64_t D, float rms_eps, float hc_eps, int iters, std::vector<float>& dh,
+                      std::vector<float>& dfn, std::vector<float>& dbase, std::vector<float>& dscale,
+                      std::vector<float>& dnorm_w);
+
+// cuda::mhc_post_backward: dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] are added to.
+void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                       const std::vector<float>& comb, const std::vector<float>& dout, int64_t T, int64_t S, int64_t D,
+                       std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,
+                       std::vector<float>& dcomb);
+
+// cuda::rmsnorm_backward on x [rows, ldx] (the first n columns of each row are the norm's input), w [n] (empty:
+// unweighted), dy [rows, n]: dx [rows, n] and dw [n] (unused when w is empty) are added to.
+void rmsnorm_backward(const std::vector<float>& x, int64_t ldx, const std::vector<float>& w,
+                      const std::vector<float>& dy, int64_t rows, int64_t n, float eps, std::vector<float>& dx,
+                      std::vector<float>& dw);
+
+// cuda::stream_mean_norm_backward: dh [T, S, D] and dw [D] are added to.
+void stream_mean_norm_backward(const std::vector<float>& h, const std::vector<float>& w,
+                               const std::vector<float>& dout, int64_t T, int64_t S, int64_t D, float eps,
+                               std::vector<float>& dh, std::vector<float>& dw);
+
+}  // namespace nextlm::cuda_testing

@@ -1,0 +1,44 @@
+// Host-side entry points to the head, embedding and MoE backward kernels (src/cuda/moe_backward.cu), for
+// tests/test_cuda_moe_backward.cpp: host vectors in and out. Written outputs are poisoned with NaN first, so an
+// unwritten element shows; bf16 outputs come back widened to fp32.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace nextlm::cuda_testing {
+
+// softmax_xent_backward on logits [n, V], target [n], wt [n] (empty: no weights): loss [n] and dlogits [n, V].
+void softmax_xent_backward(const std::vector<float>& logits, const std::vector<int32_t>& target,
+                           const std::vector<float>& wt, int64_t n, int64_t V, std::vector<double>& loss,
+                           std::vector<float>& dlogits);
+
+// embedding_backward: dembed [V, D] (uploaded, then accumulated into) from tok [T] and dh [T, S, D].
+void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float>& dh, std::vector<float>& dembed,
+                        int64_t T, int64_t S, int64_t D, int64_t pad_id);
+
+// swiglu_backward: dgu [n, 2I] from gu [n, 2I] and dact [n, I].
+std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vector<float>& dact, int64_t n, int64_t I,
+                                   float limit);
+// swiglu_forward_f32: act [n, I] from gu [n, 2I].
+std::vector<float> swiglu_forward_f32(const std::vector<float>& gu, int64_t n, int64_t I, float limit);
+
+// moe_combine_backward: dout [T·k, D] and dweights [T, k] from dy [T, D], out [T·k, D], slot_of [T, k] and
+// weights [T, k].
+void moe_combine_backward(const std::vector<float>& dy, const std::vector<float>& out,
+                          const std::vector<int32_t>& slot_of, const std::vector<float>& weights, int64_t T, int64_t k,
+                          int64_t D, std::vector<float>& dout, std::vector<float>& dweights);
+
+// moe_gather_backward: dx [T, D] (uploaded, then accumulated into) from dxp [T·k, D] and slot_of [T, k].
+void moe_gather_backward(const std::vector<float>& dxp, const std::vector<int32_t>& slot_of, std::vector<float>& dx,
+                         int64_t T, int64_t k, int64_t D);
+
+// moe_route_backward: dlogits [T, E] from logits [T, E], experts [T, k] and dweights [T, k].
+std::vector<float> moe_route_backward(const std::vector<float>& logits, const std::vector<int32_t>& experts,
+                                      const std::vector<float>& dweights, int64_t T, int64_t E, int64_t k, bool norm,
+                                      float scale);
+
+// f32_to_bf16 (widened back), and add_inplace on y (uploaded, then accumulated into).
+std::vector<float> f32_to_bf16(const std::vector<float>& x);
+void add_inplace(std::vector<float>& y, const std::vector<float>& x);
+
+}  // namespace nextlm::cuda_testing

@@ -1,0 +1,700 @@
+// The training forward and backward on one GPU: CudaModel::forward_backward, the device counterpart of
+// model_forward_backward (src/model/train.cpp) under its default policy (recompute every sub-layer). The forward keeps
+// the streams entering each mHC site and the DSA selections; the backward walks the sites from the last, recomputing
+// each one's mHC mix and sub-layer (keeping the activations its backward reads, in the arena) and then running the
+// backward kernels (backward_kernels.h) and the GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). The forward pass and the
+// recomputation run the same functions on the same inputs, so they give the same bits.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "cuda/backward_kernels.h"
+#include "cuda/model_impl.h"
+#include "model/backward.h"
+
+namespace nextlm {
+
+namespace cuda {
+namespace {
+
+// What each sub-layer's backward reads, kept by its training forward (arena memory).
+struct KdaActs {
+  float *raw, *q, *k, *v, *fa, *f, *g, *beta, *ga, *gate, *o;
+  bf16 *fa16, *ga16, *o16;
+};
+struct DsaActs {
+  float *qa, *q, *lat, *kv;
+  bf16 *qr, *lat16, *o;
+};
+struct MlpActs {
+  float* gu;
+  bf16* act;
+};
+struct MoeActs {
+  float *logits, *weights, *gu, *out;
+  int32_t *experts, *slot_of;
+  bf16 *xp, *act;
+  std::vector<int32_t> offsets;  // [E + 1] on the host
+  MlpActs shared;
+};
+
+// One training step's state: the model, the batch plan and the gradients.
+class Step {
+ public:
+  Step(CudaModel::Impl& m, const Plan& p, Grads& g) : m_(m), p_(p), g_(g), c_(m.cfg) {}
+
+  double run(const float* row_weight);
+
+ private:
+  int64_t T() const { return p_.T; }
+  float* zeros(int64_t n) {
+    float* x = m_.arena.alloc<float>(n);
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(x, 0, std::max<int64_t>(n, 0) * sizeof(float), m_.stream));
+    return x;
+  }
+  bf16* half(const float* x, int64_t n) {
+    bf16* y = m_.arena.alloc<bf16>(n);
+    f32_to_bf16(x, y, n, m_.stream);
+    return y;
+  }
+  // For y = x·Wᵀ (x bf16 [T, W.in], row stride ldx) given dy (bf16 [T, W.out]): dx += dy·W (when dx), and
+  // dW += dyᵀ·x (when dW).
+  void linear_backward(const DLinear& W, const bf16* x, int64_t ldx, const bf16* dy, int64_t rows, float* dx,
+                       float* dW) {
+    if (dW) m_.gemm->run_dw(dy, W.out, x, ldx, W.out, W.in, rows, dW, true);
+    if (dx) m_.gemm->run_dx(dy, W.out, W.w, W.out, W.in, dx, W.in, rows, true);
+  }
+
+  void kda_forward(const DKda& w, const bf16* a, KdaActs& x, float* y);
+  void kda_backward(const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy, float* da);
+  void dsa_forward(const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x, float* y);
+  void dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
+                    const DsaActs& x, const float* dy, float* da);
+  void mlp_forward(const DMlp& w, const bf16* a, MlpActs& x, float* y, bool accumulate = false);
+  void mlp_backward(const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x, const bf16* dy16, float* da);
+  void moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y);
+  void moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da);
+  double head_backward(const float* h, const float* row_weight, float* dh);
+
+  // Selection buffers: each full-indexer DSA layer's own, which it and the layer after it attend over.
+  int64_t max_sel() const { return c_.index_topk + c_.index_kpool - 1; }
+  struct Sel {
+    int32_t *sel = nullptr, *count = nullptr;
+  };
+  std::vector<Sel> sels_;  // per layer: the selection it attends over (DSA layers)
+
+  // The sub-layer of a site: forward (y from a, activations kept in the arena) and backward (da from dy).
+  struct SubActs {
+    KdaActs kda;
+    DsaActs dsa;
+    MlpActs mlp;
+    MoeActs moe;
+  };
+  void sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y);
+  void sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, float* da);
+
+  CudaModel::Impl& m_;
+  const Plan& p_;
+  Grads& g_;
+  const ModelConfig& c_;
+};
+
+void Step::kda_forward(const DKda& w, const bf16* a, KdaActs& x, float* y) {
+  const int64_t T = this->T(), D = c_.hidden_size, H = c_.linear_num_heads, K = c_.linear_head_dim, HK = H * K,
+                W = c_.linear_conv_kernel_dim;
+  const bool has_bound = c_.linear_lower_bound.has_value();
+  const float bound = static_cast<float>(c_.linear_lower_bound.value_or(0.0));
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  x.raw = ar.alloc<float>(T * 3 * HK);
+  m_.gemm->run(a, D, w.qkv.w, 3 * HK, D, x.raw, 3 * HK, T);
+  x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
+  kda_conv_norm(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, T, H, K, W, st);
+  x.fa = ar.alloc<float>(T * K);
+  m_.gemm->run(a, D, w.f_a.w, K, D, x.fa, K, T);
+  x.fa16 = half(x.fa, T * K);
+  x.f = ar.alloc<float>(T * HK);
+  m_.gemm->run(x.fa16, K, w.f_b.w, HK, K, x.f, HK, T);
+  x.g = ar.alloc<float>(T * HK);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(x.g, x.f, T * HK * sizeof(float), cudaMemcpyDeviceToDevice, st));
+  kda_gate(x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
+  x.beta = ar.alloc<float>(T * H);
+  m_.gemm->run(a, D, w.b.w, H, D, x.beta, H, T);
+  sigmoid_inplace(x.beta, T * H, st);
+  x.ga = ar.alloc<float>(T * K);
+  m_.gemm->run(a, D, w.g_a.w, K, D, x.ga, K, T);
+  x.ga16 = half(x.ga, T * K);
+  x.gate = ar.alloc<float>(T * HK);
+  m_.gemm->run(x.ga16, K, w.g_b.w, HK, K, x.gate, HK, T);
+  x.o = ar.alloc<float>(T * HK);
+  float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
+  kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
+  x.o16 = ar.alloc<bf16>(T * HK);
+  kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, static_cast<float>(c_.rms_norm_eps), st);
+  m_.gemm->run(x.o16, HK, w.o.w, D, HK, y, D, T);
+}
+
+void Step::kda_backward(const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy, float* da) {
+  const int64_t T = this->T(), D = c_.hidden_size, H = c_.linear_num_heads, K = c_.linear_head_dim, HK = H * K,
+                W = c_.linear_conv_kernel_dim;
+  const bool has_bound = c_.linear_lower_bound.has_value();
+  const float bound = static_cast<float>(c_.linear_lower_bound.value_or(0.0));
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  // y = o_proj(on); on = RMSNorm_K(o)·sigmoid(gate); gate = g_b(g_a(a))
+  float* don = zeros(T * HK);
+  linear_backward(w.o, x.o16, HK, half(dy, T * D), T, don, gw.o);
+  float* dO = zeros(T * HK);
+  float* dgate = ar.alloc<float>(T * HK);
+  kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps,
+                        ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K)), st);
+  float* dga = zeros(T * K);
+  linear_backward(w.g_b, x.ga16, K, half(dgate, T * HK), T, dga, gw.g_b);
+  linear_backward(w.g_a, a, D, half(dga, T * K), T, da, gw.g_a);
+  // The recurrence, backward through time.
+  float *dq = zeros(T * HK), *dk = zeros(T * HK), *dv = zeros(T * HK), *dg = zeros(T * HK), *dbeta = zeros(T * H);
+  void* work = ar.alloc<unsigned char>(
+      static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
+  kda_recurrent_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.cu, p_.num_seqs, T, H, K, dq, dk, dv, dg, dbeta, work,
+                         st);
+  // beta = sigmoid(b_proj·a)
+  sigmoid_backward_inplace(x.beta, dbeta, T * H, st);
+  linear_backward(w.b, a, D, half(dbeta, T * H), T, da, gw.b);
+  // g = gate(f_b(f_a(a)) + dt_bias)
+  float* df = ar.alloc<float>(T * HK);
+  kda_gate_backward(x.f, w.dt_bias, w.A_log, dg, df, gw.dt_bias, gw.A_log, T, H, K, has_bound, bound,
+                    ar.alloc<float>(kda_gate_backward_workspace_floats(T, H, K)), st);
+  float* dfa = zeros(T * K);
+  linear_backward(w.f_b, x.fa16, K, half(df, T * HK), T, dfa, gw.f_b);
+  linear_backward(w.f_a, a, D, half(dfa, T * K), T, da, gw.f_a);
+  // q, k, v = norms(silu(conv(qkv(a))))
+  float* draw = zeros(T * 3 * HK);
+  kda_conv_norm_backward(x.raw, w.conv, p_.seq_start, dq, dk, dv, draw, gw.conv, T, H, K, W,
+                         ar.alloc<float>(kda_conv_norm_backward_workspace_floats(T, H, K, W)), st);
+  linear_backward(w.qkv, a, D, half(draw, T * 3 * HK), T, da, gw.qkv);
+}
+
+// The expanded MLA attention in fp32 over a given selection (the indexer ran in the forward pass).
+void Step::dsa_forward(const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x, float* y) {
+  const int64_t T = this->T(), D = c_.hidden_size, NH = c_.num_attention_heads, dqk = c_.qk_nope_head_dim,
+                dv = c_.v_head_dim, QL = c_.q_lora_rank, KL = c_.kv_lora_rank;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  x.qa = ar.alloc<float>(T * QL);
+  m_.gemm->run(a, D, w.q_a.w, QL, D, x.qa, QL, T);
+  x.qr = ar.alloc<bf16>(T * QL);
+  rmsnorm_rows(x.qa, QL, w.q_a_norm, x.qr, nullptr, T, QL, eps, st);
+  x.q = ar.alloc<float>(T * NH * dqk);
+  m_.gemm->run(x.qr, QL, w.q_b.w, NH * dqk, QL, x.q, NH * dqk, T);
+  x.lat = ar.alloc<float>(T * KL);
+  m_.gemm->run(a, D, w.kv_a.w, KL, D, x.lat, KL, T);
+  x.lat16 = ar.alloc<bf16>(T * KL);
+  rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
+  x.kv = ar.alloc<float>(T * NH * (dqk + dv));
+  m_.gemm->run(x.lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, x.kv, NH * (dqk + dv), T);
+  x.o = ar.alloc<bf16>(T * NH * dv);
+  const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
+  if (mla_tc_supported(dqk, dv)) {
+    // The forward's tensor-core kernel on bf16 copies (the backward recomputes the softmax in fp32).
+    const int64_t words = mla_mask_words(p_.max_len);
+    mla_sparse_attention_tc(half(x.q, T * NH * dqk), half(x.kv, T * NH * (dqk + dv)), sel, count, p_.seq_start, lens,
+                            x.o, ar.alloc<uint32_t>(T * words), words, T, NH, dqk, dv, max_sel(), st);
+  } else {
+    mla_sparse_attention(x.q, x.kv, sel, count, p_.seq_start, lens, x.o, T, NH, dqk, dv, max_sel(), st);
+  }
+  m_.gemm->run(x.o, NH * dv, w.o.w, D, NH * dv, y, D, T);
+}
+
+void Step::dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
+                        const DsaActs& x, const float* dy, float* da) {
+  const int64_t T = this->T(), D = c_.hidden_size, NH = c_.num_attention_heads, dqk = c_.qk_nope_head_dim,
+                dv = c_.v_head_dim, QL = c_.q_lora_rank, KL = c_.kv_lora_rank;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  float* dO = zeros(T * NH * dv);
+  linear_backward(w.o, x.o, NH * dv, half(dy, T * D), T, dO, gw.o);
+  float *dq = zeros(T * NH * dqk), *dkv = zeros(T * NH * (dqk + dv));
+  mla_sparse_attention_backward(
+      x.q, x.kv, sel, count, p_.seq_start, m_.empty_seen ? p_.seen_len : p_.seq_len, dO, dq, dkv, T, NH, dqk, dv,
+      max_sel(), p_.max_len,
+      ar.alloc<unsigned char>(static_cast<int64_t>(mla_sparse_attention_backward_workspace_bytes(T, NH, p_.max_len))),
+      st);
+  // kv = kv_b(RMSNorm(kv_a(a)))
+  float* dlat = zeros(T * KL);
+  linear_backward(w.kv_b, x.lat16, KL, half(dkv, T * NH * (dqk + dv)), T, dlat, gw.kv_b);
+  float* dlat_raw = zeros(T * KL);
+  rmsnorm_backward(x.lat, KL, w.kv_a_norm, dlat, dlat_raw, gw.kv_a_norm, T, KL, eps,
+                   ar.alloc<float>(rmsnorm_backward_workspace_floats(T, KL)), st);
+  linear_backward(w.kv_a, a, D, half(dlat_raw, T * KL), T, da, gw.kv_a);
+  // q = q_b(RMSNorm(q_a(a)))
+  float* dqr = zeros(T * QL);
+  linear_backward(w.q_b, x.qr, QL, half(dq, T * NH * dqk), T, dqr, gw.q_b);
+  float* dqa = zeros(T * QL);
+  rmsnorm_backward(x.qa, QL, w.q_a_norm, dqr, dqa, gw.q_a_norm, T, QL, eps,
+                   ar.alloc<float>(rmsnorm_backward_workspace_floats(T, QL)), st);
+  linear_backward(w.q_a, a, D, half(dqa, T * QL), T, da, gw.q_a);
+}
+
+void Step::mlp_forward(const DMlp& w, const bf16* a, MlpActs& x, float* y, bool accumulate) {
+  const int64_t T = this->T(), D = c_.hidden_size;
+  x.gu = m_.arena.alloc<float>(T * 2 * w.I);
+  x.act = m_.arena.alloc<bf16>(T * w.I);
+  m_.gemm->run(a, D, w.gate_up.w, 2 * w.I, D, x.gu, 2 * w.I, T);
+  swiglu(x.gu, x.act, T, w.I, static_cast<float>(c_.swiglu_limit), m_.stream);
+  m_.gemm->run(x.act, w.I, w.down.w, D, w.I, y, D, T, accumulate);
+}
+
+void Step::mlp_backward(const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x, const bf16* dy16, float* da) {
+  const int64_t T = this->T(), D = c_.hidden_size;
+  float* dact = zeros(T * w.I);
+  linear_backward(w.down, x.act, w.I, dy16, T, dact, gw.down);
+  bf16* dgu = m_.arena.alloc<bf16>(T * 2 * w.I);
+  swiglu_backward(x.gu, dact, dgu, T, w.I, static_cast<float>(c_.swiglu_limit), m_.stream);
+  linear_backward(w.gate_up, a, D, dgu, T, da, gw.gate_up);
+}
+
+// The MoE with one cuBLASLt GEMM per expert after a host sync of the expert boundaries (the training forward keeps
+// the fp32 gate/up outputs, which the grouped GEMM's fused SwiGLU does not).
+void Step::moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y) {
+  const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
+                I = c_.moe_intermediate_size, n = T * k;
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  x.logits = ar.alloc<float>(T * E);
+  m_.gemm->run(a, D, w.router.w, E, D, x.logits, E, T);
+  x.experts = ar.alloc<int32_t>(n);
+  x.weights = ar.alloc<float>(n);
+  moe_route(x.logits, w.bias, x.experts, x.weights, T, E, c_.n_group, c_.topk_group, k, c_.norm_topk_prob,
+            static_cast<float>(c_.routed_scaling_factor), st);
+  int32_t *keys = ar.alloc<int32_t>(n), *slots_in = ar.alloc<int32_t>(n), *slots = ar.alloc<int32_t>(n),
+          *token_of = ar.alloc<int32_t>(n), *offsets = ar.alloc<int32_t>(E + 1);
+  x.slot_of = ar.alloc<int32_t>(n);
+  const size_t temp_bytes = moe_permute_temp_bytes(n);
+  void* temp = ar.alloc<char>(static_cast<int64_t>(temp_bytes));
+  moe_permute(x.experts, T, k, E, keys, slots_in, slots, token_of, x.slot_of, offsets, temp, temp_bytes, st);
+  x.xp = ar.alloc<bf16>(n * D);
+  gather_rows(a, token_of, x.xp, n, D, st);
+  x.offsets.assign(E + 1, 0);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(x.offsets.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+  x.gu = ar.alloc<float>(n * 2 * I);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
+    if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
+  }
+  x.act = ar.alloc<bf16>(n * I);
+  swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
+  x.out = ar.alloc<float>(n * D);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
+    if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
+  }
+  if (w.has_shared) {
+    mlp_forward(w.shared, a, x.shared, y);
+  } else {
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), st));
+  }
+  moe_combine(y, x.out, x.slot_of, x.weights, T, k, D, st);
+}
+
+void Step::moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da) {
+  const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
+                I = c_.moe_intermediate_size, n = T * k;
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  // y = shared(a) + Σ_i w_i·out_i
+  bf16* dout = ar.alloc<bf16>(n * D);
+  float* dweights = ar.alloc<float>(n);
+  moe_combine_backward(dy, x.out, x.slot_of, x.weights, dout, dweights, T, k, D, st);
+  // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)).
+  float* dact = ar.alloc<float>(n * I);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
+    if (!rows) continue;
+    if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
+    m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
+  }
+  bf16* dgu = ar.alloc<bf16>(n * 2 * I);
+  swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
+  float* dxp = ar.alloc<float>(n * D);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
+    if (!rows) continue;
+    if (gw.experts[e].gate_up)
+      m_.gemm->run_dw(dgu + r0 * 2 * I, 2 * I, x.xp + r0 * D, D, 2 * I, D, rows, gw.experts[e].gate_up, true);
+    m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
+  }
+  moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
+  // The router through the chosen experts' weights.
+  float* dlogits = ar.alloc<float>(T * E);
+  moe_route_backward(x.logits, x.experts, dweights, dlogits, T, E, k, c_.norm_topk_prob,
+                     static_cast<float>(c_.routed_scaling_factor), st);
+  linear_backward(w.router, a, D, half(dlogits, T * E), T, da, gw.router);
+  if (w.has_shared) mlp_backward(w.shared, gw.shared, a, x.shared, half(dy, T * D), da);
+}
+
+void Step::sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y) {
+  const DLayer& L = m_.layers[i];
+  if (ffn) {
+    if (L.moe_layer) {
+      moe_forward(L.moe, a, x.moe, y);
+    } else {
+      mlp_forward(L.mlp, a, x.mlp, y);
+    }
+  } else if (L.kda_layer) {
+    kda_forward(L.kda, a, x.kda, y);
+  } else {
+    dsa_forward(L.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, y);
+  }
+}
+
+void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, float* da) {
+  const DLayer& L = m_.layers[i];
+  GLayer& G = g_.layers[i];
+  if (ffn) {
+    if (L.moe_layer) {
+      moe_backward(L.moe, G.moe, a, x.moe, dy, da);
+    } else {
+      mlp_backward(L.mlp, G.mlp, a, x.mlp, half(dy, T() * c_.hidden_size), da);
+    }
+  } else if (L.kda_layer) {
+    kda_backward(L.kda, G.kda, a, x.kda, dy, da);
+  } else {
+    dsa_backward(L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy, da);
+  }
+}
+
+// The loss from the final streams h [T, S, D] in row blocks of the lm_head (at most 1 GiB of fp32 logits), with
+// dL/dh added into dh and the head's gradients into g_.
+double Step::head_backward(const float* h, const float* row_weight, float* dh) {
+  const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, V = c_.vocab_size;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  bf16* hn = ar.alloc<bf16>(T * D);
+  stream_mean_norm(h, m_.final_norm, hn, T, S, D, eps, st);
+  float* dhn = zeros(T * D);
+  double* loss_rows = ar.alloc<double>(T);
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{1} << 30) / (V * 4)));
+  float* logits = ar.alloc<float>(block * V);
+  bf16* dlogits = ar.alloc<bf16>(block * V);
+  for (int64_t r0 = 0; r0 < T; r0 += block) {
+    const int64_t rows = std::min(block, T - r0);
+    m_.gemm->run(hn + r0 * D, D, m_.lm_head, V, D, logits, V, rows);
+    softmax_xent_backward(logits, p_.targets + r0, row_weight ? row_weight + r0 : nullptr, loss_rows + r0, dlogits,
+                          rows, V, st);
+    if (g_.lm_head) m_.gemm->run_dw(dlogits, V, hn + r0 * D, D, V, D, rows, g_.lm_head, true);
+    m_.gemm->run_dx(dlogits, V, m_.lm_head, V, D, dhn + r0 * D, D, rows, false);
+  }
+  float* work = ar.alloc<float>(rmsnorm_backward_workspace_floats(T, D) + T * D);
+  stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st);
+  std::vector<double> host(T);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(host.data(), loss_rows, T * sizeof(double), cudaMemcpyDeviceToHost, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+  return std::accumulate(host.begin(), host.end(), 0.0);
+}
+
+double Step::run(const float* row_weight) {
+  const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, TSD = T * S * D;
+  const size_t Lyr = m_.layers.size();
+  Arena& ar = m_.arena;
+  cudaStream_t st = m_.stream;
+  // Kept for the backward: the streams entering every site, and each full indexer's selection.
+  std::vector<float*> site_h(2 * Lyr);
+  for (float*& s : site_h) s = ar.alloc<float>(TSD);
+  sels_.assign(Lyr, Sel{});
+  for (size_t i = 0; i < Lyr; ++i) {
+    const DLayer& L = m_.layers[i];
+    if (L.kda_layer) continue;
+    if (L.dsa.has_indexer) {
+      sels_[i] = Sel{ar.alloc<int32_t>(T * max_sel()), ar.alloc<int32_t>(T)};
+    } else {
+      check(i > 0 && !m_.layers[i - 1].kda_layer && m_.layers[i - 1].dsa.has_indexer, "layer ", i,
+            " shares the indexer of the layer before it, which has none");
+      sels_[i] = sels_[i - 1];
+    }
+  }
+  float* h = ar.alloc<float>(TSD);
+  float* post = ar.alloc<float>(T * S);
+  float* comb = ar.alloc<float>(T * S * S);
+  bf16* a = ar.alloc<bf16>(T * D);
+  float* y = ar.alloc<float>(T * D);
+  float* mhc_work = ar.alloc<float>(mhc_pre_workspace_floats(T, S, D));
+  float* dh = zeros(TSD);
+  float* dh_prev = ar.alloc<float>(TSD);
+
+  // Forward: each site's sub-layer activations are given back to the arena once the site is done.
+  embed_streams(p_.tokens, m_.embed, h, T, S, D, st);
+  for (size_t i = 0; i < Lyr; ++i) {
+    const DLayer& L = m_.layers[i];
+    for (bool ffn : {false, true}) {
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(site_h[2 * i + ffn], h, TSD * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      const Arena::Mark mark = ar.mark();
+      mhc_pre(m_.mhc_params(L, ffn, T), h, post, comb, a, mhc_work, st);
+      if (!ffn && !L.kda_layer && L.dsa.has_indexer) {
+        // The indexer's selection (frozen: no gradient) from the normed q latent, as the forward makes it.
+        const int64_t QL = c_.q_lora_rank;
+        float* qa = ar.alloc<float>(T * QL);
+        bf16* qr = ar.alloc<bf16>(T * QL);
+        m_.gemm->run(a, D, L.dsa.q_a.w, QL, D, qa, QL, T);
+        rmsnorm_rows(qa, QL, L.dsa.q_a_norm, qr, nullptr, T, QL, static_cast<float>(c_.rms_norm_eps), st);
+        m_.indexer(L.dsa, p_, a, qr, sels_[i].sel, sels_[i].count, max_sel());
+      }
+      SubActs x;
+      sub_forward(i, ffn, a, x, y);
+      mhc_post(h, y, post, comb, T, S, D, st);
+      ar.rewind(mark);
+    }
+  }
+  const Arena::Mark head_mark = ar.mark();
+  const double loss = head_backward(h, row_weight, dh);
+  ar.rewind(head_mark);
+
+  // Backward, site by site from the last: recompute the site, then walk back through it.
+  for (size_t i = Lyr; i-- > 0;) {
+    const DLayer& L = m_.layers[i];
+    GLayer& G = g_.layers[i];
+    for (bool ffn : {true, false}) {
+      const Arena::Mark mark = ar.mark();
+      const float* hin = site_h[2 * i + ffn];
+      const MhcParams mp = m_.mhc_params(L, ffn, T);
+      mhc_pre(mp, hin, post, comb, a, mhc_work, st);
+      SubActs x;
+      sub_forward(i, ffn, a, x, y);
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(dh_prev, 0, TSD * sizeof(float), st));
+      float *dy = zeros(T * D), *dpost = zeros(T * S), *dcomb = zeros(T * S * S), *da = zeros(T * D);
+      mhc_post_backward(hin, y, post, comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st);
+      sub_backward(i, ffn, a, x, dy, da);
+      const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
+      mhc_pre_backward(mp, hin, dpost, dcomb, da, dh_prev, gh.fn, gh.base, gh.scale, ffn ? G.post_norm : G.in_norm,
+                       ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st);
+      std::swap(dh, dh_prev);
+      ar.rewind(mark);
+    }
+  }
+  if (g_.embed) embedding_backward(p_.tokens, dh, g_.embed, T, S, D, c_.pad_token_id.value_or(-1), st);
+  return loss;
+}
+
+// Carves the gradients out of one zeroed allocation, laid out as the weights; without `linears`, those of the
+// linear weights (projections, experts, embedding, lm_head) stay null and are not computed.
+std::unique_ptr<Grads> make_grads(const ModelConfig& c, const std::vector<DLayer>& layers, bool linears) {
+  auto g = std::make_unique<Grads>();
+  g->linears = linears;
+  std::vector<std::pair<float**, int64_t>> parts;
+  auto add = [&](float*& p, int64_t n) { parts.emplace_back(&p, n); };
+  const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+  if (linears) {
+    add(g->embed, V * D);
+    add(g->lm_head, V * D);
+  }
+  add(g->final_norm, D);
+  g->layers.resize(layers.size());
+  auto lin = [&](float*& p, const DLinear& l) {
+    if (linears) add(p, l.out * l.in);
+  };
+  auto mlp = [&](GMlp& gm, const DMlp& m) {
+    lin(gm.gate_up, m.gate_up);
+    lin(gm.down, m.down);
+  };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DLayer& L = layers[i];
+    GLayer& G = g->layers[i];
+    for (GHc* h : {&G.hc_attn, &G.hc_ffn}) {
+      add(h->fn, M * S * D);
+      add(h->base, M);
+      add(h->scale, 3);
+    }
+    add(G.in_norm, D);
+    add(G.post_norm, D);
+    if (L.kda_layer) {
+      const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
+      const DKda& k = L.kda;
+      GKda& gk = G.kda;
+      lin(gk.qkv, k.qkv);
+      lin(gk.f_a, k.f_a);
+      lin(gk.f_b, k.f_b);
+      lin(gk.b, k.b);
+      lin(gk.g_a, k.g_a);
+      lin(gk.g_b, k.g_b);
+      lin(gk.o, k.o);
+      add(gk.conv, 3 * HK * W);
+      add(gk.dt_bias, HK);
+      add(gk.A_log, H);
+      add(gk.o_norm, K);
+    } else {
+      const DDsa& d = L.dsa;
+      GDsa& gd = G.dsa;
+      lin(gd.q_a, d.q_a);
+      lin(gd.q_b, d.q_b);
+      lin(gd.kv_a, d.kv_a);
+      lin(gd.kv_b, d.kv_b);
+      lin(gd.o, d.o);
+      add(gd.q_a_norm, c.q_lora_rank);
+      add(gd.kv_a_norm, c.kv_lora_rank);
+    }
+    if (L.moe_layer) {
+      lin(G.moe.router, L.moe.router);
+      G.moe.experts.resize(L.moe.experts.size());
+      for (size_t e = 0; e < L.moe.experts.size(); ++e) mlp(G.moe.experts[e], L.moe.experts[e]);
+      if (L.moe.has_shared) mlp(G.moe.shared, L.moe.shared);
+    } else {
+      mlp(G.mlp, L.mlp);
+    }
+  }
+  for (const auto& p : parts) g->floats += (p.second + 63) / 64 * 64;  // 256-byte aligned pieces
+  NEXTLM_CUDA_CHECK(cudaMalloc(&g->base, static_cast<size_t>(g->floats) * sizeof(float)));
+  NEXTLM_CUDA_CHECK(cudaMemset(g->base, 0, static_cast<size_t>(g->floats) * sizeof(float)));
+  int64_t off = 0;
+  for (const auto& p : parts) {
+    *p.first = g->base + off;
+    off += (p.second + 63) / 64 * 64;
+  }
+  return g;
+}
+
+// A device gradient into a host tensor of its shape, starting first_element into the device buffer (the parts of
+// merged buffers: q | k | v, gate | up, the three convs); a null one (not computed) leaves the zeros.
+void download(const float* d, Tensor& t, int64_t first_element = 0) {
+  if (!d) return;
+  NEXTLM_CUDA_CHECK(cudaMemcpy(t.ptr(), d + first_element, t.numel() * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+}  // namespace
+}  // namespace cuda
+
+double CudaModel::forward_backward(const PackedBatch& batch) {
+  Impl& m = *impl_;
+  m.start(batch);
+  const cuda::Plan p = m.plan(batch);
+  check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(),
+        "batch: target_weight has ", batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
+  if (!m.grads || m.grads->linears != m.train_linears) {
+    m.grads.reset();
+    m.grads = cuda::make_grads(m.cfg, m.layers, m.train_linears);
+  }
+  // Row t's term is weighted by target_weight[t + 1] (the weight of the token it predicts).
+  float* row_weight = nullptr;
+  std::vector<float> rw;
+  if (!batch.target_weight.empty()) {
+    rw.assign(p.T, 0.0f);
+    for (int64_t n = 0; n < batch.num_seqs(); ++n)
+      for (int64_t t = batch.cu_seqlens[n]; t + 1 < batch.cu_seqlens[n + 1]; ++t) rw[t] = batch.target_weight[t + 1];
+    row_weight = m.arena.alloc<float>(p.T);
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(row_weight, rw.data(), p.T * sizeof(float), cudaMemcpyHostToDevice, m.stream));
+  }
+  cuda::Step step(m, p, *m.grads);
+  const double loss = step.run(row_weight);
+  m.end_timing();
+  m.finish_profile();
+  return loss;
+}
+
+void CudaModel::zero_grads() {
+  Impl& m = *impl_;
+  if (m.grads)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }
+
+ModelWeights CudaModel::gradients() const {
+  using cuda::download;
+  const Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  check(m.grads != nullptr, "no gradients yet: run forward_backward first");
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  const cuda::Grads& g = *m.grads;
+  const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+  auto t = [](std::vector<int64_t> shape) { return Tensor(std::move(shape)); };
+  ModelWeights w;
+  w.embed = t({V, D});
+  download(g.embed, w.embed);
+  w.final_norm = t({D});
+  download(g.final_norm, w.final_norm);
+  w.lm_head = t({V, D});
+  download(g.lm_head, w.lm_head);
+  if (c.tie_word_embeddings) {
+    for (int64_t i = 0; i < w.embed.numel(); ++i) w.embed.data[i] += w.lm_head.data[i];
+    std::fill(w.lm_head.data.begin(), w.lm_head.data.end(), 0.0f);
+  }
+  auto mlp = [&](const cuda::GMlp& gm, int64_t I) {
+    MlpWeights x{t({I, D}), t({I, D}), t({D, I})};
+    download(gm.gate_up, x.gate);
+    download(gm.gate_up, x.up, I * D);
+    download(gm.down, x.down);
+    return x;
+  };
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const cuda::DLayer& L = m.layers[i];
+    const cuda::GLayer& G = g.layers[i];
+    LayerWeights lw;
+    auto hc = [&](const cuda::GHc& h) {
+      HcWeights x{t({M, S * D}), t({M}), t({3})};
+      download(h.fn, x.fn);
+      download(h.base, x.base);
+      download(h.scale, x.scale);
+      return x;
+    };
+    lw.hc_attn = hc(G.hc_attn);
+    lw.hc_ffn = hc(G.hc_ffn);
+    lw.input_norm = t({D});
+    download(G.in_norm, lw.input_norm);
+    lw.post_attention_norm = t({D});
+    download(G.post_norm, lw.post_attention_norm);
+    if (L.kda_layer) {
+      const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
+      const cuda::GKda& k = G.kda;
+      KdaWeights x{t({HK, D}), t({HK, D}), t({HK, D}), t({HK, W}), t({HK, W}), t({HK, W}), t({K, D}), t({HK, K}),
+                   t({HK}),    t({H}),     t({H, D}),  t({K, D}),  t({HK, K}), t({K}),     t({D, HK})};
+      download(k.qkv, x.q_proj);
+      download(k.qkv, x.k_proj, HK * D);
+      download(k.qkv, x.v_proj, 2 * HK * D);
+      download(k.conv, x.q_conv);
+      download(k.conv, x.k_conv, HK * W);
+      download(k.conv, x.v_conv, 2 * HK * W);
+      download(k.f_a, x.f_a);
+      download(k.f_b, x.f_b);
+      download(k.dt_bias, x.dt_bias);
+      download(k.A_log, x.A_log);
+      download(k.b, x.b_proj);
+      download(k.g_a, x.g_a);
+      download(k.g_b, x.g_b);
+      download(k.o_norm, x.o_norm);
+      download(k.o, x.o_proj);
+      lw.kda = std::move(x);
+    } else {
+      const int64_t NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim, QL = c.q_lora_rank,
+                    KL = c.kv_lora_rank;
+      const cuda::GDsa& d = G.dsa;
+      DsaWeights x{t({QL, D}), t({QL}), t({NH * dqk, QL}), t({KL, D}), t({KL}), t({NH * (dqk + dv), KL}),
+                   t({D, NH * dv}), std::nullopt};
+      download(d.q_a, x.q_a);
+      download(d.q_a_norm, x.q_a_norm);
+      download(d.q_b, x.q_b);
+      download(d.kv_a, x.kv_a);
+      download(d.kv_a_norm, x.kv_a_norm);
+      download(d.kv_b, x.kv_b);
+      download(d.o, x.o_proj);
+      lw.dsa = std::move(x);
+    }
+    if (L.moe_layer) {
+      MoeWeights x;
+      x.router = t({c.n_routed_experts, D});
+      download(G.moe.router, x.router);
+      for (const cuda::GMlp& e : G.moe.experts) x.experts.push_back(mlp(e, c.moe_intermediate_size));
+      if (L.moe.has_shared) x.shared = mlp(G.moe.shared, L.moe.shared.I);
+      lw.moe = std::move(x);
+    } else {
+      lw.mlp = mlp(G.mlp, L.mlp.I);
+    }
+    w.layers.push_back(std::move(lw));
+  }
+  return w;
+}
+
+}  // namespace nextlm

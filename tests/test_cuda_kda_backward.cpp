@@ -1,0 +1,165 @@
+// The CUDA backward of the KDA delta-rule recurrence (src/cuda/kda_backward.cu) against the CPU
+// kda_recurrent_backward run per sequence and head, on packed sequences of uneven lengths.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "cuda/testing_kda_backward.h"
+#include "model/backward.h"
+#include "model/kda.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+// Inputs as the layer produces them: unit-norm k, q scaled by K^-1/2, safe-gate decays g = −5·sigmoid(x), sigmoid
+// betas; do ~ N(0, 1).
+struct Case {
+  int64_t H = 0, K = 0;
+  std::vector<int64_t> cu{0};
+  std::vector<float> q, k, v, g, beta, dout;
+};
+
+Case make_case(const std::vector<int64_t>& lens, int64_t H, int64_t K, unsigned seed) {
+  Case c;
+  c.H = H;
+  c.K = K;
+  for (int64_t L : lens) c.cu.push_back(c.cu.back() + L);
+  const int64_t T = c.cu.back();
+  c.q = test::randn(T * H * K, seed);
+  c.k = test::randn(T * H * K, seed + 1);
+  c.v = test::randn(T * H * K, seed + 2);
+  c.g = test::randn(T * H * K, seed + 3);
+  c.beta = test::randn(T * H, seed + 4);
+  c.dout = test::randn(T * H * K, seed + 5);
+  for (int64_t r = 0; r < T * H; ++r) {
+    double sq = 0, sk = 0;
+    for (int64_t d = 0; d < K; ++d) sq += c.q[r * K + d] * c.q[r * K + d], sk += c.k[r * K + d] * c.k[r * K + d];
+    for (int64_t d = 0; d < K; ++d) c.q[r * K + d] /= std::sqrt(sq * K), c.k[r * K + d] /= std::sqrt(sk);
+    c.beta[r] = 1.0f / (1.0f + std::exp(-c.beta[r]));
+  }
+  for (float& x : c.g) x = -5.0f / (1.0f + std::exp(-x));
+  return c;
+}
+
+// The CPU reference, added into the given buffers (as the kernel adds into its outputs).
+void cpu_backward(const Case& c, cuda_testing::KdaBackwardGrads& d) {
+  const int64_t H = c.H, K = c.K, HK = H * K;
+  for (size_t n = 0; n + 1 < c.cu.size(); ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t t0 = c.cu[n], off = t0 * HK + h * K;
+      const KdaSeq s{c.q.data() + off, c.k.data() + off, c.v.data() + off, c.g.data() + off,
+                     c.beta.data() + t0 * H + h, c.cu[n + 1] - t0, K, HK, H, nullptr};
+      kda_recurrent_backward(s, c.dout.data() + off, d.dq.data() + off, d.dk.data() + off, d.dv.data() + off,
+                             d.dg.data() + off, d.dbeta.data() + t0 * H + h);
+    }
+}
+
+bool all_finite(const std::vector<float>& x) {
+  for (float e : x)
+    if (!std::isfinite(e)) return false;
+  return true;
+}
+
+// Both sides are fp32 with expf decays; they differ in the summation order over the key and value dims (~1e-6
+// relative), far below 1e-4, while a wrong term in any gradient moves it by O(1).
+constexpr double kTol = 1e-4;
+
+void expect_close(const cuda_testing::KdaBackwardGrads& gpu, const cuda_testing::KdaBackwardGrads& cpu) {
+  const std::pair<const char*, std::pair<const std::vector<float>*, const std::vector<float>*>> outs[] = {
+      {"dq", {&gpu.dq, &cpu.dq}}, {"dk", {&gpu.dk, &cpu.dk}},          {"dv", {&gpu.dv, &cpu.dv}},
+      {"dg", {&gpu.dg, &cpu.dg}}, {"dbeta", {&gpu.dbeta, &cpu.dbeta}},
+  };
+  for (const auto& [name, p] : outs) {
+    ASSERT_EQ(p.first->size(), p.second->size()) << name;
+    EXPECT_TRUE(all_finite(*p.first)) << name;
+    const double e = test::norm_rel_error(p.first->data(), p.second->data(), p.second->size());
+    EXPECT_LE(e, kTol) << name;
+    std::printf("%s rel err %.3g\n", name, e);
+  }
+}
+
+cuda_testing::KdaBackwardGrads zeros(int64_t T, int64_t H, int64_t K) {
+  const size_t nx = static_cast<size_t>(T * H * K), nb = static_cast<size_t>(T * H);
+  return {std::vector<float>(nx, 0.0f), std::vector<float>(nx, 0.0f), std::vector<float>(nx, 0.0f),
+          std::vector<float>(nx, 0.0f), std::vector<float>(nb, 0.0f)};
+}
+
+class CudaBackwardKda : public ::testing::TestWithParam<int64_t> {};
+
+// Lengths 1, 37 and 130/200 cross no, part of one and several 64-step checkpoint chunks and 8-step sub-chunks; the
+// empty sequence must be skipped.
+TEST_P(CudaBackwardKda, MatchesCpuOnPackedSequences) {
+  const int64_t K = GetParam(), H = K == 128 ? 2 : 3;
+  const Case c = make_case({1, 37, 64, 0, 130, 200}, H, K, 100 + static_cast<unsigned>(K));
+  const int64_t T = c.cu.back();
+  const auto gpu = cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
+  auto cpu = zeros(T, H, K);
+  cpu_backward(c, cpu);
+  expect_close(gpu, cpu);
+}
+
+// The gradients are added into what the buffers hold.
+TEST_P(CudaBackwardKda, AccumulatesIntoOutputs) {
+  const int64_t K = GetParam(), H = 2;
+  const Case c = make_case({65, 9}, H, K, 200 + static_cast<unsigned>(K));
+  const int64_t T = c.cu.back();
+  auto cpu = zeros(T, H, K);
+  cpu_backward(c, cpu);
+  // Initial values of the gradients' own scale, so that subtracting them back costs little precision.
+  cuda_testing::KdaBackwardGrads init;
+  unsigned seed = 1;
+  for (auto [dst, ref] : {std::pair{&init.dq, &cpu.dq}, {&init.dk, &cpu.dk}, {&init.dv, &cpu.dv},
+                          {&init.dg, &cpu.dg}, {&init.dbeta, &cpu.dbeta}}) {
+    double ss = 0;
+    for (float x : *ref) ss += double(x) * x;
+    *dst = test::randn(ref->size(), seed++, static_cast<float>(std::sqrt(ss / ref->size())));
+  }
+  const auto gpu = cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, init);
+  // What the kernel added, against the CPU gradient alone: an overwrite would leave −init here.
+  auto added = gpu;
+  for (auto [a, i] : {std::pair{&added.dq, &init.dq}, {&added.dk, &init.dk}, {&added.dv, &init.dv},
+                      {&added.dg, &init.dg}, {&added.dbeta, &init.dbeta}})
+    for (size_t e = 0; e < a->size(); ++e) (*a)[e] -= (*i)[e];
+  expect_close(added, cpu);
+}
+
+// K = 40: key rows and value columns that fill neither a warp nor a block.
+// T = 0 (and empty sequences only) is a no-op that touches nothing.
+TEST(CudaBackwardKdaEdge, EmptyBatch) {
+  const Case c = make_case({0, 0}, 2, 64, 9);
+  const auto gpu = cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, 2, 64);
+  EXPECT_TRUE(gpu.dq.empty());
+  EXPECT_TRUE(gpu.dbeta.empty());
+}
+
+// Only length-1 sequences: one step each, in many clusters.
+TEST(CudaBackwardKdaEdge, SingleTokenSequences) {
+  const int64_t H = 3, K = 128;
+  const Case c = make_case(std::vector<int64_t>(5, 1), H, K, 19);
+  const auto gpu = cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
+  auto cpu = zeros(c.cu.back(), H, K);
+  cpu_backward(c, cpu);
+  expect_close(gpu, cpu);
+}
+
+INSTANTIATE_TEST_SUITE_P(K, CudaBackwardKda, ::testing::Values(16, 40, 64, 128),
+                         [](const auto& info) { return "K" + std::to_string(info.param); });
+
+// The model's shape at T = 4096 (one sequence; and 4 packed): prints the kernel's milliseconds. Run by hand with
+// --gtest_also_run_disabled_tests; performance goals live in the benchmarks.
+TEST(CudaBackwardKdaPerf, DISABLED_Time) {
+  const int64_t H = 64, K = 128;
+  for (const std::vector<int64_t>& lens : {std::vector<int64_t>{4096}, std::vector<int64_t>{1024, 1024, 1024, 1024}}) {
+    const Case c = make_case(lens, H, K, 7);
+    double ms = 0;
+    const auto gpu = cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, &ms);
+    EXPECT_TRUE(all_finite(gpu.dq));
+    std::printf("KDA recurrent backward T=4096 in %zu sequences, H=%lld, K=%lld: %.3f ms\n", lens.size(),
+                static_cast<long long>(H), static_cast<long long>(K), ms);
+  }
+}
+
+}  // namespace
+}  // namespace nextlm

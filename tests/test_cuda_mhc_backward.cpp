@@ -1,0 +1,208 @@
+// The mHC, RMSNorm and stream-mean-norm backward kernels (src/cuda/mhc_backward.cu) against the CPU backward
+// (src/model/mhc_backward.cpp, norm_backward.cpp, head_backward.cpp's final norm), all fp32.
+//
+// Every gradient buffer starts non-zero (the kernels add), and the error is measured on what was added:
+// ‖gpu − cpu‖ / ‖cpu − initial‖. Both sides are fp32 with different summation orders (the CPU's row sums of the
+// norms run in double, its fn projection through BLAS): measured on an H200 at most 2.3e-6, except dscale (three
+// sums over all tokens with cancellation) at up to 1e-5; 1e-4 leaves that room, also for the Sinkhorn backward's 39
+// steps, without hiding a wrong term (a missing term or a wrong index is an O(1) error).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cuda/testing_mhc_backward.h"
+#include "model/backward.h"
+#include "model/mhc.h"
+#include "model/norm.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+// ‖gpu − cpu‖ / ‖cpu − init‖ (+inf on any non-finite value of gpu).
+double added_rel_error(const std::vector<float>& gpu, const std::vector<float>& cpu, const std::vector<float>& init) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    if (!std::isfinite(gpu[i])) return INFINITY;
+    const double e = static_cast<double>(gpu[i]) - cpu[i], a = static_cast<double>(cpu[i]) - init[i];
+    num += e * e, den += a * a;
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+constexpr double kTol = 1e-4;
+
+struct PreCase {
+  int64_t T, S, D;
+  bool init_weights;  // base = 0, scale = 1 as random_init; else random base and scale
+};
+
+void check_pre(const PreCase& pc, unsigned seed) {
+  const int64_t T = pc.T, S = pc.S, D = pc.D, M = (2 + S) * S, SD = S * D;
+  ModelConfig c;
+  c.hc_mult = S;
+  c.hidden_size = D;
+  const float eps = static_cast<float>(c.rms_norm_eps), hc_eps = static_cast<float>(c.hc_eps);
+  const int iters = static_cast<int>(c.hc_sinkhorn_iters);
+  HcWeights w{Tensor({M, SD}), Tensor({M}), Tensor({3})};
+  w.fn.data = test::randn(M * SD, ++seed, 0.02f);
+  if (pc.init_weights) {
+    w.base.data.assign(M, 0.0f);
+    w.scale.data = {1.0f, 1.0f, 1.0f};
+  } else {
+    w.base.data = test::randn(M, ++seed, 0.5f);
+    w.scale.data = {0.8f, 1.2f, 0.9f};
+  }
+  std::vector<float> norm_w = test::randn(D, ++seed, 0.2f);
+  for (float& x : norm_w) x += 1.0f;
+  const std::vector<float> h = test::randn(T * SD, ++seed);
+  const std::vector<float> dpost = test::randn(T * S, ++seed), dcomb = test::randn(T * S * S, ++seed);
+  const std::vector<float> da = test::randn(T * D, ++seed);
+
+  // CPU: the collapse a0 (before the sub-layer norm), the norm's backward into da0, then mhc_pre_backward.
+  const std::vector<float> dh0 = test::randn(T * SD, ++seed, 0.5f), dfn0 = test::randn(M * SD, ++seed, 0.5f);
+  const std::vector<float> dbase0 = test::randn(M, ++seed, 0.5f), dscale0 = test::randn(3, ++seed, 0.5f);
+  const std::vector<float> dnw0 = test::randn(D, ++seed, 0.5f);
+  HcMix mix;
+  std::vector<float> a0(T * D), da0(T * D, 0.0f);
+  mhc_pre_forward(w, c, h.data(), T, mix, a0.data());
+  std::vector<float> dnw_cpu = dnw0, dh_cpu = dh0;
+  rmsnorm_backward(a0.data(), norm_w.data(), da.data(), T, D, eps, da0.data(), dnw_cpu.data());
+  HcWeights dw{Tensor({M, SD}), Tensor({M}), Tensor({3})};
+  dw.fn.data = dfn0, dw.base.data = dbase0, dw.scale.data = dscale0;
+  mhc_pre_backward(w, c, h.data(), T, dpost.data(), dcomb.data(), da0.data(), dh_cpu.data(), dw);
+
+  std::vector<float> dh = dh0, dfn = dfn0, dbase = dbase0, dscale = dscale0, dnw = dnw0;
+  cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
+                                 hc_eps, iters, dh, dfn, dbase, dscale, dnw);
+  const std::string at = "T=" + std::to_string(T) + " S=" + std::to_string(S) + " D=" + std::to_string(D);
+  EXPECT_LE(added_rel_error(dh, dh_cpu, dh0), kTol) << "dh " << at;
+  EXPECT_LE(added_rel_error(dfn, dw.fn.data, dfn0), kTol) << "dfn " << at;
+  EXPECT_LE(added_rel_error(dbase, dw.base.data, dbase0), kTol) << "dbase " << at;
+  EXPECT_LE(added_rel_error(dscale, dw.scale.data, dscale0), kTol) << "dscale " << at;
+  EXPECT_LE(added_rel_error(dnw, dnw_cpu, dnw0), kTol) << "dnorm_w " << at;
+}
+
+// T = 1, 7 and 300 (a token kernel block holding one token, a partial group of 8, many groups; a projection tile
+// of 128 tokens cut short), D = 64 and 320 at S = 4 (S·D = 1280 ends in a partial 32-column tile); S·D = 4400 spans
+// three projection chunks of 2048 columns; S = 3 and 8 exercise other instantiations.
+TEST(CudaBackwardMhc, PreMatchesCpu) {
+  unsigned seed = 7000;
+  for (const PreCase pc : {PreCase{1, 4, 64, true}, PreCase{7, 4, 64, true}, PreCase{300, 4, 64, true},
+                           PreCase{1, 4, 320, false}, PreCase{7, 4, 320, true}, PreCase{300, 4, 320, false},
+                           PreCase{37, 4, 1100, false}, PreCase{45, 3, 100, false}, PreCase{29, 8, 70, false}})
+    check_pre(pc, seed += 100);
+}
+
+// T = 0 enqueues nothing and leaves the gradients alone.
+TEST(CudaBackwardMhc, PreEmptyIsNoOp) {
+  const int64_t S = 4, D = 64, M = (2 + S) * S;
+  std::vector<float> dh, dfn = test::randn(M * S * D, 1), dbase = test::randn(M, 2), dscale = test::randn(3, 3);
+  std::vector<float> dnw = test::randn(D, 4);
+  const std::vector<float> fn0 = dfn, base0 = dbase, scale0 = dscale, nw0 = dnw;
+  cuda_testing::mhc_pre_backward({}, test::randn(M * S * D, 5), std::vector<float>(M, 0.0f), {1, 1, 1},
+                                 std::vector<float>(D, 1.0f), {}, {}, {}, 0, S, D, 1e-5f, 1e-6f, 20, dh, dfn, dbase,
+                                 dscale, dnw);
+  EXPECT_EQ(dfn, fn0);
+  EXPECT_EQ(dbase, base0);
+  EXPECT_EQ(dscale, scale0);
+  EXPECT_EQ(dnw, nw0);
+}
+
+TEST(CudaBackwardMhc, PostMatchesCpu) {
+  unsigned seed = 8000;
+  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {7, 4, 320}, {300, 4, 333},
+                                {45, 3, 100}, {29, 8, 70}}) {
+    HcMix mix;
+    mix.post = test::randn(T * S, ++seed);
+    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
+    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const std::vector<float> dout = test::randn(T * S * D, ++seed);
+    const std::vector<float> dh0 = test::randn(T * S * D, ++seed), dy0 = test::randn(T * D, ++seed);
+    const std::vector<float> dp0 = test::randn(T * S, ++seed), dc0 = test::randn(T * S * S, ++seed);
+    std::vector<float> dh_cpu = dh0, dy_cpu = dy0, dp_cpu = dp0, dc_cpu = dc0;
+    mhc_post_backward(mix, h.data(), y.data(), T, S, D, dout.data(), dh_cpu.data(), dy_cpu.data(), dp_cpu.data(),
+                      dc_cpu.data());
+    std::vector<float> dh = dh0, dy = dy0, dp = dp0, dc = dc0;
+    cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, dh, dy, dp, dc);
+    const std::string at = "T=" + std::to_string(T) + " S=" + std::to_string(S) + " D=" + std::to_string(D);
+    EXPECT_LE(added_rel_error(dh, dh_cpu, dh0), kTol) << "dh " << at;
+    EXPECT_LE(added_rel_error(dy, dy_cpu, dy0), kTol) << "dy " << at;
+    EXPECT_LE(added_rel_error(dp, dp_cpu, dp0), kTol) << "dpost " << at;
+    EXPECT_LE(added_rel_error(dc, dc_cpu, dc0), kTol) << "dcomb " << at;
+  }
+}
+
+// Weighted and unweighted, rows read with a stride ldx > n, row counts across the 256-row dw blocks.
+TEST(CudaBackwardMhc, RmsNormMatchesCpu) {
+  unsigned seed = 9000;
+  struct Shape {
+    int64_t rows, n, ldx;
+  };
+  for (const Shape sh : {Shape{1, 64, 64}, Shape{7, 300, 320}, Shape{300, 333, 400}, Shape{600, 1000, 1024}}) {
+    for (const bool weighted : {true, false}) {
+      const int64_t rows = sh.rows, n = sh.n, ldx = sh.ldx;
+      const float eps = 1e-5f;
+      std::vector<float> x = test::randn(rows * ldx, ++seed);
+      for (int64_t r = 0; r < rows; ++r)  // row scales 1 … 5
+        for (int64_t i = 0; i < ldx; ++i) x[r * ldx + i] *= static_cast<float>(1 + r % 5);
+      std::vector<float> xc(rows * n);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < n; ++i) xc[r * n + i] = x[r * ldx + i];
+      std::vector<float> w;
+      if (weighted) {
+        w = test::randn(n, ++seed, 0.2f);
+        for (float& e : w) e += 1.0f;
+      }
+      const std::vector<float> dy = test::randn(rows * n, ++seed);
+      const std::vector<float> dx0 = test::randn(rows * n, ++seed, 0.1f), dw0 = test::randn(n, ++seed);
+      std::vector<float> dx_cpu = dx0, dw_cpu = dw0;
+      rmsnorm_backward(xc.data(), weighted ? w.data() : nullptr, dy.data(), rows, n, eps, dx_cpu.data(),
+                       weighted ? dw_cpu.data() : nullptr);
+      std::vector<float> dx = dx0, dw = dw0;
+      cuda_testing::rmsnorm_backward(x, ldx, w, dy, rows, n, eps, dx, dw);
+      const std::string at = "rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
+                             (weighted ? " weighted" : " unweighted");
+      EXPECT_LE(added_rel_error(dx, dx_cpu, dx0), kTol) << "dx " << at;
+      if (weighted) {
+        EXPECT_LE(added_rel_error(dw, dw_cpu, dw0), kTol) << "dw " << at;
+      } else {
+        EXPECT_EQ(dw, dw0) << at;
+      }
+    }
+  }
+}
+
+// The final stream mean + norm, as head_loss_backward: hm = mean_s h, RMSNorm backward, dh[t, s] += dhm[t]/S.
+TEST(CudaBackwardMhc, StreamMeanNormMatchesCpu) {
+  unsigned seed = 9500;
+  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {7, 4, 320}, {300, 4, 333}}) {
+    const float eps = 1e-5f;
+    const std::vector<float> h = test::randn(T * S * D, ++seed), dout = test::randn(T * D, ++seed);
+    std::vector<float> w = test::randn(D, ++seed, 0.2f);
+    for (float& e : w) e += 1.0f;
+    const std::vector<float> dh0 = test::randn(T * S * D, ++seed, 0.1f), dw0 = test::randn(D, ++seed);
+    std::vector<float> hm(T * D, 0.0f), dhm(T * D, 0.0f), dh_cpu = dh0, dw_cpu = dw0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
+        hm[t * D + d] = acc / static_cast<float>(S);
+      }
+    rmsnorm_backward(hm.data(), w.data(), dout.data(), T, D, eps, dhm.data(), dw_cpu.data());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; ++d) dh_cpu[(t * S + s) * D + d] += dhm[t * D + d] / static_cast<float>(S);
+    std::vector<float> dh = dh0, dw = dw0;
+    cuda_testing::stream_mean_norm_backward(h, w, dout, T, S, D, eps, dh, dw);
+    const std::string at = "T=" + std::to_string(T) + " S=" + std::to_string(S) + " D=" + std::to_string(D);
+    EXPECT_LE(added_rel_error(dh, dh_cpu, dh0), kTol) << "dh " << at;
+    EXPECT_LE(added_rel_error(dw, dw_cpu, dw0), kTol) << "dw " << at;
+  }
+}
+
+}  // namespace
+}  // namespace nextlm

@@ -1,0 +1,361 @@
+// The head, embedding and MoE backward kernels (src/cuda/moe_backward.cu) against the CPU fp32 backward
+// (src/model/backward.h, moe_backward.cpp, head_backward.cpp). Outputs are poisoned with NaN before the kernels run
+// (testing_moe_backward.cu), so an unwritten element fails.
+//
+// Tolerances: fp32 outputs differ from the CPU's only by the summation order and expf's last bits: 1e-5 relative
+// (norm). bf16 outputs are compared element-wise with the CPU value rounded to bf16: rounding both sides can land
+// one bf16 ulp apart (2^-8 relative), so each element must be within 2^-7 relative, plus an absolute 1e-6 of the
+// output's scale for elements that are a cancellation of larger terms.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "cuda/testing_moe_backward.h"
+#include "model/backward.h"
+#include "model/norm.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+// x rounded to the nearest bf16 (ties to even), as __float2bfloat16.
+float bf16_round(float x) {
+  if (std::isnan(x)) return x;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &u, 4);
+  return y;
+}
+
+// Every element of a bf16 output against the fp32 reference rounded to bf16 (see the file comment).
+void expect_bf16_close(const std::vector<float>& gpu, const std::vector<float>& ref, const char* what) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  float scale = 0.0f;
+  for (float r : ref) scale = std::max(scale, std::fabs(r));
+  int bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const float r = bf16_round(ref[i]);
+    const bool ok = std::isfinite(gpu[i]) && std::fabs(gpu[i] - r) <= 0x1p-7f * std::fabs(r) + 1e-6f * scale;
+    if (!ok && bad++ < 5) ADD_FAILURE() << what << "[" << i << "]: gpu " << gpu[i] << " vs cpu " << ref[i];
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// I [n, n] row-major. The CPU functions below take an input x and apply a linear layer to it; with x = I the layer's
+// output is its weight transposed and its weight gradient is the input gradient transposed (exactly: products with
+// 0 and 1), so the exposed CPU backward functions act on arbitrary pre-activations and return their gradients.
+std::vector<float> identity(int64_t n) {
+  std::vector<float> x(n * n, 0.0f);
+  for (int64_t i = 0; i < n; ++i) x[i * n + i] = 1.0f;
+  return x;
+}
+
+// ---- Cross-entropy ----
+
+// The CPU head_block's arithmetic for one set of rows: loss and wt·(softmax − onehot), zero rows without a term.
+void xent_reference(const std::vector<float>& logits, const std::vector<int32_t>& target, const std::vector<float>& wt,
+                    int64_t n, int64_t V, std::vector<double>& loss, std::vector<float>& dlogits) {
+  loss.assign(n, 0.0);
+  dlogits.assign(n * V, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = logits.data() + r * V;
+    const int64_t tg = target[r];
+    const float w = wt.empty() || tg < 0 ? 1.0f : wt[r];
+    if (tg < 0 || w == 0.0f) continue;
+    const float mx = *std::max_element(row, row + V);
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - mx);
+    const double lse = mx + std::log(sum);
+    loss[r] = w * (lse - row[tg]);
+    for (int64_t v = 0; v < V; ++v)
+      dlogits[r * V + v] = w * (static_cast<float>(std::exp(static_cast<double>(row[v]) - lse)) - (v == tg ? 1.0f : 0.0f));
+  }
+}
+
+void check_xent(int64_t n, int64_t V, bool weighted, unsigned seed) {
+  SCOPED_TRACE("n=" + std::to_string(n) + " V=" + std::to_string(V) + (weighted ? " weighted" : ""));
+  const std::vector<float> logits = test::randn(n * V, seed, 3.0f);
+  std::mt19937 gen(seed);
+  std::vector<int32_t> target(n);
+  std::vector<float> wt;
+  for (int64_t r = 0; r < n; ++r) target[r] = r % 5 == 3 ? -1 : static_cast<int32_t>(gen() % V);
+  if (n > 1) target[1] = static_cast<int32_t>(V - 1);  // the last column (a partial block)
+  if (weighted) {
+    std::uniform_real_distribution<float> u(0.2f, 2.0f);
+    for (int64_t r = 0; r < n; ++r) wt.push_back(u(gen));
+    if (n > 2) wt[2] = 0.0f;  // a row weighted out: no term, as the CPU
+  }
+  std::vector<double> loss, ref_loss;
+  std::vector<float> dl, ref_dl;
+  cuda_testing::softmax_xent_backward(logits, target, wt, n, V, loss, dl);
+  xent_reference(logits, target, wt, n, V, ref_loss, ref_dl);
+  ASSERT_EQ(loss.size(), static_cast<size_t>(n));
+  int terms = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    // fp32 sum of exponentials against the CPU's double sum: a few 1e-7 of the log-sum-exp.
+    EXPECT_NEAR(loss[r], ref_loss[r], 1e-5 * std::max(1.0, std::fabs(ref_loss[r]))) << "row " << r;
+    if (ref_loss[r] != 0.0) ++terms;
+    if (target[r] < 0 || (weighted && wt[r] == 0.0f)) {
+      EXPECT_EQ(loss[r], 0.0) << "row " << r;
+      for (int64_t v = 0; v < V; ++v) ASSERT_EQ(dl[r * V + v], 0.0f) << "row " << r << " v " << v;
+    }
+  }
+  EXPECT_GT(terms, 0);
+  expect_bf16_close(dl, ref_dl, "dlogits");
+}
+
+TEST(CudaBackwardMoe, SoftmaxXentMatchesCpuHeadLoss) {
+  check_xent(29, 1000, false, 1);
+  check_xent(29, 1000, true, 2);
+  check_xent(17, 1037, true, 3);  // V not a multiple of the block
+  check_xent(1, 5, false, 4);     // V smaller than a warp: idle threads
+}
+
+TEST(CudaBackwardMoe, SoftmaxXentFullVocabulary) { check_xent(4, 154880, true, 5); }
+
+// ---- Embedding ----
+
+void check_embedding(int64_t pad_id) {
+  SCOPED_TRACE("pad_id=" + std::to_string(pad_id));
+  const int64_t T = 37, S = 4, D = 48, V = 20;
+  std::mt19937 gen(7);
+  std::vector<int32_t> tok(T);
+  for (int32_t& t : tok) t = static_cast<int32_t>(gen() % V);  // repeats: several tokens add into one row
+  tok[0] = tok[5] = tok[36] = 3;
+  const std::vector<float> dh = test::randn(T * S * D, 8);
+  const std::vector<float> init = test::randn(V * D, 9);  // accumulates into a non-zero gradient
+  std::vector<float> gpu = init;
+  cuda_testing::embedding_backward(tok, dh, gpu, T, S, D, pad_id);
+  Tensor ref({V, D});
+  ref.data = init;
+  embedding_backward(tok.data(), T, S, dh.data(), pad_id >= 0 ? std::optional<int64_t>(pad_id) : std::nullopt, ref);
+  EXPECT_LE(test::norm_rel_error(gpu.data(), ref.ptr(), ref.data.size()), 1e-5);
+  // The difference from the initial values, alone, to 1e-5 too (so that a small error cannot hide under init).
+  std::vector<float> dg(V * D), dr(V * D);
+  for (int64_t i = 0; i < V * D; ++i) dg[i] = gpu[i] - init[i], dr[i] = ref.data[i] - init[i];
+  EXPECT_LE(test::norm_rel_error(dg.data(), dr.data(), dr.size()), 1e-5);
+  if (pad_id >= 0) {
+    for (int64_t d = 0; d < D; ++d) EXPECT_EQ(gpu[pad_id * D + d], init[pad_id * D + d]);
+  } else {
+    EXPECT_NE(gpu[3 * D], init[3 * D]);
+  }
+}
+
+TEST(CudaBackwardMoe, EmbeddingBackwardMatchesCpu) {
+  check_embedding(3);
+  check_embedding(-1);
+}
+
+// ---- Clamped SwiGLU ----
+
+// gu [n, 2I] (gate | up) of scale 4 (with limit 7, a few percent of each clamp is active), plus exact boundary
+// values: gate = L and up = ±L pass the gradient, gate = −L is not clamped at all.
+std::vector<float> swiglu_inputs(int64_t n, int64_t I, float L) {
+  std::vector<float> gu = test::randn(n * 2 * I, 11, 4.0f);
+  gu[0 * 2 * I + 0] = L;          // gate at the upper limit
+  gu[1 * 2 * I + 1] = -L;         // gate at −L (min only: no clamp)
+  gu[2 * 2 * I + I + 2] = L;      // up at +L
+  gu[3 * 2 * I + I + 3] = -L;     // up at −L
+  gu[4 * 2 * I + 4] = 10.0f;      // gate clamped
+  gu[5 * 2 * I + I + 5] = 10.0f;  // up clamped above
+  gu[6 * 2 * I + I + 6] = -10.0f; // up clamped below
+  return gu;
+}
+
+TEST(CudaBackwardMoe, SwigluBackwardMatchesCpuMlpBackward) {
+  const int64_t n = 37 * 3, I = 24;
+  const float L = 7.0f;
+  const std::vector<float> gu = swiglu_inputs(n, I, L);
+  const std::vector<float> dact = test::randn(n * I, 12);
+  const std::vector<float> gpu = cuda_testing::swiglu_backward(gu, dact, n, I, L);
+
+  // mlp_backward on x = I [n, n]: gate·x = gateᵀ, so gate[c, t] = gu[t, c] (up likewise); with dy = I the gradient
+  // of act is down itself, so down = dact; and dgate = dgᵀ (dup = duᵀ).
+  MlpWeights w{Tensor({I, n}), Tensor({I, n}), Tensor({n, I})};
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < I; ++c) {
+      w.gate.data[c * n + t] = gu[t * 2 * I + c];
+      w.up.data[c * n + t] = gu[t * 2 * I + I + c];
+    }
+  w.down.data = dact;
+  MlpWeights dw = zeros_like(w);
+  const std::vector<float> x = identity(n);
+  mlp_backward(w, L, x.data(), n, n, x.data(), nullptr, dw);
+  std::vector<float> ref(n * 2 * I);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < I; ++c) {
+      ref[t * 2 * I + c] = dw.gate.data[c * n + t];
+      ref[t * 2 * I + I + c] = dw.up.data[c * n + t];
+    }
+  expect_bf16_close(gpu, ref, "dgu");
+
+  // The clamps are active on both halves and give exact zeros; the boundary values pass.
+  int gate_clamped = 0, up_clamped = 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < I; ++c) {
+      const float g = gu[t * 2 * I + c], u = gu[t * 2 * I + I + c];
+      if (g > L) {
+        ++gate_clamped;
+        EXPECT_EQ(gpu[t * 2 * I + c], 0.0f);
+      }
+      if (u > L || u < -L) {
+        ++up_clamped;
+        EXPECT_EQ(gpu[t * 2 * I + I + c], 0.0f);
+      }
+    }
+  EXPECT_GE(gate_clamped, 5);
+  EXPECT_GE(up_clamped, 10);
+  EXPECT_NE(gpu[0 * 2 * I + 0], 0.0f);
+  EXPECT_NE(gpu[1 * 2 * I + 1], 0.0f);
+  EXPECT_NE(gpu[2 * 2 * I + I + 2], 0.0f);
+  EXPECT_NE(gpu[3 * 2 * I + I + 3], 0.0f);
+}
+
+TEST(CudaBackwardMoe, SwigluForwardRecomputesAct) {
+  const int64_t n = 37 * 3, I = 24;
+  const float L = 7.0f;
+  const std::vector<float> gu = swiglu_inputs(n, I, L);
+  const std::vector<float> gpu = cuda_testing::swiglu_forward_f32(gu, n, I, L);
+  std::vector<float> ref(n * I);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < I; ++c)
+      ref[t * I + c] = siluf(std::min(gu[t * 2 * I + c], L)) * std::clamp(gu[t * 2 * I + I + c], -L, L);
+  expect_bf16_close(gpu, ref, "act");
+}
+
+// ---- MoE combine and gather ----
+
+// slot_of [T, k]: a random permutation of the T·k permuted rows.
+std::vector<int32_t> random_slots(int64_t T, int64_t k, unsigned seed) {
+  std::vector<int32_t> s(T * k);
+  std::iota(s.begin(), s.end(), 0);
+  std::shuffle(s.begin(), s.end(), std::mt19937(seed));
+  return s;
+}
+
+TEST(CudaBackwardMoe, CombineBackwardMatchesCpu) {
+  const int64_t T = 37, k = 3, D = 48;
+  const std::vector<int32_t> slot_of = random_slots(T, k, 13);
+  const std::vector<float> dy = test::randn(T * D, 14), out = test::randn(T * k * D, 15), w = test::randn(T * k, 16);
+  std::vector<float> dout, dweights;
+  cuda_testing::moe_combine_backward(dy, out, slot_of, w, T, k, D, dout, dweights);
+  // expert_backward's loops: dout[slot] = w·dy[t], dweights = dy[t]·out[slot].
+  std::vector<float> ref_dout(T * k * D), ref_dw(T * k);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t p = slot_of[t * k + i];
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        acc += dy[t * D + d] * out[p * D + d];
+        ref_dout[p * D + d] = w[t * k + i] * dy[t * D + d];
+      }
+      ref_dw[t * k + i] = acc;
+    }
+  expect_bf16_close(dout, ref_dout, "dout");
+  EXPECT_LE(test::norm_rel_error(dweights.data(), ref_dw.data(), ref_dw.size()), 1e-5);
+}
+
+TEST(CudaBackwardMoe, GatherBackwardMatchesCpu) {
+  const int64_t T = 37, k = 3, D = 300;  // D over one block of threads
+  const std::vector<int32_t> slot_of = random_slots(T, k, 17);
+  const std::vector<float> dxp = test::randn(T * k * D, 18), init = test::randn(T * D, 19);
+  std::vector<float> gpu = init;
+  cuda_testing::moe_gather_backward(dxp, slot_of, gpu, T, k, D);
+  std::vector<float> ref = init, dg(T * D), dr(T * D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t d = 0; d < D; ++d) ref[t * D + d] += dxp[slot_of[t * k + i] * D + d];
+  for (int64_t i = 0; i < T * D; ++i) dg[i] = gpu[i] - init[i], dr[i] = ref[i] - init[i];
+  EXPECT_LE(test::norm_rel_error(gpu.data(), ref.data(), ref.size()), 1e-5);
+  EXPECT_LE(test::norm_rel_error(dg.data(), dr.data(), dr.size()), 1e-5);
+}
+
+// ---- Router weights ----
+
+void check_route(bool norm) {
+  SCOPED_TRACE(norm ? "norm_topk_prob" : "no normalisation");
+  const int64_t T = 37, E = 10, k = 3;
+  const float scale = 2.5f;
+  const std::vector<float> logits = test::randn(T * E, 21, 2.0f), dweights = test::randn(T * k, 22);
+  std::mt19937 gen(23);
+  Routing r;
+  for (int64_t t = 0; t < T; ++t) {  // k distinct experts, in a random order
+    std::vector<int32_t> e(E);
+    std::iota(e.begin(), e.end(), 0);
+    std::shuffle(e.begin(), e.end(), gen);
+    r.experts.insert(r.experts.end(), e.begin(), e.begin() + k);
+  }
+  const std::vector<float> gpu = cuda_testing::moe_route_backward(logits, r.experts, dweights, T, E, k, norm, scale);
+
+  // routed_weights / router_backward on x = I [T, T]: the router logits are routerᵀ, so router[e, t] = logits[t, e],
+  // and dw.router = dlogitsᵀ.
+  ModelConfig c;
+  c.hidden_size = T, c.n_routed_experts = E, c.num_experts_per_tok = k;
+  c.norm_topk_prob = norm, c.routed_scaling_factor = scale;
+  MoeWeights w;
+  w.router = Tensor({E, T});
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) w.router.data[e * T + t] = logits[t * E + e];
+  MoeWeights dw;
+  dw.router = Tensor({E, T});
+  const std::vector<float> x = identity(T);
+  std::vector<float> s, weights;
+  routed_weights(w, c, x.data(), T, r, s, weights);
+  router_backward(w, c, x.data(), T, r, s, dweights.data(), nullptr, dw);
+  std::vector<float> ref(T * E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) ref[t * E + e] = dw.router.data[e * T + t];
+  EXPECT_LE(test::norm_rel_error(gpu.data(), ref.data(), ref.size()), 1e-5);
+  // Written for every expert: exact zeros off the chosen ones.
+  for (int64_t t = 0; t < T; ++t) {
+    const auto first = r.experts.begin() + t * k, last = first + k;
+    for (int64_t e = 0; e < E; ++e) {
+      if (std::find(first, last, e) == last) {
+        EXPECT_EQ(gpu[t * E + e], 0.0f) << t << ", " << e;
+      }
+    }
+  }
+}
+
+TEST(CudaBackwardMoe, RouteBackwardMatchesCpuRouterBackward) {
+  check_route(true);
+  check_route(false);
+}
+
+// ---- Element-wise ----
+
+TEST(CudaBackwardMoe, ConversionAndAddAreExact) {
+  const int64_t n = 1000 + 37;
+  const std::vector<float> x = test::randn(n, 31, 5.0f), y0 = test::randn(n, 32);
+  const std::vector<float> b = cuda_testing::f32_to_bf16(x);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(b[i], bf16_round(x[i])) << i;
+  std::vector<float> y = y0;
+  cuda_testing::add_inplace(y, x);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], y0[i] + x[i]) << i;
+}
+
+TEST(CudaBackwardMoe, EmptyInputsAreNoOps) {
+  std::vector<float> dembed = test::randn(5 * 8, 41);
+  const std::vector<float> before = dembed;
+  cuda_testing::embedding_backward({}, {}, dembed, 0, 4, 8, -1);
+  EXPECT_EQ(dembed, before);
+  std::vector<float> dx = before;
+  cuda_testing::moe_gather_backward({}, {}, dx, 0, 3, 8);
+  EXPECT_EQ(dx, before);
+  EXPECT_TRUE(cuda_testing::moe_route_backward({}, {}, {}, 0, 10, 3, true, 2.5f).empty());
+  EXPECT_TRUE(cuda_testing::swiglu_backward({}, {}, 0, 24, 7.0f).empty());
+  std::vector<double> loss;
+  std::vector<float> dl;
+  cuda_testing::softmax_xent_backward({}, {}, {}, 0, 1000, loss, dl);
+  EXPECT_TRUE(loss.empty() && dl.empty());
+}
+
+}  // namespace
+}  // namespace nextlm
