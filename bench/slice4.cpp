@@ -273,10 +273,18 @@ void slice4_prefill_case(const std::string& name) {
 }
 
 void slice4_train_step_case(const std::string& name) {
-  const ModelConfig cfg = load_config(slice4_config_path());
+  // slice4_*: the base of a LoRA step on the slice, every input gradient but no weight gradient for the frozen
+  // projections and experts; small8_*: full-parameter training of a smaller model with the real layer pattern.
+  const bool full = name.rfind("small8", 0) == 0;
+  std::string path = slice4_config_path();
+  if (full) {
+    const size_t at = path.rfind("slice4/config.json");
+    check(at != std::string::npos, "small8: bench/small8/config.json is found beside the slice's config, not ", path);
+    path = path.substr(0, at) + "small8/config.json";
+  }
+  const ModelConfig cfg = load_config(path);
   auto model = CudaModel::random(cfg, kSeed);
-  // The base of a LoRA step: every input gradient, but no weight gradient for the frozen projections and experts.
-  model->set_train_linears(false);
+  model->set_train_linears(full);
   std::mt19937 gen(7);
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
   std::vector<int32_t> seq(kT);
@@ -294,12 +302,12 @@ void slice4_train_step_case(const std::string& name) {
     gpu.push_back(model->last_forward_ms());
   }
   const double ms = median(gpu);
-  // FLOPs the step needs: the forward and, for frozen weights, the input-gradient GEMMs (as many again); the
-  // recomputation of each sub-layer before its backward is not counted.
+  // FLOPs the step needs: the forward, the input-gradient GEMMs (as many again) and, with trained weights, the
+  // weight-gradient GEMMs (as many again); the recomputation of each sub-layer before its backward is not counted.
   double forward = 0;
   for (const auto& [part, cost] : slice_costs(cfg, kT))
     if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
-  const double needed = 2 * forward;
+  const double needed = (full ? 3 : 2) * forward;
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;  // H200 dense bf16, the spec sheet's figure
   nlohmann::json line{
       {"case", name},
@@ -310,13 +318,27 @@ void slice4_train_step_case(const std::string& name) {
       {"target_mfu", 0.35},
       {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
       {"finite", std::isfinite(loss)},
-      {"note", "forward + backward of the 4-layer slice at " + std::to_string(kT) +
-                   " tokens with frozen linear weights (the base of a LoRA step: adapters and optimizer not "
-                   "included), every sub-layer recomputed before its backward; fp32 KDA (backward through time) and "
-                   "MLA attention backward, per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) +
-                   " CUDA-event timings (host wall median " + fmt("%.1f", median(wall)) +
-                   " ms); MFU = (forward + input-gradient FLOPs) / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
+      {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
+                                  "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
+                                  "top-8; optimizer not included, it runs on the host in `train --device cuda`)"
+                                : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
+                                  "LoRA step: adapters and optimizer not included)") +
+                   " at " + std::to_string(kT) + " tokens, every sub-layer recomputed before its backward; fp32 KDA "
+                   "(backward through time) and MLA attention backward, dx of the experts on per-expert cuBLASLt "
+                   "GEMMs; median of " + std::to_string(kStepIters) + " CUDA-event timings (host wall median " +
+                   fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
+                   (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
   std::printf("%s\n", line.dump().c_str());
+  // Where the step's time goes: one more step with an event pair around every part (each ends in a sync).
+  model->set_profiling(true);
+  model->zero_grads();
+  model->forward_backward(b);
+  model->set_profiling(false);
+  for (const auto& [part, part_ms] : model->profile())
+    std::printf("%s\n", nlohmann::json{{"case", name + "/" + part}, {"ours_ms", std::round(part_ms * 1e4) / 1e4},
+                                       {"share", std::round(part_ms / ms * 1e3) / 1e3}}
+                            .dump()
+                            .c_str());
   std::fflush(stdout);
 }
 

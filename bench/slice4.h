@@ -12,7 +12,8 @@ std::string slice4_config_path();
 // several CUDA-event timings after warm-up, then one profiled run broken down by component against each floor.
 void slice4_prefill_case(const std::string& name);
 // `slice4_train_step_T4096`: one training forward + backward of the slice at 4096 tokens with frozen linear
-// weights (CudaModel::set_train_linears(false)): tokens/s and MFU.
+// weights (CudaModel::set_train_linears(false)): tokens/s and MFU; `small8_full_train_step_T4096` the same with every
+// weight's gradient on bench/small8/config.json (a smaller model with the real layer pattern).
 void slice4_train_step_case(const std::string& name);
 // `mhc`: the mHC share of the slice's layer time (from the same profiled run), target ≤ 7%.
 void mhc_share_case(const std::string& name);

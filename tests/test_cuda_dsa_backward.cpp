@@ -1,15 +1,18 @@
-// The CUDA backward of the MLA attention over DSA selections (src/cuda/dsa_backward.cu) against the attention part of
-// the CPU dsa_layer_backward (src/model/dsa_backward.cpp), restated here because it is not callable on its own, and,
-// through the kv_b and q_b weight gradients, against dsa_layer_backward itself.
+// The CUDA backward of the MLA attention over DSA selections (src/cuda/dsa_backward.cu, tiled, and
+// src/cuda/dsa_backward_scatter.cu) against the attention part of the CPU dsa_layer_backward
+// (src/model/dsa_backward.cpp), restated here because it is not callable on its own, and, through the kv_b and q_b
+// weight gradients, against dsa_layer_backward itself.
 //
 // Tolerance: fp32 against fp32 with sums in different orders (softmax over up to 2200 keys, dot products over up to
 // 256 channels): rounding gives ~1e-6 relative; a wrong term (a dropped path, a missed key, the wrong weights of an
-// empty row) gives O(1e-2) or more. Bound: ‖gpu − cpu‖/‖cpu‖ ≤ 1e-4, per tensor part.
+// empty row) gives O(1e-2) or more. Bound: ‖gpu − cpu‖/‖cpu‖ ≤ 1e-4, per tensor part. The tiled kernel has no
+// atomics: two runs must agree bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -139,34 +142,36 @@ TEST_P(CudaBackwardDsa, MatchesCpuReference) {
   for (const auto& s : sel) longest = std::max<int64_t>(longest, static_cast<int64_t>(s.size()));
   ASSERT_EQ(longest, std::min(c.max_sel, *std::max_element(c.lens.begin(), c.lens.end())));
 
-  // Non-zero starting gradients: the kernel must add into them.
-  const std::vector<float> dq0 = test::randn(T * NH * dqk, 5, 0.1f), dkv0 = test::randn(T * NH * W, 6, 0.1f);
-  std::vector<float> dq = dq0, dkv = dkv0;
-  cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv);
-  ASSERT_TRUE(all_finite(dq));
-  ASSERT_TRUE(all_finite(dkv));
-  for (size_t i = 0; i < dq.size(); ++i) dq[i] -= dq0[i];
-  for (size_t i = 0; i < dkv.size(); ++i) dkv[i] -= dkv0[i];
-
-  std::vector<float> rq(dq.size(), 0.0f), rkv(dkv.size(), 0.0f);
+  std::vector<float> rq(T * NH * dqk, 0.0f), rkv(T * NH * W, 0.0f);
   attention_backward_reference(q, kv, dO, sel, cu, NH, dqk, dv, rq, rkv);
+  // Both kernels: the tiled one and the scatter one.
+  for (const bool scatter : {false, true}) {
+    // Non-zero starting gradients: the kernel must add into them.
+    const std::vector<float> dq0 = test::randn(T * NH * dqk, 5, 0.1f), dkv0 = test::randn(T * NH * W, 6, 0.1f);
+    std::vector<float> dq = dq0, dkv = dkv0;
+    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv, nullptr, scatter);
+    ASSERT_TRUE(all_finite(dq));
+    ASSERT_TRUE(all_finite(dkv));
+    for (size_t i = 0; i < dq.size(); ++i) dq[i] -= dq0[i];
+    for (size_t i = 0; i < dkv.size(); ++i) dkv[i] -= dkv0[i];
 
-  auto err = [](const std::vector<float>& a, const std::vector<float>& b) {
-    EXPECT_EQ(a.size(), b.size());
-    return test::norm_rel_error(a.data(), b.data(), b.size());
-  };
-  // dq of tokens with and without a selection apart (an empty row's Jacobian is small beside a selective one's);
-  // dk and dv apart.
-  const double e_q_sel = err(token_rows(dq, NH * dqk, sel, false), token_rows(rq, NH * dqk, sel, false));
-  const double e_q_uni = err(token_rows(dq, NH * dqk, sel, true), token_rows(rq, NH * dqk, sel, true));
-  const double e_k = err(columns(dkv, W, 0, dqk), columns(rkv, W, 0, dqk));
-  const double e_v = err(columns(dkv, W, dqk, W), columns(rkv, W, dqk, W));
-  std::printf("[cuda] DSA attention backward %s: dq %.2e (empty rows %.2e), dk %.2e, dv %.2e\n", c.name, e_q_sel,
-              e_q_uni, e_k, e_v);
-  EXPECT_LE(e_q_sel, kTol);
-  EXPECT_LE(e_q_uni, kTol);
-  EXPECT_LE(e_k, kTol);
-  EXPECT_LE(e_v, kTol);
+    auto err = [](const std::vector<float>& a, const std::vector<float>& b) {
+      EXPECT_EQ(a.size(), b.size());
+      return test::norm_rel_error(a.data(), b.data(), b.size());
+    };
+    // dq of tokens with and without a selection apart (an empty row's Jacobian is small beside a selective one's);
+    // dk and dv apart.
+    const double e_q_sel = err(token_rows(dq, NH * dqk, sel, false), token_rows(rq, NH * dqk, sel, false));
+    const double e_q_uni = err(token_rows(dq, NH * dqk, sel, true), token_rows(rq, NH * dqk, sel, true));
+    const double e_k = err(columns(dkv, W, 0, dqk), columns(rkv, W, 0, dqk));
+    const double e_v = err(columns(dkv, W, dqk, W), columns(rkv, W, dqk, W));
+    std::printf("[cuda] DSA attention backward %s (%s): dq %.2e (empty rows %.2e), dk %.2e, dv %.2e\n", c.name,
+                scatter ? "scatter" : "tiled", e_q_sel, e_q_uni, e_k, e_v);
+    EXPECT_LE(e_q_sel, kTol) << (scatter ? "scatter" : "tiled");
+    EXPECT_LE(e_q_uni, kTol) << (scatter ? "scatter" : "tiled");
+    EXPECT_LE(e_k, kTol) << (scatter ? "scatter" : "tiled");
+    EXPECT_LE(e_v, kTol) << (scatter ? "scatter" : "tiled");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -180,6 +185,50 @@ INSTANTIATE_TEST_SUITE_P(
         // of a sequence longer than the staged chunk (its keys go in two chunks).
         DsaCase{"long", {7, 2200}, 3, 192, 256, 2100, 48, 64}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Two runs from the same inputs give the same bits: no atomics, sums in an order fixed by the shapes. The long case,
+// whose keys are selected by many queries of several query tiles.
+TEST(CudaBackwardDsaEdge, Deterministic) {
+  const std::vector<int64_t> cu = cu_of({7, 2200});
+  const int64_t T = cu.back(), NH = 3, dqk = 192, dv = 256, W = dqk + dv, max_sel = 2100;
+  const std::vector<float> q = test::randn(T * NH * dqk, 1), kv = test::randn(T * NH * W, 2),
+                           dO = test::randn(T * NH * dv, 3);
+  const Selection sel = random_selection(cu, max_sel, 48, 64, 4);
+  std::vector<float> dq1(T * NH * dqk, 0.0f), dkv1(T * NH * W, 0.0f), dq2 = dq1, dkv2 = dkv1;
+  cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, max_sel, dq1, dkv1);
+  cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, max_sel, dq2, dkv2);
+  EXPECT_EQ(std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(dkv1.data(), dkv2.data(), dkv1.size() * sizeof(float)), 0);
+}
+
+// The model's shape at T = 4096 in one sequence, causal selections of min(t + 1, 2048) random keys (the first token
+// empty): prints the kernel's milliseconds. Run by hand with --gtest_also_run_disabled_tests.
+TEST(CudaBackwardDsaPerf, DISABLED_Time) {
+  const int64_t T = 4096, NH = 64, topk = 2048;
+  std::mt19937 gen(7);
+  Selection sel(T);
+  std::vector<int32_t> pool(T);
+  for (int64_t t = 1; t < T; ++t) {
+    const int64_t n = std::min<int64_t>(t + 1, topk);
+    std::iota(pool.begin(), pool.begin() + t + 1, 0);
+    for (int64_t i = 0; i < n; ++i) std::swap(pool[i], pool[i + gen() % (t + 1 - i)]);  // n distinct causal keys
+    sel[t].assign(pool.begin(), pool.begin() + n);
+  }
+  for (auto [dqk, dv] : {std::pair<int64_t, int64_t>{192, 256}, {256, 256}}) {
+    const int64_t W = dqk + dv;
+    const std::vector<float> q = test::randn(T * NH * dqk, 1), kv = test::randn(T * NH * W, 2),
+                             dO = test::randn(T * NH * dv, 3);
+    std::vector<float> dq(T * NH * dqk, 0.0f), dkv(T * NH * W, 0.0f);
+    double ms = 0, ms_scatter = 0;
+    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, dq, dkv, &ms);
+    EXPECT_TRUE(all_finite(dq) && all_finite(dkv));
+    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, dq, dkv, &ms_scatter,
+                                                true);
+    std::printf("DSA attention backward T=%lld, NH=%lld, dqk=%lld, dv=%lld, top-%lld: tiled %.3f ms, scatter %.3f ms\n",
+                static_cast<long long>(T), static_cast<long long>(NH), static_cast<long long>(dqk),
+                static_cast<long long>(dv), static_cast<long long>(topk), ms, ms_scatter);
+  }
+}
 
 TEST(CudaBackwardDsaEdge, EmptyBatchIsANoOp) {
   std::vector<float> dq, dkv;

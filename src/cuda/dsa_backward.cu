@@ -10,10 +10,13 @@
 //   3. dq (query-major): dq_i += Σ_j ds_ij·k_j, summed in registers over the key tiles in order;
 //   4. dkv (key-major): dk_j += Σ_i ds_ij·q_i, dv_j += Σ_i p_ij·do_i, summed in registers over the query tiles.
 // Every output element is added once, by one thread, after sums in a fixed order: the result is reproducible.
+// The cost follows the (query tile, key tile) pairs that hold any selected pair: for selections spread over the
+// whole past (random top-k) that is every causal tile pair, i.e. the dense causal cost at long T.
 // Keys are assumed to lie inside their query's packed sequence, and a selection to hold no key twice.
 #include <algorithm>
 
 #include "cuda/backward_kernels.h"
+#include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
 
@@ -24,14 +27,31 @@ constexpr int kMaxW4 = 512, kMaxDqk4 = 256;  // register tiles: 8 column slots o
 constexpr int kMaxTileWords = 1024;          // key-tile bitmap of a query tile in shared memory: T ≤ 2^20
 
 // Head dims, each padded to a multiple of 4 in shared memory (zeros), and the row stride of the staged tiles: an odd
-// number of 16-byte units, so eight rows read by float4 fall in distinct banks.
+// number of 16-byte units, so eight rows read by float4 fall in distinct banks. vec: every row of q, kv, do starts
+// on 16 bytes (no padding), so tiles are staged by 16-byte asynchronous copies.
 struct Dims {
   int dqk, dv, dqk4, dv4, w4, stride;
+  bool vec;
 };
 
 // Rows r0 … r0+n−1 of two row-major arrays a [·, na] | b [·, nb] (row index ·NH + h) into tile rows [a pad | b pad].
+// Complete (for this thread) on return; the caller's barrier makes the tile visible.
 __device__ __forceinline__ void stage(float* tile, int n, const float* a, int64_t lda, const float* b, int64_t ldb,
                                       int64_t r0, int64_t T, int64_t NH, int64_t h, const Dims& d) {
+  if (d.vec) {
+    // All copies in flight at once: the tile's load costs one memory latency, not one per row.
+    const int n4 = d.w4 / 4;
+    for (int idx = threadIdx.x; idx < n * n4; idx += kThreads) {
+      const int r = idx / n4, c = 4 * (idx - r * n4);
+      const int64_t t = r0 + r, row = t * NH + h;
+      const bool in = t < T;
+      const float* src = !in ? a : c < d.dqk ? a + row * lda + c : b + row * ldb + (c - d.dqk);
+      cp_async16(tile + r * d.stride + c, src, in);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    return;
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int r = warp; r < n; r += kThreads / 32) {
     const int64_t t = r0 + r;
@@ -445,6 +465,8 @@ void mla_sparse_attention_backward(const float* q, const float* kv, const int32_
   d.dv4 = static_cast<int>(ceil_div(dv, 4) * 4);
   d.w4 = d.dqk4 + d.dv4;
   d.stride = 4 * ((d.w4 / 4) | 1);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  d.vec = dqk % 4 == 0 && dv % 4 == 0 && aligned(q) && aligned(kv) && aligned(do_);
   const Layout L = layout(T, NH, max_len);
   check(NH <= 65535 && dqk >= 1 && dv >= 1 && max_sel >= 0 &&
             max_len >= 1 && d.dqk4 <= kMaxDqk4 && d.w4 <= kMaxW4 && L.wk <= kMaxTileWords,

@@ -151,6 +151,7 @@ struct Plan {
   int32_t* seen_len;  // per token: its position in its sequence + 1 (the keys an empty selection sees if SeenKeys)
   int32_t* pos;       // per token: its position in its sequence
   int32_t* cu;        // [num_seqs + 1] sequence offsets
+  std::vector<int64_t> lens;  // on the host: each sequence's length
   KdaChunks chunks{};
 };
 
@@ -447,6 +448,7 @@ struct CudaModel::Impl {
     for (int64_t n = 0; n < p.num_seqs; ++n) {
       const int64_t s0 = b.cu_seqlens[n], L = b.cu_seqlens[n + 1] - s0;
       p.max_len = std::max(p.max_len, L);
+      p.lens.push_back(L);
       p.max_pools = std::max(p.max_pools, L / P);
       const int32_t base = static_cast<int32_t>(pool_token.size());
       for (int64_t j = 0; j < L / P; ++j) pool_token.push_back(static_cast<int32_t>(s0 + j * P));

@@ -42,7 +42,8 @@ constexpr int32_t kFarKey = 1 << 30;  // an unused selection slot: kv row far pa
 void mla_sparse_attention_backward(const std::vector<float>& q, const std::vector<float>& kv,
                                    const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                                    const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv,
-                                   int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv, double* ms) {
+                                   int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv, double* ms,
+                                   bool scatter) {
   const int64_t T = cu.back(), W = dqk + dv;
   check(static_cast<int64_t>(sel.size()) == T && static_cast<int64_t>(q.size()) == T * NH * dqk &&
             static_cast<int64_t>(kv.size()) == T * NH * W && static_cast<int64_t>(dout.size()) == T * NH * dv &&
@@ -73,6 +74,12 @@ void mla_sparse_attention_backward(const std::vector<float>& q, const std::vecto
   DevBuf work(cuda::mla_sparse_attention_backward_workspace_bytes(T, NH, max_len));
   NEXTLM_CUDA_CHECK(cudaMemset(work.p, 0xff, cuda::mla_sparse_attention_backward_workspace_bytes(T, NH, max_len)));
   auto run = [&](float* dq_dev, float* dkv_dev) {
+    if (scatter) {
+      cuda::mla_sparse_attention_backward_scatter(bq.as<float>(), bkv.as<float>(), bsel.as<int32_t>(),
+                                                  bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
+                                                  bdo.as<float>(), dq_dev, dkv_dev, T, NH, dqk, dv, max_sel, nullptr);
+      return;
+    }
     cuda::mla_sparse_attention_backward(bq.as<float>(), bkv.as<float>(), bsel.as<int32_t>(), bcount.as<int32_t>(),
                                         bstart.as<int32_t>(), blen.as<int32_t>(), bdo.as<float>(), dq_dev, dkv_dev, T,
                                         NH, dqk, dv, max_sel, max_len, work.p, nullptr);

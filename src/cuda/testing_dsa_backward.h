@@ -11,11 +11,12 @@ namespace nextlm::cuda_testing {
 // read of one faults. dq [T, NH, dqk] and dkv [T, NH, dqk+dv] are uploaded as they are, accumulated into and
 // downloaded; guard floats after both device buffers are checked to be untouched (throws otherwise). The workspace
 // starts filled with garbage (0xff bytes). ms non-null: the kernel runs once more from the same inputs, timed, and
-// *ms gets its milliseconds (the results are those of the first run).
+// *ms gets its milliseconds (the results are those of the first run). scatter: the atomics kernel
+// (mla_sparse_attention_backward_scatter) instead of the tiled one.
 void mla_sparse_attention_backward(const std::vector<float>& q, const std::vector<float>& kv,
                                    const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                                    const std::vector<int64_t>& cu_seqlens, int64_t NH, int64_t dqk, int64_t dv,
                                    int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
-                                   double* ms = nullptr);
+                                   double* ms = nullptr, bool scatter = false);
 
 }  // namespace nextlm::cuda_testing

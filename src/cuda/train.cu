@@ -32,9 +32,8 @@ struct MlpActs {
 };
 struct MoeActs {
   float *logits, *weights, *gu, *out;
-  int32_t *experts, *slot_of;
+  int32_t *experts, *slot_of, *offsets;  // offsets [E + 1]: the experts' row ranges in the permuted order
   bf16 *xp, *act;
-  std::vector<int32_t> offsets;  // [E + 1] on the host
   MlpActs shared;
 };
 
@@ -63,6 +62,15 @@ class Step {
                        float* dW) {
     if (dW) m_.gemm->run_dw(dy, W.out, x, ldx, W.out, W.in, rows, dW, true);
     if (dx) m_.gemm->run_dx(dy, W.out, W.w, W.out, W.in, dx, W.in, rows, true);
+  }
+
+  // The expert boundaries [E + 1] on the host (synchronises the stream).
+  std::vector<int32_t> host_offsets(const int32_t* offsets) {
+    std::vector<int32_t> off(c_.n_routed_experts + 1);
+    NEXTLM_CUDA_CHECK(
+        cudaMemcpyAsync(off.data(), offsets, off.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, m_.stream));
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m_.stream));
+    return off;
   }
 
   void kda_forward(const DKda& w, const bf16* a, KdaActs& x, float* y);
@@ -217,11 +225,25 @@ void Step::dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* s
   float* dO = zeros(T * NH * dv);
   linear_backward(w.o, x.o, NH * dv, half(dy, T * D), T, dO, gw.o);
   float *dq = zeros(T * NH * dqk), *dkv = zeros(T * NH * (dqk + dv));
-  mla_sparse_attention_backward(
-      x.q, x.kv, sel, count, p_.seq_start, m_.empty_seen ? p_.seen_len : p_.seq_len, dO, dq, dkv, T, NH, dqk, dv,
-      max_sel(), p_.max_len,
-      ar.alloc<unsigned char>(static_cast<int64_t>(mla_sparse_attention_backward_workspace_bytes(T, NH, p_.max_len))),
-      st);
+  // The tiled kernel (deterministic) unless the selections are sparse in the causal triangle, as in long sequences,
+  // or the head dims exceed its limits: then the scatter kernel, whose work follows the selected pairs.
+  double selected = 0, causal = 0;
+  for (const int64_t L : p_.lens) {
+    const double l = static_cast<double>(L), m = static_cast<double>(std::min(max_sel(), L));
+    selected += m * (m + 1) / 2 + (l - m) * m;  // at most min(max_sel, q + 1) keys for query q
+    causal += l * (l + 1) / 2;
+  }
+  const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
+  const bool tiled_dims = (dqk + 3) / 4 * 4 <= 256 && (dqk + 3) / 4 * 4 + (dv + 3) / 4 * 4 <= 512;
+  if (!tiled_dims || mla_backward_use_scatter(selected, causal)) {
+    mla_sparse_attention_backward_scatter(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
+                                          max_sel(), st);
+  } else {
+    void* work = ar.alloc<unsigned char>(
+        static_cast<int64_t>(mla_sparse_attention_backward_workspace_bytes(T, NH, p_.max_len)));
+    mla_sparse_attention_backward(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv, max_sel(),
+                                  p_.max_len, work, st);
+  }
   // kv = kv_b(RMSNorm(kv_a(a)))
   float* dlat = zeros(T * KL);
   linear_backward(w.kv_b, x.lat16, KL, half(dkv, T * NH * (dqk + dv)), T, dlat, gw.kv_b);
@@ -256,8 +278,8 @@ void Step::mlp_backward(const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x
   linear_backward(w.gate_up, a, D, dgu, T, da, gw.gate_up);
 }
 
-// The MoE with one cuBLASLt GEMM per expert after a host sync of the expert boundaries (the training forward keeps
-// the fp32 gate/up outputs, which the grouped GEMM's fused SwiGLU does not).
+// The MoE keeping the fp32 gate/up outputs (the SwiGLU's backward reads them): the grouped expert GEMM with an fp32
+// epilogue, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per expert after a host sync of the boundaries.
 void Step::moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y) {
   const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
                 I = c_.moe_intermediate_size, n = T * k;
@@ -270,27 +292,38 @@ void Step::moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y) {
   moe_route(x.logits, w.bias, x.experts, x.weights, T, E, c_.n_group, c_.topk_group, k, c_.norm_topk_prob,
             static_cast<float>(c_.routed_scaling_factor), st);
   int32_t *keys = ar.alloc<int32_t>(n), *slots_in = ar.alloc<int32_t>(n), *slots = ar.alloc<int32_t>(n),
-          *token_of = ar.alloc<int32_t>(n), *offsets = ar.alloc<int32_t>(E + 1);
+          *token_of = ar.alloc<int32_t>(n);
+  x.offsets = ar.alloc<int32_t>(E + 1);
   x.slot_of = ar.alloc<int32_t>(n);
   const size_t temp_bytes = moe_permute_temp_bytes(n);
   void* temp = ar.alloc<char>(static_cast<int64_t>(temp_bytes));
-  moe_permute(x.experts, T, k, E, keys, slots_in, slots, token_of, x.slot_of, offsets, temp, temp_bytes, st);
+  moe_permute(x.experts, T, k, E, keys, slots_in, slots, token_of, x.slot_of, x.offsets, temp, temp_bytes, st);
   x.xp = ar.alloc<bf16>(n * D);
   gather_rows(a, token_of, x.xp, n, D, st);
-  x.offsets.assign(E + 1, 0);
-  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(x.offsets.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, st));
-  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
   x.gu = ar.alloc<float>(n * 2 * I);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
-    if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
-  }
   x.act = ar.alloc<bf16>(n * I);
-  swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
   x.out = ar.alloc<float>(n * D);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
-    if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
+  if (moe_expert_gemm() >= 0) {
+    int32_t* ws = ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(E)));
+    const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm());
+    grouped_gemm(GroupedGemm{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(E), static_cast<int>(2 * I),
+                             static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel},
+                 ws, st);
+    swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
+    grouped_gemm(GroupedGemm{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(E), static_cast<int>(D),
+                             static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel},
+                 ws, st);
+  } else {
+    const std::vector<int32_t> off = host_offsets(x.offsets);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], rows = off[e + 1] - r0;
+      if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
+    }
+    swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], rows = off[e + 1] - r0;
+      if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
+    }
   }
   if (w.has_shared) {
     mlp_forward(w.shared, a, x.shared, y);
@@ -309,10 +342,12 @@ void Step::moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x
   bf16* dout = ar.alloc<bf16>(n * D);
   float* dweights = ar.alloc<float>(n);
   moe_combine_backward(dy, x.out, x.slot_of, x.weights, dout, dweights, T, k, D, st);
-  // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)).
+  // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)). The products with the weights untransposed
+  // (dx = dy·W) run one cuBLASLt GEMM per expert, after a host sync of the boundaries.
+  const std::vector<int32_t> off = host_offsets(x.offsets);
   float* dact = ar.alloc<float>(n * I);
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
+    const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
     m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
@@ -321,7 +356,7 @@ void Step::moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
   float* dxp = ar.alloc<float>(n * D);
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = x.offsets[e], rows = x.offsets[e + 1] - r0;
+    const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].gate_up)
       m_.gemm->run_dw(dgu + r0 * 2 * I, 2 * I, x.xp + r0 * D, D, 2 * I, D, rows, gw.experts[e].gate_up, true);
@@ -427,6 +462,7 @@ double Step::run(const float* row_weight) {
   float* dh_prev = ar.alloc<float>(TSD);
 
   // Forward: each site's sub-layer activations are given back to the arena once the site is done.
+  m_.mark_begin("train: forward");
   embed_streams(p_.tokens, m_.embed, h, T, S, D, st);
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
@@ -449,8 +485,11 @@ double Step::run(const float* row_weight) {
       ar.rewind(mark);
     }
   }
+  m_.mark_end("train: forward");
   const Arena::Mark head_mark = ar.mark();
+  m_.mark_begin("train: head");
   const double loss = head_backward(h, row_weight, dh);
+  m_.mark_end("train: head");
   ar.rewind(head_mark);
 
   // Backward, site by site from the last: recompute the site, then walk back through it.
@@ -459,18 +498,27 @@ double Step::run(const float* row_weight) {
     GLayer& G = g_.layers[i];
     for (bool ffn : {true, false}) {
       const Arena::Mark mark = ar.mark();
+      const std::string kind = ffn ? (L.moe_layer ? "moe" : "mlp") : (L.kda_layer ? "kda" : "dsa");
       const float* hin = site_h[2 * i + ffn];
       const MhcParams mp = m_.mhc_params(L, ffn, T);
+      m_.mark_begin("train: recompute " + kind);
       mhc_pre(mp, hin, post, comb, a, mhc_work, st);
       SubActs x;
       sub_forward(i, ffn, a, x, y);
+      m_.mark_end("train: recompute " + kind);
+      m_.mark_begin("train: backward mhc");
       NEXTLM_CUDA_CHECK(cudaMemsetAsync(dh_prev, 0, TSD * sizeof(float), st));
       float *dy = zeros(T * D), *dpost = zeros(T * S), *dcomb = zeros(T * S * S), *da = zeros(T * D);
       mhc_post_backward(hin, y, post, comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st);
+      m_.mark_end("train: backward mhc");
+      m_.mark_begin("train: backward " + kind);
       sub_backward(i, ffn, a, x, dy, da);
+      m_.mark_end("train: backward " + kind);
+      m_.mark_begin("train: backward mhc");
       const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
       mhc_pre_backward(mp, hin, dpost, dcomb, da, dh_prev, gh.fn, gh.base, gh.scale, ffn ? G.post_norm : G.in_norm,
                        ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st);
+      m_.mark_end("train: backward mhc");
       std::swap(dh, dh_prev);
       ar.rewind(mark);
     }
