@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
       {"slice4_train_inference_b1", nextlm::bench::slice4_train_inference_case},
       {"slice4_train_step_T4096", nextlm::bench::slice4_train_step_case},
       {"small8_full_train_step_T4096", nextlm::bench::slice4_train_step_case},
+      {"slice4_lora_step_T4096", nextlm::bench::slice4_lora_step_case},
+      {"slice4_lora_step_T4096_shared_experts", nextlm::bench::slice4_lora_step_case},
       {"mhc", nextlm::bench::mhc_share_case},
       {"moe_grouped_gemm", nextlm::bench::moe_grouped_gemm_case},  // bench/moe_gemm.cu
   };

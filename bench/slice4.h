@@ -15,6 +15,9 @@ void slice4_prefill_case(const std::string& name);
 // weights (CudaModel::set_train_linears(false)): tokens/s and MFU; `small8_full_train_step_T4096` the same with every
 // weight's gradient on bench/small8/config.json (a smaller model with the real layer pattern).
 void slice4_train_step_case(const std::string& name);
+// `slice4_lora_step_T4096` (per-expert adapters) and `slice4_lora_step_T4096_shared_experts`: one LoRA step of the
+// slice (rank 16 on every projection; device forward + backward, host AdamW on the adapters), tokens/s and MFU.
+void slice4_lora_step_case(const std::string& name);
 // `mhc`: the mHC share of the slice's layer time (from the same profiled run), target ≤ 7%.
 void mhc_share_case(const std::string& name);
 

@@ -293,20 +293,28 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     trainer.emplace(std::move(m), std::move(data), opt);
   }
 #ifdef NEXTLM_HAVE_CUDA
-  // The GPU computes each micro-batch's gradients on bf16 copies of the host's fp32 weights, refreshed after every
-  // optimizer step; the trainer does the rest as on the CPU (so checkpoints and resumes are the same).
+  // The GPU computes each micro-batch's gradients on bf16 copies of the host's fp32 values, refreshed after every
+  // optimizer step; the trainer does the rest as on the CPU (so checkpoints and resumes are the same). With LoRA the
+  // device holds the frozen base, read from its checkpoint, and the adapters: it computes only their gradients.
   std::unique_ptr<CudaModel> gpu;
   int64_t gpu_version = -1;
   if (a.device == "cuda")
-    trainer->set_gradient_fn([&](const Model& m, int64_t version, const PackedBatch& b, ModelWeights& grads) {
+    trainer->set_gradient_fn([&](const Model& m, LoraAdapter* lora, int64_t version, const PackedBatch& b,
+                                 ModelWeights& grads) {
       if (!gpu) {
-        gpu = std::make_unique<CudaModel>(m);
-      } else if (version != gpu_version) {
+        gpu = lora ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(m);
+        gpu->set_train_linears(lora == nullptr);
+      } else if (!lora && version != gpu_version) {
         gpu->set_weights(m);
       }
+      if (lora && version != gpu_version) gpu->set_lora(*lora);
       gpu_version = version;
       gpu->zero_grads();
       const double loss = gpu->forward_backward(b);
+      if (lora) {
+        gpu->lora_gradients(*lora);
+        return loss;
+      }
       const ModelWeights g = gpu->gradients();
       const auto from = hub_gradients(m.config(), g, ""), into = hub_gradients(m.config(), grads, "");
       for (size_t i = 0; i < into.size(); ++i) {

@@ -12,6 +12,7 @@
 #include "core/tensor.h"
 #include "model/decode.h"
 #include "model/dsa.h"
+#include "model/lora.h"
 #include "model/model.h"
 
 namespace nextlm {
@@ -116,6 +117,15 @@ class CudaModel {
   // by default). Off, only the small fp32 tensors (norms, mHC, conv, gates) get theirs, while the input gradients
   // flow through everything: the cost of a LoRA step's frozen base. Changing it drops the gradients.
   void set_train_linears(bool on);
+
+  // LoRA (model/lora.h) on the device: every module of the adapter sits on its projection, the forwards of
+  // forward_backward add s·(x·Aᵀ)·Bᵀ to it (bf16 copies of A and B) and its backward adds dA and dB (fp32, on the
+  // device) from each projection's input and output gradient, without the full weight gradient. Call again after
+  // each optimizer step to upload the new A and B (the same adapter layout keeps the device gradients; another
+  // layout replaces them, zeroed). Only forward_backward applies the adapters (score and decoding run the base).
+  void set_lora(const LoraAdapter& adapter);
+  // Adds the device's dA, dB into the adapter's modules' (the adapter set_lora got, or one of the same layout).
+  void lora_gradients(LoraAdapter& adapter) const;
   // The accumulated gradients on the host, shaped as zeros_like(weights) (model/backward.h): the indexer and the
   // correction bias empty; with tied embeddings the lm_head's gradient is added into the embedding's.
   ModelWeights gradients() const;

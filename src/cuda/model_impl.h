@@ -3,10 +3,12 @@
 // Internal to src/cuda; host code sees device_model.h only.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/decode_kernels.h"
@@ -16,6 +18,7 @@
 #include "cuda/kernels.h"
 #include "cuda/random_init.h"
 #include "model/init.h"
+#include "model/lora.h"
 
 namespace nextlm {
 namespace cuda {
@@ -208,6 +211,30 @@ struct GLayer {
   GMlp mlp;
   GMoe moe;
 };
+// A LoRA adapter on one device projection (CudaModel::set_lora): y[:, col0 : col0 + out] += s·(x·Aᵀ)·Bᵀ, where
+// col0 places it on its rows of a merged weight (q | k | v, gate | up). bf16 copies of the host's A and B; fp32
+// gradients.
+struct DAdapter {
+  int64_t out = 0, in = 0, r = 0, col0 = 0;
+  float scale = 1.0f;
+  bf16 *A = nullptr, *B = nullptr;     // [r, in], [out, r]
+  float *dA = nullptr, *dB = nullptr;  // same shapes
+};
+// The adapters of one layer by LoraKind: one, or for the routed experts one per expert (or one for all).
+struct LayerLora {
+  std::array<std::vector<DAdapter>, kNumLoraKinds> kinds;
+  bool shared_experts = false;  // the experts' kinds hold one adapter for every expert
+};
+struct LoraState {
+  void* base = nullptr;  // one allocation for every adapter's buffers
+  size_t bytes = 0;
+  std::vector<LayerLora> layers;
+  std::vector<DAdapter*> order;  // in the host adapter's module order
+  std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;  // (kind, layer, expert, rank) of each, that order
+  std::vector<std::pair<float*, int64_t>> grads;                 // the gradient buffers, for zeroing
+  ~LoraState() { cudaFree(base); }
+};
+
 struct Grads {
   float* base = nullptr;  // the one allocation
   int64_t floats = 0;
@@ -244,6 +271,7 @@ struct CudaModel::Impl {
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
   std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward
   bool train_linears = true;               // whether the backward computes the linear weights' gradients
+  std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
 
   Impl(const ModelConfig& c, int dev) : cfg(c), device(dev) {
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");

@@ -6,6 +6,7 @@
 // recomputation run the same functions on the same inputs, so they give the same bits.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "cuda/backward_kernels.h"
@@ -16,6 +17,12 @@ namespace nextlm {
 
 namespace cuda {
 namespace {
+
+__global__ void scale_to_bf16_kernel(const float* x, float s, bf16* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(s * x[i]);
+}
 
 // What each sub-layer's backward reads, kept by its training forward (arena memory).
 struct KdaActs {
@@ -64,6 +71,110 @@ class Step {
     if (dx) m_.gemm->run_dx(dy, W.out, W.w, W.out, W.in, dx, W.in, rows, true);
   }
 
+  // ---- LoRA (CudaModel::set_lora) ----
+  // The adapter of kind k on layer i (expert e for the routed experts), or null.
+  const DAdapter* adapter(size_t i, LoraKind k, int64_t e = 0) const {
+    if (!m_.lora) return nullptr;
+    const auto& v = m_.lora->layers[i].kinds[static_cast<int>(k)];
+    if (v.empty()) return nullptr;
+    return &v[v.size() == 1 ? 0 : e];
+  }
+  bf16* scaled_bf16(const float* x, float s, int64_t n) {
+    bf16* y = m_.arena.alloc<bf16>(n);
+    if (n > 0) {
+      scale_to_bf16_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 4096)), 256, 0, m_.stream>>>(
+          x, s, y, n);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+    }
+    return y;
+  }
+  // y[:, col0 : col0 + out] (row stride ldy) += s·(x·Aᵀ)·Bᵀ for `rows` rows of x (row stride ldx); keeps
+  // u = s·x·Aᵀ (bf16) for the backward.
+  void lora_forward(const DAdapter& ad, const bf16* x, int64_t ldx, int64_t rows, float* y, int64_t ldy) {
+    float* u = m_.arena.alloc<float>(rows * ad.r);
+    m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
+    bf16* us = scaled_bf16(u, ad.scale, rows * ad.r);
+    m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, true);
+    lora_u_[{&ad, x}] = us;
+  }
+  // Its backward given dy (bf16, row stride lddy, the adapted rows at col0): dB += dyᵀ·u, dA += s·(dy·B)ᵀ·x and
+  // dx (row stride in) += s·(dy·B)·A.
+  void lora_backward(const DAdapter& ad, const bf16* x, int64_t ldx, const bf16* dy, int64_t lddy, int64_t rows,
+                     float* dx) {
+    const auto it = lora_u_.find({&ad, x});
+    check(it != lora_u_.end(), "LoRA backward without its forward");
+    m_.gemm->run_dw(dy + ad.col0, lddy, it->second, ad.r, ad.out, ad.r, rows, ad.dB, true);
+    float* g = m_.arena.alloc<float>(rows * ad.r);
+    m_.gemm->run_dx(dy + ad.col0, lddy, ad.B, ad.out, ad.r, g, ad.r, rows, false);
+    bf16* gs = scaled_bf16(g, ad.scale, rows * ad.r);
+    m_.gemm->run_dw(gs, ad.r, x, ldx, ad.r, ad.in, rows, ad.dA, true);
+    if (dx) m_.gemm->run_dx(gs, ad.r, ad.A, ad.r, ad.in, dx, ad.in, rows, true);
+  }
+  // A projection of layer i with the adapters of `kinds` on its rows: y (fp32, row stride W.out) (+)= x·Wᵀ + ….
+  void linear_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
+                      float* y, bool accumulate = false) {
+    m_.gemm->run(x, ldx, W.w, W.out, W.in, y, W.out, T(), accumulate);
+    for (LoraKind k : kinds)
+      if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, x, ldx, T(), y, W.out);
+  }
+  void linear_backward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
+                       const bf16* dy, float* dx, float* dW) {
+    linear_backward(W, x, ldx, dy, T(), dx, dW);
+    for (LoraKind k : kinds)
+      if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, x, ldx, dy, W.out, T(), dx);
+  }
+  // The routed experts' adapters of `kinds` (gate and up on gu [n, 2I], or down on out [n, D]): one for all the
+  // permuted rows at once, or each expert's on its rows (after a host sync of the boundaries).
+  bool has_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
+    if (!m_.lora) return false;
+    for (LoraKind k : kinds)
+      if (!m_.lora->layers[i].kinds[static_cast<int>(k)].empty()) return true;
+    return false;
+  }
+  void expert_adapters_forward(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
+    if (!has_adapters(i, kinds)) return;
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
+    const bool down = *kinds.begin() == LoraKind::ExpertDown;
+    const bf16* in = down ? x.act : x.xp;
+    const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
+    float* out = down ? x.out : x.gu;
+    if (m_.lora->layers[i].shared_experts) {
+      for (LoraKind k : kinds)
+        if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, in, ld_in, n, out, ld_out);
+      return;
+    }
+    const std::vector<int32_t> off = host_offsets(x.offsets);
+    for (int64_t e = 0; e < c_.n_routed_experts; ++e) {
+      const int64_t r0 = off[e], rows = off[e + 1] - r0;
+      if (!rows) continue;
+      for (LoraKind k : kinds)
+        if (const DAdapter* ad = adapter(i, k, e))
+          lora_forward(*ad, in + r0 * ld_in, ld_in, rows, out + r0 * ld_out, ld_out);
+    }
+  }
+  // Their backward: dy the gradient of their output rows (bf16 dgu [n, 2I] or dout [n, D]), dx (+=) that of their
+  // input rows (dxp [n, D] or dact [n, I]).
+  void expert_adapters_backward(size_t i, const MoeActs& x, const std::vector<int32_t>& off,
+                                std::initializer_list<LoraKind> kinds, const bf16* dy, float* dx) {
+    if (!has_adapters(i, kinds)) return;
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
+    const bool down = *kinds.begin() == LoraKind::ExpertDown;
+    const bf16* in = down ? x.act : x.xp;
+    const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
+    if (m_.lora->layers[i].shared_experts) {
+      for (LoraKind k : kinds)
+        if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, n, dx);
+      return;
+    }
+    for (int64_t e = 0; e < c_.n_routed_experts; ++e) {
+      const int64_t r0 = off[e], rows = off[e + 1] - r0;
+      if (!rows) continue;
+      for (LoraKind k : kinds)
+        if (const DAdapter* ad = adapter(i, k, e))
+          lora_backward(*ad, in + r0 * ld_in, ld_in, dy + r0 * ld_out, ld_out, rows, dx + r0 * ld_in);
+    }
+  }
+
   // The expert boundaries [E + 1] on the host (synchronises the stream).
   std::vector<int32_t> host_offsets(const int32_t* offsets) {
     std::vector<int32_t> off(c_.n_routed_experts + 1);
@@ -73,15 +184,18 @@ class Step {
     return off;
   }
 
-  void kda_forward(const DKda& w, const bf16* a, KdaActs& x, float* y);
-  void kda_backward(const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy, float* da);
-  void dsa_forward(const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x, float* y);
-  void dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
+  void kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y);
+  void kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy, float* da);
+  void dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x,
+                   float* y);
+  void dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
                     const DsaActs& x, const float* dy, float* da);
-  void mlp_forward(const DMlp& w, const bf16* a, MlpActs& x, float* y, bool accumulate = false);
-  void mlp_backward(const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x, const bf16* dy16, float* da);
-  void moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y);
-  void moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da);
+  // A dense MLP, or (shared) the shared expert of a MoE layer: their LoRA kinds differ.
+  void mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpActs& x, float* y);
+  void mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x,
+                    const bf16* dy16, float* da);
+  void moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y);
+  void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da);
   double head_backward(const float* h, const float* row_weight, float* dh);
 
   // Selection buffers: each full-indexer DSA layer's own, which it and the layer after it attend over.
@@ -105,9 +219,11 @@ class Step {
   const Plan& p_;
   Grads& g_;
   const ModelConfig& c_;
+  // Each adapter's u = s·x·Aᵀ of the site being walked back, by (adapter, input rows).
+  std::map<std::pair<const DAdapter*, const bf16*>, bf16*> lora_u_;
 };
 
-void Step::kda_forward(const DKda& w, const bf16* a, KdaActs& x, float* y) {
+void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y) {
   const int64_t T = this->T(), D = c_.hidden_size, H = c_.linear_num_heads, K = c_.linear_head_dim, HK = H * K,
                 W = c_.linear_conv_kernel_dim;
   const bool has_bound = c_.linear_lower_bound.has_value();
@@ -115,34 +231,35 @@ void Step::kda_forward(const DKda& w, const bf16* a, KdaActs& x, float* y) {
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
   x.raw = ar.alloc<float>(T * 3 * HK);
-  m_.gemm->run(a, D, w.qkv.w, 3 * HK, D, x.raw, 3 * HK, T);
+  linear_forward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, x.raw);
   x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
   kda_conv_norm(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, T, H, K, W, st);
   x.fa = ar.alloc<float>(T * K);
-  m_.gemm->run(a, D, w.f_a.w, K, D, x.fa, K, T);
+  linear_forward(i, {LoraKind::KdaFA}, w.f_a, a, D, x.fa);
   x.fa16 = half(x.fa, T * K);
   x.f = ar.alloc<float>(T * HK);
-  m_.gemm->run(x.fa16, K, w.f_b.w, HK, K, x.f, HK, T);
+  linear_forward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, x.f);
   x.g = ar.alloc<float>(T * HK);
   NEXTLM_CUDA_CHECK(cudaMemcpyAsync(x.g, x.f, T * HK * sizeof(float), cudaMemcpyDeviceToDevice, st));
   kda_gate(x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
   x.beta = ar.alloc<float>(T * H);
-  m_.gemm->run(a, D, w.b.w, H, D, x.beta, H, T);
+  linear_forward(i, {LoraKind::KdaB}, w.b, a, D, x.beta);
   sigmoid_inplace(x.beta, T * H, st);
   x.ga = ar.alloc<float>(T * K);
-  m_.gemm->run(a, D, w.g_a.w, K, D, x.ga, K, T);
+  linear_forward(i, {LoraKind::KdaGA}, w.g_a, a, D, x.ga);
   x.ga16 = half(x.ga, T * K);
   x.gate = ar.alloc<float>(T * HK);
-  m_.gemm->run(x.ga16, K, w.g_b.w, HK, K, x.gate, HK, T);
+  linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
   x.o = ar.alloc<float>(T * HK);
   float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
   kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
   x.o16 = ar.alloc<bf16>(T * HK);
   kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, static_cast<float>(c_.rms_norm_eps), st);
-  m_.gemm->run(x.o16, HK, w.o.w, D, HK, y, D, T);
+  linear_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
 }
 
-void Step::kda_backward(const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy, float* da) {
+void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy,
+                        float* da) {
   const int64_t T = this->T(), D = c_.hidden_size, H = c_.linear_num_heads, K = c_.linear_head_dim, HK = H * K,
                 W = c_.linear_conv_kernel_dim;
   const bool has_bound = c_.linear_lower_bound.has_value();
@@ -152,14 +269,14 @@ void Step::kda_backward(const DKda& w, GKda& gw, const bf16* a, const KdaActs& x
   cudaStream_t st = m_.stream;
   // y = o_proj(on); on = RMSNorm_K(o)·sigmoid(gate); gate = g_b(g_a(a))
   float* don = zeros(T * HK);
-  linear_backward(w.o, x.o16, HK, half(dy, T * D), T, don, gw.o);
+  linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, half(dy, T * D), don, gw.o);
   float* dO = zeros(T * HK);
   float* dgate = ar.alloc<float>(T * HK);
   kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps,
                         ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K)), st);
   float* dga = zeros(T * K);
-  linear_backward(w.g_b, x.ga16, K, half(dgate, T * HK), T, dga, gw.g_b);
-  linear_backward(w.g_a, a, D, half(dga, T * K), T, da, gw.g_a);
+  linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, half(dgate, T * HK), dga, gw.g_b);
+  linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
   // The recurrence, backward through time.
   float *dq = zeros(T * HK), *dk = zeros(T * HK), *dv = zeros(T * HK), *dg = zeros(T * HK), *dbeta = zeros(T * H);
   void* work = ar.alloc<unsigned char>(
@@ -168,40 +285,42 @@ void Step::kda_backward(const DKda& w, GKda& gw, const bf16* a, const KdaActs& x
                          st);
   // beta = sigmoid(b_proj·a)
   sigmoid_backward_inplace(x.beta, dbeta, T * H, st);
-  linear_backward(w.b, a, D, half(dbeta, T * H), T, da, gw.b);
+  linear_backward(i, {LoraKind::KdaB}, w.b, a, D, half(dbeta, T * H), da, gw.b);
   // g = gate(f_b(f_a(a)) + dt_bias)
   float* df = ar.alloc<float>(T * HK);
   kda_gate_backward(x.f, w.dt_bias, w.A_log, dg, df, gw.dt_bias, gw.A_log, T, H, K, has_bound, bound,
                     ar.alloc<float>(kda_gate_backward_workspace_floats(T, H, K)), st);
   float* dfa = zeros(T * K);
-  linear_backward(w.f_b, x.fa16, K, half(df, T * HK), T, dfa, gw.f_b);
-  linear_backward(w.f_a, a, D, half(dfa, T * K), T, da, gw.f_a);
+  linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, half(df, T * HK), dfa, gw.f_b);
+  linear_backward(i, {LoraKind::KdaFA}, w.f_a, a, D, half(dfa, T * K), da, gw.f_a);
   // q, k, v = norms(silu(conv(qkv(a))))
   float* draw = zeros(T * 3 * HK);
   kda_conv_norm_backward(x.raw, w.conv, p_.seq_start, dq, dk, dv, draw, gw.conv, T, H, K, W,
                          ar.alloc<float>(kda_conv_norm_backward_workspace_floats(T, H, K, W)), st);
-  linear_backward(w.qkv, a, D, half(draw, T * 3 * HK), T, da, gw.qkv);
+  linear_backward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, half(draw, T * 3 * HK), da,
+                  gw.qkv);
 }
 
 // The expanded MLA attention in fp32 over a given selection (the indexer ran in the forward pass).
-void Step::dsa_forward(const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x, float* y) {
+void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x,
+                       float* y) {
   const int64_t T = this->T(), D = c_.hidden_size, NH = c_.num_attention_heads, dqk = c_.qk_nope_head_dim,
                 dv = c_.v_head_dim, QL = c_.q_lora_rank, KL = c_.kv_lora_rank;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
   x.qa = ar.alloc<float>(T * QL);
-  m_.gemm->run(a, D, w.q_a.w, QL, D, x.qa, QL, T);
+  linear_forward(i, {LoraKind::MlaQA}, w.q_a, a, D, x.qa);
   x.qr = ar.alloc<bf16>(T * QL);
   rmsnorm_rows(x.qa, QL, w.q_a_norm, x.qr, nullptr, T, QL, eps, st);
   x.q = ar.alloc<float>(T * NH * dqk);
-  m_.gemm->run(x.qr, QL, w.q_b.w, NH * dqk, QL, x.q, NH * dqk, T);
+  linear_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, x.q);
   x.lat = ar.alloc<float>(T * KL);
-  m_.gemm->run(a, D, w.kv_a.w, KL, D, x.lat, KL, T);
+  linear_forward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, x.lat);
   x.lat16 = ar.alloc<bf16>(T * KL);
   rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
   x.kv = ar.alloc<float>(T * NH * (dqk + dv));
-  m_.gemm->run(x.lat16, KL, w.kv_b.w, NH * (dqk + dv), KL, x.kv, NH * (dqk + dv), T);
+  linear_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, x.kv);
   x.o = ar.alloc<bf16>(T * NH * dv);
   const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
   if (mla_tc_supported(dqk, dv)) {
@@ -212,10 +331,10 @@ void Step::dsa_forward(const DDsa& w, const bf16* a, const int32_t* sel, const i
   } else {
     mla_sparse_attention(x.q, x.kv, sel, count, p_.seq_start, lens, x.o, T, NH, dqk, dv, max_sel(), st);
   }
-  m_.gemm->run(x.o, NH * dv, w.o.w, D, NH * dv, y, D, T);
+  linear_forward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, y);
 }
 
-void Step::dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
+void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
                         const DsaActs& x, const float* dy, float* da) {
   const int64_t T = this->T(), D = c_.hidden_size, NH = c_.num_attention_heads, dqk = c_.qk_nope_head_dim,
                 dv = c_.v_head_dim, QL = c_.q_lora_rank, KL = c_.kv_lora_rank;
@@ -223,7 +342,7 @@ void Step::dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* s
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
   float* dO = zeros(T * NH * dv);
-  linear_backward(w.o, x.o, NH * dv, half(dy, T * D), T, dO, gw.o);
+  linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, half(dy, T * D), dO, gw.o);
   float *dq = zeros(T * NH * dqk), *dkv = zeros(T * NH * (dqk + dv));
   // The tiled kernel (deterministic) unless the selections are sparse in the causal triangle, as in long sequences,
   // or the head dims exceed its limits: then the scatter kernel, whose work follows the selected pairs.
@@ -246,41 +365,46 @@ void Step::dsa_backward(const DDsa& w, GDsa& gw, const bf16* a, const int32_t* s
   }
   // kv = kv_b(RMSNorm(kv_a(a)))
   float* dlat = zeros(T * KL);
-  linear_backward(w.kv_b, x.lat16, KL, half(dkv, T * NH * (dqk + dv)), T, dlat, gw.kv_b);
+  linear_backward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, half(dkv, T * NH * (dqk + dv)), dlat, gw.kv_b);
   float* dlat_raw = zeros(T * KL);
   rmsnorm_backward(x.lat, KL, w.kv_a_norm, dlat, dlat_raw, gw.kv_a_norm, T, KL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, KL)), st);
-  linear_backward(w.kv_a, a, D, half(dlat_raw, T * KL), T, da, gw.kv_a);
+  linear_backward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, half(dlat_raw, T * KL), da, gw.kv_a);
   // q = q_b(RMSNorm(q_a(a)))
   float* dqr = zeros(T * QL);
-  linear_backward(w.q_b, x.qr, QL, half(dq, T * NH * dqk), T, dqr, gw.q_b);
+  linear_backward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, half(dq, T * NH * dqk), dqr, gw.q_b);
   float* dqa = zeros(T * QL);
   rmsnorm_backward(x.qa, QL, w.q_a_norm, dqr, dqa, gw.q_a_norm, T, QL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, QL)), st);
-  linear_backward(w.q_a, a, D, half(dqa, T * QL), T, da, gw.q_a);
+  linear_backward(i, {LoraKind::MlaQA}, w.q_a, a, D, half(dqa, T * QL), da, gw.q_a);
 }
 
-void Step::mlp_forward(const DMlp& w, const bf16* a, MlpActs& x, float* y, bool accumulate) {
+void Step::mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpActs& x, float* y) {
   const int64_t T = this->T(), D = c_.hidden_size;
+  const LoraKind gate = shared ? LoraKind::SharedGate : LoraKind::MlpGate, up = shared ? LoraKind::SharedUp
+                                                                                          : LoraKind::MlpUp;
   x.gu = m_.arena.alloc<float>(T * 2 * w.I);
   x.act = m_.arena.alloc<bf16>(T * w.I);
-  m_.gemm->run(a, D, w.gate_up.w, 2 * w.I, D, x.gu, 2 * w.I, T);
+  linear_forward(i, {gate, up}, w.gate_up, a, D, x.gu);
   swiglu(x.gu, x.act, T, w.I, static_cast<float>(c_.swiglu_limit), m_.stream);
-  m_.gemm->run(x.act, w.I, w.down.w, D, w.I, y, D, T, accumulate);
+  linear_forward(i, {shared ? LoraKind::SharedDown : LoraKind::MlpDown}, w.down, x.act, w.I, y);
 }
 
-void Step::mlp_backward(const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x, const bf16* dy16, float* da) {
+void Step::mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x,
+                        const bf16* dy16, float* da) {
   const int64_t T = this->T(), D = c_.hidden_size;
+  const LoraKind gate = shared ? LoraKind::SharedGate : LoraKind::MlpGate, up = shared ? LoraKind::SharedUp
+                                                                                          : LoraKind::MlpUp;
   float* dact = zeros(T * w.I);
-  linear_backward(w.down, x.act, w.I, dy16, T, dact, gw.down);
+  linear_backward(i, {shared ? LoraKind::SharedDown : LoraKind::MlpDown}, w.down, x.act, w.I, dy16, dact, gw.down);
   bf16* dgu = m_.arena.alloc<bf16>(T * 2 * w.I);
   swiglu_backward(x.gu, dact, dgu, T, w.I, static_cast<float>(c_.swiglu_limit), m_.stream);
-  linear_backward(w.gate_up, a, D, dgu, T, da, gw.gate_up);
+  linear_backward(i, {gate, up}, w.gate_up, a, D, dgu, da, gw.gate_up);
 }
 
 // The MoE keeping the fp32 gate/up outputs (the SwiGLU's backward reads them): the grouped expert GEMM with an fp32
 // epilogue, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per expert after a host sync of the boundaries.
-void Step::moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y) {
+void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y) {
   const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
                 I = c_.moe_intermediate_size, n = T * k;
   Arena& ar = m_.arena;
@@ -309,31 +433,36 @@ void Step::moe_forward(const DMoe& w, const bf16* a, MoeActs& x, float* y) {
     grouped_gemm(GroupedGemm{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(E), static_cast<int>(2 * I),
                              static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel},
                  ws, st);
+    expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
     grouped_gemm(GroupedGemm{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(E), static_cast<int>(D),
                              static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel},
                  ws, st);
+    expert_adapters_forward(i, x, {LoraKind::ExpertDown});
   } else {
     const std::vector<int32_t> off = host_offsets(x.offsets);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
     }
+    expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
     }
+    expert_adapters_forward(i, x, {LoraKind::ExpertDown});
   }
   if (w.has_shared) {
-    mlp_forward(w.shared, a, x.shared, y);
+    mlp_forward(i, true, w.shared, a, x.shared, y);
   } else {
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), st));
   }
   moe_combine(y, x.out, x.slot_of, x.weights, T, k, D, st);
 }
 
-void Step::moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da) {
+void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
+                        float* da) {
   const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
                 I = c_.moe_intermediate_size, n = T * k;
   Arena& ar = m_.arena;
@@ -352,6 +481,7 @@ void Step::moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x
     if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
     m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
   }
+  expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
   float* dxp = ar.alloc<float>(n * D);
@@ -362,27 +492,28 @@ void Step::moe_backward(const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x
       m_.gemm->run_dw(dgu + r0 * 2 * I, 2 * I, x.xp + r0 * D, D, 2 * I, D, rows, gw.experts[e].gate_up, true);
     m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
   }
+  expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
   moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
   // The router through the chosen experts' weights.
   float* dlogits = ar.alloc<float>(T * E);
   moe_route_backward(x.logits, x.experts, dweights, dlogits, T, E, k, c_.norm_topk_prob,
                      static_cast<float>(c_.routed_scaling_factor), st);
   linear_backward(w.router, a, D, half(dlogits, T * E), T, da, gw.router);
-  if (w.has_shared) mlp_backward(w.shared, gw.shared, a, x.shared, half(dy, T * D), da);
+  if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, half(dy, T * D), da);
 }
 
 void Step::sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y) {
   const DLayer& L = m_.layers[i];
   if (ffn) {
     if (L.moe_layer) {
-      moe_forward(L.moe, a, x.moe, y);
+      moe_forward(i, L.moe, a, x.moe, y);
     } else {
-      mlp_forward(L.mlp, a, x.mlp, y);
+      mlp_forward(i, false, L.mlp, a, x.mlp, y);
     }
   } else if (L.kda_layer) {
-    kda_forward(L.kda, a, x.kda, y);
+    kda_forward(i, L.kda, a, x.kda, y);
   } else {
-    dsa_forward(L.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, y);
+    dsa_forward(i, L.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, y);
   }
 }
 
@@ -391,14 +522,14 @@ void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, con
   GLayer& G = g_.layers[i];
   if (ffn) {
     if (L.moe_layer) {
-      moe_backward(L.moe, G.moe, a, x.moe, dy, da);
+      moe_backward(i, L.moe, G.moe, a, x.moe, dy, da);
     } else {
-      mlp_backward(L.mlp, G.mlp, a, x.mlp, half(dy, T() * c_.hidden_size), da);
+      mlp_backward(i, false, L.mlp, G.mlp, a, x.mlp, half(dy, T() * c_.hidden_size), da);
     }
   } else if (L.kda_layer) {
-    kda_backward(L.kda, G.kda, a, x.kda, dy, da);
+    kda_backward(i, L.kda, G.kda, a, x.kda, dy, da);
   } else {
-    dsa_backward(L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy, da);
+    dsa_backward(i, L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy, da);
   }
 }
 
@@ -475,7 +606,7 @@ double Step::run(const float* row_weight) {
         const int64_t QL = c_.q_lora_rank;
         float* qa = ar.alloc<float>(T * QL);
         bf16* qr = ar.alloc<bf16>(T * QL);
-        m_.gemm->run(a, D, L.dsa.q_a.w, QL, D, qa, QL, T);
+        linear_forward(i, {LoraKind::MlaQA}, L.dsa.q_a, a, D, qa);
         rmsnorm_rows(qa, QL, L.dsa.q_a_norm, qr, nullptr, T, QL, static_cast<float>(c_.rms_norm_eps), st);
         m_.indexer(L.dsa, p_, a, qr, sels_[i].sel, sels_[i].count, max_sel());
       }
@@ -498,6 +629,7 @@ double Step::run(const float* row_weight) {
     GLayer& G = g_.layers[i];
     for (bool ffn : {true, false}) {
       const Arena::Mark mark = ar.mark();
+      lora_u_.clear();
       const std::string kind = ffn ? (L.moe_layer ? "moe" : "mlp") : (L.kda_layer ? "kda" : "dsa");
       const float* hin = site_h[2 * i + ffn];
       const MhcParams mp = m_.mhc_params(L, ffn, T);
@@ -645,7 +777,153 @@ void CudaModel::zero_grads() {
   Impl& m = *impl_;
   if (m.grads)
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
+  if (m.lora)
+    for (const auto& [p, n] : m.lora->grads) NEXTLM_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), m.stream));
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+namespace {
+
+// Where a LoRA kind sits on layer L: its projection and the first of its rows there (merged q | k | v, gate | up).
+struct LoraTarget {
+  const cuda::DLinear* W = nullptr;
+  int64_t out = 0, col0 = 0;
+};
+LoraTarget lora_target(const ModelConfig& c, const cuda::DLayer& L, LoraKind k) {
+  const int64_t HK = c.linear_num_heads * c.linear_head_dim;
+  auto part = [](const cuda::DLinear& W, int64_t parts, int64_t i) {
+    return LoraTarget{&W, W.out / parts, i * W.out / parts};
+  };
+  auto whole = [](const cuda::DLinear& W) { return LoraTarget{&W, W.out, 0}; };
+  const bool kda = L.kda_layer, dsa = !L.kda_layer, mlp = !L.moe_layer, moe = L.moe_layer;
+  const bool shared = moe && L.moe.has_shared;
+  switch (k) {
+    case LoraKind::KdaQ: if (kda) return LoraTarget{&L.kda.qkv, HK, 0}; break;
+    case LoraKind::KdaK: if (kda) return LoraTarget{&L.kda.qkv, HK, HK}; break;
+    case LoraKind::KdaV: if (kda) return LoraTarget{&L.kda.qkv, HK, 2 * HK}; break;
+    case LoraKind::KdaO: if (kda) return whole(L.kda.o); break;
+    case LoraKind::KdaFA: if (kda) return whole(L.kda.f_a); break;
+    case LoraKind::KdaFB: if (kda) return whole(L.kda.f_b); break;
+    case LoraKind::KdaGA: if (kda) return whole(L.kda.g_a); break;
+    case LoraKind::KdaGB: if (kda) return whole(L.kda.g_b); break;
+    case LoraKind::KdaB: if (kda) return whole(L.kda.b); break;
+    case LoraKind::MlaQA: if (dsa) return whole(L.dsa.q_a); break;
+    case LoraKind::MlaQB: if (dsa) return whole(L.dsa.q_b); break;
+    case LoraKind::MlaKVA: if (dsa) return whole(L.dsa.kv_a); break;
+    case LoraKind::MlaKVB: if (dsa) return whole(L.dsa.kv_b); break;
+    case LoraKind::MlaO: if (dsa) return whole(L.dsa.o); break;
+    case LoraKind::MlpGate: if (mlp) return part(L.mlp.gate_up, 2, 0); break;
+    case LoraKind::MlpUp: if (mlp) return part(L.mlp.gate_up, 2, 1); break;
+    case LoraKind::MlpDown: if (mlp) return whole(L.mlp.down); break;
+    case LoraKind::SharedGate: if (shared) return part(L.moe.shared.gate_up, 2, 0); break;
+    case LoraKind::SharedUp: if (shared) return part(L.moe.shared.gate_up, 2, 1); break;
+    case LoraKind::SharedDown: if (shared) return whole(L.moe.shared.down); break;
+    case LoraKind::ExpertGate: if (moe) return part(L.moe.experts[0].gate_up, 2, 0); break;
+    case LoraKind::ExpertUp: if (moe) return part(L.moe.experts[0].gate_up, 2, 1); break;
+    case LoraKind::ExpertDown: if (moe) return whole(L.moe.experts[0].down); break;
+  }
+  return {};
+}
+
+}  // namespace
+
+void CudaModel::set_lora(const LoraAdapter& adapter) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  const std::vector<LoraModule>& mods = adapter.modules();
+  std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;
+  for (const LoraModule& mod : mods) keys.emplace_back(static_cast<int>(mod.kind), mod.layer, mod.expert, mod.rank);
+  if (!m.lora || m.lora->keys != keys) {
+    // A new layout: place every module, then carve its buffers out of one allocation (gradients zeroed).
+    auto st = std::make_unique<cuda::LoraState>();
+    st->keys = keys;
+    st->layers.resize(m.layers.size());
+    const int64_t E = c.n_routed_experts;
+    size_t bytes = 0;
+    auto take = [&](size_t n) {
+      const size_t at = bytes;
+      bytes += (n + 255) & ~size_t{255};
+      return at;
+    };
+    std::vector<std::array<size_t, 4>> at;
+    for (const LoraModule& mod : mods) {
+      check(mod.layer >= 0 && mod.layer < static_cast<int64_t>(m.layers.size()), "LoRA module on layer ", mod.layer,
+            ", the model has ", m.layers.size());
+      const cuda::DLayer& L = m.layers[mod.layer];
+      const LoraTarget tgt = lora_target(c, L, mod.kind);
+      check(tgt.W != nullptr, "LoRA module ", lora_kind_info(mod.kind).path, " has no projection on layer ",
+            mod.layer);
+      check(mod.B.dim(0) == tgt.out && mod.A.dim(1) == tgt.W->in && mod.A.dim(0) == mod.rank &&
+                mod.B.dim(1) == mod.rank,
+            "LoRA module ", lora_kind_info(mod.kind).path, " of layer ", mod.layer, ": shapes [", mod.A.dim(0), ", ",
+            mod.A.dim(1), "] and [", mod.B.dim(0), ", ", mod.B.dim(1), "] do not fit its projection");
+      cuda::LayerLora& ll = st->layers[mod.layer];
+      std::vector<cuda::DAdapter>& v = ll.kinds[static_cast<int>(mod.kind)];
+      int64_t slot = 0;
+      if (lora_kind_is_expert(mod.kind) && mod.expert != LoraModule::kAllExperts) {
+        check(mod.expert >= 0 && mod.expert < E, "LoRA module for expert ", mod.expert, " of ", E);
+        if (v.empty()) v.resize(E);
+        slot = mod.expert;
+      } else {
+        if (lora_kind_is_expert(mod.kind)) ll.shared_experts = true;
+        check(v.empty(), "two LoRA modules on ", lora_kind_info(mod.kind).path, " of layer ", mod.layer);
+        v.resize(1);
+      }
+      cuda::DAdapter& d = v[slot];
+      d.out = tgt.out, d.in = tgt.W->in, d.r = mod.rank, d.col0 = tgt.col0;
+      d.scale = static_cast<float>(mod.scale);
+      const int64_t na = d.r * d.in, nb = d.out * d.r;
+      at.push_back({take(na * 2), take(nb * 2), take(na * 4), take(nb * 4)});
+      st->order.push_back(&d);
+    }
+    for (const cuda::LayerLora& ll : st->layers)
+      for (const auto& v : ll.kinds)
+        for (const cuda::DAdapter& d : v) check(d.r > 0, "LoRA: per-expert adapters must cover every expert");
+    NEXTLM_CUDA_CHECK(cudaMalloc(&st->base, std::max<size_t>(bytes, 1)));
+    st->bytes = bytes;
+    char* base = static_cast<char*>(st->base);
+    for (size_t i = 0; i < st->order.size(); ++i) {
+      cuda::DAdapter& d = *st->order[i];
+      d.A = reinterpret_cast<cuda::bf16*>(base + at[i][0]);
+      d.B = reinterpret_cast<cuda::bf16*>(base + at[i][1]);
+      d.dA = reinterpret_cast<float*>(base + at[i][2]);
+      d.dB = reinterpret_cast<float*>(base + at[i][3]);
+      st->grads.emplace_back(d.dA, d.r * d.in);
+      st->grads.emplace_back(d.dB, d.out * d.r);
+    }
+    NEXTLM_CUDA_CHECK(cudaMemset(st->base, 0, std::max<size_t>(bytes, 1)));
+    m.lora = std::move(st);
+  }
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  std::vector<uint16_t> bits;
+  auto up = [&](const Tensor& t, cuda::bf16* dst) {
+    bits.resize(t.data.size());
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = f32_to_bf16(t.data[i]);
+    NEXTLM_CUDA_CHECK(cudaMemcpy(dst, bits.data(), bits.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  };
+  for (size_t i = 0; i < mods.size(); ++i) {
+    up(mods[i].A, m.lora->order[i]->A);
+    up(mods[i].B, m.lora->order[i]->B);
+  }
+}
+
+void CudaModel::lora_gradients(LoraAdapter& adapter) const {
+  const Impl& m = *impl_;
+  check(m.lora != nullptr, "no LoRA adapter on the device (set_lora)");
+  std::vector<LoraModule>& mods = adapter.modules();
+  check(mods.size() == m.lora->order.size(), "LoRA gradients: the adapter has ", mods.size(), " modules, the device ",
+        m.lora->order.size());
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  std::vector<float> buf;
+  auto add = [&](const float* src, Tensor& dst) {
+    buf.resize(dst.data.size());
+    NEXTLM_CUDA_CHECK(cudaMemcpy(buf.data(), src, buf.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < buf.size(); ++i) dst.data[i] += buf[i];
+  };
+  for (size_t i = 0; i < mods.size(); ++i) {
+    add(m.lora->order[i]->dA, mods[i].dA);
+    add(m.lora->order[i]->dB, mods[i].dB);
+  }
 }
 
 void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }

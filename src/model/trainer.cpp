@@ -168,19 +168,19 @@ double prediction_weight(const PackedBatch& b) {
 StepStats Trainer::step() {
   const auto t0 = std::chrono::steady_clock::now();
   for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
-  if (lora_)  // the full-model weight gradients, from which the adapters' come
+  if (lora_ && !grad_fn_)  // the full-model weight gradients, from which the adapters' come
     for (const GradTensor& g : hub_gradients(model_.config(), grads_, ""))
       std::fill_n(const_cast<float*>(g.data), Tensor::count(g.shape), 0.0f);
   double loss = 0.0, weight = 0.0;
   int64_t tokens = 0;
   for (int64_t a = 0; a < opt_.grad_accum; ++a) {
     const PackedBatch b = next_batch();
-    loss += grad_fn_ ? grad_fn_(model_, adam_.steps(), b, grads_)
+    loss += grad_fn_ ? grad_fn_(model_, lora_ ? &*lora_ : nullptr, adam_.steps(), b, grads_)
                      : model_forward_backward(model_, b, grads_, opt_.recompute);
     tokens += b.num_tokens();
     weight += prediction_weight(b);
   }
-  if (lora_) lora_->backward(grads_);  // dA, dB from dW summed over the micro-batches (linear, so exact)
+  if (lora_ && !grad_fn_) lora_->backward(grads_);  // dA, dB from dW summed over the micro-batches (linear: exact)
   // The per-token mean makes the step size independent of the batch size; a step with nothing to predict (every
   // token masked) still counts as a step and leaves the weights alone apart from weight decay.
   const float inv = weight > 0 ? static_cast<float>(1.0 / weight) : 0.0f;

@@ -77,12 +77,13 @@ class Trainer {
   // one AdamW update at the schedule's learning rate.
   StepStats step();
 
-  // What computes a micro-batch's loss L and adds dL/dθ into grads (zeros_like layout) for the model's current
-  // weights: model_forward_backward on the CPU by default; `train --device cuda` plugs in the GPU's. `version`
-  // changes exactly when the weights have (the number of optimizer steps taken), so an engine holding a copy of
-  // them knows when to refresh it.
-  using GradientFn =
-      std::function<double(const Model& model, int64_t version, const PackedBatch& batch, ModelWeights& grads)>;
+  // What computes a micro-batch's loss L and its gradients for the current weights: model_forward_backward on the
+  // CPU by default; `train --device cuda` plugs in the GPU's. Without LoRA it adds dL/dθ into grads (zeros_like
+  // layout); with LoRA, `lora` is the adapter (A and B current) and it adds dL/dA, dL/dB into the modules' dA, dB
+  // (grads is then unused). `version` changes exactly when the trained values have (the optimizer steps taken),
+  // so an engine holding a copy of them knows when to refresh it.
+  using GradientFn = std::function<double(const Model& model, LoraAdapter* lora, int64_t version,
+                                          const PackedBatch& batch, ModelWeights& grads)>;
   void set_gradient_fn(GradientFn f) { grad_fn_ = std::move(f); }
 
   // Writes DIR (created, or replaced as a whole): config.json + model.safetensors (a model dir Model::load reads),
