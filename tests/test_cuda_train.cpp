@@ -35,27 +35,30 @@ constexpr double kGradTol = 5e-2;
 constexpr double kNoiseRatio = 5.0;
 constexpr double kLossTol = 1e-2;
 
-std::vector<std::vector<int32_t>> golden_sequences(const std::string& dir) {
-  SafetensorsFile f(dir + "/golden.safetensors");
-  std::vector<std::vector<int32_t>> out;
-  for (int i = 0;; ++i) {
-    const TensorView* t = f.buffer().find("tokens." + std::to_string(i));
-    if (!t) break;
-    std::vector<int32_t> ids(t->numel());
-    for (int64_t j = 0; j < t->numel(); ++j) {
-      int64_t v;
-      std::memcpy(&v, t->data + j * 8, 8);
-      ids[j] = static_cast<int32_t>(v);
-    }
-    out.push_back(ids);
-  }
-  return out;
-}
-
 PackedBatch golden_batch(const std::string& dir) {
   PackedBatch b;
-  for (const auto& s : golden_sequences(dir)) b.add(s);
+  for (const auto& s : test::golden_sequences(dir)) b.add(s);
   return b;
+}
+
+// Byte-level JSONL training data, one {"tokens": [...]} line per text.
+void write_byte_jsonl(const std::string& path, const std::vector<std::string>& texts) {
+  std::ofstream f(path);
+  for (const std::string& l : texts) {
+    f << "{\"tokens\": [";
+    for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
+    f << "]}\n";
+  }
+}
+
+// The loss column of a train_log.csv.
+std::vector<double> csv_losses(const std::string& csv) {
+  std::ifstream in(csv);
+  std::string line;
+  std::getline(in, line);
+  std::vector<double> out;
+  while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
+  return out;
 }
 
 // The model's bf16-stored weights (those test::bf16_weights_reference rounds) each scaled by 1 ± 2⁻⁸ at random.
@@ -162,7 +165,7 @@ TEST(CudaTrain, GradientsMatchTransformersGolden) {
   ModelWeights noisy = zeros_like(m.weights());
   const Model p = perturbed(m);
   double loss = 0.0;
-  for (const auto& s : golden_sequences(dir)) {
+  for (const auto& s : test::golden_sequences(dir)) {
     PackedBatch b;
     b.add(s);
     loss += gpu.forward_backward(b);
@@ -246,7 +249,7 @@ TEST(CudaTrain, GradCliWritesTheGoldenTensors) {
   test::TempDir tmp;
   {
     std::ofstream in(tmp.str("in.jsonl"));
-    for (const auto& s : golden_sequences(dir)) {
+    for (const auto& s : test::golden_sequences(dir)) {
       in << "{\"tokens\": [";
       for (size_t i = 0; i < s.size(); ++i) in << (i ? ", " : "") << s[i];
       in << "]}\n";
@@ -288,24 +291,9 @@ TEST(CudaTrain, TrainCliLearnsOnTheGpu) {
   const char* src = std::getenv("NEXTLM_SOURCE_DIR");
   const std::string config = std::string(src ? src : NEXTLM_SOURCE_DIR) + "/examples/fortunes/config.json";
   test::TempDir tmp;
-  {
-    std::ofstream f(tmp.str("data.jsonl"));
-    for (const std::string l :
-         {"the cat sat on the mat and the dog sat on the log.", "the cat and the dog sat on the mat.",
-          "a cat sat on a mat; a dog sat on a log.", "the dog and the cat sat on the log and the mat."}) {
-      f << "{\"tokens\": [";
-      for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
-      f << "]}\n";
-    }
-  }
-  auto losses = [](const std::string& csv) {
-    std::ifstream in(csv);
-    std::string line;
-    std::getline(in, line);
-    std::vector<double> out;
-    while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
-    return out;
-  };
+  write_byte_jsonl(tmp.str("data.jsonl"),
+                   {"the cat sat on the mat and the dog sat on the log.", "the cat and the dog sat on the mat.",
+                    "a cat sat on a mat; a dog sat on a log.", "the dog and the cat sat on the log and the mat."});
   const std::string common = "train --config " + test::shell_quote(config) + " --data " +
                              test::shell_quote(tmp.str("data.jsonl")) +
                              " --warmup 2 --lr 1e-2 --batch-tokens 256 --seed 1 --steps 12";
@@ -313,7 +301,7 @@ TEST(CudaTrain, TrainCliLearnsOnTheGpu) {
   ASSERT_EQ(gpu.rc, 0) << gpu.err;
   const test::CliResult cpu = test::run_nextlm(common + " --out " + test::shell_quote(tmp.str("cpu")));
   ASSERT_EQ(cpu.rc, 0) << cpu.err;
-  const std::vector<double> g = losses(tmp.str("gpu/train_log.csv")), c = losses(tmp.str("cpu/train_log.csv"));
+  const std::vector<double> g = csv_losses(tmp.str("gpu/train_log.csv")), c = csv_losses(tmp.str("cpu/train_log.csv"));
   ASSERT_EQ(g.size(), 12u);
   ASSERT_EQ(c.size(), 12u);
   EXPECT_LE(std::fabs(g[0] - c[0]) / c[0], kLossTol) << g[0] << " vs " << c[0];
@@ -395,23 +383,11 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
 TEST(CudaTrain, LoraTrainCliLearnsOnTheGpu) {
   const std::string model = test::golden_dir("tiny-glm5-next");
   test::TempDir tmp;
-  {
-    std::ofstream f(tmp.str("data.jsonl"));
-    for (int rep = 0; rep < 4; ++rep)
-      for (const std::string l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."}) {
-        f << "{\"tokens\": [";
-        for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
-        f << "]}\n";
-      }
-  }
-  auto losses = [](const std::string& csv) {
-    std::ifstream in(csv);
-    std::string line;
-    std::getline(in, line);
-    std::vector<double> out;
-    while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
-    return out;
-  };
+  std::vector<std::string> texts;
+  for (int rep = 0; rep < 4; ++rep)
+    for (const char* l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."})
+      texts.push_back(l);
+  write_byte_jsonl(tmp.str("data.jsonl"), texts);
   const std::string common = "train --model " + test::shell_quote(model) + " --data " +
                              test::shell_quote(tmp.str("data.jsonl")) +
                              " --lora-rank 8 --warmup 2 --lr 1e-2 --batch-tokens 256 --seed 1 --steps 10";
@@ -419,7 +395,7 @@ TEST(CudaTrain, LoraTrainCliLearnsOnTheGpu) {
   ASSERT_EQ(gpu.rc, 0) << gpu.err;
   const test::CliResult cpu = test::run_nextlm(common + " --out " + test::shell_quote(tmp.str("cpu")));
   ASSERT_EQ(cpu.rc, 0) << cpu.err;
-  const std::vector<double> g = losses(tmp.str("gpu/train_log.csv")), c = losses(tmp.str("cpu/train_log.csv"));
+  const std::vector<double> g = csv_losses(tmp.str("gpu/train_log.csv")), c = csv_losses(tmp.str("cpu/train_log.csv"));
   ASSERT_EQ(g.size(), 10u);
   ASSERT_EQ(c.size(), 10u);
   EXPECT_LE(std::fabs(g[0] - c[0]) / c[0], kLossTol) << g[0] << " vs " << c[0];

@@ -27,23 +27,6 @@ namespace {
 constexpr double kGradTol = 1e-3;
 constexpr double kLossTol = 1e-5;
 
-std::vector<std::vector<int32_t>> golden_tokens(const std::string& dir) {
-  SafetensorsFile f(dir + "/golden.safetensors");
-  std::vector<std::vector<int32_t>> out;
-  for (int i = 0;; ++i) {
-    const TensorView* t = f.buffer().find("tokens." + std::to_string(i));
-    if (!t) break;
-    std::vector<int32_t> ids(t->numel());
-    for (int64_t j = 0; j < t->numel(); ++j) {
-      int64_t v;
-      std::memcpy(&v, t->data + j * 8, 8);
-      ids[j] = static_cast<int32_t>(v);
-    }
-    out.push_back(ids);
-  }
-  return out;
-}
-
 struct Grads {
   double loss = 0.0;
   ModelWeights g;
@@ -54,7 +37,7 @@ struct Grads {
 Grads compute(const Model& m, const std::string& dir, bool packed) {
   Grads r;
   r.g = zeros_like(m.weights());
-  const auto seqs = golden_tokens(dir);
+  const auto seqs = test::golden_sequences(dir);
   EXPECT_GE(seqs.size(), 5u);
   if (packed) {
     PackedBatch b;
@@ -152,7 +135,7 @@ std::string jsonl_of(const std::vector<std::vector<int32_t>>& seqs) {
 TEST(GradCli, WritesTheGoldenGradients) {
   const std::string dir = test::golden_dir("fp32_tail_off");
   test::TempDir tmp;
-  write_text(tmp.str("in.jsonl"), jsonl_of(golden_tokens(dir)));
+  write_text(tmp.str("in.jsonl"), jsonl_of(test::golden_sequences(dir)));
   const CliResult r =
       run_nextlm("grad --model " + shell_quote(dir) + " --input " + shell_quote(tmp.str("in.jsonl")) +
                        " --out " + shell_quote(tmp.str("g.safetensors")) + " --threads 2");

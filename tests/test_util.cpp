@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -247,6 +248,23 @@ Model bf16_weights_reference(const std::string& dir) {
     }
   }
   return Model(m.config(), std::move(w));
+}
+
+std::vector<std::vector<int32_t>> golden_sequences(const std::string& dir) {
+  SafetensorsFile f(dir + "/golden.safetensors");
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0;; ++i) {
+    const TensorView* t = f.buffer().find("tokens." + std::to_string(i));
+    if (!t) break;
+    std::vector<int32_t> ids(t->numel());
+    for (int64_t j = 0; j < t->numel(); ++j) {
+      int64_t v;
+      std::memcpy(&v, t->data + j * 8, 8);
+      ids[j] = static_cast<int32_t>(v);
+    }
+    out.push_back(ids);
+  }
+  return out;
 }
 
 }  // namespace nextlm::test

@@ -1,5 +1,6 @@
 // Shared helpers for the tests: paths of the committed goldens, temporary directories, error norms.
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -22,6 +23,10 @@ std::string param_name(const std::string& name);
 // lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both): the CPU reference of the CUDA path.
 // For a bf16 checkpoint this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
 Model bf16_weights_reference(const std::string& dir);
+
+// The token sequences tokens.0, tokens.1, … of a golden case's golden.safetensors (the inputs its goldens were made
+// from).
+std::vector<std::vector<int32_t>> golden_sequences(const std::string& dir);
 
 // A fresh empty directory under the system temp dir, removed when the object dies.
 class TempDir {
