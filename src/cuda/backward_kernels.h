@@ -62,9 +62,6 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
 // [−L, L]), passing at exactly ±L, as torch.clamp.
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
                      cudaStream_t st);
-// The same with act recomputed from gu and written in bf16 too (act [n, I], the down projection's input), for
-// callers that did not keep it. Either output may be null.
-void swiglu_forward_f32(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st);
 
 // Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]): dout [T·k, D] written in bf16 (row
 // slot_of[t, i] = w[t, i]·dy[t]); dweights [T, k] written (= dy[t]·out[slot_of[t, i]]).
@@ -80,10 +77,6 @@ void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, in
 // weights = scale·s_i (/ Σ_j s_j when norm), s = sigmoid(logit). The correction bias only chose the experts.
 void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,
                         int64_t T, int64_t E, int64_t k, bool norm, float scale, cudaStream_t st);
-
-// y (bf16, written) = x (fp32), for GEMM inputs; and y (fp32) += x.
-void f32_to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st);
-void add_inplace(float* y, const float* x, int64_t n, cudaStream_t st);
 
 // ---- KDA (src/cuda/kda_backward.cu: the recurrence; src/cuda/kda_layer_backward.cu: the rest) ----
 

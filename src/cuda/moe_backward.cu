@@ -113,15 +113,6 @@ __global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16*
   }
 }
 
-__global__ void swiglu_forward_kernel(const float* gu, bf16* act, int64_t n, int64_t I, float L) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / I, c = i % I;
-    const float g = fminf(gu[r * 2 * I + c], L);
-    const float u = fminf(fmaxf(gu[r * 2 * I + I + c], -L), L);
-    act[i] = __float2bfloat16(silu_f(g) * u);  // the arithmetic of swiglu (moe.cu)
-  }
-}
-
 // ---- MoE combine / gather ----
 
 // One warp per (token, choice): the scaled gradient of its permuted output row, and the dot product that is the
@@ -190,18 +181,6 @@ __global__ void moe_route_backward_kernel(const float* logits, const int32_t* ex
   }
 }
 
-// ---- Element-wise ----
-
-__global__ void f32_to_bf16_kernel(const float* x, bf16* y, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = __float2bfloat16(x[i]);
-}
-
-__global__ void add_inplace_kernel(float* y, const float* x, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] += x[i];
-}
-
 }  // namespace
 
 void softmax_xent_backward(const float* logits, const int32_t* target, const float* wt, double* loss, bf16* dlogits,
@@ -225,12 +204,6 @@ void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, i
                      cudaStream_t st) {
   if (n * I <= 0) return;
   swiglu_backward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, dact, dgu, n, I, limit);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-}
-
-void swiglu_forward_f32(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st) {
-  if (n * I <= 0 || !act) return;
-  swiglu_forward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, act, n, I, limit);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -258,16 +231,6 @@ void moe_route_backward(const float* logits, const int32_t* experts, const float
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
-void f32_to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st) {
-  if (n <= 0) return;
-  f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, st>>>(x, y, n);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-}
 
-void add_inplace(float* y, const float* x, int64_t n, cudaStream_t st) {
-  if (n <= 0) return;
-  add_inplace_kernel<<<grid_for(n), kThreads, 0, st>>>(y, x, n);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-}
 
 }  // namespace nextlm::cuda

@@ -82,14 +82,6 @@ std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vect
   return widen(out.get());
 }
 
-std::vector<float> swiglu_forward_f32(const std::vector<float>& gu, int64_t n, int64_t I, float limit) {
-  Dev<float> dg(gu);
-  Dev<cuda::bf16> act(n * I);
-  cuda::swiglu_forward_f32(dg.p, act.p, n, I, limit, nullptr);
-  finish();
-  return widen(act.get());
-}
-
 void moe_combine_backward(const std::vector<float>& dy, const std::vector<float>& out,
                           const std::vector<int32_t>& slot_of, const std::vector<float>& weights, int64_t T, int64_t k,
                           int64_t D, std::vector<float>& dout, std::vector<float>& dweights) {
@@ -121,21 +113,6 @@ std::vector<float> moe_route_backward(const std::vector<float>& logits, const st
   cuda::moe_route_backward(dl.p, de.p, dw.p, out.p, T, E, k, norm, scale, nullptr);
   finish();
   return out.get();
-}
-
-std::vector<float> f32_to_bf16(const std::vector<float>& x) {
-  Dev<float> dx(x);
-  Dev<cuda::bf16> y(x.size());
-  cuda::f32_to_bf16(dx.p, y.p, static_cast<int64_t>(x.size()), nullptr);
-  finish();
-  return widen(y.get());
-}
-
-void add_inplace(std::vector<float>& y, const std::vector<float>& x) {
-  Dev<float> dy(y), dx(x);
-  cuda::add_inplace(dy.p, dx.p, static_cast<int64_t>(y.size()), nullptr);
-  finish();
-  y = dy.get();
 }
 
 }  // namespace nextlm::cuda_testing

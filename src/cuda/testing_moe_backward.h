@@ -19,8 +19,6 @@ void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float
 // swiglu_backward: dgu [n, 2I] from gu [n, 2I] and dact [n, I].
 std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vector<float>& dact, int64_t n, int64_t I,
                                    float limit);
-// swiglu_forward_f32: act [n, I] from gu [n, 2I].
-std::vector<float> swiglu_forward_f32(const std::vector<float>& gu, int64_t n, int64_t I, float limit);
 
 // moe_combine_backward: dout [T·k, D] and dweights [T, k] from dy [T, D], out [T·k, D], slot_of [T, k] and
 // weights [T, k].
@@ -36,9 +34,5 @@ void moe_gather_backward(const std::vector<float>& dxp, const std::vector<int32_
 std::vector<float> moe_route_backward(const std::vector<float>& logits, const std::vector<int32_t>& experts,
                                       const std::vector<float>& dweights, int64_t T, int64_t E, int64_t k, bool norm,
                                       float scale);
-
-// f32_to_bf16 (widened back), and add_inplace on y (uploaded, then accumulated into).
-std::vector<float> f32_to_bf16(const std::vector<float>& x);
-void add_inplace(std::vector<float>& y, const std::vector<float>& x);
 
 }  // namespace nextlm::cuda_testing

@@ -60,7 +60,7 @@ class Step {
   }
   bf16* half(const float* x, int64_t n) {
     bf16* y = m_.arena.alloc<bf16>(n);
-    f32_to_bf16(x, y, n, m_.stream);
+    to_bf16(x, y, n, m_.stream);
     return y;
   }
   // For y = x·Wᵀ (x bf16 [T, W.in], row stride ldx) given dy (bf16 [T, W.out]): dx += dy·W (when dx), and
