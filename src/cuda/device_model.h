@@ -109,8 +109,8 @@ class CudaModel {
   // policy. The forward keeps the streams entering each mHC site and the DSA selections; the backward recomputes
   // each site's sub-layer, keeping its activations, right before walking back through it. Weights and GEMM inputs
   // are bf16; the KDA (forward chunked, backward through time) runs in fp32, the MLA attention's backward too (its
-  // forward on the tensor-core kernel where it applies); the experts on one cuBLASLt GEMM each. The indexer and the
-  // correction bias are frozen, as on the CPU.
+  // forward on the tensor-core kernel where it applies); the experts' forward on the grouped GEMM, their input
+  // gradients one cuBLASLt GEMM per expert. The indexer and the correction bias are frozen, as on the CPU.
   double forward_backward(const PackedBatch& batch);
   void zero_grads();
   // Whether the backward computes the gradients of the linear weights (projections, experts, embedding, lm_head; on
