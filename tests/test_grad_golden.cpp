@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -189,6 +190,9 @@ TEST(GradCli, BadInputLeavesNoOutput) {
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(tmp.str("ok.jsonl")), 2, "--out"},
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --device tpu", 2,
        "--device"},
+      {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) +
+           " --recompute kda,attention",
+       2, "--recompute: unknown"},
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")) + " --out " + shell_quote(out) + " --threads 0", 2,
        "--threads"},
       {"grad" + model + " --input " + shell_quote(tmp.str("ok.jsonl")), 2, "--out"},
@@ -211,6 +215,25 @@ TEST(GradCli, BadInputLeavesNoOutput) {
   int files = 0;
   for (const auto& e : std::filesystem::directory_iterator(tmp.path())) files += e.is_regular_file();
   EXPECT_EQ(files, 5);
+}
+
+
+// --recompute: every policy writes the same file bit for bit (the same functions on the same inputs, at other times).
+TEST(GradCli, RecomputePoliciesWriteTheSameGradients) {
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  test::TempDir tmp;
+  write_text(tmp.str("in.jsonl"), jsonl_of(test::golden_sequences(dir)));
+  auto run = [&](const std::string& policy) {
+    const std::string out = tmp.str("g_" + std::to_string(std::hash<std::string>{}(policy)) + ".safetensors");
+    const CliResult r = run_nextlm("grad --model " + shell_quote(dir) + " --input " + shell_quote(tmp.str("in.jsonl")) +
+                                   " --out " + shell_quote(out) + " --threads 2 --recompute " + policy);
+    EXPECT_EQ(r.rc, 0) << policy << "\n" << r.err;
+    std::ifstream f(out, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  const std::string all = run("all");
+  ASSERT_FALSE(all.empty());
+  for (const std::string policy : {"none", "kda,moe", "mla,mlp,mhc"}) EXPECT_EQ(run(policy), all) << policy;
 }
 
 }  // namespace

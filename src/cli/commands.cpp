@@ -396,6 +396,7 @@ int write_score_outputs(const ScoreArgs& a, const std::vector<std::vector<int32_
 
 struct GradArgs {
   std::string model, input, out, device = "cpu";
+  std::string recompute = "all";  // model/train.h's parse_recompute syntax
   int threads = 0;
   int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
@@ -404,6 +405,14 @@ struct GradArgs {
 // written as f32 under the checkpoint's own names (plus `loss`, F64 [1]) in one atomic safetensors file.
 int cmd_grad(const GradArgs& a) {
   if (same_file(a.out, a.input)) throw UsageError("--out " + a.out + " is the --input file");
+  RecomputePolicy policy;
+  try {
+    policy = parse_recompute(a.recompute);
+  } catch (const Error& e) {
+    throw UsageError(std::string("--recompute: ") + e.what());
+  }
+  if (a.device == "cuda" && policy != RecomputePolicy{})
+    throw UsageError("--device cuda recomputes every sub-layer (--recompute all)");
   check_output_path("--out", a.out);
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
@@ -434,7 +443,7 @@ int cmd_grad(const GradArgs& a) {
     seqs = read_token_jsonl(a.input, sharded->config.vocab_size);
     for (const auto& s : seqs) batch.add(s);
     ModelWeights local = zeros_like(sharded->weights);
-    loss = dist::parallel_forward_backward(*sharded, *mesh, batch, local);
+    loss = dist::parallel_forward_backward(*sharded, *mesh, batch, local, policy);
     grads = dist::gather_gradients(*sharded, *mesh, local);
     if (dist::world().rank() != 0) return 0;
   } else {
@@ -442,7 +451,7 @@ int cmd_grad(const GradArgs& a) {
     seqs = read_token_jsonl(a.input, model->config().vocab_size);
     for (const auto& s : seqs) batch.add(s);
     grads = zeros_like(model->weights());
-    loss = model_forward_backward(*model, batch, grads);
+    loss = model_forward_backward(*model, batch, grads, policy);
   }
   const ModelConfig& config = device_config ? *device_config : model ? model->config() : sharded->config;
   std::vector<TensorToWrite> out;
@@ -714,6 +723,12 @@ int run_cli_impl(int argc, char** argv) {
       ->check(one_of(available_devices(), "a device available in this build"))
       ->capture_default_str();
   gr->add_option("--threads", grad.threads, "CPU threads (default: all)")->check(thread_count());
+  gr->add_option("--recompute", grad.recompute,
+                 "sub-layers the backward runs forward again (the others keep their activations from the forward: "
+                 "more memory, less time, the same gradients bit for bit): all, none, or a comma-separated list of "
+                 "kda, mla, moe, mlp, mhc")
+      ->type_name("POLICY")
+      ->capture_default_str();
   gr->add_option("--tp", grad.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
       ->check(rank_count())->capture_default_str();
   gr->add_option("--ep", grad.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
