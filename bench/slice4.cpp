@@ -24,6 +24,11 @@
 #include "model/config.h"
 #include "model/lora.h"
 #include "model/optim.h"
+#ifdef NEXTLM_HAVE_NCCL
+#include <numeric>
+
+#include "dist/cuda_parallel.h"
+#endif
 
 namespace nextlm::bench {
 
@@ -275,6 +280,10 @@ void slice4_prefill_case(const std::string& name) {
 }
 
 void slice4_train_step_case(const std::string& name) {
+#ifdef NEXTLM_HAVE_NCCL
+  if (name.find("_tp2") != std::string::npos || name.find("_ep2") != std::string::npos)
+    return slice4_parallel_case(name, true);
+#endif
   // slice4_*: the base of a LoRA step on the slice, every input gradient but no weight gradient for the frozen
   // projections and experts; small8_*: full-parameter training of a smaller model with the real layer pattern.
   const bool full = name.rfind("small8", 0) == 0;
@@ -325,9 +334,9 @@ void slice4_train_step_case(const std::string& name) {
                                   "top-8; optimizer not included, it runs on the host in `train --device cuda`)"
                                 : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
                                   "LoRA step: adapters and optimizer not included)") +
-                   " at " + std::to_string(kT) + " tokens, every sub-layer recomputed before its backward; fp32 KDA "
-                   "(backward through time) and MLA attention backward, dx of the experts on per-expert cuBLASLt "
-                   "GEMMs; median of " + std::to_string(kStepIters) + " CUDA-event timings (host wall median " +
+                   " at " + std::to_string(kT) + " tokens, every sub-layer recomputed before its backward; KDA "
+                   "backward through time in fp32, MLA attention backward on tensor cores, dx of the experts on "
+                   "per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) + " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
                    (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
   std::printf("%s\n", line.dump().c_str());
@@ -523,3 +532,82 @@ int slice4_parity(int argc, char** argv) {
 }
 
 }  // namespace nextlm::bench
+
+#ifdef NEXTLM_HAVE_NCCL
+namespace nextlm::bench {
+
+void slice4_parallel_prefill_case(const std::string& name) { slice4_parallel_case(name, false); }
+
+void slice4_parallel_case(const std::string& name, bool train) {
+  const int tp = name.find("_tp2") != std::string::npos ? 2 : 1, ep = name.find("_ep2") != std::string::npos ? 2 : 1;
+  const ModelConfig cfg = load_config(slice4_config_path());
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
+  std::vector<int32_t> seq(kT);
+  for (int32_t& x : seq) x = tok(gen);
+  PackedBatch b;
+  b.add(seq);
+  // One GPU first, the same random weights and batch: its time and log-probs, the reference of the split run.
+  // A training step: forward + backward with frozen linear weights (the base of a LoRA step), the loss compared.
+  const int iters = train ? 3 : kIters;
+  auto step = [&](CudaModel& m) {
+    if (!train) return m.next_token_logprobs(b)[0];
+    m.zero_grads();
+    return std::vector<double>{m.forward_backward(b)};
+  };
+  std::vector<double> one_lp, one_ms;
+  {
+    auto model = CudaModel::random(cfg, kSeed);
+    model->set_train_linears(false);
+    for (int i = 0; i < kWarmup; ++i) one_lp = step(*model);
+    for (int i = 0; i < iters; ++i) step(*model), one_ms.push_back(model->last_forward_ms());
+  }
+  std::vector<double> lp, ms;
+  double init_s = 0;
+  dist::run_gpu_ranks(tp, ep, [&](dist::Comm& world, int device) {
+    const auto t0 = std::chrono::steady_clock::now();
+    dist::CudaRank r = dist::make_cuda_rank(world, tp, ep, device, [&](const CudaShard& s, int dev) {
+      return CudaModel::random(cfg, kSeed, dev, s);
+    });
+    world.barrier();
+    if (world.rank() == 0) init_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.model->set_train_linears(false);
+    std::vector<double> mine, t;
+    for (int i = 0; i < kWarmup; ++i) mine = step(*r.model);
+    for (int i = 0; i < iters; ++i) {
+      world.barrier();  // every rank starts together: rank 0's events then time the whole split step
+      step(*r.model);
+      t.push_back(r.model->last_forward_ms());
+    }
+    if (world.rank() == 0) lp = std::move(mine), ms = std::move(t);
+  });
+  double diff = 0, worst = 0;
+  for (size_t i = 0; i < lp.size() && i < one_lp.size(); ++i) {
+    const double e = std::fabs(lp[i] - one_lp[i]);
+    diff += e, worst = std::max(worst, e);
+  }
+  diff /= std::max<size_t>(lp.size(), 1);
+  const double ours = median(ms), one = median(one_ms);
+  nlohmann::json line{{"case", name},
+                      {"ours_ms", std::round(ours * 1e4) / 1e4},
+                      {"peer", "nextlm on one GPU, same run"},
+                      {"peer_ms", std::round(one * 1e4) / 1e4},
+                      {"tokens_per_s", std::round(kT / ours * 1e3)},
+                      {"peer_tokens_per_s", std::round(kT / one * 1e3)},
+                      {"speedup", std::round(one / ours * 100) / 100},
+                      {train ? "loss_rel_diff_vs_one_gpu" : "mean_abs_dlogprob_vs_one_gpu",
+                       train ? diff / std::fabs(one_lp[0]) : diff},
+                      {"note", std::string("4-layer slice, random device weights, one sequence of ") +
+                                   std::to_string(kT) + " tokens, " +
+                                   (train ? "forward + backward with frozen linear weights (the base of a LoRA step)"
+                                          : "lm_head + log-probs") +
+                                   ", tp " + std::to_string(tp) + " ep " + std::to_string(ep) + " on " +
+                                   std::to_string(std::lcm(tp, ep)) + " GPUs (threads, NCCL); rank 0's CUDA-event " +
+                                   "median of " + std::to_string(iters) + "; shard init " + fmt("%.1f", init_s) + " s"}};
+  if (!train) line["max_abs_dlogprob_vs_one_gpu"] = worst;
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace nextlm::bench
+#endif

@@ -18,6 +18,12 @@ void slice4_train_step_case(const std::string& name);
 // `slice4_lora_step_T4096` (per-expert adapters) and `slice4_lora_step_T4096_shared_experts`: one LoRA step of the
 // slice (rank 16 on every projection; device forward + backward, host AdamW on the adapters), tokens/s and MFU.
 void slice4_lora_step_case(const std::string& name);
+// `slice4_prefill_T4096_tp2`, `_ep2`, `_tp2_ep2` (builds with NCCL): the prefill split over 2 GPUs (threads, one GPU
+// each), beside one GPU's in the same run, with the split run's log-prob difference from one GPU.
+void slice4_parallel_prefill_case(const std::string& name);
+// The same for a prefill (train false) or a training step with frozen linear weights (train true; the cases
+// `slice4_train_step_T4096_tp2`, `_ep2`, `_tp2_ep2`, which slice4_train_step_case passes here).
+void slice4_parallel_case(const std::string& name, bool train);
 // `mhc`: the mHC share of the slice's layer time (from the same profiled run), target ≤ 7%.
 void mhc_share_case(const std::string& name);
 

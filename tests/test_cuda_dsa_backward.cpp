@@ -1,7 +1,8 @@
 // The CUDA backward of the MLA attention over DSA selections (src/cuda/dsa_backward.cu, tiled, and
 // src/cuda/dsa_backward_scatter.cu) against the attention part of the CPU dsa_layer_backward
 // (src/model/dsa_backward.cpp), restated here because it is not callable on its own, and, through the kv_b and q_b
-// weight gradients, against dsa_layer_backward itself.
+// weight gradients, against dsa_layer_backward itself. The tensor-core kernel (src/cuda/mla_tc_backward.cu) against
+// the same reference and the tiled kernel, with its own tolerance (below).
 //
 // Tolerance: fp32 against fp32 with sums in different orders (softmax over up to 2200 keys, dot products over up to
 // 256 channels): rounding gives ~1e-6 relative; a wrong term (a dropped path, a missed key, the wrong weights of an
@@ -291,6 +292,173 @@ TEST(CudaBackwardDsaEdge, MatchesDsaLayerBackwardWeightGradients) {
   std::printf("[cuda] DSA attention backward through the layer: dq_b %.2e, dkv_b %.2e\n", e_q, e_kv);
   EXPECT_LE(e_q, kTol);
   EXPECT_LE(e_kv, kTol);
+}
+
+// ---- The tensor-core kernel (src/cuda/mla_tc_backward.cu) ----
+//
+// q and kv are rounded to bf16 before both the CPU reference and the kernels run, so the inputs are the same values;
+// what differs is the kernel's own rounding: do, the softmax weights p and their gradients ds are rounded to bf16
+// (relative error ≤ 2⁻⁹ each) before the products, whose sums run in fp32. Each output element is a sum of many such
+// terms with independent roundings, so its norm-relative error is a few times 2⁻⁹/√3 ≈ 1e-3; measured, it should be
+// ~1e-3 … 4e-3. Bound: 1e-2 per tensor part. A wrong term (a skipped tile, a missed or extra key, the wrong weights of
+// an empty row, a mis-indexed fragment) gives O(1e-1) or more. Against the fp32 tiled GPU kernel the same bound holds.
+
+constexpr double kTcTol = 1e-2;
+
+// x rounded to the nearest bf16 (ties to even), as the GPU path stores q and kv.
+std::vector<float> round_bf16(std::vector<float> x) {
+  for (float& v : x) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    std::memcpy(&v, &u, 4);
+  }
+  return x;
+}
+
+struct TcErrors {
+  double q_sel, q_uni, k, v;
+};
+
+// Norm-relative errors of (dq, dkv) against (rq, rkv): dq of tokens with and without a selection apart, dk and dv
+// apart (an empty row's Jacobian is small beside a selective one's; a part without rows gives 0).
+TcErrors tc_errors(const std::vector<float>& dq, const std::vector<float>& dkv, const std::vector<float>& rq,
+                   const std::vector<float>& rkv, const Selection& sel, int64_t NH, int64_t dqk, int64_t dv) {
+  const int64_t W = dqk + dv;
+  auto err = [](const std::vector<float>& a, const std::vector<float>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    return b.empty() ? 0.0 : test::norm_rel_error(a.data(), b.data(), b.size());
+  };
+  return {err(token_rows(dq, NH * dqk, sel, false), token_rows(rq, NH * dqk, sel, false)),
+          err(token_rows(dq, NH * dqk, sel, true), token_rows(rq, NH * dqk, sel, true)),
+          err(columns(dkv, W, 0, dqk), columns(rkv, W, 0, dqk)), err(columns(dkv, W, dqk, W), columns(rkv, W, dqk, W))};
+}
+
+void expect_within(const TcErrors& e, double tol, const char* what) {
+  EXPECT_LE(e.q_sel, tol) << what;
+  EXPECT_LE(e.q_uni, tol) << what;
+  EXPECT_LE(e.k, tol) << what;
+  EXPECT_LE(e.v, tol) << what;
+}
+
+class CudaBackwardMlaTc : public ::testing::TestWithParam<DsaCase> {};
+
+TEST_P(CudaBackwardMlaTc, MatchesCpuReferenceAndTiledKernel) {
+  const DsaCase& c = GetParam();
+  const std::vector<int64_t> cu = cu_of(c.lens);
+  const int64_t T = cu.back(), NH = c.NH, dqk = c.dqk, dv = c.dv, W = dqk + dv;
+  const std::vector<float> q = round_bf16(test::randn(T * NH * dqk, 1)), kv = round_bf16(test::randn(T * NH * W, 2)),
+                           dO = test::randn(T * NH * dv, 3);
+  const Selection sel = random_selection(cu, c.max_sel, c.small, c.special, 4);
+  int64_t longest = 0;
+  for (const auto& s : sel) longest = std::max<int64_t>(longest, static_cast<int64_t>(s.size()));
+  ASSERT_EQ(longest, std::min(c.max_sel, *std::max_element(c.lens.begin(), c.lens.end())));
+
+  std::vector<float> rq(T * NH * dqk, 0.0f), rkv(T * NH * W, 0.0f);
+  attention_backward_reference(q, kv, dO, sel, cu, NH, dqk, dv, rq, rkv);
+
+  // Non-zero starting gradients: the kernel must add into them.
+  const std::vector<float> dq0 = test::randn(T * NH * dqk, 5, 0.1f), dkv0 = test::randn(T * NH * W, 6, 0.1f);
+  std::vector<float> dq = dq0, dkv = dkv0;
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv);
+  ASSERT_TRUE(all_finite(dq));
+  ASSERT_TRUE(all_finite(dkv));
+  for (size_t i = 0; i < dq.size(); ++i) dq[i] -= dq0[i];
+  for (size_t i = 0; i < dkv.size(); ++i) dkv[i] -= dkv0[i];
+  const TcErrors e = tc_errors(dq, dkv, rq, rkv, sel, NH, dqk, dv);
+  std::printf("[cuda] MLA tc backward %s vs CPU: dq %.2e (empty rows %.2e), dk %.2e, dv %.2e\n", c.name, e.q_sel,
+              e.q_uni, e.k, e.v);
+  expect_within(e, kTcTol, "tensor cores against the CPU");
+
+  // The fp32 tiled kernel on the same inputs.
+  std::vector<float> tq(T * NH * dqk, 0.0f), tkv(T * NH * W, 0.0f);
+  cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, tq, tkv);
+  const TcErrors et = tc_errors(dq, dkv, tq, tkv, sel, NH, dqk, dv);
+  std::printf("[cuda] MLA tc backward %s vs tiled: dq %.2e (empty rows %.2e), dk %.2e, dv %.2e\n", c.name, et.q_sel,
+              et.q_uni, et.k, et.v);
+  expect_within(et, kTcTol, "tensor cores against the tiled kernel");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaBackwardMlaTc,
+    ::testing::Values(
+        // The model's head dims; uneven packed lengths around the 64-token tile; selections up to 300 keys (several
+        // key tiles), one in six tokens with an empty selection (uniform over its sequence).
+        DsaCase{"glm_dims", {1, 63, 64, 65, 200, 300}, 2, 256, 256, 300, 150, 6},
+        DsaCase{"dims_64", {1, 63, 64, 65, 200, 300}, 3, 64, 64, 300, 150, 6},
+        DsaCase{"dims_192_128", {5, 40, 129}, 3, 192, 128, 100, 100, 6},
+        DsaCase{"dims_128", {65, 200}, 2, 128, 128, 200, 200, 4},
+        // A real-size budget (2100 ≥ top-k 2048 + pool − 1) with max_sel-sized selections, and empty rows of a
+        // sequence that spans 35 key tiles.
+        DsaCase{"long", {7, 2200}, 2, 256, 256, 2100, 48, 64}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Two runs from the same inputs give the same bits: no atomics, sums in an order fixed by the shapes.
+TEST(CudaBackwardMlaTcEdge, Deterministic) {
+  const std::vector<int64_t> cu = cu_of({7, 2200});
+  const int64_t T = cu.back(), NH = 2, dqk = 256, dv = 256, W = dqk + dv, max_sel = 2100;
+  const std::vector<float> q = round_bf16(test::randn(T * NH * dqk, 1)), kv = round_bf16(test::randn(T * NH * W, 2)),
+                           dO = test::randn(T * NH * dv, 3);
+  const Selection sel = random_selection(cu, max_sel, 48, 64, 4);
+  std::vector<float> dq1(T * NH * dqk, 0.0f), dkv1(T * NH * W, 0.0f), dq2 = dq1, dkv2 = dkv1;
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, dqk, dv, max_sel, dq1, dkv1);
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, dqk, dv, max_sel, dq2, dkv2);
+  EXPECT_TRUE(all_finite(dq1) && all_finite(dkv1));
+  EXPECT_EQ(std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(dkv1.data(), dkv2.data(), dkv1.size() * sizeof(float)), 0);
+}
+
+TEST(CudaBackwardMlaTcEdge, EmptyBatchIsANoOp) {
+  std::vector<float> dq, dkv;
+  cuda_testing::mla_sparse_attention_backward_tc({}, {}, {}, {}, {0}, 3, 256, 256, 8, dq, dkv);
+  EXPECT_TRUE(dq.empty() && dkv.empty());
+}
+
+// Every selection empty: uniform weights over each whole sequence (the build's tile ranges, not the bitmask), in
+// sequences that start and end mid-tile.
+TEST(CudaBackwardMlaTcEdge, AllSelectionsEmpty) {
+  const std::vector<int64_t> cu = cu_of({30, 100, 1, 70});
+  const int64_t T = cu.back(), NH = 2, dqk = 64, dv = 64, W = dqk + dv;
+  const std::vector<float> q = round_bf16(test::randn(T * NH * dqk, 7)), kv = round_bf16(test::randn(T * NH * W, 8)),
+                           dO = test::randn(T * NH * dv, 9);
+  const Selection sel(T);
+  std::vector<float> rq(T * NH * dqk, 0.0f), rkv(T * NH * W, 0.0f), dq = rq, dkv = rkv;
+  attention_backward_reference(q, kv, dO, sel, cu, NH, dqk, dv, rq, rkv);
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, dqk, dv, 4, dq, dkv);
+  ASSERT_TRUE(all_finite(dq) && all_finite(dkv));
+  const TcErrors e = tc_errors(dq, dkv, rq, rkv, sel, NH, dqk, dv);
+  std::printf("[cuda] MLA tc backward, all selections empty: dq %.2e, dk %.2e, dv %.2e\n", e.q_uni, e.k, e.v);
+  expect_within(e, kTcTol, "all empty");
+}
+
+// The model's shape at T = 4096 in one sequence, causal selections of min(t + 1, 2048) random keys (the first token
+// empty): prints the tensor-core and tiled kernels' milliseconds, and checks they agree. Run by hand with
+// --gtest_also_run_disabled_tests.
+TEST(CudaBackwardMlaTcPerf, DISABLED_Time) {
+  const int64_t T = 4096, NH = 64, topk = 2048, dqk = 256, dv = 256, W = dqk + dv;
+  std::mt19937 gen(7);
+  Selection sel(T);
+  std::vector<int32_t> pool(T);
+  for (int64_t t = 1; t < T; ++t) {
+    const int64_t n = std::min<int64_t>(t + 1, topk);
+    std::iota(pool.begin(), pool.begin() + t + 1, 0);
+    for (int64_t i = 0; i < n; ++i) std::swap(pool[i], pool[i + gen() % (t + 1 - i)]);  // n distinct causal keys
+    sel[t].assign(pool.begin(), pool.begin() + n);
+  }
+  const std::vector<float> q = round_bf16(test::randn(T * NH * dqk, 1)), kv = round_bf16(test::randn(T * NH * W, 2)),
+                           dO = test::randn(T * NH * dv, 3);
+  std::vector<float> dq(T * NH * dqk, 0.0f), dkv(T * NH * W, 0.0f), tq = dq, tkv = dkv;
+  double ms_tc = 0, ms_tiled = 0;
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, dq, dkv, &ms_tc);
+  cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, tq, tkv, &ms_tiled);
+  EXPECT_TRUE(all_finite(dq) && all_finite(dkv));
+  const TcErrors e = tc_errors(dq, dkv, tq, tkv, sel, NH, dqk, dv);
+  std::printf("MLA attention backward T=%lld, NH=%lld, dqk=%lld, dv=%lld, top-%lld: tensor cores %.3f ms, tiled fp32 "
+              "%.3f ms (%.1fx); tc vs tiled: dq %.2e, dk %.2e, dv %.2e\n",
+              static_cast<long long>(T), static_cast<long long>(NH), static_cast<long long>(dqk),
+              static_cast<long long>(dv), static_cast<long long>(topk), ms_tc, ms_tiled, ms_tiled / ms_tc, e.q_sel,
+              e.k, e.v);
+  expect_within(e, kTcTol, "perf shape, against the tiled kernel");
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
@@ -39,6 +40,9 @@
 #include "serve/server.h"
 #ifdef NEXTLM_HAVE_CUDA
 #include "cuda/device_model.h"
+#endif
+#ifdef NEXTLM_HAVE_NCCL
+#include "dist/cuda_parallel.h"
 #endif
 
 namespace nextlm {
@@ -236,6 +240,31 @@ void load_parallel(const std::string& dir, int tp, int ep, std::optional<dist::M
   model = dist::load_sharded(dir, *mesh);
 }
 
+#ifdef NEXTLM_HAVE_NCCL
+// score's log-probabilities on lcm(tp, ep) GPUs: under mpirun one process per GPU (GPU = world rank modulo the GPUs
+// this process sees), else one thread per GPU of this process. Every rank gets the same values.
+std::vector<std::vector<double>> gpu_parallel_logprobs(const std::string& dir, int tp, int ep,
+                                                       const PackedBatch& batch) {
+  auto run = [&](dist::Comm& world, int device) {
+    dist::CudaRank rank = dist::make_cuda_rank(world, tp, ep, device, [&](const CudaShard& shard, int dev) {
+      return CudaModel::load(dir, dev, shard);
+    });
+    return rank.model->next_token_logprobs(batch);
+  };
+  if (dist::launched_by_mpi()) {
+    const int gpus = dist::cuda_device_count();
+    if (gpus == 0) throw Error("--device cuda: no CUDA device is available");
+    return run(dist::world(), dist::world().rank() % gpus);
+  }
+  std::vector<std::vector<double>> out;
+  dist::run_gpu_ranks(tp, ep, [&](dist::Comm& world, int device) {
+    auto lps = run(world, device);
+    if (world.rank() == 0) out = std::move(lps);
+  });
+  return out;
+}
+#endif
+
 #ifdef NEXTLM_HAVE_CUDA
 // The rows [T, V] of a packed batch's logits, one tensor per sequence.
 std::vector<Tensor> split_sequences(const Tensor& all, const PackedBatch& batch) {
@@ -269,6 +298,30 @@ int cmd_score(const ScoreArgs& a) {
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
   check_model_dir(a.model);
+  // On several GPUs: each holds its slices, NCCL between them; rank 0 (or the process) writes.
+  if (parallel_run(a.tp, a.ep) && a.device == "cuda") {
+#ifdef NEXTLM_HAVE_NCCL
+    if (!a.adapter.empty()) throw UsageError("--adapter is not supported with --tp/--ep (merge it first)");
+    if (!a.logits_out.empty()) throw UsageError("--logits-out is not supported with --device cuda --tp/--ep");
+    if (a.batch_invariant) throw UsageError("--batch-invariant runs on one GPU (not with --tp/--ep)");
+    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
+    const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(a.tp, a.ep);
+    try {
+      dist::validate_layout({a.tp, a.ep}, world, cfg);
+      dist::cuda_shard(0, world, a.tp, a.ep);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    const auto seqs = read_token_jsonl(a.input, cfg.vocab_size);
+    PackedBatch batch;
+    for (const auto& s : seqs) batch.add(s);
+    const std::vector<std::vector<double>> lps = gpu_parallel_logprobs(a.model, a.tp, a.ep, batch);
+    if (dist::launched_by_mpi() && dist::world().rank() != 0) return 0;
+    return write_score_outputs(a, seqs, batch, lps, {}, out_file, t0);
+#else
+    throw UsageError("--device cuda with --tp/--ep needs a build with NCCL");
+#endif
+  }
   // Under mpirun, or with --tp/--ep, every rank loads its slices and runs the parallel forward; rank 0 writes.
   if (parallel_run(a.tp, a.ep)) {
     if (a.device != "cpu") throw UsageError("--tp/--ep and mpirun run on --device cpu only");
@@ -705,7 +758,9 @@ int run_cli_impl(int argc, char** argv) {
   sc->add_option("--adapter", score.adapter, "LoRA adapter directory (PEFT) to apply, merged in fp32")->check(non_empty());
   sc->add_flag("--batch-invariant", score.batch_invariant,
                "--device cuda: each sequence's results bitwise independent of the others in the file (slower GEMMs)");
-  sc->add_option("--tp", score.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+  sc->add_option("--tp", score.tp,
+                 "tensor-parallel ranks (CPU: under mpirun, divides -np and the head counts; --device cuda: one GPU "
+                 "per rank, threads of this process or mpirun's processes)")
       ->check(rank_count())->capture_default_str();
   sc->add_option("--ep", score.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
       ->check(rank_count())->capture_default_str();

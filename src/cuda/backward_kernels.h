@@ -78,7 +78,7 @@ void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, in
 void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,
                         int64_t T, int64_t E, int64_t k, bool norm, float scale, cudaStream_t st);
 
-// ---- KDA (src/cuda/kda_backward.cu: the recurrence; src/cuda/kda_layer_backward.cu: the rest) ----
+// ---- KDA (src/cuda/kda_backward.cu, kda_chunked_backward.cu: the recurrence; kda_layer_backward.cu: the rest) ----
 
 // Backward of the delta rule (the recurrent form, the definition of kda_chunked) over packed sequences from zero
 // states: q, k, v, g [T, H, K] (q normalised and scaled, k normalised, g the log decay), beta [T, H], do [T, H, K].
@@ -88,6 +88,17 @@ size_t kda_recurrent_backward_workspace_bytes(int64_t T, int64_t N, int64_t H, i
 void kda_recurrent_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                             const float* do_, const int32_t* cu, int64_t N, int64_t T, int64_t H, int64_t K,
                             float* dq, float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st);
+
+// The same gradients from the chunked (WY) form (src/cuda/kda_chunked_backward.cu): per chunk of 64 tokens as ch
+// describes them (the forward's plan), parallel over chunks except two passes over each sequence's chunks that carry
+// the state and its gradient; fp32 on CUDA cores, reproducible (no atomics). Inputs and outputs as
+// kda_recurrent_backward; every sequence starts from a zero state. K ∈ {32, 64, 128}. work:
+// kda_chunked_backward_workspace_bytes(ch.num_chunks, T, H, K) bytes (385 KiB per chunk and head at K = 128, so
+// 1.5 GiB at T = 4096, H = 64).
+size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
+void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
+                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st);
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, dconv [3·HK, W] += …. seq_start [T] as the forward.
@@ -129,6 +140,21 @@ void mla_sparse_attention_backward(const float* q, const float* kv, const int32_
                                    const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
                                    float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
                                    int64_t max_len, void* work, cudaStream_t st);
+
+// The same function on tensor cores (src/cuda/mla_tc_backward.cu) for the head dims mla_backward_tc_supported
+// accepts (those of mla_tc_supported): q bf16 [T, NH, dqk], kv bf16 [T, NH, dqk+dv] (16-byte aligned), do_ fp32
+// [T, NH, dv]; dq, dkv fp32 += …, reproducibly (no atomics). The products run in bf16 (do, the softmax weights and
+// their gradients are rounded to bf16), the sums in fp32: a few 1e-3 of norm-relative error against the fp32
+// function (tests bound it by 1e-2). The row log-sum-exp and D = Σ p·dp are recomputed inside (a stats pass). Its
+// cost follows the (64-query, 64-key) tile pairs holding any selected pair; at most 2^21 tokens.
+// work: mla_sparse_attention_backward_tc_workspace_bytes(T, NH, max_len, dqk, dv) bytes, 16-byte aligned.
+bool mla_backward_tc_supported(int64_t dqk, int64_t dv);
+size_t mla_sparse_attention_backward_tc_workspace_bytes(int64_t T, int64_t NH, int64_t max_len, int64_t dqk,
+                                                         int64_t dv);
+void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
+                                      const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
+                                      float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
+                                      int64_t max_len, void* work, cudaStream_t st);
 
 // The same function query-major (src/cuda/dsa_backward_scatter.cu): one block per (token, head), dk and dv added
 // with atomics (their order of additions, so their rounding, changes from run to run). Its work is proportional to

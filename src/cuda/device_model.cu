@@ -115,8 +115,38 @@ class CheckpointSource : public WeightSource {
       NEXTLM_CUDA_CHECK(cudaMemcpy(dst, f.data(), f.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
   }
+  // Slices read only their own bytes of the mapped file when the tensor is stored as the device keeps it (bf16
+  // linears, fp32 keep-tensors); another type is converted whole on the host, then cut.
+  void bf16_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                       const Slice& s, bf16* dst) override {
+    if (s.axis < 0) return bf16_into(name, shape, init, dst);
+    const TensorView& t = get(name, shape);
+    if (t.dtype == DType::BF16) return copy_slice(t.data, shape, s, dst, sizeof(bf16));
+    const std::vector<float> f = to_f32(t);
+    const std::vector<uint16_t> v = to_bf16_bits(f.data(), static_cast<int64_t>(f.size()));
+    copy_slice(v.data(), shape, s, dst, sizeof(bf16));
+  }
+  void f32_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                      const Slice& s, float* dst) override {
+    if (s.axis < 0) return f32_into(name, shape, init, dst);
+    const TensorView& t = get(name, shape);
+    if (t.dtype == DType::F32) return copy_slice(t.data, shape, s, dst, sizeof(float));
+    const std::vector<float> f = to_f32(t);
+    copy_slice(f.data(), shape, s, dst, sizeof(float));
+  }
 
  private:
+  static void copy_slice(const void* host, const std::vector<int64_t>& shape, const Slice& s, void* dst,
+                         size_t elem) {
+    const Cut c = cut_of(shape, s);
+    const char* src = static_cast<const char*>(host) + c.src_offset * elem;
+    if (c.rows == 1) {
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, src, c.width * elem, cudaMemcpyHostToDevice));
+    } else if (c.width) {
+      NEXTLM_CUDA_CHECK(cudaMemcpy2D(dst, c.width * elem, src, c.src_pitch * elem, c.width * elem, c.rows,
+                                     cudaMemcpyHostToDevice));
+    }
+  }
   const TensorView& get(const std::string& name, const std::vector<int64_t>& shape) const {
     const TensorView* t = ckpt_.find(name);
     check(t != nullptr, "checkpoint ", ckpt_.dir(), " is missing tensor ", name);
@@ -161,18 +191,19 @@ CudaModel::CudaModel(const Model& model, int device) : impl_(std::make_unique<Im
   impl_->build(src);
 }
 
-std::unique_ptr<CudaModel> CudaModel::load(const std::string& dir, int device) {
+std::unique_ptr<CudaModel> CudaModel::load(const std::string& dir, int device, const CudaShard& shard) {
   const ModelConfig c = load_config((std::filesystem::path(dir) / "config.json").string());
-  auto impl = std::make_unique<Impl>(c, device);
+  auto impl = std::make_unique<Impl>(c, device, shard);
   cuda::CheckpointSource src(dir);
   impl->build(src);
   return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
 }
 
-std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, uint64_t seed, int device) {
+std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, uint64_t seed, int device,
+                                             const CudaShard& shard) {
   validate(config);
-  auto impl = std::make_unique<Impl>(config, device);
-  cuda::RandomSource src(impl->cfg, seed, impl->stream);
+  auto impl = std::make_unique<Impl>(config, device, shard);
+  cuda::RandomSource src(impl->full, seed, impl->stream);
   impl->build(src);
   return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
 }
@@ -193,16 +224,31 @@ void CudaModel::set_weights(const Model& model) {
     const std::string full = "model.language_model.", text = "model.";
     if (name.rfind(full, 0) != 0 && name.rfind(text, 0) == 0) name = full + name.substr(text.size());
     if (f.bf16) {
-      src.bf16_into(name, f.shape, f.init, static_cast<cuda::bf16*>(f.dst));
+      src.bf16_slice_into(name, f.shape, f.init, f.slice, static_cast<cuda::bf16*>(f.dst));
     } else {
-      src.f32_into(name, f.shape, f.init, static_cast<float*>(f.dst));
+      src.f32_slice_into(name, f.shape, f.init, f.slice, static_cast<float*>(f.dst));
     }
   }
 }
 
 double CudaModel::last_forward_ms() const { return impl_->last_ms; }
 
-const ModelConfig& CudaModel::config() const { return impl_->cfg; }
+const ModelConfig& CudaModel::config() const { return impl_->full; }
+const CudaShard& CudaModel::shard() const { return impl_->shard; }
+void* CudaModel::stream() const { return impl_->stream; }
+
+void CudaModel::set_collectives(dist::Comm* tp, dist::Comm* ep) {
+  Impl& m = *impl_;
+  check(!tp || tp->size() == m.shard.tp, "set_collectives: a TP group of ", tp ? tp->size() : 0, " ranks for tp ",
+        m.shard.tp);
+  check(!ep || ep->size() == m.shard.ep, "set_collectives: an EP group of ", ep ? ep->size() : 0, " ranks for ep ",
+        m.shard.ep);
+  check((m.shard.tp == 1 || tp) && (m.shard.ep == 1 || ep), "set_collectives: a sharded model needs its groups");
+  check(m.shard.tp != m.shard.ep || m.shard.tp == 1 || tp == ep,
+        "set_collectives: with tp == ep the TP and EP groups are one communicator");
+  m.tp_comm = m.shard.tp > 1 ? tp : nullptr;
+  m.ep_comm = m.shard.ep > 1 ? ep : nullptr;
+}
 
 void CudaModel::set_profiling(bool on) { impl_->profiling = on; }
 std::vector<std::pair<std::string, double>> CudaModel::profile() const { return impl_->prof; }
@@ -219,6 +265,8 @@ void CudaModel::forward_hidden_only(const PackedBatch& batch) {
 
 Tensor CudaModel::forward(const PackedBatch& batch) {
   Impl& m = *impl_;
+  check(m.shard.tp == 1, "CudaModel::forward: full logits of a vocabulary-parallel model are not gathered (use "
+        "next_token_logprobs)");
   m.start(batch);
   const cuda::Plan p = m.plan(batch);
   const cuda::bf16* hn = m.hidden(p);
@@ -242,17 +290,35 @@ std::vector<std::vector<double>> CudaModel::next_token_logprobs(const PackedBatc
   m.start(batch);
   const cuda::Plan p = m.plan(batch);
   const cuda::bf16* hn = m.hidden(p);
-  const int64_t V = m.cfg.vocab_size, D = m.cfg.hidden_size;
+  // This rank's vocabulary rows (all of them unless vocabulary-parallel).
+  const int64_t V = m.vocab_rows, D = m.cfg.hidden_size;
   // The lm_head in row blocks of at most 1 GiB of fp32 logits (1733 rows at V = 154880, tall enough for the GEMM
   // to run near its peak), each reduced to log-probabilities at once.
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(p.T, (int64_t{1} << 28) / V));
   float* lg = m.arena.alloc<float>(block * V);
   double* lp = m.arena.alloc<double>(p.T);
   m.mark_begin("lm_head");
-  for (int64_t r0 = 0; r0 < p.T; r0 += block) {
-    const int64_t rows = std::min(block, p.T - r0);
-    m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
-    cuda::row_logprob(lg, p.targets + r0, lp + r0, rows, V, m.stream);
+  if (!m.tp_comm) {
+    for (int64_t r0 = 0; r0 < p.T; r0 += block) {
+      const int64_t rows = std::min(block, p.T - r0);
+      m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
+      cuda::row_logprob(lg, p.targets + r0, lp + r0, rows, V, m.stream);
+    }
+  } else {
+    // A parallel log-softmax: each rank's max, Σ exp and target logit over its rows, combined over TP; [T, V] is
+    // never gathered.
+    float *mx = m.arena.alloc<float>(p.T), *gmx = m.arena.alloc<float>(p.T), *sum = m.arena.alloc<float>(2 * p.T);
+    float* tl = sum + p.T;  // sum and tl side by side: one all-reduce
+    for (int64_t r0 = 0; r0 < p.T; r0 += block) {
+      const int64_t rows = std::min(block, p.T - r0);
+      m.gemm->run(hn + r0 * D, D, m.lm_head, V, D, lg, V, rows);
+      cuda::row_lse_partial(lg, p.targets + r0, m.vocab_begin, rows, V, mx + r0, sum + r0, tl + r0, m.stream);
+    }
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(gmx, mx, p.T * sizeof(float), cudaMemcpyDeviceToDevice, m.stream));
+    m.tp_comm->all_reduce_max(gmx, static_cast<size_t>(p.T));
+    cuda::lse_rescale(sum, mx, gmx, p.T, m.stream);
+    m.all_reduce(m.tp_comm, sum, 2 * p.T);
+    cuda::lse_finish(tl, gmx, sum, p.targets, lp, p.T, m.stream);
   }
   m.mark_end("lm_head");
   m.end_timing();
@@ -271,6 +337,7 @@ std::vector<TokenComparison> CudaModel::compare_with_reference(const PackedBatch
   Impl& m = *impl_;
   check(static_cast<int64_t>(ref_logp.size()) == batch.num_seqs(), "compare_with_reference: ", ref_logp.size(),
         " reference sequences for a batch of ", batch.num_seqs());
+  check(m.shard.tp == 1, "compare_with_reference: not on a vocabulary-parallel model");
   m.start(batch);
   const cuda::Plan p = m.plan(batch);
   const cuda::bf16* hn = m.hidden(p);
@@ -347,15 +414,18 @@ std::vector<float> CudaModel::sublayer(int64_t layer, bool ffn, const std::vecto
       m.moe(L.moe, a16, T, y);
     } else {
       m.mlp(L.mlp, a16, T, y);
+      m.all_reduce(m.tp_comm, y, T * D);
     }
   } else if (L.kda_layer) {
     m.kda(L.kda, p, a16, y);
+    m.all_reduce(m.tp_comm, y, T * D);
   } else {
     check(L.dsa.has_indexer, "sublayer: a shared-indexer DSA layer needs the previous layer's selection");
     const int64_t max_sel = m.cfg.index_topk + m.cfg.index_kpool - 1;
     int32_t* sel = m.arena.alloc<int32_t>(T * max_sel);
     int32_t* count = m.arena.alloc<int32_t>(T);
     m.dsa(L.dsa, p, a16, sel, count, max_sel, y);
+    m.all_reduce(m.tp_comm, y, T * D);
   }
   return to_host(y, T * D, m.stream);
 }
@@ -433,6 +503,7 @@ struct CudaDecoder::State {
 CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : st_(std::make_unique<State>()) {
   State& s = *st_;
   s.m = model.impl_.get();
+  check(!s.m->sharded(), "CudaDecoder: decoding runs on one GPU (a tensor- or expert-parallel model cannot decode)");
   const ModelConfig& c = s.m->cfg;
   check(max_seqs >= 1 && max_len >= 1, "CudaDecoder needs at least one slot of at least one token, got ", max_seqs,
         " × ", max_len);

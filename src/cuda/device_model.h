@@ -17,6 +17,10 @@
 
 namespace nextlm {
 
+namespace dist {
+class Comm;
+}
+
 // Whether a CUDA device is usable, and its name ("" when not).
 std::string cuda_device_name(int device = 0);
 
@@ -34,6 +38,15 @@ struct TokenComparison {
   double logprob = 0;       // ours, log p(x[t+1] | x[..t]); 0 for a sequence's last token
 };
 
+// This rank's share of a tensor- and expert-parallel device model (the layout of src/dist/parallel_model.h): the
+// KDA and MLA heads, the dense MLP's and the shared expert's width and the vocabulary split over `tp` ranks, the
+// routed experts over `ep` ranks, everything else (mHC, norms, f_a, g_a, q_a, kv_a, the indexer, the router)
+// replicated. Each rank reads only its slices of the checkpoint's tensors.
+struct CudaShard {
+  int tp_rank = 0, tp = 1;
+  int ep_rank = 0, ep = 1;
+};
+
 class CudaModel {
  public:
   // Uploads the weights of a loaded (fp32 host) model.
@@ -41,17 +54,28 @@ class CudaModel {
   // Reads DIR/config.json and the safetensors checkpoint in DIR (hub layout, sharded or not) and uploads every
   // text-model tensor as stored: bf16 tensors byte for byte, fp32 keep-tensors as fp32 (a tensor stored in another
   // float type is converted as Model::load would). Names and shapes are checked as Model::load checks them.
-  static std::unique_ptr<CudaModel> load(const std::string& dir, int device = 0);
+  static std::unique_ptr<CudaModel> load(const std::string& dir, int device = 0, const CudaShard& shard = {});
   // Random weights drawn on the device with the distributions of init_weights (src/model/init.h): normal(0,
   // initializer_range) linears, embedding and experts, norms 1, the KDA gate init, conv U(±1/√W), mHC fn
   // normal(0, 0.02) / base 0 / scale 1, correction bias 0, indexer ape 0 and gate 1. The same seed gives the same
   // weights; the values differ from init_weights' (another generator).
-  static std::unique_ptr<CudaModel> random(const ModelConfig& config, uint64_t seed, int device = 0);
+  // With a shard, each rank holds its slices of the same full random tensors (drawn whole on the device, then cut).
+  static std::unique_ptr<CudaModel> random(const ModelConfig& config, uint64_t seed, int device = 0,
+                                           const CudaShard& shard = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
+  // The model's config (the full model's, also on a shard).
   const ModelConfig& config() const;
+  const CudaShard& shard() const;
+  // The CUDA stream every call of this model runs on (a cudaStream_t).
+  void* stream() const;
+  // The collectives of a sharded model: over its TP group and its EP group (either may be null when its size is 1;
+  // they are the same object when tp == ep, which makes the groups equal). They get device pointers whose values
+  // the work queued on stream() produces, and must order themselves after it (dist::NcclComm built on stream()),
+  // or synchronise it. Must be set before a sharded model's first forward.
+  void set_collectives(dist::Comm* tp, dist::Comm* ep);
   // Replaces every weight with a host model's (same config; bf16 on the way as at construction), in place: for a
   // trainer whose fp32 master weights live on the host.
   void set_weights(const Model& model);

@@ -9,6 +9,12 @@ namespace nextlm::cuda {
 
 // h[t, s, :] = embed[tok[t]] for every stream s. embed bf16 [V, D]; h fp32 [T, S, D].
 void embed_streams(const int32_t* tok, const bf16* embed, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st);
+// A vocabulary-parallel embedding's share: x[t] = embed[tok[t] − begin] (fp32 [T, D]) when the token is one of the
+// rows [begin, begin + rows) that embed [rows, D] holds, else zero; summed over the ranks it is the embedding.
+void embed_rows_range(const int32_t* tok, const bf16* embed, int64_t begin, int64_t rows, float* x, int64_t T,
+                      int64_t D, cudaStream_t st);
+// h[t, s, :] = x[t] for every stream s.
+void expand_streams(const float* x, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st);
 
 // mHC pre for one site: from h [T, S, D] the mix (post [T, S], comb [T, S, S]) and the normed sub-layer input
 // a = RMSNorm(Σ_s pre_s·h_s; norm_w) in bf16 [T, D]. fn fp32 [(2+S)S, S·D], base [(2+S)S], scale [3].
@@ -155,12 +161,27 @@ size_t moe_permute_temp_bytes(int64_t n);
 void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_t* keys_sorted, int32_t* slots_in,
                  int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of, int32_t* offsets, void* temp,
                  size_t temp_bytes, cudaStream_t st);
-// y[t] (already the shared expert's output, or zero) += Σ_i w[t, i]·out[slot_of[t, i]] in i order.
+// y[t] (already the shared expert's output, or zero) += Σ_i w[t, i]·out[slot_of[t, i]] in i order. With
+// rows_held (a device int, expert parallelism) only the rows out[0 … *rows_held − 1] exist: the choices of experts
+// held elsewhere (moe_localize put them after those rows) add nothing.
 void moe_combine(float* y, const float* out, const int32_t* slot_of, const float* weights, int64_t T, int64_t k,
-                 int64_t D, cudaStream_t st);
+                 int64_t D, cudaStream_t st, const int32_t* rows_held = nullptr);
+// Expert parallelism: the chosen experts [n] of the whole model mapped to this rank's, experts[i] − begin when it
+// is one of the `count` experts from `begin`, else `count` (a last bucket that moe_permute sorts after them).
+void moe_localize(int32_t* experts, int64_t n, int64_t begin, int64_t count, cudaStream_t st);
 
 // ---- lm_head ----
 // For rows of logits [n, V]: logprob[r] = logits[r, target[r]] − logsumexp(logits[r]); target < 0 gives 0.
 void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st);
+// The same over a vocabulary split between ranks, in three steps around two collectives. For rows of a slice
+// logits [n, V] holding vocabulary entries begin … begin + V − 1: the slice's max mx[r], Σ exp(x − mx) sum[r] and the
+// target's logit tl[r] (0 when another slice holds it) (row_lse_partial); with the max over the ranks gmx (an
+// all-reduce max of mx), sum ← sum·exp(mx − gmx) (lse_rescale); after an all-reduce sum of sum and tl,
+// out[r] = tl − gmx − log(sum), 0 for target < 0 (lse_finish).
+void row_lse_partial(const float* logits, const int32_t* target, int64_t begin, int64_t n, int64_t V, float* mx,
+                     float* sum, float* tl, cudaStream_t st);
+void lse_rescale(float* sum, const float* mx, const float* gmx, int64_t n, cudaStream_t st);
+void lse_finish(const float* tl, const float* gmx, const float* sum, const int32_t* target, double* out, int64_t n,
+                cudaStream_t st);
 
 }  // namespace nextlm::cuda

@@ -15,6 +15,20 @@ __global__ void embed_kernel(const int32_t* tok, const bf16* embed, float* h, in
   }
 }
 
+// Rows of a vocabulary slice: x[t] = embed[tok[t] − begin] when the token falls in [begin, begin + rows), else 0.
+__global__ void embed_range_kernel(const int32_t* tok, const bf16* embed, int64_t begin, int64_t rows, float* x,
+                                   int64_t D) {
+  const int64_t t = blockIdx.x, r = static_cast<int64_t>(tok[t]) - begin;
+  const bool held = r >= 0 && r < rows;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) x[t * D + d] = held ? __bfloat162float(embed[r * D + d]) : 0.0f;
+}
+
+__global__ void expand_streams_kernel(const float* x, float* h, int64_t S, int64_t D) {
+  const int64_t t = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+    for (int64_t s = 0; s < S; ++s) h[(t * S + s) * D + d] = x[t * D + d];
+}
+
 __global__ void rmsnorm_kernel(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t n, float eps) {
   __shared__ float scratch[32];
   const float* row = x + blockIdx.x * ldx;
@@ -86,12 +100,59 @@ __global__ void row_logprob_kernel(const float* logits, const int32_t* target, d
   }
 }
 
+// The vocabulary slice [begin, begin + V) of a row: its max, Σ exp(x − max) and the target's logit (0 when the target
+// is not in the slice or is < 0).
+__global__ void row_lse_partial_kernel(const float* logits, const int32_t* target, int64_t begin, int64_t V,
+                                       float* mx_out, float* sum_out, float* tl_out) {
+  __shared__ float scratch[32];
+  __shared__ float wmax[32];
+  const float* row = logits + blockIdx.x * V;
+  float mx = -INFINITY;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, row[v]);
+  mx = warp_max(mx);
+  if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int i = 0; i < (blockDim.x + 31) / 32; ++i) mx = fmaxf(mx, wmax[i]);
+  float s = 0.0f;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - mx);
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) {
+    const int64_t tg = static_cast<int64_t>(target[blockIdx.x]) - begin;
+    mx_out[blockIdx.x] = mx;
+    sum_out[blockIdx.x] = s;
+    tl_out[blockIdx.x] = target[blockIdx.x] >= 0 && tg >= 0 && tg < V ? row[tg] : 0.0f;
+  }
+}
+
+__global__ void lse_rescale_kernel(float* sum, const float* mx, const float* gmx, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) sum[i] = sum[i] == 0.0f ? 0.0f : sum[i] * expf(mx[i] - gmx[i]);
+}
+
+__global__ void lse_finish_kernel(const float* tl, const float* gmx, const float* sum, const int32_t* target,
+                                  double* out, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n)
+    out[i] = target[i] < 0 ? 0.0
+                           : static_cast<double>(tl[i]) - gmx[i] - log(static_cast<double>(sum[i]));
+}
+
 int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, 256), 65535)); }
 
 }  // namespace
 
 void embed_streams(const int32_t* tok, const bf16* embed, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st) {
   if (T) embed_kernel<<<T, 256, 0, st>>>(tok, embed, h, S, D);
+}
+
+void embed_rows_range(const int32_t* tok, const bf16* embed, int64_t begin, int64_t rows, float* x, int64_t T,
+                      int64_t D, cudaStream_t st) {
+  if (T) embed_range_kernel<<<T, 256, 0, st>>>(tok, embed, begin, rows, x, D);
+}
+
+void expand_streams(const float* x, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st) {
+  if (T) expand_streams_kernel<<<T, 256, 0, st>>>(x, h, S, D);
 }
 
 void rmsnorm_rows(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t rows, int64_t n, float eps,
@@ -118,6 +179,20 @@ void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int6
 
 void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st) {
   if (n) row_logprob_kernel<<<n, 256, 0, st>>>(logits, target, out, V);
+}
+
+void row_lse_partial(const float* logits, const int32_t* target, int64_t begin, int64_t n, int64_t V, float* mx,
+                     float* sum, float* tl, cudaStream_t st) {
+  if (n) row_lse_partial_kernel<<<n, 256, 0, st>>>(logits, target, begin, V, mx, sum, tl);
+}
+
+void lse_rescale(float* sum, const float* mx, const float* gmx, int64_t n, cudaStream_t st) {
+  if (n) lse_rescale_kernel<<<ceil_div(n, 256), 256, 0, st>>>(sum, mx, gmx, n);
+}
+
+void lse_finish(const float* tl, const float* gmx, const float* sum, const int32_t* target, double* out, int64_t n,
+                cudaStream_t st) {
+  if (n) lse_finish_kernel<<<ceil_div(n, 256), 256, 0, st>>>(tl, gmx, sum, target, out, n);
 }
 
 }  // namespace nextlm::cuda

@@ -17,6 +17,7 @@
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/random_init.h"
+#include "dist/comm.h"
 #include "model/init.h"
 #include "model/lora.h"
 
@@ -138,7 +139,71 @@ class WeightSource {
                          bf16* dst) = 0;
   virtual void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
                         float* dst) = 0;
+  // A part of the tensor `name` of full shape `shape`, for a sharded model: its first dimension's rows [begin,
+  // begin + count) (axis 0), or its last dimension's columns [begin, begin + count) (axis 1), written densely.
+  struct Slice {
+    int axis = -1;  // −1: the whole tensor
+    int64_t begin = 0, count = 0;
+  };
+  // By default the whole tensor goes to a device temporary and the slice is cut from it; a checkpoint reads only
+  // the slice's bytes.
+  virtual void bf16_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                               const Slice& s, bf16* dst) {
+    if (s.axis < 0) return bf16_into(name, shape, init, dst);
+    bf16* full = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&full, numel_of_(shape) * sizeof(bf16)));
+    bf16_into(name, shape, init, full);
+    cut(full, shape, s, dst, sizeof(bf16));
+    NEXTLM_CUDA_CHECK(cudaFree(full));
+  }
+  virtual void f32_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                              const Slice& s, float* dst) {
+    if (s.axis < 0) return f32_into(name, shape, init, dst);
+    float* full = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&full, numel_of_(shape) * sizeof(float)));
+    f32_into(name, shape, init, full);
+    cut(full, shape, s, dst, sizeof(float));
+    NEXTLM_CUDA_CHECK(cudaFree(full));
+  }
+
+ protected:
+  static int64_t numel_of_(const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  // The slice's rows and row length in elements, with the offset and pitch of the source rows (the slice's rows
+  // are contiguous in the destination).
+  struct Cut {
+    int64_t rows, width, src_offset, src_pitch;
+  };
+  static Cut cut_of(const std::vector<int64_t>& shape, const Slice& s) {
+    const int64_t n = numel_of_(shape), first = shape.at(0), last = shape.back();
+    check(s.begin >= 0 && s.count >= 0 && s.begin + s.count <= (s.axis == 0 ? first : last), "slice [", s.begin,
+          ", ", s.begin + s.count, ") out of range");
+    if (s.axis == 0) return Cut{1, s.count * (n / first), s.begin * (n / first), 0};
+    return Cut{n / last, s.count, s.begin, last};
+  }
+  // Copies a slice out of a full device tensor (waiting for whatever filled it on other streams).
+  static void cut(const void* full, const std::vector<int64_t>& shape, const Slice& s, void* dst, size_t elem) {
+    NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+    const Cut c = cut_of(shape, s);
+    const char* src = static_cast<const char*>(full) + c.src_offset * elem;
+    if (c.rows == 1) {
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, src, c.width * elem, cudaMemcpyDeviceToDevice));
+    } else if (c.width) {
+      NEXTLM_CUDA_CHECK(cudaMemcpy2D(dst, c.width * elem, src, c.src_pitch * elem, c.width * elem, c.rows,
+                                     cudaMemcpyDeviceToDevice));
+    }
+  }
 };
+
+// [begin, begin + count) of part p when n items are split into `parts` nearly equal contiguous ranges (the first
+// n % parts ranges get one more), as dist::split_range.
+inline WeightSource::Slice part_of(int64_t n, int64_t parts, int64_t p, int axis) {
+  const int64_t q = n / parts, r = n % parts;
+  return WeightSource::Slice{axis, p * q + std::min(p, r), q + (p < r ? 1 : 0)};
+}
 
 inline int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -247,8 +312,30 @@ struct Grads {
 
 }  // namespace cuda
 
+// This rank's config: the KDA and MLA head counts divided by tp, the dense MLP's width its share; the vocabulary,
+// the experts and everything else as the full model's (the rank's vocabulary rows and experts are Impl's).
+inline ModelConfig shard_config(const ModelConfig& c, const CudaShard& s) {
+  check(s.tp >= 1 && s.ep >= 1 && s.tp_rank >= 0 && s.tp_rank < s.tp && s.ep_rank >= 0 && s.ep_rank < s.ep,
+        "bad shard: tp rank ", s.tp_rank, " of ", s.tp, ", ep rank ", s.ep_rank, " of ", s.ep);
+  check(c.linear_num_heads % s.tp == 0, "--tp ", s.tp, " does not divide the ", c.linear_num_heads, " KDA heads");
+  check(c.num_attention_heads % s.tp == 0, "--tp ", s.tp, " does not divide the ", c.num_attention_heads,
+        " attention heads");
+  check(c.n_routed_experts % s.ep == 0 || !c.n_routed_experts, "--ep ", s.ep, " does not divide the ",
+        c.n_routed_experts, " routed experts");
+  ModelConfig l = c;
+  l.linear_num_heads /= s.tp;
+  l.num_attention_heads /= s.tp;
+  l.intermediate_size = cuda::part_of(c.intermediate_size, s.tp, s.tp_rank, 0).count;
+  return l;
+}
+
 struct CudaModel::Impl {
-  const ModelConfig cfg;
+  const ModelConfig full;  // the model's config
+  const ModelConfig cfg;   // this rank's (shard_config); the full one when not sharded
+  const CudaShard shard;
+  dist::Comm *tp_comm = nullptr, *ep_comm = nullptr;  // set_collectives
+  int64_t vocab_begin = 0, vocab_rows = 0;            // rows of embed / lm_head held here
+  int64_t expert_begin = 0, local_experts = 0;        // routed experts held here
   int device;
   cudaStream_t stream = nullptr;
   cuda::Store store;
@@ -273,7 +360,11 @@ struct CudaModel::Impl {
   bool train_linears = true;               // whether the backward computes the linear weights' gradients
   std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
 
-  Impl(const ModelConfig& c, int dev) : cfg(c), device(dev) {
+  Impl(const ModelConfig& c, int dev, const CudaShard& sh = {})
+      : full(c), cfg(shard_config(c, sh)), shard(sh), device(dev) {
+    const cuda::WeightSource::Slice v = cuda::part_of(c.vocab_size, sh.tp, sh.tp_rank, 0),
+                                     e = cuda::part_of(c.n_routed_experts, sh.ep, sh.ep_rank, 0);
+    vocab_begin = v.begin, vocab_rows = v.count, expert_begin = e.begin, local_experts = e.count;
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
     NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
     NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -293,9 +384,11 @@ struct CudaModel::Impl {
     std::string name;
     std::vector<int64_t> shape;
     cuda::DistSpec init;
+    cuda::WeightSource::Slice slice;
     void* dst;
     bool bf16;
   };
+  bool sharded() const { return shard.tp > 1 || shard.ep > 1; }
   std::vector<Fill> fills;
 
   // Allocates and fills every weight from `src`, layer by layer in checkpoint order. Each tensor names the
@@ -312,51 +405,72 @@ struct CudaModel::Impl {
       bool random() const override { return in.random(); }
       void bf16_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
                      bf16* dst) override {
-        out.push_back({name, shape, init, dst, true});
-        in.bf16_into(name, shape, init, dst);
+        bf16_slice_into(name, shape, init, Slice{}, dst);
       }
       void f32_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
                     float* dst) override {
-        out.push_back({name, shape, init, dst, false});
-        in.f32_into(name, shape, init, dst);
+        f32_slice_into(name, shape, init, Slice{}, dst);
+      }
+      void bf16_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                           const Slice& s, bf16* dst) override {
+        out.push_back({name, shape, init, s, dst, true});
+        in.bf16_slice_into(name, shape, init, s, dst);
+      }
+      void f32_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                          const Slice& s, float* dst) override {
+        out.push_back({name, shape, init, s, dst, false});
+        in.f32_slice_into(name, shape, init, s, dst);
       }
     } src(inner, fills);
-    const ModelConfig& c = cfg;
+    // Shapes are the full model's (F); a sharded rank cuts its part of each split tensor.
+    const ModelConfig& c = full;
+    using Slice = WeightSource::Slice;
     const std::string P = src.prefix();
     const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+    const int tp = shard.tp, tr = shard.tp_rank;
     const float std_lin = static_cast<float>(c.initializer_range);
     const DistSpec normal{Dist::Normal, std_lin}, ones{Dist::Const, 1.0f}, zeros{Dist::Const, 0.0f};
-    // A linear [Σ rows, in] from parts stacked row-wise (q | k | v, gate | up).
+    // A linear [Σ rows, in] from parts stacked row-wise (q | k | v, gate | up), each given with its full rows. A
+    // row slice (axis 0) cuts the same rows of every part; a column slice (axis 1) cuts the input features.
     auto linear = [&](const std::vector<std::pair<std::string, int64_t>>& parts, int64_t in,
-                      const DistSpec* init = nullptr) {
+                      const DistSpec* init = nullptr, Slice cut = {}) {
       const DistSpec d = init ? *init : normal;
       DLinear l;
-      l.in = in;
-      for (const auto& p : parts) l.out += p.second;
-      l.w = store.alloc<bf16>(l.out * in);
+      l.in = cut.axis == 1 ? cut.count : in;
+      for (const auto& p : parts) l.out += cut.axis == 0 ? cut.count : p.second;
+      l.w = store.alloc<bf16>(l.out * l.in);
       int64_t row = 0;
       for (const auto& p : parts) {
-        src.bf16_into(p.first, {p.second, in}, d, l.w + row * in);
-        row += p.second;
+        src.bf16_slice_into(p.first, {p.second, in}, d, cut, l.w + row * l.in);
+        row += cut.axis == 0 ? cut.count : p.second;
       }
       return l;
     };
-    auto vec = [&](const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init) {
-      float* p = store.alloc<float>(numel_of(shape));
-      src.f32_into(name, shape, init, p);
+    auto vec = [&](const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
+                   Slice cut = {}) {
+      const int64_t n = numel_of(shape), held = cut.axis == 0 ? n / shape[0] * cut.count : n;
+      float* p = store.alloc<float>(held);
+      src.f32_slice_into(name, shape, init, cut, p);
       return p;
     };
+    // A dense MLP of full width I, or this rank's share of it (gate/up rows, down columns).
     auto mlp = [&](const std::string& p, int64_t I) {
-      return DMlp{linear({{p + "gate_proj.weight", I}, {p + "up_proj.weight", I}}, D),
-                  linear({{p + "down_proj.weight", D}}, I), I};
+      const Slice rows = tp > 1 ? part_of(I, tp, tr, 0) : Slice{}, cols{tp > 1 ? 1 : -1, rows.begin, rows.count};
+      return DMlp{linear({{p + "gate_proj.weight", I}, {p + "up_proj.weight", I}}, D, nullptr, rows),
+                  linear({{p + "down_proj.weight", D}}, I, nullptr, cols), tp > 1 ? rows.count : I};
     };
+    const Slice vocab = tp > 1 ? Slice{0, vocab_begin, vocab_rows} : Slice{};
 
-    DLinear emb = linear({{P + "embed_tokens.weight", V}}, D);
+    DLinear emb = linear({{P + "embed_tokens.weight", V}}, D, nullptr, vocab);
     embed = emb.w;
-    if (c.pad_token_id && *c.pad_token_id >= 0 && *c.pad_token_id < V && src.random())
-      NEXTLM_CUDA_CHECK(cudaMemsetAsync(embed + *c.pad_token_id * D, 0, D * sizeof(bf16), stream));  // padding_idx
+    if (c.pad_token_id && *c.pad_token_id >= vocab_begin && *c.pad_token_id < vocab_begin + vocab_rows &&
+        src.random())  // padding_idx
+      NEXTLM_CUDA_CHECK(
+          cudaMemsetAsync(embed + (*c.pad_token_id - vocab_begin) * D, 0, D * sizeof(bf16), stream));
     final_norm = vec(P + "norm.weight", {D}, ones);
-    lm_head = c.tie_word_embeddings && !src.has("lm_head.weight") ? embed : linear({{"lm_head.weight", V}}, D).w;
+    lm_head = c.tie_word_embeddings && !src.has("lm_head.weight")
+                  ? embed
+                  : linear({{"lm_head.weight", V}}, D, nullptr, vocab).w;
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const std::string p = P + "layers." + std::to_string(i) + ".";
       DLayer L;
@@ -371,37 +485,48 @@ struct CudaModel::Impl {
       const std::string a = p + "self_attn.";
       if (c.layer_types[i] == LayerType::LinearAttention) {
         const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
+        // This rank's heads [h0, h0 + Hl): rows of q, k, v, f_b, g_b, b, the convs, dt_bias and A_log, columns
+        // of o_proj.
+        const int64_t Hl = H / tp, h0 = tr * Hl;
+        const Slice heads = tp > 1 ? Slice{0, h0 * K, Hl * K} : Slice{}, head_rows = tp > 1 ? Slice{0, h0, Hl} : Slice{},
+                    head_cols = tp > 1 ? Slice{1, h0 * K, Hl * K} : Slice{};
         L.kda_layer = true;
         DKda& k = L.kda;
-        k.qkv = linear({{a + "q_proj.weight", HK}, {a + "k_proj.weight", HK}, {a + "v_proj.weight", HK}}, D);
+        k.qkv = linear({{a + "q_proj.weight", HK}, {a + "k_proj.weight", HK}, {a + "v_proj.weight", HK}}, D, nullptr,
+                       heads);
         // Depthwise conv weights [3·HK, W] (q | k | v); the hub stores each [HK, 1, W]. nn.Conv1d's own init.
         const float bound = 1.0f / std::sqrt(static_cast<float>(W));
-        k.conv = store.alloc<float>(3 * HK * W);
+        k.conv = store.alloc<float>(3 * Hl * K * W);
         int64_t off = 0;
         for (const char* n : {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"}) {
-          src.f32_into(a + n, {HK, 1, W}, DistSpec{Dist::Uniform, -bound, bound}, k.conv + off);
-          off += HK * W;
+          src.f32_slice_into(a + n, {HK, 1, W}, DistSpec{Dist::Uniform, -bound, bound}, heads, k.conv + off);
+          off += Hl * K * W;
         }
         k.f_a = linear({{a + "f_a_proj.weight", K}}, D);
-        k.f_b = linear({{a + "f_b_proj.weight", HK}}, K);
-        k.dt_bias = vec(a + "dt_bias", {HK}, DistSpec{Dist::DtBias, 1e-3f, 1e-1f});
-        k.A_log = vec(a + "A_log", {H}, c.linear_lower_bound ? zeros : DistSpec{Dist::LogUniform, 1.0f, 16.0f});
-        k.b = linear({{a + "b_proj.weight", H}}, D);
+        k.f_b = linear({{a + "f_b_proj.weight", HK}}, K, nullptr, heads);
+        k.dt_bias = vec(a + "dt_bias", {HK}, DistSpec{Dist::DtBias, 1e-3f, 1e-1f}, heads);
+        k.A_log = vec(a + "A_log", {H}, c.linear_lower_bound ? zeros : DistSpec{Dist::LogUniform, 1.0f, 16.0f},
+                      head_rows);
+        k.b = linear({{a + "b_proj.weight", H}}, D, nullptr, head_rows);
         k.g_a = linear({{a + "g_a_proj.weight", K}}, D);
-        k.g_b = linear({{a + "g_b_proj.weight", HK}}, K);
+        k.g_b = linear({{a + "g_b_proj.weight", HK}}, K, nullptr, heads);
         k.o_norm = vec(a + "o_norm.weight", {K}, ones);
-        k.o = linear({{a + "o_proj.weight", D}}, HK);
+        k.o = linear({{a + "o_proj.weight", D}}, HK, nullptr, head_cols);
       } else {
         const int64_t NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim, QL = c.q_lora_rank,
                       KL = c.kv_lora_rank;
+        // This rank's heads: rows of q_b and kv_b (each head's k | v rows are contiguous), columns of o_proj.
+        const int64_t NHl = NH / tp, h0 = tr * NHl;
+        const auto rows = [&](int64_t per_head) { return tp > 1 ? Slice{0, h0 * per_head, NHl * per_head} : Slice{}; };
         DDsa& d = L.dsa;
         d.q_a = linear({{a + "q_a_proj.weight", QL}}, D);
         d.q_a_norm = vec(a + "q_a_layernorm.weight", {QL}, ones);
-        d.q_b = linear({{a + "q_b_proj.weight", NH * dqk}}, QL);
+        d.q_b = linear({{a + "q_b_proj.weight", NH * dqk}}, QL, nullptr, rows(dqk));
         d.kv_a = linear({{a + "kv_a_proj_with_mqa.weight", KL}}, D);
         d.kv_a_norm = vec(a + "kv_a_layernorm.weight", {KL}, ones);
-        d.kv_b = linear({{a + "kv_b_proj.weight", NH * (dqk + dv)}}, KL);
-        d.o = linear({{a + "o_proj.weight", D}}, NH * dv);
+        d.kv_b = linear({{a + "kv_b_proj.weight", NH * (dqk + dv)}}, KL, nullptr, rows(dqk + dv));
+        d.o = linear({{a + "o_proj.weight", D}}, NH * dv, nullptr,
+                     tp > 1 ? Slice{1, h0 * dv, NHl * dv} : Slice{});
         if (c.indexer_types[i] == IndexerType::Full) {
           const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
           const std::string q = a + "indexer.";
@@ -421,14 +546,20 @@ struct CudaModel::Impl {
         L.moe_layer = true;
         L.moe.router = linear({{m + "gate.weight", E}}, D);
         L.moe.bias = vec(m + "gate.e_score_correction_bias", {E}, zeros);
-        L.moe.experts.reserve(E);
-        for (int64_t e = 0; e < E; ++e) L.moe.experts.push_back(mlp(m + "experts." + std::to_string(e) + ".", I));
+        // The routed experts held here, whole (expert parallelism splits the experts, not their width).
+        const int64_t El = local_experts;
+        L.moe.experts.reserve(El);
+        for (int64_t e = expert_begin; e < expert_begin + El; ++e) {
+          const std::string x = m + "experts." + std::to_string(e) + ".";
+          L.moe.experts.push_back(DMlp{linear({{x + "gate_proj.weight", I}, {x + "up_proj.weight", I}}, D),
+                                       linear({{x + "down_proj.weight", D}}, I), I});
+        }
         std::vector<const bf16*> gu_ptrs, dn_ptrs;
         for (const DMlp& x : L.moe.experts) gu_ptrs.push_back(x.gate_up.w), dn_ptrs.push_back(x.down.w);
-        L.moe.gate_up_ptrs = store.alloc<const bf16*>(E);
-        L.moe.down_ptrs = store.alloc<const bf16*>(E);
-        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.gate_up_ptrs, gu_ptrs.data(), E * sizeof(bf16*), cudaMemcpyHostToDevice));
-        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.down_ptrs, dn_ptrs.data(), E * sizeof(bf16*), cudaMemcpyHostToDevice));
+        L.moe.gate_up_ptrs = store.alloc<const bf16*>(El);
+        L.moe.down_ptrs = store.alloc<const bf16*>(El);
+        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.gate_up_ptrs, gu_ptrs.data(), El * sizeof(bf16*), cudaMemcpyHostToDevice));
+        NEXTLM_CUDA_CHECK(cudaMemcpy(L.moe.down_ptrs, dn_ptrs.data(), El * sizeof(bf16*), cudaMemcpyHostToDevice));
         if (c.n_shared_experts > 0) {
           L.moe.has_shared = true;
           L.moe.shared = mlp(m + "shared_experts.", I * c.n_shared_experts);
@@ -688,12 +819,16 @@ struct CudaModel::Impl {
     float* weights = arena.alloc<float>(n);
     moe_route(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
               static_cast<float>(cfg.routed_scaling_factor), stream);
+    // Expert parallelism: this rank runs its El experts on the tokens that chose them; the other choices go to a
+    // last bucket after their rows, which the combine skips (the other ranks add them).
+    const int64_t El = local_experts, buckets = El == E ? E : El + 1;
+    if (El != E) moe_localize(experts, n, expert_begin, El, stream);
     int32_t *keys = arena.alloc<int32_t>(n), *slots_in = arena.alloc<int32_t>(n), *slots = arena.alloc<int32_t>(n),
             *token_of = arena.alloc<int32_t>(n), *slot_of = arena.alloc<int32_t>(n),
-            *offsets = arena.alloc<int32_t>(E + 1);
+            *offsets = arena.alloc<int32_t>(buckets + 1);
     const size_t temp_bytes = moe_permute_temp_bytes(n);
     void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
-    moe_permute(experts, T, k, E, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes, stream);
+    moe_permute(experts, T, k, buckets, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes, stream);
     bf16* xp = arena.alloc<bf16>(n * D);
     gather_rows(a, token_of, xp, n, D, stream);
     bf16* act = arena.alloc<bf16>(n * I);
@@ -701,27 +836,27 @@ struct CudaModel::Impl {
     mark_begin("experts");
     if (moe_expert_gemm() >= 0 || step) {
       // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
-      int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(E)));
+      int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
       const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm() >= 0 ? moe_expert_gemm() : 4);
-      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(E), static_cast<int>(2 * I),
+      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
                      static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
       grouped_gemm(gu, ws, stream);
-      GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(E), static_cast<int>(D),
+      GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
                      static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
       grouped_gemm(dn, ws, stream);
     } else {
       // One cuBLASLt GEMM per expert, after a device-to-host copy of the expert boundaries.
-      std::vector<int32_t> off(E + 1);
+      std::vector<int32_t> off(El + 1);
       NEXTLM_CUDA_CHECK(
-          cudaMemcpyAsync(off.data(), offsets, (E + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+          cudaMemcpyAsync(off.data(), offsets, (El + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
       float* gu = arena.alloc<float>(n * 2 * I);
       NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      for (int64_t e = 0; e < E; ++e) {
+      for (int64_t e = 0; e < El; ++e) {
         const int64_t r0 = off[e], m = off[e + 1] - off[e];
         if (m) gemm->run(xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, gu + r0 * 2 * I, 2 * I, m);
       }
-      swiglu(gu, act, n, I, static_cast<float>(cfg.swiglu_limit), stream);
-      for (int64_t e = 0; e < E; ++e) {
+      swiglu(gu, act, off[El], I, static_cast<float>(cfg.swiglu_limit), stream);
+      for (int64_t e = 0; e < El; ++e) {
         const int64_t r0 = off[e], m = off[e + 1] - off[e];
         if (m) gemm->run(act + r0 * I, I, w.experts[e].down.w, D, I, out + r0 * D, D, m);
       }
@@ -734,7 +869,29 @@ struct CudaModel::Impl {
     } else {
       NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), stream));
     }
-    moe_combine(y, out, slot_of, weights, T, k, D, stream);
+    // y holds this rank's share of the shared expert (its TP slices). When the TP and EP groups differ, the shared
+    // expert is summed over TP first and kept by one rank of the EP group only, so that the EP sum counts it once.
+    if (tp_comm != ep_comm) {
+      all_reduce(tp_comm, y, T * D);
+      if (ep_comm && shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), stream));
+    }
+    moe_combine(y, out, slot_of, weights, T, k, D, stream, El == E ? nullptr : offsets + El);
+    all_reduce(ep_comm, y, T * D);
+  }
+
+  // x ← Σ over the group's ranks (nothing without a group).
+  void all_reduce(dist::Comm* c, float* x, int64_t n) {
+    if (c && c->size() > 1 && n) c->all_reduce_sum(x, static_cast<size_t>(n));
+  }
+  // The embedding of the tokens into the S streams h [T, S, D]; with a vocabulary split, each rank's rows summed
+  // over TP (the rows of one rank, zeros elsewhere).
+  void embed_into(const int32_t* tokens, float* h, int64_t T) {
+    const int64_t S = cfg.hc_mult, D = cfg.hidden_size;
+    if (vocab_rows == cfg.vocab_size) return cuda::embed_streams(tokens, embed, h, T, S, D, stream);
+    float* x = arena.alloc<float>(T * D);
+    cuda::embed_rows_range(tokens, embed, vocab_begin, vocab_rows, x, T, D, stream);
+    all_reduce(tp_comm, x, T * D);
+    cuda::expand_streams(x, h, T, S, D, stream);
   }
 
   // The mHC parameters of one site of layer L (the attention one, or the feed-forward one when ffn), with the
@@ -759,7 +916,7 @@ struct CudaModel::Impl {
     const int64_t max_sel = cfg.index_topk + cfg.index_kpool - 1;
     int32_t* sel = arena.alloc<int32_t>(T * max_sel);
     int32_t* count = arena.alloc<int32_t>(T);
-    embed_streams(p.tokens, embed, h, T, S, D, stream);
+    embed_into(p.tokens, h, T);
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     for (size_t i = 0; i < layers.size(); ++i) {
       cur_layer = i;
@@ -773,6 +930,7 @@ struct CudaModel::Impl {
       } else {
         dsa(L.dsa, p, a, sel, count, max_sel, y);
       }
+      all_reduce(tp_comm, y, T * D);  // each rank's heads through its o_proj columns
       mark_end(L.kda_layer ? "kda layer" : "dsa layer");
       mark_begin("mhc");
       mhc_post(h, y, post, comb, T, S, D, stream);
@@ -783,6 +941,7 @@ struct CudaModel::Impl {
         moe(L.moe, a, T, y);
       } else {
         mlp(L.mlp, a, T, y);
+        all_reduce(tp_comm, y, T * D);
       }
       mark_end(L.moe_layer ? "moe" : "dense mlp");
       mark_begin("mhc");
@@ -987,6 +1146,8 @@ struct CudaModel::Impl {
   }
 
   void start(const PackedBatch& b) {
+    check(!sharded() || ((shard.tp == 1 || tp_comm) && (shard.ep == 1 || ep_comm)),
+          "a tensor- or expert-parallel CudaModel needs its groups (set_collectives)");
     arena.reset();
     accum.clear();
     NEXTLM_CUDA_CHECK(cudaEventRecord(fwd_begin, stream));

@@ -113,12 +113,25 @@ __global__ void swiglu_kernel(const float* gu, bf16* act, int64_t n, int64_t I, 
   }
 }
 
-__global__ void combine_kernel(float* y, const float* out, const int32_t* slot_of, const float* w, int64_t k, int64_t D) {
+__global__ void combine_kernel(float* y, const float* out, const int32_t* slot_of, const float* w, int64_t k, int64_t D,
+                               const int32_t* rows_held) {
   const int64_t t = blockIdx.x;
+  const int32_t held = rows_held ? *rows_held : INT_MAX;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = y[t * D + d];
-    for (int64_t i = 0; i < k; ++i) acc += w[t * k + i] * out[static_cast<int64_t>(slot_of[t * k + i]) * D + d];
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t row = slot_of[t * k + i];
+      if (row < held) acc += w[t * k + i] * out[static_cast<int64_t>(row) * D + d];
+    }
     y[t * D + d] = acc;
+  }
+}
+
+__global__ void localize_kernel(int32_t* experts, int64_t n, int64_t begin, int64_t count) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) {
+    const int64_t e = static_cast<int64_t>(experts[i]) - begin;
+    experts[i] = static_cast<int32_t>(e >= 0 && e < count ? e : count);
   }
 }
 
@@ -183,8 +196,12 @@ void swiglu(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaS
 }
 
 void moe_combine(float* y, const float* out, const int32_t* slot_of, const float* weights, int64_t T, int64_t k,
-                 int64_t D, cudaStream_t st) {
-  if (T) combine_kernel<<<T, 256, 0, st>>>(y, out, slot_of, weights, k, D);
+                 int64_t D, cudaStream_t st, const int32_t* rows_held) {
+  if (T) combine_kernel<<<T, 256, 0, st>>>(y, out, slot_of, weights, k, D, rows_held);
+}
+
+void moe_localize(int32_t* experts, int64_t n, int64_t begin, int64_t count, cudaStream_t st) {
+  if (n) localize_kernel<<<ceil_div(n, 256), 256, 0, st>>>(experts, n, begin, count);
 }
 
 }  // namespace nextlm::cuda

@@ -1,4 +1,4 @@
-// Test hook of the DSA attention backward (see testing_dsa_backward.h).
+// Test hooks of the DSA attention backward kernels (see testing_dsa_backward.h).
 #include "cuda/testing_dsa_backward.h"
 
 #include <algorithm>
@@ -39,11 +39,15 @@ constexpr int32_t kFarKey = 1 << 30;  // an unused selection slot: kv row far pa
 
 }  // namespace
 
-void mla_sparse_attention_backward(const std::vector<float>& q, const std::vector<float>& kv,
-                                   const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
-                                   const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv,
-                                   int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv, double* ms,
-                                   bool scatter) {
+namespace {
+
+enum class Kernel { Tiled, Scatter, TensorCore };
+
+// The shared body of the entry points: uploads, one run (plus one timed when ms), guard checks, downloads.
+void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<float>& kv,
+                  const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
+                  const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
+                  std::vector<float>& dq, std::vector<float>& dkv, double* ms) {
   const int64_t T = cu.back(), W = dqk + dv;
   check(static_cast<int64_t>(sel.size()) == T && static_cast<int64_t>(q.size()) == T * NH * dqk &&
             static_cast<int64_t>(kv.size()) == T * NH * W && static_cast<int64_t>(dout.size()) == T * NH * dv &&
@@ -67,22 +71,45 @@ void mla_sparse_attention_backward(const std::vector<float>& q, const std::vecto
     g.insert(g.end(), kGuard, kGuardValue);
     return g;
   };
-  DevBuf bq(q.size() * 4), bkv(kv.size() * 4), bdo(dout.size() * 4), bsel(sel_flat.size() * 4), bcount(T * 4),
-      bstart(T * 4), blen(T * 4), bdq((dq.size() + kGuard) * 4), bdkv((dkv.size() + kGuard) * 4);
-  put(bq, q), put(bkv, kv), put(bdo, dout), put(bsel, sel_flat), put(bcount, count), put(bstart, start);
+  auto half = [](const std::vector<float>& v) {
+    std::vector<cuda::bf16> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) h[i] = __float2bfloat16(v[i]);
+    return h;
+  };
+  const bool tc = kernel == Kernel::TensorCore;
+  const size_t elem = tc ? sizeof(cuda::bf16) : sizeof(float);
+  DevBuf bq(q.size() * elem), bkv(kv.size() * elem), bdo(dout.size() * 4), bsel(sel_flat.size() * 4),
+      bcount(T * 4), bstart(T * 4), blen(T * 4), bdq((dq.size() + kGuard) * 4), bdkv((dkv.size() + kGuard) * 4);
+  if (tc) {
+    put(bq, half(q)), put(bkv, half(kv));
+  } else {
+    put(bq, q), put(bkv, kv);
+  }
+  put(bdo, dout), put(bsel, sel_flat), put(bcount, count), put(bstart, start);
   put(blen, len), put(bdq, guarded(dq)), put(bdkv, guarded(dkv));
-  DevBuf work(cuda::mla_sparse_attention_backward_workspace_bytes(T, NH, max_len));
-  NEXTLM_CUDA_CHECK(cudaMemset(work.p, 0xff, cuda::mla_sparse_attention_backward_workspace_bytes(T, NH, max_len)));
+  const size_t work_bytes = tc ? cuda::mla_sparse_attention_backward_tc_workspace_bytes(T, NH, max_len, dqk, dv)
+                               : cuda::mla_sparse_attention_backward_workspace_bytes(T, NH, max_len);
+  DevBuf work(work_bytes);
+  NEXTLM_CUDA_CHECK(cudaMemset(work.p, 0xff, work_bytes));
   auto run = [&](float* dq_dev, float* dkv_dev) {
-    if (scatter) {
-      cuda::mla_sparse_attention_backward_scatter(bq.as<float>(), bkv.as<float>(), bsel.as<int32_t>(),
-                                                  bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
-                                                  bdo.as<float>(), dq_dev, dkv_dev, T, NH, dqk, dv, max_sel, nullptr);
-      return;
+    switch (kernel) {
+      case Kernel::Scatter:
+        cuda::mla_sparse_attention_backward_scatter(bq.as<float>(), bkv.as<float>(), bsel.as<int32_t>(),
+                                                    bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
+                                                    bdo.as<float>(), dq_dev, dkv_dev, T, NH, dqk, dv, max_sel, nullptr);
+        return;
+      case Kernel::Tiled:
+        cuda::mla_sparse_attention_backward(bq.as<float>(), bkv.as<float>(), bsel.as<int32_t>(), bcount.as<int32_t>(),
+                                            bstart.as<int32_t>(), blen.as<int32_t>(), bdo.as<float>(), dq_dev, dkv_dev,
+                                            T, NH, dqk, dv, max_sel, max_len, work.p, nullptr);
+        return;
+      case Kernel::TensorCore:
+        cuda::mla_sparse_attention_backward_tc(bq.as<cuda::bf16>(), bkv.as<cuda::bf16>(), bsel.as<int32_t>(),
+                                               bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
+                                               bdo.as<float>(), dq_dev, dkv_dev, T, NH, dqk, dv, max_sel, max_len,
+                                               work.p, nullptr);
+        return;
     }
-    cuda::mla_sparse_attention_backward(bq.as<float>(), bkv.as<float>(), bsel.as<int32_t>(), bcount.as<int32_t>(),
-                                        bstart.as<int32_t>(), blen.as<int32_t>(), bdo.as<float>(), dq_dev, dkv_dev, T,
-                                        NH, dqk, dv, max_sel, max_len, work.p, nullptr);
   };
   run(bdq.as<float>(), bdkv.as<float>());
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
@@ -106,6 +133,23 @@ void mla_sparse_attention_backward(const std::vector<float>& q, const std::vecto
           "mla_sparse_attention_backward wrote past the end of dq or dkv");
   std::copy(gq.begin(), gq.begin() + dq.size(), dq.begin());
   std::copy(gkv.begin(), gkv.begin() + dkv.size(), dkv.begin());
+}
+
+}  // namespace
+
+void mla_sparse_attention_backward(const std::vector<float>& q, const std::vector<float>& kv,
+                                   const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
+                                   const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv,
+                                   int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv, double* ms,
+                                   bool scatter) {
+  run_backward(scatter ? Kernel::Scatter : Kernel::Tiled, q, kv, dout, sel, cu, NH, dqk, dv, max_sel, dq, dkv, ms);
+}
+
+void mla_sparse_attention_backward_tc(const std::vector<float>& q, const std::vector<float>& kv,
+                                      const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
+                                      const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv,
+                                      int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv, double* ms) {
+  run_backward(Kernel::TensorCore, q, kv, dout, sel, cu, NH, dqk, dv, max_sel, dq, dkv, ms);
 }
 
 }  // namespace nextlm::cuda_testing

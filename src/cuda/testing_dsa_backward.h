@@ -1,4 +1,4 @@
-// Host-side entry point to the DSA attention backward kernel (backward_kernels.h), for its test.
+// Host-side entry points to the DSA attention backward kernels (backward_kernels.h), for their tests.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -18,5 +18,15 @@ void mla_sparse_attention_backward(const std::vector<float>& q, const std::vecto
                                    const std::vector<int64_t>& cu_seqlens, int64_t NH, int64_t dqk, int64_t dv,
                                    int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
                                    double* ms = nullptr, bool scatter = false);
+
+// mla_sparse_attention_backward_tc (the tensor-core kernel) with the same conventions: q and kv are converted to
+// bf16 (round to nearest even) for the upload, so a caller comparing against an fp32 reference should round them to
+// bf16 first; dout stays fp32. The workspace starts filled with garbage (0xff bytes); guard floats after dq and dkv.
+// ms non-null: one more timed run, as above.
+void mla_sparse_attention_backward_tc(const std::vector<float>& q, const std::vector<float>& kv,
+                                      const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
+                                      const std::vector<int64_t>& cu_seqlens, int64_t NH, int64_t dqk, int64_t dv,
+                                      int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
+                                      double* ms = nullptr);
 
 }  // namespace nextlm::cuda_testing

@@ -1,4 +1,5 @@
-// Host-side entry point to the KDA recurrence backward kernel (src/cuda/kda_backward.cu), for its tests.
+// Host-side entry points to the KDA recurrence backward kernels (src/cuda/kda_backward.cu, the recurrent form;
+// src/cuda/kda_chunked_backward.cu, the chunked form), for their tests.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -19,5 +20,14 @@ KdaBackwardGrads kda_recurrent_backward(const std::vector<float>& q, const std::
                                         const std::vector<float>& beta, const std::vector<float>& do_,
                                         const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
                                         const KdaBackwardGrads& init = {}, double* ms = nullptr);
+
+// cuda::kda_chunked_backward on the same inputs, with the chunks of 64 built from cu_seqlens as the forward's plan
+// builds them; the workspace is poisoned with NaN first (every factor read must have been written). Same init / ms
+// conventions as above.
+KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::vector<float>& k,
+                                      const std::vector<float>& v, const std::vector<float>& g,
+                                      const std::vector<float>& beta, const std::vector<float>& do_,
+                                      const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
+                                      const KdaBackwardGrads& init = {}, double* ms = nullptr);
 
 }  // namespace nextlm::cuda_testing

@@ -4,6 +4,11 @@
 // each one's mHC mix and sub-layer (keeping the activations its backward reads, in the arena) and then running the
 // backward kernels (backward_kernels.h) and the GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). The forward pass and the
 // recomputation run the same functions on the same inputs, so they give the same bits.
+// On one rank of a tensor/expert-parallel model (CudaShard) the same step runs on the rank's slices with the
+// collectives of src/dist/parallel_train.h's design: each sub-layer's output and input gradient are shares summed
+// over TP (the MoE's over TP and EP), the head is a vocabulary-parallel cross-entropy, and the gradients of the
+// replicated tensors that feed only a rank's heads stay partial (dist::gather_gradients sums them; the router's,
+// partial over EP, gradients() sums).
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -24,6 +29,51 @@ __global__ void scale_to_bf16_kernel(const float* x, float s, bf16* y, int64_t n
     y[i] = __float2bfloat16(s * x[i]);
 }
 
+// The vocabulary-parallel cross-entropy of rows of a logits slice [n, V] holding entries begin … begin + V − 1,
+// given each row's max gmx, Σ exp(x − gmx) gsum and target logit tl over the whole vocabulary (reduced over TP):
+// dlogits = wt·(softmax − onehot) on the slice (bf16, written), loss[r] = wt·(lse − tl) (written; 0 without a term).
+__global__ void split_xent_kernel(const float* logits, const int32_t* target, int64_t begin, const float* wt,
+                                  const float* gmx, const float* gsum, const float* tl, double* loss, bf16* dlogits,
+                                  int64_t n, int64_t V) {
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* row = logits + r * V;
+    bf16* drow = dlogits + r * V;
+    const int32_t tg = target[r];
+    const float w = tg >= 0 && wt ? wt[r] : 1.0f;
+    if (tg < 0 || w == 0.0f) {
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) drow[v] = __float2bfloat16(0.0f);
+      if (threadIdx.x == 0) loss[r] = 0.0;
+      continue;
+    }
+    const float m = gmx[r], inv = 1.0f / gsum[r];
+    const int64_t local = static_cast<int64_t>(tg) - begin;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+      const float p = expf(row[v] - m) * inv;
+      drow[v] = __float2bfloat16(w * (v == local ? p - 1.0f : p));
+    }
+    if (threadIdx.x == 0)
+      loss[r] = static_cast<double>(w) *
+                (static_cast<double>(m) + log(static_cast<double>(gsum[r])) - static_cast<double>(tl[r]));
+  }
+}
+
+__global__ void bf16_to_f32_kernel(const bf16* x, float* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}
+
+// The tokens in a vocabulary slice's numbering: tok − begin when held, else `skip` (the embedding backward's pad
+// id, so that it adds nothing for them).
+__global__ void local_tokens_kernel(const int32_t* tok, int32_t* out, int64_t T, int64_t begin, int64_t rows,
+                                    int32_t skip) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t < T) {
+    const int64_t r = static_cast<int64_t>(tok[t]) - begin;
+    out[t] = r >= 0 && r < rows ? static_cast<int32_t>(r) : skip;
+  }
+}
+
 // What each sub-layer's backward reads, kept by its training forward (arena memory).
 struct KdaActs {
   float *raw, *q, *k, *v, *fa, *f, *g, *beta, *ga, *gate, *o;
@@ -32,6 +82,7 @@ struct KdaActs {
 struct DsaActs {
   float *qa, *q, *lat, *kv;
   bf16 *qr, *lat16, *o;
+  bf16 *q16 = nullptr, *kv16 = nullptr;  // the tensor-core attention's bf16 q and kv (both passes read them)
 };
 struct MlpActs {
   float* gu;
@@ -39,7 +90,10 @@ struct MlpActs {
 };
 struct MoeActs {
   float *logits, *weights, *gu, *out;
-  int32_t *experts, *slot_of, *offsets;  // offsets [E + 1]: the experts' row ranges in the permuted order
+  // offsets [El + 1]: this rank's experts' row ranges in the permuted order (El = all E unless expert-parallel;
+  // then the other ranks' choices come after them, from row *rows_held on)
+  int32_t *experts, *slot_of, *offsets;
+  const int32_t* rows_held = nullptr;
   bf16 *xp, *act;
   MlpActs shared;
 };
@@ -144,7 +198,7 @@ class Step {
       return;
     }
     const std::vector<int32_t> off = host_offsets(x.offsets);
-    for (int64_t e = 0; e < c_.n_routed_experts; ++e) {
+    for (int64_t e = 0; e < m_.local_experts; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (!rows) continue;
       for (LoraKind k : kinds)
@@ -166,7 +220,7 @@ class Step {
         if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, n, dx);
       return;
     }
-    for (int64_t e = 0; e < c_.n_routed_experts; ++e) {
+    for (int64_t e = 0; e < m_.local_experts; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (!rows) continue;
       for (LoraKind k : kinds)
@@ -175,9 +229,9 @@ class Step {
     }
   }
 
-  // The expert boundaries [E + 1] on the host (synchronises the stream).
+  // This rank's expert boundaries [El + 1] on the host (synchronises the stream).
   std::vector<int32_t> host_offsets(const int32_t* offsets) {
-    std::vector<int32_t> off(c_.n_routed_experts + 1);
+    std::vector<int32_t> off(m_.local_experts + 1);
     NEXTLM_CUDA_CHECK(
         cudaMemcpyAsync(off.data(), offsets, off.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, m_.stream));
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m_.stream));
@@ -251,8 +305,22 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.gate = ar.alloc<float>(T * HK);
   linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
   x.o = ar.alloc<float>(T * HK);
-  float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
-  kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
+  if (m_.kda_tc_path()) {
+    // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel), as inference runs it; the backward
+    // reads the fp32 q, k, v, g kept above.
+    bf16* o16 = ar.alloc<bf16>(T * HK);
+    void* work = ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
+    kda_chunked_tc(half(x.q, T * HK), half(x.k, T * HK), half(x.v, T * HK), x.f, x.beta, w.dt_bias, w.A_log, bound,
+                   o16, p_.chunks, kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
+    if (T > 0) {
+      bf16_to_f32_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * HK, 256), 4096)), 256, 0, st>>>(
+          o16, x.o, T * HK);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+    }
+  } else {
+    float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
+    kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
+  }
   x.o16 = ar.alloc<bf16>(T * HK);
   kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, static_cast<float>(c_.rms_norm_eps), st);
   linear_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
@@ -277,12 +345,18 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   float* dga = zeros(T * K);
   linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, half(dgate, T * HK), dga, gw.g_b);
   linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
-  // The recurrence, backward through time.
+  // The recurrence: in the chunked (WY) form for the head dims it has, else backward through time.
   float *dq = zeros(T * HK), *dk = zeros(T * HK), *dv = zeros(T * HK), *dg = zeros(T * HK), *dbeta = zeros(T * H);
-  void* work = ar.alloc<unsigned char>(
-      static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
-  kda_recurrent_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.cu, p_.num_seqs, T, H, K, dq, dk, dv, dg, dbeta, work,
-                         st);
+  if (K == 32 || K == 64 || K == 128) {
+    void* work = ar.alloc<unsigned char>(
+        static_cast<int64_t>(kda_chunked_backward_workspace_bytes(p_.chunks.num_chunks, T, H, K)));
+    kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st);
+  } else {
+    void* work = ar.alloc<unsigned char>(
+        static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
+    kda_recurrent_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.cu, p_.num_seqs, T, H, K, dq, dk, dv, dg, dbeta, work,
+                           st);
+  }
   // beta = sigmoid(b_proj·a)
   sigmoid_backward_inplace(x.beta, dbeta, T * H, st);
   linear_backward(i, {LoraKind::KdaB}, w.b, a, D, half(dbeta, T * H), da, gw.b);
@@ -326,8 +400,10 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   if (mla_tc_supported(dqk, dv)) {
     // The forward's tensor-core kernel on bf16 copies (the backward recomputes the softmax in fp32).
     const int64_t words = mla_mask_words(p_.max_len);
-    mla_sparse_attention_tc(half(x.q, T * NH * dqk), half(x.kv, T * NH * (dqk + dv)), sel, count, p_.seq_start, lens,
-                            x.o, ar.alloc<uint32_t>(T * words), words, T, NH, dqk, dv, max_sel(), st);
+    x.q16 = half(x.q, T * NH * dqk);
+    x.kv16 = half(x.kv, T * NH * (dqk + dv));
+    mla_sparse_attention_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, x.o, ar.alloc<uint32_t>(T * words), words,
+                            T, NH, dqk, dv, max_sel(), st);
   } else {
     mla_sparse_attention(x.q, x.kv, sel, count, p_.seq_start, lens, x.o, T, NH, dqk, dv, max_sel(), st);
   }
@@ -344,8 +420,11 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   float* dO = zeros(T * NH * dv);
   linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, half(dy, T * D), dO, gw.o);
   float *dq = zeros(T * NH * dqk), *dkv = zeros(T * NH * (dqk + dv));
-  // The tiled kernel (deterministic) unless the selections are sparse in the causal triangle, as in long sequences,
-  // or the head dims exceed its limits: then the scatter kernel, whose work follows the selected pairs.
+  // The tensor-core kernel where the forward ran on tensor cores (its bf16 q and kv), else the fp32 tiled one; both
+  // deterministic, their cost following the causal triangle's tiles. When the selections are so sparse in the
+  // triangle that the scatter kernel's cost, following the selected pairs, is lower (or the head dims exceed the
+  // tiled kernel's limits), the scatter one. Measured on the H200 at NH 64, dqk = dv = 256: ~1.6 ns per causal pair
+  // on tensor cores (14.7 ms at T 4096), ~18 ns tiled fp32, ~41 ns per selected pair scattered.
   double selected = 0, causal = 0;
   for (const int64_t L : p_.lens) {
     const double l = static_cast<double>(L), m = static_cast<double>(std::min(max_sel(), L));
@@ -354,7 +433,13 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   }
   const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
   const bool tiled_dims = (dqk + 3) / 4 * 4 <= 256 && (dqk + 3) / 4 * 4 + (dv + 3) / 4 * 4 <= 512;
-  if (!tiled_dims || mla_backward_use_scatter(selected, causal)) {
+  const bool tc = x.q16 && mla_backward_tc_supported(dqk, dv) && T <= (int64_t{1} << 21);
+  if (tc && selected * 41.0 >= causal * 1.6) {
+    void* work = ar.alloc<unsigned char>(
+        static_cast<int64_t>(mla_sparse_attention_backward_tc_workspace_bytes(T, NH, p_.max_len, dqk, dv)));
+    mla_sparse_attention_backward_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
+                                     max_sel(), p_.max_len, work, st);
+  } else if (!tiled_dims || mla_backward_use_scatter(selected, causal)) {
     mla_sparse_attention_backward_scatter(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
                                           max_sel(), st);
   } else {
@@ -415,39 +500,50 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   x.weights = ar.alloc<float>(n);
   moe_route(x.logits, w.bias, x.experts, x.weights, T, E, c_.n_group, c_.topk_group, k, c_.norm_topk_prob,
             static_cast<float>(c_.routed_scaling_factor), st);
+  // Expert parallelism: this rank's El experts run on the rows that chose them; the other choices are sorted after
+  // them (moe_localize on a copy: the router's backward needs the chosen experts' own ids), and their output rows
+  // are zero, so that their routing weights get no gradient here (the ranks holding them give it).
+  const int64_t El = m_.local_experts, buckets = El == E ? E : El + 1;
+  int32_t* keys_in = x.experts;
+  if (El != E) {
+    keys_in = ar.alloc<int32_t>(n);
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(keys_in, x.experts, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, st));
+    moe_localize(keys_in, n, m_.expert_begin, El, st);
+  }
   int32_t *keys = ar.alloc<int32_t>(n), *slots_in = ar.alloc<int32_t>(n), *slots = ar.alloc<int32_t>(n),
           *token_of = ar.alloc<int32_t>(n);
-  x.offsets = ar.alloc<int32_t>(E + 1);
+  x.offsets = ar.alloc<int32_t>(buckets + 1);
+  x.rows_held = El == E ? nullptr : x.offsets + El;
   x.slot_of = ar.alloc<int32_t>(n);
   const size_t temp_bytes = moe_permute_temp_bytes(n);
   void* temp = ar.alloc<char>(static_cast<int64_t>(temp_bytes));
-  moe_permute(x.experts, T, k, E, keys, slots_in, slots, token_of, x.slot_of, x.offsets, temp, temp_bytes, st);
+  moe_permute(keys_in, T, k, buckets, keys, slots_in, slots, token_of, x.slot_of, x.offsets, temp, temp_bytes, st);
   x.xp = ar.alloc<bf16>(n * D);
   gather_rows(a, token_of, x.xp, n, D, st);
   x.gu = ar.alloc<float>(n * 2 * I);
   x.act = ar.alloc<bf16>(n * I);
-  x.out = ar.alloc<float>(n * D);
+  x.out = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
   if (moe_expert_gemm() >= 0) {
-    int32_t* ws = ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(E)));
+    int32_t* ws = ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
     const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm());
-    grouped_gemm(GroupedGemm{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(E), static_cast<int>(2 * I),
+    grouped_gemm(GroupedGemm{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                              static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel},
                  ws, st);
     expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
-    grouped_gemm(GroupedGemm{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(E), static_cast<int>(D),
+    grouped_gemm(GroupedGemm{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
                              static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel},
                  ws, st);
     expert_adapters_forward(i, x, {LoraKind::ExpertDown});
   } else {
     const std::vector<int32_t> off = host_offsets(x.offsets);
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < El; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
     }
     expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-    swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
-    for (int64_t e = 0; e < E; ++e) {
+    swiglu(x.gu, x.act, off[El], I, static_cast<float>(c_.swiglu_limit), st);
+    for (int64_t e = 0; e < El; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
     }
@@ -458,7 +554,14 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   } else {
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), st));
   }
-  moe_combine(y, x.out, x.slot_of, x.weights, T, k, D, st);
+  // y holds this rank's share of the shared expert; as the forward's moe (model_impl.h): with distinct TP and EP
+  // groups it is summed over TP and kept by EP rank 0 alone, then the routed experts' shares are summed over EP.
+  if (m_.tp_comm != m_.ep_comm) {
+    m_.all_reduce(m_.tp_comm, y, T * D);
+    if (m_.ep_comm && m_.shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), st));
+  }
+  moe_combine(y, x.out, x.slot_of, x.weights, T, k, D, st, x.rows_held);
+  m_.all_reduce(m_.ep_comm, y, T * D);
 }
 
 void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
@@ -467,7 +570,15 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
                 I = c_.moe_intermediate_size, n = T * k;
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
-  // y = shared(a) + Σ_i w_i·out_i
+  // y = shared(a) + Σ_i w_i·out_i. The shared expert first: its input gradient is a share over TP, summed, and (as
+  // in the forward) kept by EP rank 0 alone when the groups differ; the routed experts' and the router's shares
+  // are then added and summed over EP.
+  if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, half(dy, T * D), da);
+  if (m_.tp_comm != m_.ep_comm) {
+    m_.all_reduce(m_.tp_comm, da, T * D);
+    if (m_.ep_comm && m_.shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
+  }
+  const int64_t El = m_.local_experts;
   bf16* dout = ar.alloc<bf16>(n * D);
   float* dweights = ar.alloc<float>(n);
   moe_combine_backward(dy, x.out, x.slot_of, x.weights, dout, dweights, T, k, D, st);
@@ -475,7 +586,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // (dx = dy·W) run one cuBLASLt GEMM per expert, after a host sync of the boundaries.
   const std::vector<int32_t> off = host_offsets(x.offsets);
   float* dact = ar.alloc<float>(n * I);
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < El; ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
@@ -484,8 +595,8 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
-  float* dxp = ar.alloc<float>(n * D);
-  for (int64_t e = 0; e < E; ++e) {
+  float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);  // the other ranks' rows stay zero
+  for (int64_t e = 0; e < El; ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].gate_up)
@@ -499,44 +610,43 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   moe_route_backward(x.logits, x.experts, dweights, dlogits, T, E, k, c_.norm_topk_prob,
                      static_cast<float>(c_.routed_scaling_factor), st);
   linear_backward(w.router, a, D, half(dlogits, T * E), T, da, gw.router);
-  if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, half(dy, T * D), da);
+  m_.all_reduce(m_.ep_comm, da, T * D);
 }
 
 void Step::sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y) {
   const DLayer& L = m_.layers[i];
+  // On a sharded model each sub-layer's output is a share over TP (the MoE reduces its own, over TP and EP).
+  if (ffn && L.moe_layer) return moe_forward(i, L.moe, a, x.moe, y);
   if (ffn) {
-    if (L.moe_layer) {
-      moe_forward(i, L.moe, a, x.moe, y);
-    } else {
-      mlp_forward(i, false, L.mlp, a, x.mlp, y);
-    }
+    mlp_forward(i, false, L.mlp, a, x.mlp, y);
   } else if (L.kda_layer) {
     kda_forward(i, L.kda, a, x.kda, y);
   } else {
     dsa_forward(i, L.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, y);
   }
+  m_.all_reduce(m_.tp_comm, y, T() * c_.hidden_size);
 }
 
 void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, float* da) {
   const DLayer& L = m_.layers[i];
   GLayer& G = g_.layers[i];
+  // The input gradient is a share over TP, as the output was (the MoE reduces its own).
+  if (ffn && L.moe_layer) return moe_backward(i, L.moe, G.moe, a, x.moe, dy, da);
   if (ffn) {
-    if (L.moe_layer) {
-      moe_backward(i, L.moe, G.moe, a, x.moe, dy, da);
-    } else {
-      mlp_backward(i, false, L.mlp, G.mlp, a, x.mlp, half(dy, T() * c_.hidden_size), da);
-    }
+    mlp_backward(i, false, L.mlp, G.mlp, a, x.mlp, half(dy, T() * c_.hidden_size), da);
   } else if (L.kda_layer) {
     kda_backward(i, L.kda, G.kda, a, x.kda, dy, da);
   } else {
     dsa_backward(i, L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy, da);
   }
+  m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
 }
 
 // The loss from the final streams h [T, S, D] in row blocks of the lm_head (at most 1 GiB of fp32 logits), with
 // dL/dh added into dh and the head's gradients into g_.
 double Step::head_backward(const float* h, const float* row_weight, float* dh) {
-  const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, V = c_.vocab_size;
+  // V: this rank's vocabulary rows (all of them unless vocabulary-parallel).
+  const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, V = m_.vocab_rows;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
@@ -550,11 +660,25 @@ double Step::head_backward(const float* h, const float* row_weight, float* dh) {
   for (int64_t r0 = 0; r0 < T; r0 += block) {
     const int64_t rows = std::min(block, T - r0);
     m_.gemm->run(hn + r0 * D, D, m_.lm_head, V, D, logits, V, rows);
-    softmax_xent_backward(logits, p_.targets + r0, row_weight ? row_weight + r0 : nullptr, loss_rows + r0, dlogits,
-                          rows, V, st);
+    const float* wt = row_weight ? row_weight + r0 : nullptr;
+    if (!m_.tp_comm) {
+      softmax_xent_backward(logits, p_.targets + r0, wt, loss_rows + r0, dlogits, rows, V, st);
+    } else {
+      // Vocabulary-parallel: each row's max, Σ exp and target logit over the slices, reduced over TP.
+      float *mx = ar.alloc<float>(rows), *gmx = ar.alloc<float>(rows), *sum_tl = ar.alloc<float>(2 * rows);
+      row_lse_partial(logits, p_.targets + r0, m_.vocab_begin, rows, V, mx, sum_tl, sum_tl + rows, st);
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(gmx, mx, rows * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      m_.tp_comm->all_reduce_max(gmx, static_cast<size_t>(rows));
+      lse_rescale(sum_tl, mx, gmx, rows, st);
+      m_.all_reduce(m_.tp_comm, sum_tl, 2 * rows);
+      split_xent_kernel<<<static_cast<unsigned>(std::min<int64_t>(rows, 65535)), 256, 0, st>>>(
+          logits, p_.targets + r0, m_.vocab_begin, wt, gmx, sum_tl, sum_tl + rows, loss_rows + r0, dlogits, rows, V);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+    }
     if (g_.lm_head) m_.gemm->run_dw(dlogits, V, hn + r0 * D, D, V, D, rows, g_.lm_head, true);
     m_.gemm->run_dx(dlogits, V, m_.lm_head, V, D, dhn + r0 * D, D, rows, false);
   }
+  m_.all_reduce(m_.tp_comm, dhn, T * D);  // each rank's vocabulary rows' share
   float* work = ar.alloc<float>(rmsnorm_backward_workspace_floats(T, D) + T * D);
   stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st);
   std::vector<double> host(T);
@@ -594,7 +718,7 @@ double Step::run(const float* row_weight) {
 
   // Forward: each site's sub-layer activations are given back to the arena once the site is done.
   m_.mark_begin("train: forward");
-  embed_streams(p_.tokens, m_.embed, h, T, S, D, st);
+  m_.embed_into(p_.tokens, h, T);
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
     for (bool ffn : {false, true}) {
@@ -655,18 +779,31 @@ double Step::run(const float* row_weight) {
       ar.rewind(mark);
     }
   }
-  if (g_.embed) embedding_backward(p_.tokens, dh, g_.embed, T, S, D, c_.pad_token_id.value_or(-1), st);
+  if (g_.embed) {
+    int64_t pad = c_.pad_token_id.value_or(-1);
+    const int32_t* tok = p_.tokens;
+    if (m_.vocab_rows != c_.vocab_size) {
+      // The slice's rows: tokens renumbered from vocab_begin, those of other slices (and the pad) skipped.
+      pad = pad >= m_.vocab_begin && pad < m_.vocab_begin + m_.vocab_rows ? pad - m_.vocab_begin : -1;
+      int32_t* local = ar.alloc<int32_t>(T);
+      local_tokens_kernel<<<static_cast<unsigned>(ceil_div(T, 256)), 256, 0, st>>>(
+          p_.tokens, local, T, m_.vocab_begin, m_.vocab_rows, static_cast<int32_t>(pad));
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+      tok = local;
+    }
+    embedding_backward(tok, dh, g_.embed, T, S, D, pad, st);
+  }
   return loss;
 }
 
 // Carves the gradients out of one zeroed allocation, laid out as the weights; without `linears`, those of the
 // linear weights (projections, experts, embedding, lm_head) stay null and are not computed.
-std::unique_ptr<Grads> make_grads(const ModelConfig& c, const std::vector<DLayer>& layers, bool linears) {
+std::unique_ptr<Grads> make_grads(const ModelConfig& c, int64_t V, const std::vector<DLayer>& layers, bool linears) {
   auto g = std::make_unique<Grads>();
   g->linears = linears;
   std::vector<std::pair<float**, int64_t>> parts;
   auto add = [&](float*& p, int64_t n) { parts.emplace_back(&p, n); };
-  const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+  const int64_t D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
   if (linears) {
     add(g->embed, V * D);
     add(g->lm_head, V * D);
@@ -754,7 +891,7 @@ double CudaModel::forward_backward(const PackedBatch& batch) {
         "batch: target_weight has ", batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
   if (!m.grads || m.grads->linears != m.train_linears) {
     m.grads.reset();
-    m.grads = cuda::make_grads(m.cfg, m.layers, m.train_linears);
+    m.grads = cuda::make_grads(m.cfg, m.vocab_rows, m.layers, m.train_linears);
   }
   // Row t's term is weighted by target_weight[t + 1] (the weight of the token it predicts).
   float* row_weight = nullptr;
@@ -829,6 +966,7 @@ LoraTarget lora_target(const ModelConfig& c, const cuda::DLayer& L, LoraKind k) 
 
 void CudaModel::set_lora(const LoraAdapter& adapter) {
   Impl& m = *impl_;
+  check(!m.sharded(), "set_lora: LoRA runs on one GPU (not on a tensor- or expert-parallel model)");
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;
@@ -935,7 +1073,9 @@ ModelWeights CudaModel::gradients() const {
   check(m.grads != nullptr, "no gradients yet: run forward_backward first");
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   const cuda::Grads& g = *m.grads;
-  const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+  // On a shard: this rank's slices (the layout of dist::ShardedModel, which dist::gather_gradients assembles), the
+  // embedding and lm_head its vocabulary rows.
+  const int64_t V = m.vocab_rows, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
   auto t = [](std::vector<int64_t> shape) { return Tensor(std::move(shape)); };
   ModelWeights w;
   w.embed = t({V, D});
@@ -1011,7 +1151,19 @@ ModelWeights CudaModel::gradients() const {
     if (L.moe_layer) {
       MoeWeights x;
       x.router = t({c.n_routed_experts, D});
-      download(G.moe.router, x.router);
+      if (m.ep_comm && G.moe.router) {
+        // Each EP rank's share (from its experts' routing weights), summed here: the router is replicated.
+        const int64_t n = c.n_routed_experts * D;
+        float* sum = nullptr;
+        NEXTLM_CUDA_CHECK(cudaMalloc(&sum, n * sizeof(float)));
+        NEXTLM_CUDA_CHECK(cudaMemcpyAsync(sum, G.moe.router, n * sizeof(float), cudaMemcpyDeviceToDevice, m.stream));
+        m.ep_comm->all_reduce_sum(sum, static_cast<size_t>(n));
+        NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+        download(sum, x.router);
+        cudaFree(sum);
+      } else {
+        download(G.moe.router, x.router);
+      }
       for (const cuda::GMlp& e : G.moe.experts) x.experts.push_back(mlp(e, c.moe_intermediate_size));
       if (L.moe.has_shared) x.shared = mlp(G.moe.shared, L.moe.shared.I);
       lw.moe = std::move(x);

@@ -37,7 +37,9 @@ NcclComm::~NcclComm() {
   if (own_stream_) cudaStreamDestroy(stream_);
 }
 
-void NcclComm::wait() { cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+void NcclComm::wait() {
+  if (blocking_) cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
 
 void NcclComm::all_reduce_sum(float* x, size_t n) {
   nccl_check(ncclAllReduce(x, x, n, ncclFloat32, ncclSum, comm_, stream_), "ncclAllReduce");

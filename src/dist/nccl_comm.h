@@ -26,6 +26,9 @@ class NcclComm final : public Comm {
   const char* backend() const override { return "nccl"; }
   ncclComm_t handle() const { return comm_; }
   cudaStream_t stream() const { return stream_; }
+  // Off: operations return once queued on stream(), and the work queued there after them sees their results (for
+  // a caller that runs on the same stream, such as a sharded CudaModel); on (the default): they return completed.
+  void set_blocking(bool on) { blocking_ = on; }
 
   // NCCL reduces in its own ring/tree order, not rank order: deterministic for a fixed topology, size and NCCL
   // version (NCCL_ALGO/NCCL_PROTO pinned), and the same on every rank, but not bit-equal to the host backends.
@@ -51,6 +54,7 @@ class NcclComm final : public Comm {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
+  bool blocking_ = true;
   float* scratch_ = nullptr;  // one float for barrier()
 };
 

@@ -1,0 +1,626 @@
+// Backward of the MLA attention over the DSA selection on tensor cores (mma.sync bf16 → fp32), flash-attention-2
+// style with the selection as a bitmask (the layout of mla_tc.cu): matches mla_sparse_attention_backward
+// (dsa_backward.cu) and the attention part of dsa_layer_backward (src/model/dsa_backward.cpp).
+//
+// With x = scale·q·k·log2(e) (0 for every key of an empty selection: uniform weights over keys s0 … s0+len−1),
+// p = 2^(x − lse2), dp = do·v, D = Σ_j p_j·dp_j, ds = p·(dp − D)·scale, on tiles of 64 queries × 64 keys of one head:
+//   1. build: the bitmask, and which (query tile, key tile) pairs hold any selected pair, both ways round; do → bf16;
+//   2. stats (query-major): lse2 and D per (query, head), by an online softmax over the query tile's key tiles;
+//   3. dq (query-major): dq_i += Σ_j ds_ij·k_j, summed in registers over the key tiles in order;
+//   4. dkv (key-major): dk_j += Σ_i ds_ij·q_i, dv_j += Σ_i p_ij·do_i, summed in registers over the query tiles.
+// Every output element is added once, by one thread, after sums in a fixed order: no atomics, reproducible results.
+// Products run in bf16 (q, k, v as given, do, p and ds rounded to bf16), sums in fp32.
+//
+// Each block has 8 warps. The 64 × 64 score and dp tiles are split 4 (rows) × 2 (32 keys) among them; p and ds go
+// through shared memory in bf16, and the output tile (64 rows × head dim) is split 4 (rows) × 2 (column halves).
+// The operand tile that changes along the walk (k | v in the query-major passes, q | do in the key-major one) is
+// double-buffered: the next tile's copies are in flight while the current one is used.
+#include <algorithm>
+
+#include "cuda/backward_kernels.h"
+#include "cuda/mma.cuh"
+
+namespace nextlm::cuda {
+
+namespace {
+
+constexpr int kTile = 64, kThreads = 256;
+constexpr int kMaxTileWords = 1024;  // key-tile bitmap of a query tile in the build's shared memory: T ≤ 2^21
+constexpr int PS = kTile + 8;        // row stride (elements) of the bf16 p / ds tiles: ldmatrix without conflicts
+
+template <int DQK, int DV>
+struct Dims {
+  static constexpr int QS = DQK + 8, VS = DV + 8, DKV = DQK + DV;
+  static constexpr int tile_q = kTile * QS, tile_v = kTile * VS;  // elements of one staged tile
+  // query_kernel: q, do resident, k | v double-buffered, ds (dq pass only).
+  static constexpr int query_bytes(bool stats) { return (3 * tile_q + 3 * tile_v + (stats ? 0 : kTile * PS)) * 2; }
+  // key_kernel: k, v resident, q | do double-buffered, p and ds.
+  static constexpr int key_bytes = (3 * tile_q + 3 * tile_v + 2 * kTile * PS) * 2;
+};
+
+// Bits for positions p … p+63 that fall in [0, len).
+__device__ __forceinline__ uint64_t range64(int64_t p, int64_t len) {
+  const int64_t a = p < 0 ? -p : 0, b = len - p;  // in-window bit range [a, min(b, 64))
+  if (b <= a || a >= 64) return 0;
+  const uint64_t hi = b >= 64 ? ~0ull : ((1ull << b) - 1);
+  return hi & ~((1ull << a) - 1);
+}
+
+// The mask words holding bits p … p+63 of a row of `words` 32-bit words (0 outside the row; p may be negative):
+// load() issues the reads, bits() combines them, so that their latency can pass while the warp computes.
+struct MaskWindow {
+  uint32_t w[3];
+  int r;
+  __device__ __forceinline__ void load(const uint32_t* row, int64_t words, int64_t p) {
+    const int64_t q = p >> 5;  // floor division, also for negative p
+    r = static_cast<int>(p & 31);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) w[i] = q + i >= 0 && q + i < words ? row[q + i] : 0u;
+  }
+  __device__ __forceinline__ uint64_t bits() const {
+    const uint64_t lo = w[0] | (uint64_t(w[1]) << 32);
+    return r ? (lo >> r) | (uint64_t(w[2]) << (64 - r)) : lo;
+  }
+};
+
+// One query token: its sequence, and whether its selection is empty.
+struct QueryInfo {
+  int64_t t, s0, len;
+  bool valid, uniform;
+  __device__ void load(int64_t t_, int64_t T, const int32_t* count, const int32_t* seq_start, const int32_t* seq_len) {
+    t = t_;
+    valid = t < T;
+    s0 = valid ? seq_start[t] : 0;
+    len = valid ? seq_len[t] : 0;
+    uniform = valid && count[t] == 0;
+  }
+  // Its keys among j0 … j0+63: start() before, finish() after other work.
+  __device__ void start(MaskWindow& mw, int64_t j0, const uint32_t* mask, int64_t words) const {
+    if (valid && !uniform) mw.load(mask + t * words, words, j0 - s0);
+  }
+  __device__ uint64_t finish(const MaskWindow& mw, int64_t j0) const {
+    return !valid ? 0 : uniform ? range64(j0 - s0, len) : mw.bits();
+  }
+};
+
+// 4-byte asynchronous copy global → shared; !valid zero-fills.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+
+// The first set bit at index ≥ from of a bitmap of nw words, or −1.
+__device__ __forceinline__ int64_t next_tile(const uint32_t* row, int64_t nw, int64_t from) {
+  for (int64_t w = from >> 5; w < nw; ++w) {
+    uint32_t word = row[w];
+    if (w == from >> 5) word &= ~0u << (from & 31);
+    if (word) return w * 32 + __ffs(word) - 1;
+  }
+  return -1;
+}
+
+// Rows r0 … r0+63 (row index ·NH + h, row stride ld elements, n columns from src) into a tile of row stride ls;
+// rows past T are zero-filled. Asynchronous: the caller commits and waits.
+template <int N>
+__device__ __forceinline__ void stage(bf16* tile, int ls, const bf16* src, int64_t ld, int64_t r0, int64_t T,
+                                      int64_t NH, int64_t h) {
+  constexpr int chunks = N / 8;
+  for (int i = threadIdx.x; i < kTile * chunks; i += kThreads) {
+    const int r = i / chunks, c = i % chunks;
+    const bool in = r0 + r < T;
+    cp_async16(tile + r * ls + c * 8, src + ((in ? r0 + r : 0) * NH + h) * ld + c * 8, in);
+  }
+}
+
+// s = X·Yᵀ (over DQK) and dp = O·Zᵀ (over DV) for this warp's 16 rows (rq …) × 32 keys (kc …): X, O the row tiles
+// (q | do), Y, Z the key tiles (k | v). Added into s, dp (C fragments; n-tile nt holds keys kc + 8·nt …).
+template <int DQK, int DV>
+__device__ __forceinline__ void scores(const bf16* X, const bf16* O, const bf16* Y, const bf16* Z, int rq, int kc,
+                                       float s[4][4], float dp[4][4]) {
+  constexpr int QS = Dims<DQK, DV>::QS, VS = Dims<DQK, DV>::VS;
+#pragma unroll
+  for (int kk = 0; kk < DQK / 16; ++kk) {
+    uint32_t a[4];
+    load_a(a, X + rq * QS + 16 * kk, QS);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t b[4];
+      load_b_nk(b, Y + (kc + 16 * np) * QS + 16 * kk, QS);
+      mma_bf16(s[2 * np], a, b[0], b[1]);
+      mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < DV / 16; ++kk) {
+    uint32_t a[4];
+    load_a(a, O + rq * VS + 16 * kk, VS);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t b[4];
+      load_b_nk(b, Z + (kc + 16 * np) * VS + 16 * kk, VS);
+      mma_bf16(dp[2 * np], a, b[0], b[1]);
+      mma_bf16(dp[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void zero(float (*c)[4], int n) {
+  for (int i = 0; i < n; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+}
+
+// p and ds of this warp's 16 × 32 fragments (rows rq + g, rq + g + 8; keys kc + 8·nt + 2t + e), rounded to bf16 and
+// stored at P [row][key] (when P) and S [row][key], stride PS. Per row of the 64-row tile: bits its keys in the key
+// tile, cnt its selection's size (0: uniform weights, x = 0), lse2 (log2 domain) and D.
+__device__ __forceinline__ void p_ds(const uint64_t* bits, const int32_t* cnt, const float* lse2, const float* D,
+                                     const float s[4][4], const float dp[4][4], int rq, int kc, float scale_log2,
+                                     float scale, bf16* P, bf16* S) {
+  const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = rq + gq + 8 * hf;
+    const uint32_t bw = static_cast<uint32_t>(bits[r] >> kc);
+    const float sl = cnt[r] ? scale_log2 : 0.0f, l2 = lse2[r], Dr = D[r];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float p[2], ds[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = 8 * nt + 2 * tq + e;
+        p[e] = (bw >> j) & 1 ? exp2f(s[nt][2 * hf + e] * sl - l2) : 0.0f;
+        ds[e] = p[e] * (dp[nt][2 * hf + e] - Dr) * scale;
+      }
+      const int off = r * PS + kc + 8 * nt + 2 * tq;
+      if (P) *reinterpret_cast<uint32_t*>(P + off) = pack_bf16(p[0], p[1]);
+      *reinterpret_cast<uint32_t*>(S + off) = pack_bf16(ds[0], ds[1]);
+    }
+  }
+}
+
+// One block per query tile: the bitmask rows of its tokens, the row of key tiles it touches (tmap) and its bit in
+// those key tiles' rows of query tiles (tmapT).
+__global__ void build_kernel(const int32_t* sel, const int32_t* count, const int32_t* seq_start,
+                             const int32_t* seq_len, uint32_t* mask, int64_t words, uint32_t* tmap, int64_t wk,
+                             uint32_t* tmapT, int64_t wq, int64_t T, int64_t max_sel) {
+  __shared__ uint32_t tiles[kMaxTileWords];
+  const int64_t qt = blockIdx.x;
+  for (int64_t w = threadIdx.x; w < wk; w += blockDim.x) tiles[w] = 0;
+  __syncthreads();
+  for (int64_t t = qt * kTile; t < min(T, (qt + 1) * kTile); ++t) {
+    const int64_t n = count[t], s0 = seq_start[t];
+    if (n == 0) {
+      const int64_t len = seq_len[t];
+      if (len <= 0) continue;
+      for (int64_t kt = s0 / kTile + threadIdx.x; kt <= (s0 + len - 1) / kTile; kt += blockDim.x)
+        atomicOr(tiles + (kt >> 5), 1u << (kt & 31));
+    } else {
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int32_t j = sel[t * max_sel + i];
+        atomicOr(mask + t * words + (j >> 5), 1u << (j & 31));
+        const int64_t kt = (s0 + j) / kTile;
+        atomicOr(tiles + (kt >> 5), 1u << (kt & 31));
+      }
+    }
+  }
+  __syncthreads();
+  for (int64_t w = threadIdx.x; w < wk; w += blockDim.x) {
+    uint32_t word = tiles[w];
+    tmap[qt * wk + w] = word;
+    for (; word; word &= word - 1) {
+      const int64_t kt = w * 32 + __ffs(word) - 1;
+      atomicOr(tmapT + kt * wq + (qt >> 5), 1u << (qt & 31));
+    }
+  }
+}
+
+__global__ void to_bf16_kernel(const float* x, bf16* y, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(x[i]);
+}
+
+// Query-major pass over the key tiles of one query tile and head. kStats: writes lse2 and D (online softmax); else
+// adds dq.
+template <int DQK, int DV, bool kStats>
+__global__ void __launch_bounds__(kThreads, 1)
+    query_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const bf16* __restrict__ do16,
+                 const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
+                 const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
+                 const uint32_t* __restrict__ tmap, int64_t wk, float* __restrict__ lse_g, float* __restrict__ D_g,
+                 float* __restrict__ dq, int64_t T, int64_t NH, float scale_log2, float scale) {
+  using L = Dims<DQK, DV>;
+  constexpr int QS = L::QS, VS = L::VS, DKV = L::DKV, NQ = DQK / 16;  // NQ: n-tiles of a dq column half
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Xs = reinterpret_cast<bf16*>(smem);       // q
+  bf16* Os = Xs + L::tile_q;                      // do
+  bf16* const buf0 = Os + L::tile_v;              // two key tile buffers, each k | v
+  bf16* Ss = buf0 + 2 * (L::tile_q + L::tile_v);  // ds (dq pass)
+  auto Ys = [&](int b) { return buf0 + b * (L::tile_q + L::tile_v); };
+  auto Zs = [&](int b) { return buf0 + b * (L::tile_q + L::tile_v) + L::tile_q; };
+  __shared__ uint64_t bits[2][kTile];  // per key tile buffer
+  __shared__ int32_t cnt[kTile];       // selection sizes (0: uniform, or past T)
+  __shared__ float lse2[kTile], Dm[kTile];
+  __shared__ float mst[kTile], lst[kTile], dst[kTile];  // the second key half's softmax stats (stats pass)
+
+  // Query tiles in reverse order: in causal batches the late tiles have the most key tiles, so they start first and
+  // the grid's tail holds short blocks.
+  const int64_t qt = int64_t(gridDim.x) - 1 - blockIdx.x, r0 = qt * kTile, h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int rq = 16 * (warp & 3), kc = 32 * (warp >> 2), qc = (DQK / 2) * (warp >> 2);
+
+  stage<DQK>(Xs, QS, q, DQK, r0, T, NH, h);
+  stage<DV>(Os, VS, do16, DV, r0, T, NH, h);
+  cp_async_commit();
+  auto issue = [&](int64_t kt, int b) {
+    stage<DQK>(Ys(b), QS, kv, DKV, kt * kTile, T, NH, h);
+    stage<DV>(Zs(b), VS, kv + DQK, DKV, kt * kTile, T, NH, h);
+    cp_async_commit();
+  };
+  // This query tile's row of key tiles, after the operand tiles in shared memory: walked without global reads.
+  uint32_t* trow = reinterpret_cast<uint32_t*>(smem + L::query_bytes(kStats));
+  for (int64_t i = tid; i < wk; i += kThreads) trow[i] = tmap[qt * wk + i];
+  __syncthreads();
+  int64_t kt = next_tile(trow, wk, 0);
+  if (kt >= 0) issue(kt, 0);
+  QueryInfo qi{};
+  if (tid < kTile) {
+    qi.load(r0 + tid, T, count, seq_start, seq_len);
+    cnt[tid] = qi.valid ? count[qi.t] : 0;
+    lse2[tid] = !kStats && qi.valid ? lse_g[qi.t * NH + h] : 0.0f;
+    Dm[tid] = !kStats && qi.valid ? D_g[qi.t * NH + h] : 0.0f;
+    if (kt >= 0) {
+      MaskWindow mw;
+      qi.start(mw, kt * kTile, mask, words);
+      bits[0][tid] = qi.finish(mw, kt * kTile);
+    }
+  }
+
+  // Stats: per row half hf the running max (log2 domain, common to the 4 lanes of a quad) and this lane's partial
+  // sums of 2^(x − m) and 2^(x − m)·dp. Dq: this warp's 16 rows × DQK/2 columns.
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, dn[2] = {0.0f, 0.0f};
+  float acc[kStats ? 1 : NQ][4];
+  zero(acc, kStats ? 1 : NQ);
+
+  for (int b = 0; kt >= 0; b ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile b and its bits visible; the readers of buffer b ^ 1 are done
+    const int64_t nkt = next_tile(trow, wk, kt + 1);
+    MaskWindow mw;
+    if (nkt >= 0) {
+      issue(nkt, b ^ 1);
+      if (tid < kTile) qi.start(mw, nkt * kTile, mask, words);  // used at the end of this iteration
+    }
+    float s[4][4], dp[4][4];
+    zero(s, 4);
+    zero(dp, 4);
+    const bool any = __any_sync(0xffffffffu, ((bits[b][rq + gq] | bits[b][rq + gq + 8]) >> kc & 0xffffffffull) != 0);
+    if (any) scores<DQK, DV>(Xs, Os, Ys(b), Zs(b), rq, kc, s, dp);
+    if (kStats) {
+      if (any)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = rq + gq + 8 * hf;
+          const uint32_t bw = static_cast<uint32_t>(bits[b][r] >> kc);
+          const float sl = cnt[r] ? scale_log2 : 0.0f;
+          float x[4][2], mx = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              x[nt][e] = (bw >> (8 * nt + 2 * tq + e)) & 1 ? s[nt][2 * hf + e] * sl : -INFINITY;
+              mx = fmaxf(mx, x[nt][e]);
+            }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float mnew = fmaxf(m[hf], mx);
+          if (mnew == -INFINITY) continue;  // no key of this row yet (the same in the whole quad)
+          const float alpha = exp2f(m[hf] - mnew);  // m = −inf → 0
+          float se = 0.0f, sed = 0.0f;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float p = exp2f(x[nt][e] - mnew);  // −inf → 0
+              se += p;
+              sed = fmaf(p, dp[nt][2 * hf + e], sed);
+            }
+          l[hf] = fmaf(l[hf], alpha, se);
+          dn[hf] = fmaf(dn[hf], alpha, sed);
+          m[hf] = mnew;
+        }
+    } else {
+      // ds of this warp's fragment, then dq += ds·k over the whole key tile.
+      p_ds(bits[b], cnt, lse2, Dm, s, dp, rq, kc, scale_log2, scale, nullptr, Ss);
+      __syncthreads();  // ds complete
+#pragma unroll
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        uint32_t a[4];
+        load_a(a, Ss + rq * PS + 16 * kk, PS);
+#pragma unroll
+        for (int np = 0; np < NQ / 2; ++np) {
+          uint32_t bb[4];
+          load_b_kn(bb, Ys(b) + 16 * kk * QS + qc + 16 * np, QS);
+          mma_bf16(acc[2 * np], a, bb[0], bb[1]);
+          mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+    }
+    // The next tile's bits: bits[b ^ 1] was last read in the previous iteration, before this one's first barrier.
+    if (nkt >= 0 && tid < kTile) bits[b ^ 1][tid] = qi.finish(mw, nkt * kTile);
+    kt = nkt;
+  }
+  cp_async_wait<0>();  // no tile: q and do copies still in flight
+
+  if (kStats) {
+    // Merge the two key halves (warps w and w + 4 hold the same rows).
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 1);
+      l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
+      dn[hf] += __shfl_xor_sync(0xffffffffu, dn[hf], 1);
+      dn[hf] += __shfl_xor_sync(0xffffffffu, dn[hf], 2);
+      if (warp >= 4 && tq == 0) {
+        const int r = rq + gq + 8 * hf;
+        mst[r] = m[hf], lst[r] = l[hf], dst[r] = dn[hf];
+      }
+    }
+    __syncthreads();
+    if (warp < 4 && tq == 0)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = rq + gq + 8 * hf;
+        const int64_t t = r0 + r;
+        if (t >= T) continue;
+        const float M = fmaxf(m[hf], mst[r]);
+        float ls = 0.0f, D = 0.0f;
+        if (M != -INFINITY) {
+          const float a0 = exp2f(m[hf] - M), a1 = exp2f(mst[r] - M);
+          const float lt = l[hf] * a0 + lst[r] * a1, dt = dn[hf] * a0 + dst[r] * a1;
+          ls = M + log2f(lt);
+          D = dt / lt;
+        }
+        lse_g[t * NH + h] = ls;
+        D_g[t * NH + h] = D;
+      }
+  } else {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t t = r0 + rq + gq + 8 * hf;
+      if (t >= T) continue;
+      float* out = dq + (t * NH + h) * DQK + qc + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < NQ; ++nt) {
+        out[8 * nt] += acc[nt][2 * hf];
+        out[8 * nt + 1] += acc[nt][2 * hf + 1];
+      }
+    }
+  }
+}
+
+// Per row of a query tile in the key-major pass, copied asynchronously with the tile: selection size (0: uniform,
+// or past T), sequence start and length, lse2 and D.
+struct KeyPassRows {
+  int32_t cnt[kTile], s0[kTile], len[kTile];
+  float lse2[kTile], D[kTile];
+};
+
+// Key-major pass over the query tiles that select any key of one key tile (64 keys) and head: dk | dv of the tile's
+// keys in registers (this warp: keys 16·(w%4) …, column half w/4 of dk and of dv), added to dkv at the end.
+template <int DQK, int DV>
+__global__ void __launch_bounds__(kThreads, 1)
+    key_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const bf16* __restrict__ do16,
+               const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
+               const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
+               const uint32_t* __restrict__ tmapT, int64_t wq, const float* __restrict__ lse_g,
+               const float* __restrict__ D_g, float* __restrict__ dkv, int64_t T, int64_t NH, float scale_log2,
+               float scale) {
+  using L = Dims<DQK, DV>;
+  constexpr int QS = L::QS, VS = L::VS, DKV = L::DKV, NK = DQK / 16, NV = DV / 16;  // n-tiles of a column half
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Ys = reinterpret_cast<bf16*>(smem);       // k
+  bf16* Zs = Ys + L::tile_q;                      // v
+  bf16* const buf0 = Zs + L::tile_v;              // two query tile buffers, each q | do
+  bf16* Ps = buf0 + 2 * (L::tile_q + L::tile_v);  // p [query][key]
+  bf16* Ss = Ps + kTile * PS;                     // ds [query][key]
+  auto Xs = [&](int b) { return buf0 + b * (L::tile_q + L::tile_v); };
+  auto Os = [&](int b) { return buf0 + b * (L::tile_q + L::tile_v) + L::tile_q; };
+  __shared__ KeyPassRows rows[2];  // per query tile buffer
+  __shared__ uint64_t bits[kTile];
+
+  const int64_t j0 = int64_t(blockIdx.x) * kTile, h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int rq = 16 * (warp & 3), kc = 32 * (warp >> 2);  // score fragment: queries rq …, keys kc …
+  const int kr = 16 * (warp & 3), ck = (DQK / 2) * (warp >> 2), cv = (DV / 2) * (warp >> 2);  // output fragment
+
+  stage<DQK>(Ys, QS, kv, DKV, j0, T, NH, h);
+  stage<DV>(Zs, VS, kv + DQK, DKV, j0, T, NH, h);
+  cp_async_commit();
+  auto issue = [&](int64_t qt, int b) {
+    const int64_t r0 = qt * kTile;
+    stage<DQK>(Xs(b), QS, q, DQK, r0, T, NH, h);
+    stage<DV>(Os(b), VS, do16, DV, r0, T, NH, h);
+    if (tid < kTile) {
+      const int64_t t = r0 + tid;
+      const bool in = t < T;
+      const int64_t i = in ? t : 0, ih = in ? t * NH + h : 0;
+      cp_async4(rows[b].cnt + tid, count + i, in);
+      cp_async4(rows[b].s0 + tid, seq_start + i, in);
+      cp_async4(rows[b].len + tid, seq_len + i, in);
+      cp_async4(rows[b].lse2 + tid, lse_g + ih, in);
+      cp_async4(rows[b].D + tid, D_g + ih, in);
+    }
+    cp_async_commit();
+  };
+
+  float dk[NK][4], dv[NV][4];
+  zero(dk, NK);
+  zero(dv, NV);
+
+  // This key tile's row of query tiles, after the operand tiles in shared memory: walked without global reads.
+  uint32_t* trow = reinterpret_cast<uint32_t*>(smem + L::key_bytes);
+  for (int64_t i = tid; i < wq; i += kThreads) trow[i] = tmapT[int64_t(blockIdx.x) * wq + i];
+  __syncthreads();
+  int64_t qt = next_tile(trow, wq, 0);
+  if (qt >= 0) issue(qt, 0);
+  for (int b = 0; qt >= 0; b ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile b and its rows visible; the readers of buffer b ^ 1, bits, p and ds are done
+    const int64_t nqt = next_tile(trow, wq, qt + 1);
+    if (nqt >= 0) issue(nqt, b ^ 1);
+    // This tile's key bits: the mask reads are in flight during the scores.
+    MaskWindow mw;
+    const KeyPassRows& rb = rows[b];
+    if (tid < kTile && rb.cnt[tid] > 0) mw.load(mask + (qt * kTile + tid) * words, words, j0 - rb.s0[tid]);
+    float s[4][4], dp[4][4];
+    zero(s, 4);
+    zero(dp, 4);
+    scores<DQK, DV>(Xs(b), Os(b), Ys, Zs, rq, kc, s, dp);
+    if (tid < kTile) bits[tid] = rb.cnt[tid] > 0 ? mw.bits() : range64(j0 - rb.s0[tid], rb.len[tid]);
+    __syncthreads();  // bits complete
+    p_ds(bits, rb.cnt, rb.lse2, rb.D, s, dp, rq, kc, scale_log2, scale, Ps, Ss);
+    __syncthreads();  // p and ds complete
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      uint32_t a[4];
+      // dv += pᵀ·do: A = pᵀ (keys kr …, queries 16·kk …) from P [query][key].
+      load_a_t(a, Ps + 16 * kk * PS + kr, PS);
+#pragma unroll
+      for (int np = 0; np < NV / 2; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Os(b) + 16 * kk * VS + cv + 16 * np, VS);
+        mma_bf16(dv[2 * np], a, bb[0], bb[1]);
+        mma_bf16(dv[2 * np + 1], a, bb[2], bb[3]);
+      }
+      // dk += dsᵀ·q.
+      load_a_t(a, Ss + 16 * kk * PS + kr, PS);
+#pragma unroll
+      for (int np = 0; np < NK / 2; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Xs(b) + 16 * kk * QS + ck + 16 * np, QS);
+        mma_bf16(dk[2 * np], a, bb[0], bb[1]);
+        mma_bf16(dk[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    qt = nqt;
+  }
+  cp_async_wait<0>();  // no tile: k and v copies still in flight
+
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int64_t j = j0 + kr + gq + 8 * hf;
+    if (j >= T) continue;
+    float* out = dkv + (j * NH + h) * DKV;
+#pragma unroll
+    for (int nt = 0; nt < NK; ++nt) {
+      out[ck + 8 * nt + 2 * tq] += dk[nt][2 * hf];
+      out[ck + 8 * nt + 2 * tq + 1] += dk[nt][2 * hf + 1];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NV; ++nt) {
+      out[DQK + cv + 8 * nt + 2 * tq] += dv[nt][2 * hf];
+      out[DQK + cv + 8 * nt + 2 * tq + 1] += dv[nt][2 * hf + 1];
+    }
+  }
+}
+
+struct Layout {
+  int64_t words, nqt, wk, wq;
+  size_t lse, D, do16, mask, tmapT, tmap, end;  // byte offsets; mask … tmapT are zeroed before the build
+};
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+Layout layout(int64_t T, int64_t NH, int64_t max_len, int64_t dv) {
+  Layout L;
+  L.words = mla_mask_words(max_len);
+  L.nqt = ceil_div(T, kTile);
+  L.wk = ceil_div(std::max<int64_t>(L.nqt, 1), 32);  // key tiles are query tiles: the same count
+  L.wq = L.wk;
+  const size_t f = sizeof(float), u = sizeof(uint32_t);
+  L.lse = 0;
+  L.D = align256(L.lse + T * NH * f);
+  L.do16 = align256(L.D + T * NH * f);
+  L.mask = align256(L.do16 + T * NH * dv * sizeof(bf16));
+  L.tmapT = L.mask + T * L.words * u;
+  L.tmap = align256(L.tmapT + L.nqt * L.wq * u);
+  L.end = L.tmap + L.nqt * L.wk * u;
+  return L;
+}
+
+template <int DQK, int DV>
+void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* count, const int32_t* seq_start,
+            const int32_t* seq_len, const uint32_t* mask, const Layout& L, const uint32_t* tmap,
+            const uint32_t* tmapT, float* lse, float* D, float* dq, float* dkv, int64_t T, int64_t NH,
+            cudaStream_t st) {
+  using Ds = Dims<DQK, DV>;
+  const float scale = 1.0f / sqrtf(static_cast<float>(DQK)), scale_log2 = scale * 1.4426950408889634f;
+  // The operand tiles, then the block's row of the tile map (wk = wq words).
+  const int row_bytes = static_cast<int>(ceil_div(L.wk, 4) * 16);
+  const int qs_bytes = Ds::query_bytes(true) + row_bytes, qd_bytes = Ds::query_bytes(false) + row_bytes,
+            k_bytes = Ds::key_bytes + row_bytes;
+  NEXTLM_CUDA_CHECK(
+      cudaFuncSetAttribute(query_kernel<DQK, DV, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, qs_bytes));
+  NEXTLM_CUDA_CHECK(
+      cudaFuncSetAttribute(query_kernel<DQK, DV, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, qd_bytes));
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(key_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_bytes));
+  const dim3 grid(static_cast<unsigned>(L.nqt), static_cast<unsigned>(NH));
+  query_kernel<DQK, DV, true><<<grid, kThreads, qs_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words,
+                                                                tmap, L.wk, lse, D, dq, T, NH, scale_log2, scale);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  query_kernel<DQK, DV, false><<<grid, kThreads, qd_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask,
+                                                                 L.words, tmap, L.wk, lse, D, dq, T, NH, scale_log2,
+                                                                 scale);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  key_kernel<DQK, DV><<<grid, kThreads, k_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words, tmapT,
+                                                       L.wq, lse, D, dkv, T, NH, scale_log2, scale);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+bool mla_backward_tc_supported(int64_t dqk, int64_t dv) {
+  return (dqk == 64 && dv == 64) || (dqk == 128 && dv == 128) || (dqk == 192 && dv == 128) ||
+         (dqk == 256 && dv == 256);
+}
+
+size_t mla_sparse_attention_backward_tc_workspace_bytes(int64_t T, int64_t NH, int64_t max_len, int64_t dqk,
+                                                         int64_t dv) {
+  (void)dqk;
+  return std::max<size_t>(layout(T, NH, max_len, dv).end, 1);
+}
+
+void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
+                                      const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
+                                      float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
+                                      int64_t max_len, void* work, cudaStream_t st) {
+  if (T == 0 || NH == 0) return;
+  const Layout L = layout(T, NH, max_len, dv);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  check(mla_backward_tc_supported(dqk, dv), "MLA attention backward on tensor cores: unsupported head dims ", dqk,
+        "/", dv);
+  check(NH <= 65535 && L.nqt <= 0x7fffffff && max_sel >= 0 && max_len >= 1 && L.wk <= kMaxTileWords &&
+            aligned(q) && aligned(kv) && aligned(work),
+        "MLA attention backward on tensor cores: bad shape or unaligned buffers (T ", T, ", NH ", NH, ", max_sel ",
+        max_sel, ", max_len ", max_len, ")");
+  auto* base = static_cast<unsigned char*>(work);
+  float* lse = reinterpret_cast<float*>(base + L.lse);
+  float* D = reinterpret_cast<float*>(base + L.D);
+  bf16* do16 = reinterpret_cast<bf16*>(base + L.do16);
+  uint32_t* mask = reinterpret_cast<uint32_t*>(base + L.mask);
+  uint32_t* tmapT = reinterpret_cast<uint32_t*>(base + L.tmapT);
+  uint32_t* tmap = reinterpret_cast<uint32_t*>(base + L.tmap);
+
+  NEXTLM_CUDA_CHECK(cudaMemsetAsync(mask, 0, L.tmap - L.mask, st));
+  build_kernel<<<static_cast<unsigned>(L.nqt), kThreads, 0, st>>>(sel, count, seq_start, seq_len, mask, L.words, tmap,
+                                                                   L.wk, tmapT, L.wq, T, max_sel);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  const int64_t n = T * NH * dv;
+  to_bf16_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 4096)), 256, 0, st>>>(do_, do16, n);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (dqk == 64 && dv == 64)
+    return launch<64, 64>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
+  if (dqk == 128 && dv == 128)
+    return launch<128, 128>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
+  if (dqk == 192 && dv == 128)
+    return launch<192, 128>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
+  return launch<256, 256>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
+}
+
+}  // namespace nextlm::cuda

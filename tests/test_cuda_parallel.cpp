@@ -1,0 +1,289 @@
+// The tensor- and expert-parallel device model (CudaShard, src/dist/cuda_parallel.h) against the same model on one
+// GPU: per-token log-probabilities of the golden checkpoints at TP2, EP2 and TP2·EP2, each rank reading its slices
+// from the checkpoint. On a single GPU the two ranks are threads sharing GPU 0 and their collectives go through the
+// host (StagedComm below: the sharded math, not NCCL); with two GPUs the ranks get one GPU each and NCCL, as
+// `score --device cuda --tp 2` runs. Part of test_cuda (label gpu), built with NCCL.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "cuda/device_model.h"
+#include "dist/cuda_parallel.h"
+#include "dist/parallel_model.h"
+#include "dist/parallel_train.h"
+#include "dist/thread_comm.h"
+#include "model/model.h"
+#include "model/train.h"
+#include "test_util.h"
+
+namespace nextlm {
+namespace {
+
+// Device-buffer collectives through a host communicator: waits for the model's stream, copies to the host, reduces
+// there, copies back. Only the reductions a sharded CudaModel uses.
+class StagedComm final : public dist::Comm {
+ public:
+  StagedComm(dist::Comm& host, cudaStream_t st) : host_(host), st_(st) {}
+  int rank() const override { return host_.rank(); }
+  int size() const override { return host_.size(); }
+  const char* backend() const override { return "staged"; }
+  void all_reduce_sum(float* x, size_t n) override { reduce(x, n, false); }
+  void all_reduce_max(float* x, size_t n) override { reduce(x, n, true); }
+  void all_gather(const void*, size_t, void*) override { fail("StagedComm: all_gather"); }
+  void all_gatherv(const void*, void*, const std::vector<size_t>&) override { fail("StagedComm: all_gatherv"); }
+  void all_to_allv(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&) override {
+    fail("StagedComm: all_to_allv");
+  }
+  void broadcast(void*, size_t, int) override { fail("StagedComm: broadcast"); }
+  void barrier() override { host_.barrier(); }
+  std::unique_ptr<dist::Comm> split(int, int) override { fail("StagedComm: split"); }
+
+ private:
+  void reduce(float* x, size_t n, bool max) {
+    std::vector<float> h(n);
+    ASSERT_EQ(cudaStreamSynchronize(st_), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(h.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    if (max) {
+      host_.all_reduce_max(h.data(), n);
+    } else {
+      host_.all_reduce_sum(h.data(), n);
+    }
+    ASSERT_EQ(cudaMemcpy(x, h.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  dist::Comm& host_;
+  cudaStream_t st_;
+};
+
+PackedBatch test_batch(int64_t vocab) {
+  PackedBatch b;
+  for (int64_t L : {1, 5, 63, 65, 150, 300}) {
+    std::vector<int32_t> s(L);
+    for (int64_t i = 0; i < L; ++i) s[i] = static_cast<int32_t>((i * 37 + L * 11 + i * i) % vocab);
+    b.add(s);
+  }
+  return b;
+}
+
+// The "logprobs" arrays of score's JSONL output, one per line.
+std::vector<std::vector<double>> read_score_jsonl(const std::string& path) {
+  std::vector<std::vector<double>> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line).at("logprobs").get<std::vector<double>>());
+  return out;
+}
+
+struct Layout {
+  int tp, ep;
+};
+std::string layout_name(const Layout& l) { return "tp" + std::to_string(l.tp) + "_ep" + std::to_string(l.ep); }
+
+// Runs fn(world, model) on every rank of a layout (threads) with the rank's slices of the checkpoint in DIR loaded:
+// `nccl`: one GPU per rank and NCCL, else every rank on GPU 0 with StagedComm.
+void run_layout(const std::string& dir, Layout l, bool nccl,
+                const std::function<void(dist::Comm& world, CudaModel& model)>& fn) {
+  const int ranks = std::lcm(l.tp, l.ep);
+  if (nccl) {
+    dist::run_gpu_ranks(l.tp, l.ep, [&](dist::Comm& world, int device) {
+      dist::CudaRank r = dist::make_cuda_rank(world, l.tp, l.ep, device, [&](const CudaShard& s, int dev) {
+        return CudaModel::load(dir, dev, s);
+      });
+      fn(world, *r.model);
+    });
+    return;
+  }
+  dist::run_ranks(ranks, [&](dist::Comm& world) {
+    const int w = world.rank();
+    const CudaShard shard = dist::cuda_shard(w, ranks, l.tp, l.ep);
+    std::unique_ptr<CudaModel> m = CudaModel::load(dir, 0, shard);
+    auto st = static_cast<cudaStream_t>(m->stream());
+    std::unique_ptr<dist::Comm> tp_host = world.split(w / l.tp, w), ep_host = world.split(w / l.ep, w);
+    StagedComm tp(*tp_host, st), ep(*ep_host, st);
+    m->set_collectives(l.tp > 1 ? &tp : nullptr, l.ep > 1 ? (l.ep == l.tp ? &tp : &ep) : nullptr);
+    fn(world, *m);
+  });
+}
+
+// Every rank's log-probs of a layout.
+std::vector<std::vector<std::vector<double>>> parallel_logprobs(const std::string& dir, Layout l, bool nccl,
+                                                                const PackedBatch& batch) {
+  std::vector<std::vector<std::vector<double>>> out(std::lcm(l.tp, l.ep));
+  run_layout(dir, l, nccl, [&](dist::Comm& world, CudaModel& m) { out[world.rank()] = m.next_token_logprobs(batch); });
+  return out;
+}
+
+struct Diff {
+  double mean = 0, max = 0;
+};
+Diff compare(const std::vector<std::vector<double>>& got, const std::vector<std::vector<double>>& want) {
+  Diff d;
+  size_t n = 0;
+  EXPECT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < got.size() && s < want.size(); ++s) {
+    EXPECT_EQ(got[s].size(), want[s].size());
+    for (size_t t = 0; t < got[s].size() && t < want[s].size(); ++t) {
+      EXPECT_TRUE(std::isfinite(got[s][t]));
+      const double e = std::fabs(got[s][t] - want[s][t]);
+      d.mean += e, d.max = std::max(d.max, e), ++n;
+    }
+  }
+  d.mean /= std::max<size_t>(n, 1);
+  return d;
+}
+
+const std::vector<Layout> kLayouts = {{2, 1}, {1, 2}, {2, 2}};
+
+// The split changes only summation orders (each rank's partial o_proj / down_proj sums in fp32, then their sum; the
+// experts' outputs added per rank), which moves bf16 roundings of the activations downstream, and with them, now
+// and then, a routing or indexer choice: the split model's log-probs differ from one GPU's by bf16 noise of the
+// same kind as one GPU's own from the fp32 CPU reference. The bound: the split model is as close to the fp32
+// reference as one GPU is (mean |Δlogprob| within 1.25×, worst token within 2×, plus 1e-4). Every rank must report
+// the same values bit for bit (they reduce the same sums).
+void check_layouts(bool nccl) {
+  for (const std::string& name : test::golden_cases()) {
+    const std::string dir = test::golden_dir(name);
+    const Model cpu = test::bf16_weights_reference(dir);
+    const PackedBatch batch = test_batch(cpu.config().vocab_size);
+    const auto ref = cpu.next_token_logprobs(cpu.forward_hidden(batch), batch);
+    const std::unique_ptr<CudaModel> one = CudaModel::load(dir);
+    const auto single = one->next_token_logprobs(batch);
+    const Diff d1 = compare(single, ref);
+    for (const Layout& l : kLayouts) {
+      const auto got = parallel_logprobs(dir, l, nccl, batch);
+      for (size_t r = 1; r < got.size(); ++r) EXPECT_EQ(got[r], got[0]) << name << " " << layout_name(l);
+      const Diff d = compare(got[0], ref), between = compare(got[0], single);
+      std::printf("[cuda parallel%s] %s %s: vs fp32 CPU mean |dlogprob| %.3g max %.3g (one GPU: %.3g, %.3g); vs one "
+                  "GPU mean %.3g max %.3g\n",
+                  nccl ? " nccl" : "", name.c_str(), layout_name(l).c_str(), d.mean, d.max, d1.mean, d1.max,
+                  between.mean, between.max);
+      EXPECT_LE(d.mean, 1.25 * d1.mean + 1e-4) << name << " " << layout_name(l);
+      EXPECT_LE(d.max, 2.0 * d1.max + 1e-4) << name << " " << layout_name(l);
+    }
+  }
+}
+
+// ‖a − b‖/‖b‖ over all the trainable tensors at once.
+double grad_error(const ModelConfig& c, const ModelWeights& a, const ModelWeights& b) {
+  const auto x = hub_gradients(c, a, ""), y = hub_gradients(c, b, "");
+  EXPECT_EQ(x.size(), y.size());
+  double d = 0, r = 0;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
+    EXPECT_EQ(x[i].name, y[i].name);
+    EXPECT_EQ(x[i].shape, y[i].shape) << x[i].name;
+    for (size_t j = 0; j < Tensor::count(y[i].shape); ++j) {
+      EXPECT_TRUE(std::isfinite(x[i].data[j])) << x[i].name;
+      d += (static_cast<double>(x[i].data[j]) - y[i].data[j]) * (static_cast<double>(x[i].data[j]) - y[i].data[j]);
+      r += static_cast<double>(y[i].data[j]) * y[i].data[j];
+    }
+  }
+  return std::sqrt(d / r);
+}
+
+// Training on a split model: each rank's slices' gradients, gathered into the checkpoint's full tensors
+// (dist::gather_gradients, as the CPU's parallel grad does), are as close to the fp32 CPU gradients as one GPU's
+// (all tensors at once within 1.25×, plus 1e-3), and the loss agrees with one GPU's to 1e-4 relative.
+void check_gradients(bool nccl) {
+  for (const std::string& name : {std::string("bf16_sharded"), std::string("tiny-glm5-next")}) {
+    const std::string dir = test::golden_dir(name);
+    const Model cpu = test::bf16_weights_reference(dir);
+    PackedBatch batch;
+    for (const auto& s : test::golden_sequences(dir)) batch.add(s);
+    ModelWeights ref = zeros_like(cpu.weights());
+    model_forward_backward(cpu, batch, ref);
+    const std::unique_ptr<CudaModel> one = CudaModel::load(dir);
+    const double loss1 = one->forward_backward(batch);
+    const double e1 = grad_error(cpu.config(), one->gradients(), ref);
+    for (const Layout& l : kLayouts) {
+      ModelWeights full;
+      double loss = 0;
+      run_layout(dir, l, nccl, [&](dist::Comm& world, CudaModel& m) {
+        const double lo = m.forward_backward(batch);
+        const ModelWeights mine = m.gradients();
+        dist::Mesh mesh(world, dist::ParallelOptions{l.tp, l.ep});
+        dist::ShardedModel sm;
+        sm.config = m.config();
+        ModelWeights g = dist::gather_gradients(sm, mesh, mine);
+        if (world.rank() == 0) full = std::move(g), loss = lo;
+      });
+      const double e = grad_error(cpu.config(), full, ref), between = grad_error(cpu.config(), full, one->gradients());
+      std::printf("[cuda parallel%s grad] %s %s: loss %.6f (one GPU %.6f); all tensors vs fp32 CPU %.3g (one GPU "
+                  "%.3g), vs one GPU %.3g\n",
+                  nccl ? " nccl" : "", name.c_str(), layout_name(l).c_str(), loss, loss1, e, e1, between);
+      EXPECT_NEAR(loss, loss1, 1e-4 * std::fabs(loss1)) << name << " " << layout_name(l);
+      EXPECT_LE(e, 1.25 * e1 + 1e-3) << name << " " << layout_name(l);
+    }
+  }
+}
+
+TEST(CudaParallel, ShardedModelMatchesOneGpuThroughHostCollectives) { check_layouts(false); }
+
+TEST(CudaParallel, ShardedModelMatchesOneGpuOverNccl) {
+  if (dist::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (the host-collective test covers the math)";
+  check_layouts(true);
+}
+
+TEST(CudaParallel, ShardedGradientsThroughHostCollectives) { check_gradients(false); }
+
+TEST(CudaParallel, ShardedGradientsOverNccl) {
+  if (dist::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (the host-collective test covers the math)";
+  check_gradients(true);
+}
+
+// A layout the model does not divide is an error naming the flag, and a sharded model needs its groups.
+TEST(CudaParallel, LayoutErrorsNameTheFlag) {
+  const std::string dir = test::golden_dir("bf16_sharded");
+  try {
+    CudaModel::load(dir, 0, CudaShard{0, 3, 0, 1});
+    FAIL() << "tp 3 over 2 KDA heads loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--tp 3 does not divide the 2 KDA heads"), std::string::npos) << e.what();
+  }
+  try {
+    CudaModel::load(dir, 0, CudaShard{0, 1, 0, 3});
+    FAIL() << "ep 3 over 8 experts loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--ep 3 does not divide the 8 routed experts"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(dist::cuda_shard(0, 4, 2, 1), Error);  // 4 ranks for a replica of 2
+  // A sharded model without its groups does not run.
+  const std::unique_ptr<CudaModel> m = CudaModel::load(dir, 0, CudaShard{0, 2, 0, 1});
+  EXPECT_THROW(m->next_token_logprobs(test_batch(256)), Error);
+  EXPECT_THROW(m->set_collectives(nullptr, nullptr), Error);
+}
+
+// `score --device cuda --tp 2 --ep 2` on two GPUs (threads of one process) writes what one GPU writes, within the
+// bounds above.
+TEST(CudaParallel, ScoreCliOnTwoGpus) {
+  if (dist::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  test::TempDir tmp;
+  const std::string model = test::golden_dir("tiny-glm5-next");
+  const std::string in = test::shell_quote(model + "/input.jsonl"), q = test::shell_quote(model);
+  const auto one = test::run_nextlm("score --device cuda --model " + q + " --input " + in + " --output " +
+                                    test::shell_quote(tmp.str("one.jsonl")));
+  ASSERT_EQ(one.rc, 0) << one.err;
+  const auto two = test::run_nextlm("score --device cuda --tp 2 --ep 2 --model " + q + " --input " + in +
+                                    " --output " + test::shell_quote(tmp.str("two.jsonl")));
+  ASSERT_EQ(two.rc, 0) << two.err;
+  const auto a = read_score_jsonl(tmp.str("one.jsonl")), b = read_score_jsonl(tmp.str("two.jsonl"));
+  ASSERT_FALSE(a.empty());
+  const Diff d = compare(b, a);
+  std::printf("[cuda parallel cli] tiny-glm5-next tp2 ep2: mean |dlogprob| %.3g, max %.3g\n", d.mean, d.max);
+  EXPECT_LE(d.mean, 1e-3);
+  EXPECT_LE(d.max, 2e-2);
+  // Flag errors are usage errors (status 2) naming the problem.
+  const auto bad = test::run_nextlm("score --device cuda --tp 3 --model " + q + " --input " + in);
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.err.find("--tp 3"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace nextlm
