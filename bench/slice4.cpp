@@ -335,7 +335,7 @@ void slice4_train_step_case(const std::string& name) {
                                 : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
                                   "LoRA step: adapters and optimizer not included)") +
                    " at " + std::to_string(kT) + " tokens, every sub-layer recomputed before its backward; KDA "
-                   "backward through time in fp32, MLA attention backward on tensor cores, dx of the experts on "
+                   "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor cores, dx of the experts on "
                    "per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) + " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
                    (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};

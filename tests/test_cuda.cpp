@@ -113,6 +113,34 @@ TEST_P(CudaKdaTc, MatchesCpuRecurrentOnPackedSequences) {
 }
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaKdaTc, ::testing::Values(16, 32, 64, 128));
 
+// Heads never mix: each head run alone (H = 1, as a tensor-parallel rank holding that head runs it) gives the same
+// bits as inside a batch of heads.
+TEST(CudaKdaTcHeads, EachHeadAloneGivesTheSameBits) {
+  for (const int64_t K : {16, 128}) {
+    const int64_t H = 3;
+    const std::vector<int64_t> cu{0, 70, 200};
+    const int64_t T = cu.back();
+    KdaCase c = make_kda(T, H, K, 61);
+    const std::vector<float> graw = test::randn(T * H * K, 62), A_log = test::randn(H, 63), dt = test::randn(H * K, 64);
+    const std::vector<float> all =
+        cuda_testing::kda_chunked_tc(c.q, c.k, c.v, graw, c.beta, A_log, dt, -5.0f, cu, H, K, {}, nullptr);
+    for (int64_t h = 0; h < H; ++h) {
+      auto head = [&](const std::vector<float>& x, int64_t width) {  // columns [h·width, (h+1)·width) of every row
+        std::vector<float> out;
+        for (int64_t t = 0; t < T; ++t)
+          out.insert(out.end(), x.begin() + t * H * width + h * width, x.begin() + t * H * width + (h + 1) * width);
+        return out;
+      };
+      const std::vector<float> one = cuda_testing::kda_chunked_tc(
+          head(c.q, K), head(c.k, K), head(c.v, K), head(graw, K), head(c.beta, 1), {A_log[h]},
+          std::vector<float>(dt.begin() + h * K, dt.begin() + (h + 1) * K), -5.0f, cu, 1, K, {}, nullptr);
+      const std::vector<float> want = head(all, K);
+      ASSERT_EQ(one.size(), want.size());
+      EXPECT_EQ(std::memcmp(one.data(), want.data(), one.size() * sizeof(float)), 0) << "K " << K << " head " << h;
+    }
+  }
+}
+
 // Decoding recomputes a sequence's partial chunk from the state at its last chunk boundary, so the kernels must give
 // a chunk's rows 0 … r the same bits whether the chunk ends there or runs on: rows of a cut sequence equal the
 // whole sequence's, the boundary state of a cut equals the final state at that boundary, and the rows after the

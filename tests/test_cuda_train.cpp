@@ -145,11 +145,39 @@ TEST_P(CudaTrainGolden, GradientsMatchCpuReference) {
   const double ref_loss = model_forward_backward(cpu, batch, ref);
   model_forward_backward(perturbed(cpu), batch, noisy);
 
+  // The KDA core in fp32 (as the CPU computes it); the tensor-core forward core is checked below.
   CudaModel gpu(cpu);
+  gpu.set_kda_tensor_cores(false);
   const double loss = gpu.forward_backward(batch);
   EXPECT_LE(std::fabs(loss - ref_loss) / std::fabs(ref_loss), kLossTol) << loss << " vs " << ref_loss;
   std::printf("[cuda grad] %s: loss %.8g vs CPU %.8g\n", GetParam().c_str(), loss, ref_loss);
   expect_within_noise(GetParam(), cpu.config(), gpu.gradients(), ref, noisy);
+}
+
+// With the KDA forward core on tensor cores (the default where the config has them: bf16 q, k, v, as inference
+// runs it), the training loss is the forward's own: −Σ of next_token_logprobs on the same model within 1e-5
+// relative (the same kernels but the head's reduction order). The bf16 core moves activations, and with them now and
+// then a routing choice, more than one bf16 step of weight noise does, so single tensors can leave the per-tensor
+// bound above; over all tensors the gradients stay within that noise's spread.
+TEST_P(CudaTrainGolden, TensorCoreKdaTrainsOnTheForwardsArithmetic) {
+  const std::string dir = test::golden_dir(GetParam());
+  const Model cpu = test::bf16_weights_reference(dir);
+  const PackedBatch batch = golden_batch(dir);
+  ModelWeights ref = zeros_like(cpu.weights()), noisy = zeros_like(cpu.weights());
+  model_forward_backward(cpu, batch, ref);
+  model_forward_backward(perturbed(cpu), batch, noisy);
+  CudaModel gpu(cpu);
+  const double loss = gpu.forward_backward(batch);
+  double scored = 0;
+  for (const auto& seq : gpu.next_token_logprobs(batch))
+    for (double lp : seq) scored -= lp;
+  const auto err = errors(hub_gradients(cpu.config(), gpu.gradients(), ""), hub_gradients(cpu.config(), ref, ""));
+  const auto spread = errors(hub_gradients(cpu.config(), noisy, ""), hub_gradients(cpu.config(), ref, ""));
+  std::printf("[cuda grad tc] %s: KDA on tensor cores %s; loss %.8g, scored %.8g; all tensors %.3g (spread %.3g)\n",
+              GetParam().c_str(), gpu.kda_on_tensor_cores() ? "yes" : "no", loss, scored, err.at("*"),
+              spread.at("*"));
+  EXPECT_LE(std::fabs(loss - scored), 1e-5 * std::fabs(scored));
+  EXPECT_LE(err.at("*"), spread.at("*"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaTrainGolden, ::testing::ValuesIn(test::golden_cases()),
@@ -162,6 +190,7 @@ TEST(CudaTrain, GradientsMatchTransformersGolden) {
   const std::string dir = test::golden_dir("bf16_sharded");
   const Model m = Model::load(dir);
   CudaModel gpu(m);
+  gpu.set_kda_tensor_cores(false);  // the KDA core in fp32, as transformers' (CudaTrainGolden has the other)
   ModelWeights noisy = zeros_like(m.weights());
   const Model p = perturbed(m);
   double loss = 0.0;

@@ -479,9 +479,43 @@ int cmd_grad(const GradArgs& a) {
   std::vector<std::vector<int32_t>> seqs;
   PackedBatch batch;
   std::optional<ModelConfig> device_config;
-  if (a.device == "cuda" && parallel_run(a.tp, a.ep))
-    throw UsageError("--device cuda runs on one GPU: --tp/--ep and mpirun apply to --device cpu");
-  if (a.device == "cuda") {
+  if (a.device == "cuda" && parallel_run(a.tp, a.ep)) {
+#ifdef NEXTLM_HAVE_NCCL
+    // Each GPU's slices' gradients, gathered into the checkpoint's full tensors (dist::gather_gradients).
+    device_config = load_config((fs::path(a.model) / "config.json").string());
+    const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(a.tp, a.ep);
+    try {
+      dist::validate_layout({a.tp, a.ep}, world, *device_config);
+      dist::cuda_shard(0, world, a.tp, a.ep);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    seqs = read_token_jsonl(a.input, device_config->vocab_size);
+    for (const auto& s : seqs) batch.add(s);
+    auto run = [&](dist::Comm& world_comm, int device) {
+      dist::CudaRank rank = dist::make_cuda_rank(world_comm, a.tp, a.ep, device, [&](const CudaShard& s, int dev) {
+        return CudaModel::load(a.model, dev, s);
+      });
+      const double l = rank.model->forward_backward(batch);
+      const ModelWeights mine = rank.model->gradients();
+      dist::Mesh m(world_comm, dist::ParallelOptions{a.tp, a.ep});
+      dist::ShardedModel shape;
+      shape.config = *device_config;
+      ModelWeights full = dist::gather_gradients(shape, m, mine);
+      if (world_comm.rank() == 0) grads = std::move(full), loss = l;
+    };
+    if (dist::launched_by_mpi()) {
+      const int gpus = dist::cuda_device_count();
+      if (gpus == 0) throw Error("--device cuda: no CUDA device is available");
+      run(dist::world(), dist::world().rank() % gpus);
+      if (dist::world().rank() != 0) return 0;
+    } else {
+      dist::run_gpu_ranks(a.tp, a.ep, run);
+    }
+#else
+    throw UsageError("--device cuda with --tp/--ep needs a build with NCCL");
+#endif
+  } else if (a.device == "cuda") {
 #ifdef NEXTLM_HAVE_CUDA
     // Straight from the checkpoint in bf16 (CudaModel::forward_backward): all sequences in one packed batch.
     const std::unique_ptr<CudaModel> gpu = CudaModel::load(a.model);
@@ -762,7 +796,9 @@ int run_cli_impl(int argc, char** argv) {
                  "tensor-parallel ranks (CPU: under mpirun, divides -np and the head counts; --device cuda: one GPU "
                  "per rank, threads of this process or mpirun's processes)")
       ->check(rank_count())->capture_default_str();
-  sc->add_option("--ep", score.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
+  sc->add_option("--ep", score.ep,
+                 "expert-parallel ranks (CPU: under mpirun, divides -np and n_routed_experts; --device cuda: one "
+                 "GPU per rank)")
       ->check(rank_count())->capture_default_str();
 
   std::string info_dir;
@@ -784,9 +820,13 @@ int run_cli_impl(int argc, char** argv) {
                  "kda, mla, moe, mlp, mhc")
       ->type_name("POLICY")
       ->capture_default_str();
-  gr->add_option("--tp", grad.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+  gr->add_option("--tp", grad.tp,
+                 "tensor-parallel ranks (CPU: under mpirun, divides -np and the head counts; --device cuda: one GPU "
+                 "per rank, threads of this process or mpirun's processes)")
       ->check(rank_count())->capture_default_str();
-  gr->add_option("--ep", grad.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts)")
+  gr->add_option("--ep", grad.ep,
+                 "expert-parallel ranks (CPU: under mpirun, divides -np and n_routed_experts; --device cuda: one "
+                 "GPU per rank)")
       ->check(rank_count())->capture_default_str();
 
   GenerateArgs gen;

@@ -57,6 +57,15 @@ __global__ void split_xent_kernel(const float* logits, const int32_t* target, in
   }
 }
 
+// y = bf16(x), and x ← float(y).
+__global__ void round_to_bf16_kernel(float* x, bf16* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] = __float2bfloat16(x[i]);
+    x[i] = __bfloat162float(y[i]);
+  }
+}
+
 __global__ void bf16_to_f32_kernel(const bf16* x, float* y, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -306,12 +315,20 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
   x.o = ar.alloc<float>(T * HK);
   if (m_.kda_tc_path()) {
-    // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel), as inference runs it; the backward
-    // reads the fp32 q, k, v, g kept above.
+    // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel), as inference runs it. The kept fp32
+    // q, k, v are rounded to the bf16 values it reads, so that the backward differentiates the function the forward
+    // computed (the rounding passes the gradient through unchanged).
+    bf16 *q16 = ar.alloc<bf16>(T * HK), *k16 = ar.alloc<bf16>(T * HK), *v16 = ar.alloc<bf16>(T * HK);
+    for (auto [f, h] : {std::pair<float*, bf16*>{x.q, q16}, {x.k, k16}, {x.v, v16}})
+      if (T > 0) {
+        round_to_bf16_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * HK, 256), 4096)), 256, 0, st>>>(
+            f, h, T * HK);
+        NEXTLM_CUDA_CHECK(cudaGetLastError());
+      }
     bf16* o16 = ar.alloc<bf16>(T * HK);
     void* work = ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
-    kda_chunked_tc(half(x.q, T * HK), half(x.k, T * HK), half(x.v, T * HK), x.f, x.beta, w.dt_bias, w.A_log, bound,
-                   o16, p_.chunks, kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
+    kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, o16, p_.chunks,
+                   kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
     if (T > 0) {
       bf16_to_f32_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * HK, 256), 4096)), 256, 0, st>>>(
           o16, x.o, T * HK);
