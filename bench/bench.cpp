@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
       {"slice4_train_step_T4096_tp2", nextlm::bench::slice4_train_step_case},
       {"slice4_train_step_T4096_ep2", nextlm::bench::slice4_train_step_case},
       {"slice4_train_step_T4096_tp2_ep2", nextlm::bench::slice4_train_step_case},
+      {"slice4_lora_step_T4096_shared_experts_tp2", nextlm::bench::slice4_lora_step_case},
+      {"slice4_lora_step_T4096_shared_experts_ep2", nextlm::bench::slice4_lora_step_case},
+      {"slice4_lora_step_T4096_shared_experts_tp2_ep2", nextlm::bench::slice4_lora_step_case},
 #endif
       {"mhc", nextlm::bench::mhc_share_case},
       {"moe_grouped_gemm", nextlm::bench::moe_grouped_gemm_case},  // bench/moe_gemm.cu

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <vector>
@@ -335,8 +337,9 @@ void slice4_train_step_case(const std::string& name) {
                                 : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
                                   "LoRA step: adapters and optimizer not included)") +
                    " at " + std::to_string(kT) + " tokens, every sub-layer recomputed before its backward; KDA "
-                   "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor cores, dx of the experts on "
-                   "per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) + " CUDA-event timings (host wall median " +
+                   "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
+                   "cores, dx of the experts on per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) +
+                   " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
                    (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
   std::printf("%s\n", line.dump().c_str());
@@ -353,54 +356,108 @@ void slice4_train_step_case(const std::string& name) {
   std::fflush(stdout);
 }
 
-void slice4_lora_step_case(const std::string& name) {
-  const bool shared = name.find("shared_experts") != std::string::npos;
-  const ModelConfig cfg = load_config(slice4_config_path());
-  auto model = CudaModel::random(cfg, kSeed);
-  model->set_train_linears(false);
+namespace {
+
+constexpr int kLoraStepIters = 3;
+
+struct LoraSteps {
+  double wall_ms = 0, device_ms = 0, loss = 0;
+  size_t modules = 0;
+  int64_t parameters = 0;
+  std::vector<LoraModule> layout;  // the adapter's modules (for the FLOP count)
+};
+
+// LoRA steps on a model: the adapters' gradients on the device, then AdamW on the host's fp32 adapters (small) and
+// their upload, as `train --device cuda --lora-rank` runs it. On a shard, `sum` adds up the ranks' shares of the
+// gradients (lora_gradients) and `sync` lines the ranks up before each timed step.
+LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
+                          const std::function<void(std::vector<ParamRef>&)>& sum, const std::function<void()>& sync) {
+  model.set_train_linears(false);
   LoraOptions o;
   o.rank = 16;
   o.alpha = 32;
   o.experts = shared ? LoraExperts::Shared : LoraExperts::PerExpert;
-  LoraAdapter lora(cfg, o, kSeed);
+  LoraAdapter lora(model.config(), o, kSeed);
   std::vector<ParamRef> params = lora.params("model.language_model.");
   AdamW adam(params, AdamWOptions{});
+  LoraSteps r;
+  auto step = [&] {
+    for (ParamRef& p : params) std::fill_n(p.g, p.n, 0.0f);
+    model.zero_grads();
+    model.set_lora(lora);
+    r.loss = model.forward_backward(b);
+    model.lora_gradients(lora);
+    sum(params);
+    for (ParamRef& p : params)
+      for (int64_t i = 0; i < p.n; ++i) p.g[i] /= static_cast<float>(kT - 1);
+    clip_grad_norm(params, 1.0);
+    adam.step(params, 1e-4);
+    return model.last_forward_ms();
+  };
+  step();  // warm-up
+  std::vector<double> gpu, wall;
+  for (int i = 0; i < kLoraStepIters; ++i) {
+    sync();
+    const auto w0 = std::chrono::steady_clock::now();
+    gpu.push_back(step());
+    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count());
+  }
+  r.wall_ms = median(wall), r.device_ms = median(gpu);
+  r.modules = lora.modules().size(), r.parameters = lora.num_parameters(), r.layout = lora.modules();
+  return r;
+}
+
+PackedBatch random_batch(const ModelConfig& cfg) {
   std::mt19937 gen(7);
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
   std::vector<int32_t> seq(kT);
   for (int32_t& x : seq) x = tok(gen);
   PackedBatch b;
   b.add(seq);
-  // One LoRA step: the adapters' gradients on the device, then AdamW on the host's fp32 adapters (small) and their
-  // upload, as `train --device cuda --lora-rank` runs it.
-  double loss = 0;
-  auto step = [&] {
-    for (ParamRef& p : params) std::fill_n(p.g, p.n, 0.0f);
-    model->zero_grads();
-    model->set_lora(lora);
-    loss = model->forward_backward(b);
-    model->lora_gradients(lora);
-    for (ParamRef& p : params)
-      for (int64_t i = 0; i < p.n; ++i) p.g[i] /= static_cast<float>(kT - 1);
-    clip_grad_norm(params, 1.0);
-    adam.step(params, 1e-4);
-    return model->last_forward_ms();
-  };
-  step();  // warm-up
-  std::vector<double> gpu, wall;
-  constexpr int kStepIters = 3;
-  for (int i = 0; i < kStepIters; ++i) {
-    const auto w0 = std::chrono::steady_clock::now();
-    gpu.push_back(step());
-    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count());
+  return b;
+}
+
+}  // namespace
+
+void slice4_lora_step_case(const std::string& name) {
+  const bool shared = name.find("shared_experts") != std::string::npos;
+  const int tp = name.find("_tp2") != std::string::npos ? 2 : 1, ep = name.find("_ep2") != std::string::npos ? 2 : 1;
+  const ModelConfig cfg = load_config(slice4_config_path());
+  const PackedBatch b = random_batch(cfg);
+  LoraSteps one, split;
+  {
+    auto model = CudaModel::random(cfg, kSeed);
+    one = time_lora_steps(*model, shared, b, [](std::vector<ParamRef>&) {}, [] {});
   }
-  const double ms = median(wall);
+  if (tp > 1 || ep > 1) {
+#ifdef NEXTLM_HAVE_NCCL
+    // The same step split over GPUs: every rank holds its part of the adapters, their gradients' shares are summed
+    // over the ranks on the host, and every rank runs the same AdamW.
+    dist::run_gpu_ranks(tp, ep, [&](dist::Comm& world, int device) {
+      dist::CudaRank r = dist::make_cuda_rank(world, tp, ep, device, [&](const CudaShard& sh, int dev) {
+        return CudaModel::random(cfg, kSeed, dev, sh);
+      });
+      const LoraSteps mine = time_lora_steps(
+          *r.model, shared, b,
+          [&](std::vector<ParamRef>& params) {
+            for (ParamRef& p : params) world.all_reduce_sum(p.g, static_cast<size_t>(p.n));
+          },
+          [&] { world.barrier(); });
+      if (world.rank() == 0) split = mine;
+    });
+#else
+    fail(name, ": needs a build with NCCL");
+#endif
+  }
+  const bool par = tp > 1 || ep > 1;
+  const LoraSteps& r = par ? split : one;
+  const double ms = r.wall_ms;
   double forward = 0;
   for (const auto& [part, cost] : slice_costs(cfg, kT))
     if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
   // The adapters' FLOPs: per module and token, x·Aᵀ and u·Bᵀ forward, and four products of the same size backward.
   double adapter_flops = 0;
-  for (const LoraModule& m : lora.modules()) {
+  for (const LoraModule& m : r.layout) {
     const double tokens = lora_kind_is_expert(m.kind)
                               ? (m.expert == LoraModule::kAllExperts ? kT * cfg.num_experts_per_tok
                                                                       : kT * cfg.num_experts_per_tok /
@@ -413,22 +470,33 @@ void slice4_lora_step_case(const std::string& name) {
   nlohmann::json line{
       {"case", name},
       {"ours_ms", std::round(ms * 1e4) / 1e4},
-      {"device_ms", std::round(median(gpu) * 1e4) / 1e4},
+      {"device_ms", std::round(r.device_ms * 1e4) / 1e4},
       {"floor_ms", std::round(needed / kFlopsPerMs * 1e4) / 1e4},
       {"tokens_per_s", std::round(kT / ms * 1e3)},
       {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
       {"target_mfu", 0.35},
-      {"adapters", lora.modules().size()},
-      {"adapter_parameters", lora.num_parameters()},
-      {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
-      {"finite", std::isfinite(loss)},
+      {"adapters", r.modules},
+      {"adapter_parameters", r.parameters},
+      {"loss_per_token", std::round(r.loss / (kT - 1) * 1e4) / 1e4},
+      {"finite", std::isfinite(r.loss)},
       {"note", std::string("one LoRA step of the 4-layer slice at ") + std::to_string(kT) +
                    " tokens: rank 16 adapters on every projection (" +
                    (shared ? "one adapter per layer shared by the routed experts" : "one adapter per routed expert") +
                    "), forward + backward on the device (base frozen: no weight gradients), the adapters' gradients "
                    "to the host, clipping and AdamW there and the new adapters back; median host wall time of " +
-                   std::to_string(kStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
-                   "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s"}};
+                   std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
+                   "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s" +
+                   (par ? " of all " + std::to_string(std::lcm(tp, ep)) + " GPUs; tp " + std::to_string(tp) +
+                              " ep " + std::to_string(ep) + " (threads, NCCL), the adapters' gradients summed over "
+                              "the ranks on the host"
+                        : std::string())}};
+  if (par) {
+    line["mfu"] = std::round(needed / (ms * kPeakFlopsPerMs * std::lcm(tp, ep)) * 1e4) / 1e4;
+    line["peer"] = "nextlm on one GPU, same run";
+    line["peer_ms"] = std::round(one.wall_ms * 1e4) / 1e4;
+    line["speedup"] = std::round(one.wall_ms / ms * 100) / 100;
+    line["loss_rel_diff_vs_one_gpu"] = std::fabs(r.loss - one.loss) / std::fabs(one.loss);
+  }
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
 }

@@ -21,6 +21,7 @@
 #include "dist/parallel_train.h"
 #include "dist/thread_comm.h"
 #include "io/safetensors.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "model/train.h"
 #include "test_util.h"
@@ -230,6 +231,90 @@ TEST(CudaParallel, ShardedModelMatchesOneGpuThroughHostCollectives) { check_layo
 TEST(CudaParallel, ShardedModelMatchesOneGpuOverNccl) {
   if (dist::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (the host-collective test covers the math)";
   check_layouts(true);
+}
+
+// ‖a − b‖/‖b‖ over every module's dA and dB.
+double lora_error(const LoraAdapter& a, const LoraAdapter& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < b.modules().size(); ++i) {
+    const LoraModule &p = a.modules()[i], &q = b.modules()[i];
+    for (const auto& [x, y] : {std::tie(p.dA, q.dA), std::tie(p.dB, q.dB)})
+      for (size_t j = 0; j < y.data.size(); ++j) {
+        EXPECT_TRUE(std::isfinite(x.data[j]));
+        d += (static_cast<double>(x.data[j]) - y.data[j]) * (static_cast<double>(x.data[j]) - y.data[j]);
+        r += static_cast<double>(y.data[j]) * y.data[j];
+      }
+  }
+  return std::sqrt(d / r);
+}
+
+LoraAdapter zeroed(LoraAdapter a) {
+  for (LoraModule& m : a.modules()) {
+    std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
+    std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
+  }
+  return a;
+}
+
+// LoRA on a split model (rank 4 on every projection, one adapter per expert or one for all): each rank keeps its
+// part of every module; the ranks' shares of the adapters' gradients, summed over the world, are as close to the
+// fp32 CPU's (from the merged model's weight gradients) as one GPU's are (within 1.25×, plus 1e-3).
+void check_lora(bool nccl) {
+  const std::string dir = test::golden_dir("bf16_sharded");
+  const Model base = test::bf16_weights_reference(dir);
+  PackedBatch batch;
+  for (const auto& s : test::golden_sequences(dir)) batch.add(s);
+  for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
+    LoraOptions o;
+    o.rank = 4;
+    o.alpha = 8;
+    o.experts = experts;
+    LoraAdapter ref(base.config(), o, 5);
+    unsigned seed = 100;
+    for (LoraModule& m : ref.modules()) m.B.data = test::randn(m.B.data.size(), ++seed, 0.05f);
+    const LoraAdapter start = zeroed(ref);
+    {
+      ModelWeights w = base.weights();
+      ref.apply(ref.capture(base.weights()), w);
+      const Model merged(base.config(), std::move(w));
+      ModelWeights g = zeros_like(merged.weights());
+      model_forward_backward(merged, batch, g);
+      ref.backward(g);
+    }
+    const std::unique_ptr<CudaModel> one = CudaModel::load(dir);
+    one->set_train_linears(false);
+    one->set_lora(start);
+    one->forward_backward(batch);
+    LoraAdapter single = start;
+    one->lora_gradients(single);
+    const double e1 = lora_error(single, ref);
+    for (const Layout& l : kLayouts) {
+      LoraAdapter got = start;
+      run_layout(dir, l, nccl, [&](dist::Comm& world, CudaModel& m) {
+        m.set_train_linears(false);
+        m.set_lora(start);
+        m.forward_backward(batch);
+        LoraAdapter mine = start;
+        m.lora_gradients(mine);
+        for (LoraModule& x : mine.modules())
+          for (Tensor* t : {&x.dA, &x.dB}) world.all_reduce_sum(t->ptr(), t->data.size());
+        if (world.rank() == 0) got = std::move(mine);
+      });
+      const double e = lora_error(got, ref), between = lora_error(got, single);
+      std::printf("[cuda parallel%s lora] %s %s: adapters' gradients vs fp32 CPU %.3g (one GPU %.3g), vs one GPU "
+                  "%.3g\n",
+                  nccl ? " nccl" : "", experts == LoraExperts::Shared ? "shared experts" : "per expert",
+                  layout_name(l).c_str(), e, e1, between);
+      EXPECT_LE(e, 1.25 * e1 + 1e-3) << layout_name(l);
+    }
+  }
+}
+
+TEST(CudaParallel, ShardedLoraThroughHostCollectives) { check_lora(false); }
+
+TEST(CudaParallel, ShardedLoraOverNccl) {
+  if (dist::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (the host-collective test covers the math)";
+  check_lora(true);
 }
 
 TEST(CudaParallel, ShardedGradientsThroughHostCollectives) { check_gradients(false); }

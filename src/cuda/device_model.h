@@ -149,6 +149,11 @@ class CudaModel {
   // layout replaces them, zeroed). Only forward_backward applies the adapters (score and decoding run the base).
   void set_lora(const LoraAdapter& adapter);
   // Adds the device's dA, dB into the adapter's modules' (the adapter set_lora got, or one of the same layout).
+  // On a shard, set_lora takes the full model's adapter and keeps this rank's part of each module (B's rows of an
+  // output-split projection, A's columns of an input-split one, the routed experts held here), and lora_gradients
+  // adds this rank's share: the summed gradient of the part it holds at its place, weighted 1/(ranks holding the
+  // same part), so that the sum over the world's ranks of what they add is the gradient (a collective over the
+  // model's groups; the caller sums over the world).
   void lora_gradients(LoraAdapter& adapter) const;
   // The accumulated gradients on the host, shaped as zeros_like(weights) (model/backward.h): the indexer and the
   // correction bias empty; with tied embeddings the lm_head's gradient is added into the embedding's.

@@ -488,7 +488,8 @@ struct CudaModel::Impl {
         // This rank's heads [h0, h0 + Hl): rows of q, k, v, f_b, g_b, b, the convs, dt_bias and A_log, columns
         // of o_proj.
         const int64_t Hl = H / tp, h0 = tr * Hl;
-        const Slice heads = tp > 1 ? Slice{0, h0 * K, Hl * K} : Slice{}, head_rows = tp > 1 ? Slice{0, h0, Hl} : Slice{},
+        const Slice heads = tp > 1 ? Slice{0, h0 * K, Hl * K} : Slice{},
+                    head_rows = tp > 1 ? Slice{0, h0, Hl} : Slice{},
                     head_cols = tp > 1 ? Slice{1, h0 * K, Hl * K} : Slice{};
         L.kda_layer = true;
         DKda& k = L.kda;

@@ -202,8 +202,10 @@ class Step {
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
     float* out = down ? x.out : x.gu;
     if (m_.lora->layers[i].shared_experts) {
+      // On the rows of the experts held here: all n unless expert-parallel (then those before the other ranks').
+      const int64_t rows = m_.local_experts == c_.n_routed_experts ? n : host_offsets(x.offsets)[m_.local_experts];
       for (LoraKind k : kinds)
-        if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, in, ld_in, n, out, ld_out);
+        if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, in, ld_in, rows, out, ld_out);
       return;
     }
     const std::vector<int32_t> off = host_offsets(x.offsets);
@@ -220,13 +222,13 @@ class Step {
   void expert_adapters_backward(size_t i, const MoeActs& x, const std::vector<int32_t>& off,
                                 std::initializer_list<LoraKind> kinds, const bf16* dy, float* dx) {
     if (!has_adapters(i, kinds)) return;
-    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
     const bf16* in = down ? x.act : x.xp;
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
     if (m_.lora->layers[i].shared_experts) {
       for (LoraKind k : kinds)
-        if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, n, dx);
+        if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, off[m_.local_experts], dx);
       return;
     }
     for (int64_t e = 0; e < m_.local_experts; ++e) {
@@ -979,11 +981,82 @@ LoraTarget lora_target(const ModelConfig& c, const cuda::DLayer& L, LoraKind k) 
   return {};
 }
 
+// How a LoRA module of the full model lands on one rank of a sharded one (the projection's own split): B's rows cut
+// (an output-split projection: q, k, v, f_b, g_b, b, q_b, kv_b, gate, up), A's columns cut (an input-split one:
+// o_proj, down), or whole (the replicated f_a, g_a, q_a, kv_a; the routed experts, whole on their EP rank).
+// copies_a / copies_b: how many ranks of the world hold the same piece of dA / dB once lora_gradients has summed the
+// shares.
+struct LoraSplit {
+  enum Kind { kWhole, kRows, kCols } kind = kWhole;
+  int64_t begin = 0, count = 0;
+  dist::Comm* partial = nullptr;  // the group over which this rank's dA / dB are shares
+  bool partial_a = false, partial_b = false;
+  int copies_a = 1, copies_b = 1;
+};
+LoraSplit lora_split(const CudaModel::Impl& m, LoraKind k, bool all_experts) {
+  const ModelConfig& f = m.full;
+  const int tp = m.shard.tp, tr = m.shard.tp_rank, world = std::lcm(m.shard.tp, m.shard.ep);
+  LoraSplit s;
+  s.copies_a = s.copies_b = world;
+  if (lora_kind_is_expert(k)) {
+    // One adapter per expert: on its EP rank only, complete. One for all experts: each EP rank's rows' share.
+    s.partial = all_experts ? m.ep_comm : nullptr;
+    s.partial_a = s.partial_b = all_experts;
+    s.copies_a = s.copies_b = all_experts ? world : world / m.shard.ep;
+    return s;
+  }
+  if (tp == 1) return s;
+  const int64_t K = f.linear_head_dim, Hl = f.linear_num_heads / tp, NHl = f.num_attention_heads / tp;
+  const int64_t dqk = f.qk_nope_head_dim, dv = f.v_head_dim;
+  auto rows = [&](int64_t begin, int64_t count) {
+    s.kind = LoraSplit::kRows, s.begin = begin, s.count = count;
+    s.partial = m.tp_comm, s.partial_a = true;  // dA = s·(dy·B)ᵀ·x sums over the ranks' rows of B
+    s.copies_b = world / tp;
+  };
+  auto cols = [&](int64_t begin, int64_t count) {
+    s.kind = LoraSplit::kCols, s.begin = begin, s.count = count;
+    s.partial = m.tp_comm, s.partial_b = true;  // dB = dyᵀ·u sums over the ranks' shares of u = s·x·Aᵀ
+    s.copies_a = world / tp;
+  };
+  const cuda::WeightSource::Slice mlp = cuda::part_of(f.intermediate_size, tp, tr, 0),
+                          shared = cuda::part_of(f.moe_intermediate_size * f.n_shared_experts, tp, tr, 0);
+  switch (k) {
+    case LoraKind::KdaQ: case LoraKind::KdaK: case LoraKind::KdaV: case LoraKind::KdaFB: case LoraKind::KdaGB:
+      rows(tr * Hl * K, Hl * K); break;
+    case LoraKind::KdaB: rows(tr * Hl, Hl); break;
+    case LoraKind::KdaO: cols(tr * Hl * K, Hl * K); break;
+    case LoraKind::MlaQB: rows(tr * NHl * dqk, NHl * dqk); break;
+    case LoraKind::MlaKVB: rows(tr * NHl * (dqk + dv), NHl * (dqk + dv)); break;
+    case LoraKind::MlaO: cols(tr * NHl * dv, NHl * dv); break;
+    case LoraKind::MlpGate: case LoraKind::MlpUp: rows(mlp.begin, mlp.count); break;
+    case LoraKind::MlpDown: cols(mlp.begin, mlp.count); break;
+    case LoraKind::SharedGate: case LoraKind::SharedUp: rows(shared.begin, shared.count); break;
+    case LoraKind::SharedDown: cols(shared.begin, shared.count); break;
+    default:  // f_a, g_a, q_a, kv_a: replicated, their input and output gradients shares over TP
+      s.partial = m.tp_comm, s.partial_a = s.partial_b = true;
+      break;
+  }
+  return s;
+}
+
+// The rows [begin, begin + count) of t [R, C], or its columns.
+Tensor cut_rows(const Tensor& t, int64_t begin, int64_t count) {
+  const int64_t C = t.dim(1);
+  Tensor out({count, C});
+  std::copy_n(t.ptr() + begin * C, count * C, out.ptr());
+  return out;
+}
+Tensor cut_cols(const Tensor& t, int64_t begin, int64_t count) {
+  const int64_t R = t.dim(0), C = t.dim(1);
+  Tensor out({R, count});
+  for (int64_t r = 0; r < R; ++r) std::copy_n(t.ptr() + r * C + begin, count, out.ptr() + r * count);
+  return out;
+}
+
 }  // namespace
 
 void CudaModel::set_lora(const LoraAdapter& adapter) {
   Impl& m = *impl_;
-  check(!m.sharded(), "set_lora: LoRA runs on one GPU (not on a tensor- or expert-parallel model)");
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;
@@ -1008,8 +1081,11 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       const LoraTarget tgt = lora_target(c, L, mod.kind);
       check(tgt.W != nullptr, "LoRA module ", lora_kind_info(mod.kind).path, " has no projection on layer ",
             mod.layer);
-      check(mod.B.dim(0) == tgt.out && mod.A.dim(1) == tgt.W->in && mod.A.dim(0) == mod.rank &&
-                mod.B.dim(1) == mod.rank,
+      // The module's shapes on this rank (its B rows or A columns on a shard).
+      const LoraSplit sp = lora_split(m, mod.kind, mod.expert == LoraModule::kAllExperts);
+      const int64_t out = sp.kind == LoraSplit::kRows ? sp.count : mod.B.dim(0),
+                    in = sp.kind == LoraSplit::kCols ? sp.count : mod.A.dim(1);
+      check(out == tgt.out && in == tgt.W->in && mod.A.dim(0) == mod.rank && mod.B.dim(1) == mod.rank,
             "LoRA module ", lora_kind_info(mod.kind).path, " of layer ", mod.layer, ": shapes [", mod.A.dim(0), ", ",
             mod.A.dim(1), "] and [", mod.B.dim(0), ", ", mod.B.dim(1), "] do not fit its projection");
       cuda::LayerLora& ll = st->layers[mod.layer];
@@ -1017,8 +1093,14 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       int64_t slot = 0;
       if (lora_kind_is_expert(mod.kind) && mod.expert != LoraModule::kAllExperts) {
         check(mod.expert >= 0 && mod.expert < E, "LoRA module for expert ", mod.expert, " of ", E);
-        if (v.empty()) v.resize(E);
-        slot = mod.expert;
+        // Only the experts held here (all of them unless expert-parallel), by their place among them.
+        if (mod.expert < m.expert_begin || mod.expert >= m.expert_begin + m.local_experts) {
+          st->order.push_back(nullptr);
+          at.push_back({});
+          continue;
+        }
+        if (v.empty()) v.resize(m.local_experts);
+        slot = mod.expert - m.expert_begin;
       } else {
         if (lora_kind_is_expert(mod.kind)) ll.shared_experts = true;
         check(v.empty(), "two LoRA modules on ", lora_kind_info(mod.kind).path, " of layer ", mod.layer);
@@ -1038,6 +1120,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
     st->bytes = bytes;
     char* base = static_cast<char*>(st->base);
     for (size_t i = 0; i < st->order.size(); ++i) {
+      if (!st->order[i]) continue;  // an expert held by another rank
       cuda::DAdapter& d = *st->order[i];
       d.A = reinterpret_cast<cuda::bf16*>(base + at[i][0]);
       d.B = reinterpret_cast<cuda::bf16*>(base + at[i][1]);
@@ -1057,8 +1140,10 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
     NEXTLM_CUDA_CHECK(cudaMemcpy(dst, bits.data(), bits.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
   };
   for (size_t i = 0; i < mods.size(); ++i) {
-    up(mods[i].A, m.lora->order[i]->A);
-    up(mods[i].B, m.lora->order[i]->B);
+    if (!m.lora->order[i]) continue;
+    const LoraSplit sp = lora_split(m, mods[i].kind, mods[i].expert == LoraModule::kAllExperts);
+    up(sp.kind == LoraSplit::kCols ? cut_cols(mods[i].A, sp.begin, sp.count) : mods[i].A, m.lora->order[i]->A);
+    up(sp.kind == LoraSplit::kRows ? cut_rows(mods[i].B, sp.begin, sp.count) : mods[i].B, m.lora->order[i]->B);
   }
 }
 
@@ -1069,16 +1154,37 @@ void CudaModel::lora_gradients(LoraAdapter& adapter) const {
   check(mods.size() == m.lora->order.size(), "LoRA gradients: the adapter has ", mods.size(), " modules, the device ",
         m.lora->order.size());
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  // On a shard: the shares summed over their group (in a device temporary), then this rank's piece added at its
+  // place weighted 1/copies, so that what the world's ranks add sums to the gradient.
   std::vector<float> buf;
-  auto add = [&](const float* src, Tensor& dst) {
-    buf.resize(dst.data.size());
-    NEXTLM_CUDA_CHECK(cudaMemcpy(buf.data(), src, buf.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < buf.size(); ++i) dst.data[i] += buf[i];
+  float* sum = nullptr;
+  auto fetch = [&](const float* src, int64_t n, dist::Comm* group) {
+    buf.resize(static_cast<size_t>(n));
+    if (group && group->size() > 1) {
+      if (!sum) NEXTLM_CUDA_CHECK(cudaMalloc(&sum, m.lora->bytes));
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(sum, src, n * sizeof(float), cudaMemcpyDeviceToDevice, m.stream));
+      group->all_reduce_sum(sum, static_cast<size_t>(n));
+      NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+      src = sum;
+    }
+    NEXTLM_CUDA_CHECK(cudaMemcpy(buf.data(), src, n * sizeof(float), cudaMemcpyDeviceToHost));
   };
   for (size_t i = 0; i < mods.size(); ++i) {
-    add(m.lora->order[i]->dA, mods[i].dA);
-    add(m.lora->order[i]->dB, mods[i].dB);
+    const cuda::DAdapter* d = m.lora->order[i];
+    if (!d) continue;
+    const LoraSplit sp = lora_split(m, mods[i].kind, mods[i].expert == LoraModule::kAllExperts);
+    Tensor& dA = mods[i].dA;
+    fetch(d->dA, d->r * d->in, sp.partial_a ? sp.partial : nullptr);
+    const float wa = 1.0f / static_cast<float>(sp.copies_a), wb = 1.0f / static_cast<float>(sp.copies_b);
+    const int64_t col0 = sp.kind == LoraSplit::kCols ? sp.begin : 0;
+    for (int64_t r = 0; r < d->r; ++r)
+      for (int64_t j = 0; j < d->in; ++j) dA.data[r * dA.dim(1) + col0 + j] += wa * buf[r * d->in + j];
+    Tensor& dB = mods[i].dB;
+    fetch(d->dB, d->out * d->r, sp.partial_b ? sp.partial : nullptr);
+    const int64_t row0 = sp.kind == LoraSplit::kRows ? sp.begin : 0;
+    for (int64_t j = 0; j < d->out * d->r; ++j) dB.data[row0 * d->r + j] += wb * buf[j];
   }
+  if (sum) cudaFree(sum);
 }
 
 void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }
