@@ -269,6 +269,7 @@ class Step {
     int32_t *sel = nullptr, *count = nullptr;
   };
   std::vector<Sel> sels_;  // per layer: the selection it attends over (DSA layers)
+  bool select_ = false;    // the forward pass: full-indexer layers make their selection (dsa_forward)
 
   // The sub-layer of a site: forward (y from a, activations kept in the arena) and backward (da from dy).
   struct SubActs {
@@ -406,6 +407,8 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   linear_forward(i, {LoraKind::MlaQA}, w.q_a, a, D, x.qa);
   x.qr = ar.alloc<bf16>(T * QL);
   rmsnorm_rows(x.qa, QL, w.q_a_norm, x.qr, nullptr, T, QL, eps, st);
+  // The indexer's selection (frozen: no gradient), in the forward pass only.
+  if (select_ && w.has_indexer) m_.indexer(w, p_, a, x.qr, sels_[i].sel, sels_[i].count, max_sel());
   x.q = ar.alloc<float>(T * NH * dqk);
   linear_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, x.q);
   x.lat = ar.alloc<float>(T * KL);
@@ -744,17 +747,12 @@ double Step::run(const float* row_weight) {
       NEXTLM_CUDA_CHECK(cudaMemcpyAsync(site_h[2 * i + ffn], h, TSD * sizeof(float), cudaMemcpyDeviceToDevice, st));
       const Arena::Mark mark = ar.mark();
       mhc_pre(m_.mhc_params(L, ffn, T), h, post, comb, a, mhc_work, st);
-      if (!ffn && !L.kda_layer && L.dsa.has_indexer) {
-        // The indexer's selection (frozen: no gradient) from the normed q latent, as the forward makes it.
-        const int64_t QL = c_.q_lora_rank;
-        float* qa = ar.alloc<float>(T * QL);
-        bf16* qr = ar.alloc<bf16>(T * QL);
-        linear_forward(i, {LoraKind::MlaQA}, L.dsa.q_a, a, D, qa);
-        rmsnorm_rows(qa, QL, L.dsa.q_a_norm, qr, nullptr, T, QL, static_cast<float>(c_.rms_norm_eps), st);
-        m_.indexer(L.dsa, p_, a, qr, sels_[i].sel, sels_[i].count, max_sel());
-      }
+      // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
+      // recomputation before each backward reuses them.
+      select_ = true;
       SubActs x;
       sub_forward(i, ffn, a, x, y);
+      select_ = false;
       mhc_post(h, y, post, comb, T, S, D, st);
       ar.rewind(mark);
     }
