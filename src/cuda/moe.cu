@@ -81,6 +81,9 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     for (int j = 0; j < kRouteMaxPerLane; ++j)
       if (c[j] > v) v = c[j], idx = lane + 32 * j;
     warp_argmax(v, idx);
+    // No candidate left (non-finite scores, from non-finite activations): expert 0, so that the permutation and the
+    // expert GEMMs stay in bounds and the non-finite values show in the output instead of an illegal address.
+    if (idx == INT_MAX) idx = 0;
 #pragma unroll
     for (int j = 0; j < kRouteMaxPerLane; ++j)
       if (lane + 32 * j == idx) c[j] = -INFINITY;
