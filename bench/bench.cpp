@@ -1,5 +1,6 @@
-// nextlm GPU benchmarks: each registered case prints one JSON line {"case", "ours_ms", "floor_ms", "note"} with the
-// floor from the measured ceilings of ../shared/docs/performance.md (4.14 TB/s copy, 729 TFLOP/s bf16 GEMM).
+// nextlm GPU benchmarks: each registered case prints one JSON line {"case", "ours_ms", "floor_ms", "note"} (with
+// "peer" and "peer_ms" where a peer is timed in the same process) and the floor from the measured ceilings of
+// ../shared/docs/performance.md (4.14 TB/s copy, 729 TFLOP/s bf16 GEMM).
 // Peers run in the same call from bench/run_h200.sh.
 #include <cstdio>
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "cuda/device_model.h"
+#include "backward.h"
 #include "cuda/testing.h"
 #include "decode.h"
 #include "moe_gemm.h"
@@ -79,6 +81,9 @@ int main(int argc, char** argv) {
          emit(n, nextlm::cuda_testing::time_kda_forward({8192}, H, K, 5), kda_floor_ms(8192, H, K),
               "the fp32 CUDA-core kernels (softplus-gate fallback)");
        }},
+      // The training backward's recurrence and attention kernels against their peers (bench/backward.cu).
+      {"kda_bwd_T4096_H64", nextlm::bench::kda_backward_case},
+      {"mla_bwd_T4096_NH64", nextlm::bench::mla_backward_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA

@@ -8,6 +8,9 @@
 // 256 channels): rounding gives ~1e-6 relative; a wrong term (a dropped path, a missed key, the wrong weights of an
 // empty row) gives O(1e-2) or more. Bound: ‖gpu − cpu‖/‖cpu‖ ≤ 1e-4, per tensor part. The tiled kernel has no
 // atomics: two runs must agree bit for bit.
+//
+// The kernels are timed at the model's shape (and the tensor-core one checked against the tiled one there) by
+// nextlm_bench's mla_bwd_T4096_NH64 (bench/backward.cu), not here.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -150,7 +153,7 @@ TEST_P(CudaBackwardDsa, MatchesCpuReference) {
     // Non-zero starting gradients: the kernel must add into them.
     const std::vector<float> dq0 = test::randn(T * NH * dqk, 5, 0.1f), dkv0 = test::randn(T * NH * W, 6, 0.1f);
     std::vector<float> dq = dq0, dkv = dkv0;
-    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv, nullptr, scatter);
+    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv, scatter);
     ASSERT_TRUE(all_finite(dq));
     ASSERT_TRUE(all_finite(dkv));
     for (size_t i = 0; i < dq.size(); ++i) dq[i] -= dq0[i];
@@ -200,35 +203,6 @@ TEST(CudaBackwardDsaEdge, Deterministic) {
   cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, max_sel, dq2, dkv2);
   EXPECT_EQ(std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(dkv1.data(), dkv2.data(), dkv1.size() * sizeof(float)), 0);
-}
-
-// The model's shape at T = 4096 in one sequence, causal selections of min(t + 1, 2048) random keys (the first token
-// empty): prints the kernel's milliseconds. Run by hand with --gtest_also_run_disabled_tests.
-TEST(CudaBackwardDsaPerf, DISABLED_Time) {
-  const int64_t T = 4096, NH = 64, topk = 2048;
-  std::mt19937 gen(7);
-  Selection sel(T);
-  std::vector<int32_t> pool(T);
-  for (int64_t t = 1; t < T; ++t) {
-    const int64_t n = std::min<int64_t>(t + 1, topk);
-    std::iota(pool.begin(), pool.begin() + t + 1, 0);
-    for (int64_t i = 0; i < n; ++i) std::swap(pool[i], pool[i + gen() % (t + 1 - i)]);  // n distinct causal keys
-    sel[t].assign(pool.begin(), pool.begin() + n);
-  }
-  for (auto [dqk, dv] : {std::pair<int64_t, int64_t>{192, 256}, {256, 256}}) {
-    const int64_t W = dqk + dv;
-    const std::vector<float> q = test::randn(T * NH * dqk, 1), kv = test::randn(T * NH * W, 2),
-                             dO = test::randn(T * NH * dv, 3);
-    std::vector<float> dq(T * NH * dqk, 0.0f), dkv(T * NH * W, 0.0f);
-    double ms = 0, ms_scatter = 0;
-    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, dq, dkv, &ms);
-    EXPECT_TRUE(all_finite(dq) && all_finite(dkv));
-    cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, dq, dkv, &ms_scatter,
-                                                true);
-    std::printf("DSA attention backward T=%lld, NH=%lld, dqk=%lld, dv=%lld, top-%lld: tiled %.3f ms, scatter %.3f ms\n",
-                static_cast<long long>(T), static_cast<long long>(NH), static_cast<long long>(dqk),
-                static_cast<long long>(dv), static_cast<long long>(topk), ms, ms_scatter);
-  }
 }
 
 TEST(CudaBackwardDsaEdge, EmptyBatchIsANoOp) {
@@ -429,36 +403,6 @@ TEST(CudaBackwardMlaTcEdge, AllSelectionsEmpty) {
   const TcErrors e = tc_errors(dq, dkv, rq, rkv, sel, NH, dqk, dv);
   std::printf("[cuda] MLA tc backward, all selections empty: dq %.2e, dk %.2e, dv %.2e\n", e.q_uni, e.k, e.v);
   expect_within(e, kTcTol, "all empty");
-}
-
-// The model's shape at T = 4096 in one sequence, causal selections of min(t + 1, 2048) random keys (the first token
-// empty): prints the tensor-core and tiled kernels' milliseconds, and checks they agree. Run by hand with
-// --gtest_also_run_disabled_tests.
-TEST(CudaBackwardMlaTcPerf, DISABLED_Time) {
-  const int64_t T = 4096, NH = 64, topk = 2048, dqk = 256, dv = 256, W = dqk + dv;
-  std::mt19937 gen(7);
-  Selection sel(T);
-  std::vector<int32_t> pool(T);
-  for (int64_t t = 1; t < T; ++t) {
-    const int64_t n = std::min<int64_t>(t + 1, topk);
-    std::iota(pool.begin(), pool.begin() + t + 1, 0);
-    for (int64_t i = 0; i < n; ++i) std::swap(pool[i], pool[i + gen() % (t + 1 - i)]);  // n distinct causal keys
-    sel[t].assign(pool.begin(), pool.begin() + n);
-  }
-  const std::vector<float> q = round_bf16(test::randn(T * NH * dqk, 1)), kv = round_bf16(test::randn(T * NH * W, 2)),
-                           dO = test::randn(T * NH * dv, 3);
-  std::vector<float> dq(T * NH * dqk, 0.0f), dkv(T * NH * W, 0.0f), tq = dq, tkv = dkv;
-  double ms_tc = 0, ms_tiled = 0;
-  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, dq, dkv, &ms_tc);
-  cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, {0, T}, NH, dqk, dv, topk, tq, tkv, &ms_tiled);
-  EXPECT_TRUE(all_finite(dq) && all_finite(dkv));
-  const TcErrors e = tc_errors(dq, dkv, tq, tkv, sel, NH, dqk, dv);
-  std::printf("MLA attention backward T=%lld, NH=%lld, dqk=%lld, dv=%lld, top-%lld: tensor cores %.3f ms, tiled fp32 "
-              "%.3f ms (%.1fx); tc vs tiled: dq %.2e, dk %.2e, dv %.2e\n",
-              static_cast<long long>(T), static_cast<long long>(NH), static_cast<long long>(dqk),
-              static_cast<long long>(dv), static_cast<long long>(topk), ms_tc, ms_tiled, ms_tiled / ms_tc, e.q_sel,
-              e.k, e.v);
-  expect_within(e, kTcTol, "perf shape, against the tiled kernel");
 }
 
 }  // namespace

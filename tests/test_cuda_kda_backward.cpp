@@ -1,6 +1,7 @@
 // The CUDA backwards of the KDA delta-rule recurrence (src/cuda/kda_backward.cu, the recurrent form;
 // src/cuda/kda_chunked_backward.cu, the chunked form) against the CPU kda_recurrent_backward run per sequence and
-// head, on packed sequences of uneven lengths.
+// head, on packed sequences of uneven lengths. Both kernels are timed at the model's shape (and their agreement there
+// checked) by nextlm_bench's kda_bwd_T4096_H64 (bench/backward.cu), not here.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -148,20 +149,6 @@ TEST(CudaBackwardKdaEdge, SingleTokenSequences) {
 INSTANTIATE_TEST_SUITE_P(K, CudaBackwardKda, ::testing::Values(16, 40, 64, 128),
                          [](const auto& info) { return "K" + std::to_string(info.param); });
 
-// The model's shape at T = 4096 (one sequence; and 4 packed): prints the kernel's milliseconds. Run by hand with
-// --gtest_also_run_disabled_tests; performance goals live in the benchmarks.
-TEST(CudaBackwardKdaPerf, DISABLED_Time) {
-  const int64_t H = 64, K = 128;
-  for (const std::vector<int64_t>& lens : {std::vector<int64_t>{4096}, std::vector<int64_t>{1024, 1024, 1024, 1024}}) {
-    const Case c = make_case(lens, H, K, 7);
-    double ms = 0;
-    const auto gpu = cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, &ms);
-    EXPECT_TRUE(all_finite(gpu.dq));
-    std::printf("KDA recurrent backward T=4096 in %zu sequences, H=%lld, K=%lld: %.3f ms\n", lens.size(),
-                static_cast<long long>(H), static_cast<long long>(K), ms);
-  }
-}
-
 // ---- The chunked form (kda_chunked_backward) ----
 
 // Both it and the CPU reference are fp32; the chunked form reassociates the sums over the chunk's tokens (through
@@ -248,24 +235,6 @@ TEST(CudaBackwardKdaChunkedEdge, EmptyBatchAndUnsupportedK) {
   EXPECT_TRUE(gpu.dbeta.empty());
   const Case d = make_case({5}, 1, 40, 10);
   EXPECT_ANY_THROW(cuda_testing::kda_chunked_backward(d.q, d.k, d.v, d.g, d.beta, d.dout, d.cu, 1, 40));
-}
-
-// The speed target of the chunked form is relative to the recurrent kernel on the same card, so both are timed in
-// one run at the model's shape (T = 4096, H = 64, K = 128), with the chunked result checked against the recurrent
-// one. Run by hand with --gtest_also_run_disabled_tests.
-TEST(CudaBackwardKdaChunkedPerf, DISABLED_TimeAgainstRecurrent) {
-  const int64_t H = 64, K = 128;
-  for (const std::vector<int64_t>& lens : {std::vector<int64_t>{4096}, std::vector<int64_t>{1024, 1024, 1024, 1024}}) {
-    const Case c = make_case(lens, H, K, 7, 0.5f);
-    double ms_chunked = 0, ms_recurrent = 0;
-    const auto chunked =
-        cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, &ms_chunked);
-    const auto recurrent =
-        cuda_testing::kda_recurrent_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, &ms_recurrent);
-    expect_close(chunked, recurrent);
-    std::printf("KDA backward T=4096 in %zu sequences, H=%lld, K=%lld: chunked %.3f ms, recurrent %.3f ms\n",
-                lens.size(), static_cast<long long>(H), static_cast<long long>(K), ms_chunked, ms_recurrent);
-  }
 }
 
 }  // namespace

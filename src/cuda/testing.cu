@@ -7,51 +7,14 @@
 
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/testing_buffers.h"
 
 namespace nextlm::cuda_testing {
 
+// Buf, upload, download, to_bf16, widen, DevKdaChunks (cuda/testing_buffers.h), in every part of this file.
+using namespace detail;
+
 namespace {
-
-struct Buf {
-  void* p = nullptr;
-  explicit Buf(size_t bytes) { NEXTLM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1))); }
-  Buf(Buf&& o) noexcept : p(o.p) { o.p = nullptr; }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  Buf& operator=(Buf&&) = delete;
-  ~Buf() { cudaFree(p); }
-  template <class T>
-  T* as() {
-    return static_cast<T*>(p);
-  }
-};
-
-template <class T>
-Buf upload(const std::vector<T>& v) {
-  Buf b(v.size() * sizeof(T));
-  NEXTLM_CUDA_CHECK(cudaMemcpy(b.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
-
-std::vector<cuda::bf16> to_bf16(const std::vector<float>& x) {
-  std::vector<cuda::bf16> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = __float2bfloat16(x[i]);
-  return y;
-}
-
-struct Chunks {
-  std::vector<int32_t> cs, cl, sf, sn;
-  explicit Chunks(const std::vector<int64_t>& cu) {
-    for (size_t n = 0; n + 1 < cu.size(); ++n) {
-      sf.push_back(static_cast<int32_t>(cs.size()));
-      for (int64_t c = cu[n]; c < cu[n + 1]; c += 64) {
-        cs.push_back(static_cast<int32_t>(c));
-        cl.push_back(static_cast<int32_t>(std::min<int64_t>(64, cu[n + 1] - c)));
-      }
-      sn.push_back(static_cast<int32_t>(cs.size()) - sf.back());
-    }
-  }
-};
 
 // Random KDA inputs on packed sequences of the given lengths, as the conv kernel leaves them (unit-norm k, q also
 // scaled by K^-1/2) with sigmoid betas; rnd() keeps drawing normals from the same generator.
@@ -86,16 +49,13 @@ std::vector<float> kda_chunked(const std::vector<float>& q, const std::vector<fl
                                const std::vector<float>& g, const std::vector<float>& beta,
                                const std::vector<int64_t>& cu, int64_t H, int64_t K) {
   const int64_t T = cu.back();
-  Chunks ch(cu);
+  const DevKdaChunks ch(cu);
   Buf dq = upload(q), dk = upload(k), dv = upload(v), dg = upload(g), db = upload(beta);
-  Buf cs = upload(ch.cs), cl = upload(ch.cl), sf = upload(ch.sf), sn = upload(ch.sn);
   std::vector<float> out(T * H * K, NAN);
   Buf o = upload(out);
-  Buf work(cuda::kda_workspace_floats(static_cast<int64_t>(ch.cs.size()), H, K) * sizeof(float));
-  cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(),
-                     static_cast<int64_t>(ch.cs.size()), static_cast<int64_t>(cu.size()) - 1};
-  cuda::kda_chunked(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(), db.as<float>(), o.as<float>(), kc,
-                    work.as<float>(), T, H, K, nullptr);
+  Buf work(cuda::kda_workspace_floats(ch.num_chunks(), H, K) * sizeof(float));
+  cuda::kda_chunked(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(), db.as<float>(), o.as<float>(),
+                    ch.view, work.as<float>(), T, H, K, nullptr);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   NEXTLM_CUDA_CHECK(cudaMemcpy(out.data(), o.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return out;
@@ -107,18 +67,16 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
                                   const std::vector<int64_t>& cu, int64_t H, int64_t K, const std::vector<float>& s_in,
                                   std::vector<float>* s_out, bool boundary) {
   const int64_t T = cu.back(), N = static_cast<int64_t>(cu.size()) - 1;
-  Chunks ch(cu);
+  const DevKdaChunks ch(cu);
   Buf dq = upload(to_bf16(q)), dk = upload(to_bf16(k)), dv = upload(to_bf16(v)), dg = upload(graw), db = upload(beta);
   Buf da = upload(A_log), dd = upload(dt_bias);
-  Buf cs = upload(ch.cs), cl = upload(ch.cl), sf = upload(ch.sf), sn = upload(ch.sn);
   Buf o = upload(std::vector<cuda::bf16>(T * H * K, __float2bfloat16(NAN)));
   Buf si = upload(s_in);
   Buf so = upload(std::vector<float>(N * H * K * K, NAN));
-  const int64_t nc = static_cast<int64_t>(ch.cs.size());
+  const int64_t nc = ch.num_chunks();
   Buf work(cuda::kda_tc_workspace_bytes(nc, H, K));
-  cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(), nc, N};
   cuda::kda_chunked_tc(dq.as<cuda::bf16>(), dk.as<cuda::bf16>(), dv.as<cuda::bf16>(), dg.as<float>(), db.as<float>(),
-                       dd.as<float>(), da.as<float>(), bound, o.as<cuda::bf16>(), kc,
+                       dd.as<float>(), da.as<float>(), bound, o.as<cuda::bf16>(), ch.view,
                        cuda::kda_tc_workspace(work.p, nc, H, K), H, K,
                        cuda::KdaTcStates{s_in.empty() ? nullptr : si.as<float>(), so.as<float>(), nullptr, boundary},
                        nullptr);
@@ -139,8 +97,8 @@ KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, in
   const int64_t n = in.n;
   const std::vector<float>&q = in.q, &k = in.k, &beta = in.beta;
   auto rnd = [&](int64_t m, float scale) { return in.rnd(m, scale); };
-  Chunks ch(in.cu);
-  const int64_t nc = static_cast<int64_t>(ch.cs.size());
+  const DevKdaChunks ch(in.cu);
+  const int64_t nc = ch.num_chunks();
   // Several input sets, rotated, so that the timed runs do not find their inputs in L2.
   constexpr int kSets = 3;
   std::vector<Buf> bq, bk, bv, bg;
@@ -152,9 +110,7 @@ KdaTiming time_kda_forward_tc(const std::vector<int64_t>& seqlens, int64_t H, in
   }
   Buf db = upload(beta), dt = upload(rnd(H * K, 0.5f)), alog = upload(rnd(H, 0.5f));
   Buf o(n * 2), work(cuda::kda_tc_workspace_bytes(nc, H, K));
-  Buf cs = upload(ch.cs), cl = upload(ch.cl), sf = upload(ch.sf), sn = upload(ch.sn);
-  cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(), nc,
-                     static_cast<int64_t>(seqlens.size())};
+  const cuda::KdaChunks& kc = ch.view;
   const cuda::KdaTcWork w = cuda::kda_tc_workspace(work.p, nc, H, K);
   cudaEvent_t a, b;
   NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
@@ -195,14 +151,12 @@ double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t 
   const int64_t T = in.T, n = in.n;
   const std::vector<float>&q = in.q, &k = in.k, &beta = in.beta;
   auto rnd = [&](int64_t m, float scale) { return in.rnd(m, scale); };
-  Chunks ch(cu);
+  const DevKdaChunks ch(cu);
   Buf dq = upload(q), dk = upload(k), dv = upload(rnd(n, 1.0f)), graw = upload(rnd(n, 1.0f)), db = upload(beta);
   Buf dt = upload(rnd(H * K, 0.5f)), alog = upload(rnd(H, 0.5f));
   Buf g(n * sizeof(float)), o(n * sizeof(float));
-  Buf cs = upload(ch.cs), cl = upload(ch.cl), sf = upload(ch.sf), sn = upload(ch.sn);
-  Buf work(cuda::kda_workspace_floats(static_cast<int64_t>(ch.cs.size()), H, K) * sizeof(float));
-  cuda::KdaChunks kc{cs.as<int32_t>(), cl.as<int32_t>(), sf.as<int32_t>(), sn.as<int32_t>(),
-                     static_cast<int64_t>(ch.cs.size()), static_cast<int64_t>(seqlens.size())};
+  Buf work(cuda::kda_workspace_floats(ch.num_chunks(), H, K) * sizeof(float));
+  const cuda::KdaChunks& kc = ch.view;
   cudaEvent_t a, b;
   NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
   NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
@@ -275,23 +229,6 @@ void mla_attention_both(const std::vector<float>& q, const std::vector<float>& k
 #include "cuda/decode_kernels.h"
 
 namespace nextlm::cuda_testing {
-
-namespace {
-
-template <class T>
-std::vector<T> download(const Buf& b, size_t n) {
-  std::vector<T> v(n);
-  NEXTLM_CUDA_CHECK(cudaMemcpy(v.data(), b.p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
-}
-
-std::vector<float> widen(const std::vector<cuda::bf16>& x) {
-  std::vector<float> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = __bfloat162float(x[i]);
-  return y;
-}
-
-}  // namespace
 
 std::vector<float> decode_linear(const std::vector<float>& x, const std::vector<float>& W, int64_t M, int64_t out,
                                  int64_t in) {

@@ -10,23 +10,21 @@ namespace nextlm::cuda_testing {
 // sequence), laid out in rows of max_sel (≥ every sel[t].size()) whose unused entries point far outside kv, so a
 // read of one faults. dq [T, NH, dqk] and dkv [T, NH, dqk+dv] are uploaded as they are, accumulated into and
 // downloaded; guard floats after both device buffers are checked to be untouched (throws otherwise). The workspace
-// starts filled with garbage (0xff bytes). ms non-null: the kernel runs once more from the same inputs, timed, and
-// *ms gets its milliseconds (the results are those of the first run). scatter: the atomics kernel
-// (mla_sparse_attention_backward_scatter) instead of the tiled one.
+// starts filled with garbage (0xff bytes). scatter: the atomics kernel (mla_sparse_attention_backward_scatter)
+// instead of the tiled one. Both kernels are timed at the model's shape by nextlm_bench's mla_bwd_T4096_NH64
+// (bench/backward.cu).
 void mla_sparse_attention_backward(const std::vector<float>& q, const std::vector<float>& kv,
                                    const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                                    const std::vector<int64_t>& cu_seqlens, int64_t NH, int64_t dqk, int64_t dv,
                                    int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
-                                   double* ms = nullptr, bool scatter = false);
+                                   bool scatter = false);
 
 // mla_sparse_attention_backward_tc (the tensor-core kernel) with the same conventions: q and kv are converted to
 // bf16 (round to nearest even) for the upload, so a caller comparing against an fp32 reference should round them to
 // bf16 first; dout stays fp32. The workspace starts filled with garbage (0xff bytes); guard floats after dq and dkv.
-// ms non-null: one more timed run, as above.
 void mla_sparse_attention_backward_tc(const std::vector<float>& q, const std::vector<float>& kv,
                                       const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                                       const std::vector<int64_t>& cu_seqlens, int64_t NH, int64_t dqk, int64_t dv,
-                                      int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
-                                      double* ms = nullptr);
+                                      int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv);
 
 }  // namespace nextlm::cuda_testing

@@ -12,22 +12,22 @@ struct KdaBackwardGrads {
 };
 
 // cuda::kda_recurrent_backward on packed sequences: q, k, v, g, do_ [T, H, K], beta [T, H], cu_seqlens [N+1]. The
-// gradients are added into `init` (uploaded as the output buffers; empty vectors mean zeros). Returns the gradients
-// and, in *ms (if given), the kernel's milliseconds (one timed run after an untimed one, which then starts again from
-// init).
+// gradients are added into `init` (uploaded as the output buffers; empty vectors mean zeros). The workspace is
+// poisoned with NaN first (every checkpoint read must have been written). Timed at the model's shape by
+// nextlm_bench's kda_bwd_T4096_H64 (bench/backward.cu).
 KdaBackwardGrads kda_recurrent_backward(const std::vector<float>& q, const std::vector<float>& k,
                                         const std::vector<float>& v, const std::vector<float>& g,
                                         const std::vector<float>& beta, const std::vector<float>& do_,
                                         const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                        const KdaBackwardGrads& init = {}, double* ms = nullptr);
+                                        const KdaBackwardGrads& init = {});
 
 // cuda::kda_chunked_backward on the same inputs, with the chunks of 64 built from cu_seqlens as the forward's plan
-// builds them; the workspace is poisoned with NaN first (every factor read must have been written). Same init / ms
-// conventions as above.
+// builds them; the workspace is poisoned with NaN first (every factor read must have been written). Same init
+// convention as above.
 KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::vector<float>& k,
                                       const std::vector<float>& v, const std::vector<float>& g,
                                       const std::vector<float>& beta, const std::vector<float>& do_,
                                       const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                      const KdaBackwardGrads& init = {}, double* ms = nullptr);
+                                      const KdaBackwardGrads& init = {});
 
 }  // namespace nextlm::cuda_testing
