@@ -157,6 +157,10 @@ class CudaModel {
   void lora_gradients(LoraAdapter& adapter) const;
   // The accumulated gradients on the host, shaped as zeros_like(weights) (model/backward.h): the indexer and the
   // correction bias empty; with tied embeddings the lm_head's gradient is added into the embedding's.
+  // On a shard (forward_backward runs the TP/EP backward with its collectives; see src/cuda/train.cu): this rank's
+  // slices in the layout of dist::ShardedModel's weights, the router's gradient summed over EP, those of the
+  // replicated tensors that feed only this rank's heads (KDA f_a, g_a, o_norm; MLA q_a, kv_a and their norms)
+  // partial sums, which dist::gather_gradients adds up when it assembles the full tensors (a collective).
   ModelWeights gradients() const;
 
   // The internals (src/cuda/model_impl.h), shared by the forward, the decoder and the training backward.

@@ -422,7 +422,7 @@ struct CudaModel::Impl {
         in.f32_slice_into(name, shape, init, s, dst);
       }
     } src(inner, fills);
-    // Shapes are the full model's (F); a sharded rank cuts its part of each split tensor.
+    // Shapes are the full model's; a sharded rank cuts its part of each split tensor.
     const ModelConfig& c = full;
     using Slice = WeightSource::Slice;
     const std::string P = src.prefix();
