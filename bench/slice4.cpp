@@ -150,6 +150,17 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// One sequence of kT uniformly random tokens (the same for every case: generator seed 7).
+PackedBatch random_batch(const ModelConfig& cfg) {
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
+  std::vector<int32_t> seq(kT);
+  for (int32_t& x : seq) x = tok(gen);
+  PackedBatch b;
+  b.add(seq);
+  return b;
+}
+
 // How the slice runs: the defaults, batch-invariant mode, or the absorbed MLA attention with cuBLASLt GEMMs.
 enum class Variant { kDefault, kBatchInvariant, kAbsorbedMla };
 
@@ -170,12 +181,7 @@ const SliceResult& slice_result(Variant variant = Variant::kDefault) {
   r.init_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fprintf(stderr, "slice4: random device weights in %.1f s\n", r.init_s);
 
-  std::mt19937 gen(7);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(r.cfg.vocab_size) - 1);
-  std::vector<int32_t> seq(kT);
-  for (int32_t& x : seq) x = tok(gen);
-  PackedBatch b;
-  b.add(seq);
+  const PackedBatch b = random_batch(r.cfg);
 
   // Warm-up (arena chunks, GEMM algorithm choices), and a sanity check of the output: random tokens under random
   // weights score about −log V each, never NaN.
@@ -298,12 +304,7 @@ void slice4_train_step_case(const std::string& name) {
   const ModelConfig cfg = load_config(path);
   auto model = CudaModel::random(cfg, kSeed);
   model->set_train_linears(full);
-  std::mt19937 gen(7);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
-  std::vector<int32_t> seq(kT);
-  for (int32_t& x : seq) x = tok(gen);
-  PackedBatch b;
-  b.add(seq);
+  const PackedBatch b = random_batch(cfg);
   const double loss = model->forward_backward(b);  // warm-up: arena, GEMM algorithms
   std::vector<double> gpu, wall;
   constexpr int kStepIters = 3;
@@ -405,16 +406,6 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
   r.wall_ms = median(wall), r.device_ms = median(gpu);
   r.modules = lora.modules().size(), r.parameters = lora.num_parameters(), r.layout = lora.modules();
   return r;
-}
-
-PackedBatch random_batch(const ModelConfig& cfg) {
-  std::mt19937 gen(7);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
-  std::vector<int32_t> seq(kT);
-  for (int32_t& x : seq) x = tok(gen);
-  PackedBatch b;
-  b.add(seq);
-  return b;
 }
 
 }  // namespace
@@ -609,12 +600,7 @@ void slice4_parallel_prefill_case(const std::string& name) { slice4_parallel_cas
 void slice4_parallel_case(const std::string& name, bool train) {
   const int tp = name.find("_tp2") != std::string::npos ? 2 : 1, ep = name.find("_ep2") != std::string::npos ? 2 : 1;
   const ModelConfig cfg = load_config(slice4_config_path());
-  std::mt19937 gen(7);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg.vocab_size) - 1);
-  std::vector<int32_t> seq(kT);
-  for (int32_t& x : seq) x = tok(gen);
-  PackedBatch b;
-  b.add(seq);
+  const PackedBatch b = random_batch(cfg);
   // One GPU first, the same random weights and batch: its time and log-probs, the reference of the split run.
   // A training step: forward + backward with frozen linear weights (the base of a LoRA step), the loss compared.
   const int iters = train ? 3 : kIters;
