@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -241,27 +242,39 @@ void load_parallel(const std::string& dir, int tp, int ep, std::optional<dist::M
 }
 
 #ifdef NEXTLM_HAVE_NCCL
-// score's log-probabilities on lcm(tp, ep) GPUs: under mpirun one process per GPU (GPU = world rank modulo the GPUs
-// this process sees), else one thread per GPU of this process. Every rank gets the same values.
-std::vector<std::vector<double>> gpu_parallel_logprobs(const std::string& dir, int tp, int ep,
-                                                       const PackedBatch& batch) {
+// The config of a `--device cuda --tp/--ep` job's model, after the flag errors (a layout that does not fit the
+// world or the model) were reported as usage errors, before any work.
+ModelConfig gpu_layout_config(const std::string& dir, int tp, int ep) {
+  const ModelConfig cfg = load_config((fs::path(dir) / "config.json").string());
+  const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(tp, ep);
+  try {
+    dist::validate_layout({tp, ep}, world, cfg);
+    dist::cuda_shard(0, world, tp, ep);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  return cfg;
+}
+
+// Runs fn(world, model) on every rank of a `--device cuda --tp/--ep` job, the rank's slices of the checkpoint in
+// DIR loaded on its GPU: under mpirun this process's rank (GPU = world rank modulo the GPUs it sees), else
+// lcm(tp, ep) threads of this process, one per GPU. Returns whether this process holds rank 0 (which writes).
+bool on_gpu_ranks(const std::string& dir, int tp, int ep,
+                  const std::function<void(dist::Comm& world, CudaModel& model)>& fn) {
   auto run = [&](dist::Comm& world, int device) {
     dist::CudaRank rank = dist::make_cuda_rank(world, tp, ep, device, [&](const CudaShard& shard, int dev) {
       return CudaModel::load(dir, dev, shard);
     });
-    return rank.model->next_token_logprobs(batch);
+    fn(world, *rank.model);
   };
   if (dist::launched_by_mpi()) {
     const int gpus = dist::cuda_device_count();
     if (gpus == 0) throw Error("--device cuda: no CUDA device is available");
-    return run(dist::world(), dist::world().rank() % gpus);
+    run(dist::world(), dist::world().rank() % gpus);
+    return dist::world().rank() == 0;
   }
-  std::vector<std::vector<double>> out;
-  dist::run_gpu_ranks(tp, ep, [&](dist::Comm& world, int device) {
-    auto lps = run(world, device);
-    if (world.rank() == 0) out = std::move(lps);
-  });
-  return out;
+  dist::run_gpu_ranks(tp, ep, run);
+  return true;
 }
 #endif
 
@@ -304,19 +317,16 @@ int cmd_score(const ScoreArgs& a) {
     if (!a.adapter.empty()) throw UsageError("--adapter is not supported with --tp/--ep (merge it first)");
     if (!a.logits_out.empty()) throw UsageError("--logits-out is not supported with --device cuda --tp/--ep");
     if (a.batch_invariant) throw UsageError("--batch-invariant runs on one GPU (not with --tp/--ep)");
-    const ModelConfig cfg = load_config((fs::path(a.model) / "config.json").string());
-    const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(a.tp, a.ep);
-    try {
-      dist::validate_layout({a.tp, a.ep}, world, cfg);
-      dist::cuda_shard(0, world, a.tp, a.ep);
-    } catch (const Error& e) {
-      throw UsageError(e.what());
-    }
+    const ModelConfig cfg = gpu_layout_config(a.model, a.tp, a.ep);
     const auto seqs = read_token_jsonl(a.input, cfg.vocab_size);
     PackedBatch batch;
     for (const auto& s : seqs) batch.add(s);
-    const std::vector<std::vector<double>> lps = gpu_parallel_logprobs(a.model, a.tp, a.ep, batch);
-    if (dist::launched_by_mpi() && dist::world().rank() != 0) return 0;
+    std::vector<std::vector<double>> lps;
+    const bool writer = on_gpu_ranks(a.model, a.tp, a.ep, [&](dist::Comm& world, CudaModel& m) {
+      auto mine = m.next_token_logprobs(batch);  // every rank's are the same
+      if (world.rank() == 0) lps = std::move(mine);
+    });
+    if (!writer) return 0;
     return write_score_outputs(a, seqs, batch, lps, {}, out_file, t0);
 #else
     throw UsageError("--device cuda with --tp/--ep needs a build with NCCL");
@@ -482,36 +492,19 @@ int cmd_grad(const GradArgs& a) {
   if (a.device == "cuda" && parallel_run(a.tp, a.ep)) {
 #ifdef NEXTLM_HAVE_NCCL
     // Each GPU's slices' gradients, gathered into the checkpoint's full tensors (dist::gather_gradients).
-    device_config = load_config((fs::path(a.model) / "config.json").string());
-    const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(a.tp, a.ep);
-    try {
-      dist::validate_layout({a.tp, a.ep}, world, *device_config);
-      dist::cuda_shard(0, world, a.tp, a.ep);
-    } catch (const Error& e) {
-      throw UsageError(e.what());
-    }
+    device_config = gpu_layout_config(a.model, a.tp, a.ep);
     seqs = read_token_jsonl(a.input, device_config->vocab_size);
     for (const auto& s : seqs) batch.add(s);
-    auto run = [&](dist::Comm& world_comm, int device) {
-      dist::CudaRank rank = dist::make_cuda_rank(world_comm, a.tp, a.ep, device, [&](const CudaShard& s, int dev) {
-        return CudaModel::load(a.model, dev, s);
-      });
-      const double l = rank.model->forward_backward(batch);
-      const ModelWeights mine = rank.model->gradients();
-      dist::Mesh m(world_comm, dist::ParallelOptions{a.tp, a.ep});
-      dist::ShardedModel shape;
+    const bool writer = on_gpu_ranks(a.model, a.tp, a.ep, [&](dist::Comm& world, CudaModel& m) {
+      const double l = m.forward_backward(batch);
+      const ModelWeights mine = m.gradients();
+      dist::Mesh mesh_of_ranks(world, dist::ParallelOptions{a.tp, a.ep});
+      dist::ShardedModel shape;  // gather_gradients reads the full config only
       shape.config = *device_config;
-      ModelWeights full = dist::gather_gradients(shape, m, mine);
-      if (world_comm.rank() == 0) grads = std::move(full), loss = l;
-    };
-    if (dist::launched_by_mpi()) {
-      const int gpus = dist::cuda_device_count();
-      if (gpus == 0) throw Error("--device cuda: no CUDA device is available");
-      run(dist::world(), dist::world().rank() % gpus);
-      if (dist::world().rank() != 0) return 0;
-    } else {
-      dist::run_gpu_ranks(a.tp, a.ep, run);
-    }
+      ModelWeights full = dist::gather_gradients(shape, mesh_of_ranks, mine);
+      if (world.rank() == 0) grads = std::move(full), loss = l;
+    });
+    if (!writer) return 0;
 #else
     throw UsageError("--device cuda with --tp/--ep needs a build with NCCL");
 #endif
