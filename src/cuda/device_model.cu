@@ -121,32 +121,21 @@ class CheckpointSource : public WeightSource {
                        const Slice& s, bf16* dst) override {
     if (s.axis < 0) return bf16_into(name, shape, init, dst);
     const TensorView& t = get(name, shape);
-    if (t.dtype == DType::BF16) return copy_slice(t.data, shape, s, dst, sizeof(bf16));
+    if (t.dtype == DType::BF16) return copy_slice(t.data, shape, s, dst, sizeof(bf16), cudaMemcpyHostToDevice);
     const std::vector<float> f = to_f32(t);
     const std::vector<uint16_t> v = to_bf16_bits(f.data(), static_cast<int64_t>(f.size()));
-    copy_slice(v.data(), shape, s, dst, sizeof(bf16));
+    copy_slice(v.data(), shape, s, dst, sizeof(bf16), cudaMemcpyHostToDevice);
   }
   void f32_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
                       const Slice& s, float* dst) override {
     if (s.axis < 0) return f32_into(name, shape, init, dst);
     const TensorView& t = get(name, shape);
-    if (t.dtype == DType::F32) return copy_slice(t.data, shape, s, dst, sizeof(float));
+    if (t.dtype == DType::F32) return copy_slice(t.data, shape, s, dst, sizeof(float), cudaMemcpyHostToDevice);
     const std::vector<float> f = to_f32(t);
-    copy_slice(f.data(), shape, s, dst, sizeof(float));
+    copy_slice(f.data(), shape, s, dst, sizeof(float), cudaMemcpyHostToDevice);
   }
 
  private:
-  static void copy_slice(const void* host, const std::vector<int64_t>& shape, const Slice& s, void* dst,
-                         size_t elem) {
-    const Cut c = cut_of(shape, s);
-    const char* src = static_cast<const char*>(host) + c.src_offset * elem;
-    if (c.rows == 1) {
-      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, src, c.width * elem, cudaMemcpyHostToDevice));
-    } else if (c.width) {
-      NEXTLM_CUDA_CHECK(cudaMemcpy2D(dst, c.width * elem, src, c.src_pitch * elem, c.width * elem, c.rows,
-                                     cudaMemcpyHostToDevice));
-    }
-  }
   const TensorView& get(const std::string& name, const std::vector<int64_t>& shape) const {
     const TensorView* t = ckpt_.find(name);
     check(t != nullptr, "checkpoint ", ckpt_.dir(), " is missing tensor ", name);

@@ -124,6 +124,12 @@ struct DLayer {
   DMoe moe;
 };
 
+inline int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 // Where the weights come from. The model asks for every tensor by its checkpoint name (text-model prefix included,
 // `lm_head.weight` at the top) with the shape it expects and the distribution a random init would draw it from; a
 // source writes it into device memory as bf16 or fp32.
@@ -150,51 +156,49 @@ class WeightSource {
   virtual void bf16_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
                                const Slice& s, bf16* dst) {
     if (s.axis < 0) return bf16_into(name, shape, init, dst);
-    bf16* full = nullptr;
-    NEXTLM_CUDA_CHECK(cudaMalloc(&full, numel_of_(shape) * sizeof(bf16)));
-    bf16_into(name, shape, init, full);
-    cut(full, shape, s, dst, sizeof(bf16));
-    NEXTLM_CUDA_CHECK(cudaFree(full));
+    slice_via_device(shape, s, dst, [&](bf16* full) { bf16_into(name, shape, init, full); });
   }
   virtual void f32_slice_into(const std::string& name, const std::vector<int64_t>& shape, const DistSpec& init,
                               const Slice& s, float* dst) {
     if (s.axis < 0) return f32_into(name, shape, init, dst);
-    float* full = nullptr;
-    NEXTLM_CUDA_CHECK(cudaMalloc(&full, numel_of_(shape) * sizeof(float)));
-    f32_into(name, shape, init, full);
-    cut(full, shape, s, dst, sizeof(float));
-    NEXTLM_CUDA_CHECK(cudaFree(full));
+    slice_via_device(shape, s, dst, [&](float* full) { f32_into(name, shape, init, full); });
   }
 
  protected:
-  static int64_t numel_of_(const std::vector<int64_t>& shape) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return n;
-  }
   // The slice's rows and row length in elements, with the offset and pitch of the source rows (the slice's rows
   // are contiguous in the destination).
   struct Cut {
     int64_t rows, width, src_offset, src_pitch;
   };
   static Cut cut_of(const std::vector<int64_t>& shape, const Slice& s) {
-    const int64_t n = numel_of_(shape), first = shape.at(0), last = shape.back();
+    const int64_t n = numel_of(shape), first = shape.at(0), last = shape.back();
     check(s.begin >= 0 && s.count >= 0 && s.begin + s.count <= (s.axis == 0 ? first : last), "slice [", s.begin,
           ", ", s.begin + s.count, ") out of range");
     if (s.axis == 0) return Cut{1, s.count * (n / first), s.begin * (n / first), 0};
     return Cut{n / last, s.count, s.begin, last};
   }
-  // Copies a slice out of a full device tensor (waiting for whatever filled it on other streams).
-  static void cut(const void* full, const std::vector<int64_t>& shape, const Slice& s, void* dst, size_t elem) {
-    NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+  // Copies the slice of a full tensor at `full` (host or device memory, as `kind` says) to dst on the device.
+  static void copy_slice(const void* full, const std::vector<int64_t>& shape, const Slice& s, void* dst, size_t elem,
+                         cudaMemcpyKind kind) {
     const Cut c = cut_of(shape, s);
     const char* src = static_cast<const char*>(full) + c.src_offset * elem;
     if (c.rows == 1) {
-      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, src, c.width * elem, cudaMemcpyDeviceToDevice));
+      NEXTLM_CUDA_CHECK(cudaMemcpy(dst, src, c.width * elem, kind));
     } else if (c.width) {
-      NEXTLM_CUDA_CHECK(cudaMemcpy2D(dst, c.width * elem, src, c.src_pitch * elem, c.width * elem, c.rows,
-                                     cudaMemcpyDeviceToDevice));
+      NEXTLM_CUDA_CHECK(cudaMemcpy2D(dst, c.width * elem, src, c.src_pitch * elem, c.width * elem, c.rows, kind));
     }
+  }
+
+ private:
+  // fill(full) writes the whole tensor into a device temporary (perhaps on another stream), which is then cut.
+  template <class T, class Fill>
+  static void slice_via_device(const std::vector<int64_t>& shape, const Slice& s, T* dst, const Fill& fill) {
+    T* full = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&full, numel_of(shape) * sizeof(T)));
+    fill(full);
+    NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+    copy_slice(full, shape, s, dst, sizeof(T), cudaMemcpyDeviceToDevice);
+    NEXTLM_CUDA_CHECK(cudaFree(full));
   }
 };
 
@@ -203,12 +207,6 @@ class WeightSource {
 inline WeightSource::Slice part_of(int64_t n, int64_t parts, int64_t p, int axis) {
   const int64_t q = n / parts, r = n % parts;
   return WeightSource::Slice{axis, p * q + std::min(p, r), q + (p < r ? 1 : 0)};
-}
-
-inline int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
 }
 
 
