@@ -80,20 +80,26 @@ __global__ void stream_mean_norm_kernel(const float* h, const float* w, bf16* ou
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[t * D + d] = __float2bfloat16(w[d] * (mean[d] * r));
 }
 
-__global__ void row_logprob_kernel(const float* logits, const int32_t* target, double* out, int64_t V) {
+// A row's max mx and Σ exp(x − mx) over the block (every thread gets both; the whole block calls it).
+__device__ __forceinline__ void row_max_sumexp(const float* row, int64_t V, float& mx, float& s) {
   __shared__ float scratch[32];
-  const float* row = logits + blockIdx.x * V;
-  float mx = -INFINITY;
+  __shared__ float wmax[32];
+  mx = -INFINITY;
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, row[v]);
   mx = warp_max(mx);
-  __shared__ float wmax[32];
   if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = mx;
   __syncthreads();
   mx = -INFINITY;
   for (int i = 0; i < (blockDim.x + 31) / 32; ++i) mx = fmaxf(mx, wmax[i]);
-  float s = 0.0f;
+  s = 0.0f;
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - mx);
   s = block_sum(s, scratch);
+}
+
+__global__ void row_logprob_kernel(const float* logits, const int32_t* target, double* out, int64_t V) {
+  const float* row = logits + blockIdx.x * V;
+  float mx, s;
+  row_max_sumexp(row, V, mx, s);
   if (threadIdx.x == 0) {
     const int32_t tg = target[blockIdx.x];
     out[blockIdx.x] = tg < 0 ? 0.0 : static_cast<double>(row[tg]) - mx - log(static_cast<double>(s));
@@ -104,19 +110,9 @@ __global__ void row_logprob_kernel(const float* logits, const int32_t* target, d
 // is not in the slice or is < 0).
 __global__ void row_lse_partial_kernel(const float* logits, const int32_t* target, int64_t begin, int64_t V,
                                        float* mx_out, float* sum_out, float* tl_out) {
-  __shared__ float scratch[32];
-  __shared__ float wmax[32];
   const float* row = logits + blockIdx.x * V;
-  float mx = -INFINITY;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, row[v]);
-  mx = warp_max(mx);
-  if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = mx;
-  __syncthreads();
-  mx = -INFINITY;
-  for (int i = 0; i < (blockDim.x + 31) / 32; ++i) mx = fmaxf(mx, wmax[i]);
-  float s = 0.0f;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - mx);
-  s = block_sum(s, scratch);
+  float mx, s;
+  row_max_sumexp(row, V, mx, s);
   if (threadIdx.x == 0) {
     const int64_t tg = static_cast<int64_t>(target[blockIdx.x]) - begin;
     mx_out[blockIdx.x] = mx;
