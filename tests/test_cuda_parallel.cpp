@@ -248,14 +248,6 @@ double lora_error(const LoraAdapter& a, const LoraAdapter& b) {
   return std::sqrt(d / r);
 }
 
-LoraAdapter zeroed(LoraAdapter a) {
-  for (LoraModule& m : a.modules()) {
-    std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
-    std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
-  }
-  return a;
-}
-
 // LoRA on a split model (rank 4 on every projection, one adapter per expert or one for all): each rank keeps its
 // part of every module; the ranks' shares of the adapters' gradients, summed over the world, are as close to the
 // fp32 CPU's (from the merged model's weight gradients) as one GPU's are (within 1.25×, plus 1e-3).
@@ -265,22 +257,9 @@ void check_lora(bool nccl) {
   PackedBatch batch;
   for (const auto& s : test::golden_sequences(dir)) batch.add(s);
   for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
-    LoraOptions o;
-    o.rank = 4;
-    o.alpha = 8;
-    o.experts = experts;
-    LoraAdapter ref(base.config(), o, 5);
-    unsigned seed = 100;
-    for (LoraModule& m : ref.modules()) m.B.data = test::randn(m.B.data.size(), ++seed, 0.05f);
-    const LoraAdapter start = zeroed(ref);
-    {
-      ModelWeights w = base.weights();
-      ref.apply(ref.capture(base.weights()), w);
-      const Model merged(base.config(), std::move(w));
-      ModelWeights g = zeros_like(merged.weights());
-      model_forward_backward(merged, batch, g);
-      ref.backward(g);
-    }
+    LoraAdapter ref = test::random_lora(base.config(), experts);
+    const LoraAdapter start = test::without_gradients(ref);
+    test::cpu_lora_gradients(base, ref, batch);
     const std::unique_ptr<CudaModel> one = CudaModel::load(dir);
     one->set_train_linears(false);
     one->set_lora(start);

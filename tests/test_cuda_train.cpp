@@ -352,35 +352,16 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
   const Model base = test::bf16_weights_reference(dir);
   const PackedBatch batch = golden_batch(dir);
   for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
-    LoraOptions o;
-    o.rank = 4;
-    o.alpha = 8;
-    o.experts = experts;
-    LoraAdapter cpu_lora(base.config(), o, 5);
-    unsigned seed = 100;
-    for (LoraModule& m : cpu_lora.modules()) m.B.data = test::randn(m.B.data.size(), ++seed, 0.05f);
+    LoraAdapter cpu_lora = test::random_lora(base.config(), experts);
     // The CPU: the merged model's full weight gradient, then the adapters' (and the same under weight noise).
-    auto cpu_grads = [&](const Model& b, LoraAdapter& ad) {
-      ModelWeights w = b.weights();
-      ad.apply(ad.capture(b.weights()), w);
-      const Model merged(b.config(), std::move(w));
-      ModelWeights g = zeros_like(merged.weights());
-      const double loss = model_forward_backward(merged, batch, g);
-      ad.backward(g);
-      return loss;
-    };
     LoraAdapter noisy_lora = cpu_lora;
-    const double ref_loss = cpu_grads(base, cpu_lora);
-    cpu_grads(perturbed(base), noisy_lora);
+    const double ref_loss = test::cpu_lora_gradients(base, cpu_lora, batch);
+    test::cpu_lora_gradients(perturbed(base), noisy_lora, batch);
 
     CudaModel gpu(base);
     gpu.set_train_linears(false);
     gpu.set_lora(cpu_lora);
-    LoraAdapter gpu_lora = cpu_lora;
-    for (LoraModule& m : gpu_lora.modules()) {
-      std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
-      std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
-    }
+    LoraAdapter gpu_lora = test::without_gradients(cpu_lora);
     const double loss = gpu.forward_backward(batch);
     gpu.lora_gradients(gpu_lora);
     EXPECT_LE(std::fabs(loss - ref_loss) / std::fabs(ref_loss), kLossTol) << loss << " vs " << ref_loss;

@@ -20,7 +20,9 @@
 #include <thread>
 
 #include "io/safetensors.h"
+#include "model/backward.h"
 #include "model/model.h"
+#include "model/train.h"
 
 namespace nextlm::test {
 
@@ -222,6 +224,35 @@ void round_mlp(MlpWeights& m) {
 // The CPU reference with the weights that the GPU stores in bf16 rounded to bf16 (the projections, experts,
 // embedding and lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both). For a bf16 checkpoint
 // this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
+LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts) {
+  LoraOptions o;
+  o.rank = 4;
+  o.alpha = 8;
+  o.experts = experts;
+  LoraAdapter ad(c, o, 5);
+  unsigned seed = 100;
+  for (LoraModule& m : ad.modules()) m.B.data = randn(m.B.data.size(), ++seed, 0.05f);
+  return ad;
+}
+
+double cpu_lora_gradients(const Model& base, LoraAdapter& ad, const PackedBatch& batch) {
+  ModelWeights w = base.weights();
+  ad.apply(ad.capture(base.weights()), w);
+  const Model merged(base.config(), std::move(w));
+  ModelWeights g = zeros_like(merged.weights());
+  const double loss = model_forward_backward(merged, batch, g);
+  ad.backward(g);
+  return loss;
+}
+
+LoraAdapter without_gradients(LoraAdapter ad) {
+  for (LoraModule& m : ad.modules()) {
+    std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
+    std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
+  }
+  return ad;
+}
+
 Model bf16_weights_reference(const std::string& dir) {
   const Model m = Model::load(dir);
   ModelWeights w = m.weights();

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/lora.h"
 
 namespace nextlm {
 class Model;
@@ -27,6 +28,15 @@ Model bf16_weights_reference(const std::string& dir);
 // The token sequences tokens.0, tokens.1, … of a golden case's golden.safetensors (the inputs its goldens were made
 // from).
 std::vector<std::vector<int32_t>> golden_sequences(const std::string& dir);
+
+// An adapter of rank 4 (alpha 8) on every projection of a model of config c, one per routed expert or one for all
+// of a layer's experts, with B drawn normal(0, 0.05) (not LoRA's zero init) so that its A gradients are not zero.
+LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts);
+// The CPU reference of an adapter's gradients on a batch: the merged model's full weight gradient, then the
+// adapter's (added into ad's dA and dB). Returns the loss.
+double cpu_lora_gradients(const Model& base, LoraAdapter& ad, const PackedBatch& batch);
+// A copy of ad with its gradients zeroed.
+LoraAdapter without_gradients(LoraAdapter ad);
 
 // A fresh empty directory under the system temp dir, removed when the object dies.
 class TempDir {
