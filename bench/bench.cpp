@@ -97,6 +97,9 @@ int main(int argc, char** argv) {
       {"slice4_train_inference_b1", nextlm::bench::slice4_train_inference_case},
       {"slice4_train_step_T4096", nextlm::bench::slice4_train_step_case},
       {"small8_full_train_step_T4096", nextlm::bench::slice4_train_step_case},
+      // The same keeping every sub-layer's activations from the forward instead of recomputing them.
+      {"slice4_train_step_T4096_keep", nextlm::bench::slice4_train_step_case},
+      {"small8_full_train_step_T4096_keep", nextlm::bench::slice4_train_step_case},
       {"slice4_lora_step_T4096", nextlm::bench::slice4_lora_step_case},
       {"slice4_lora_step_T4096_shared_experts", nextlm::bench::slice4_lora_step_case},
 #ifdef NEXTLM_HAVE_NCCL

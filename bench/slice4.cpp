@@ -18,6 +18,7 @@
 #include <random>
 #include <vector>
 
+#include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -304,8 +305,13 @@ void slice4_train_step_case(const std::string& name) {
   const ModelConfig cfg = load_config(path);
   auto model = CudaModel::random(cfg, kSeed);
   model->set_train_linears(full);
+  // *_keep: every sub-layer keeps its activations from the forward (--recompute none) instead of running again.
+  const bool keep = name.find("_keep") != std::string::npos;
+  model->set_recompute(keep ? parse_recompute("none") : RecomputePolicy{});
   const PackedBatch b = random_batch(cfg);
   const double loss = model->forward_backward(b);  // warm-up: arena, GEMM algorithms
+  size_t free_bytes = 0, total_bytes = 0;
+  check(cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess, name, ": cudaMemGetInfo failed");
   std::vector<double> gpu, wall;
   constexpr int kStepIters = 3;
   for (int i = 0; i < kStepIters; ++i) {
@@ -332,12 +338,16 @@ void slice4_train_step_case(const std::string& name) {
       {"target_mfu", 0.35},
       {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
       {"finite", std::isfinite(loss)},
+      {"device_memory_gib", std::round((total_bytes - free_bytes) / double(1 << 30) * 10) / 10},
       {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
                                   "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
                                   "top-8; optimizer not included, it runs on the host in `train --device cuda`)"
                                 : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
                                   "LoRA step: adapters and optimizer not included)") +
-                   " at " + std::to_string(kT) + " tokens, every sub-layer recomputed before its backward; KDA "
+                   " at " + std::to_string(kT) + " tokens, " +
+                   (keep ? "every sub-layer's activations kept from the forward (--recompute none)"
+                         : "every sub-layer recomputed before its backward") +
+                   "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
                    "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
                    "cores, dx of the experts on per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) +
                    " CUDA-event timings (host wall median " +

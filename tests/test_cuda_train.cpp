@@ -251,6 +251,66 @@ TEST(CudaTrain, GradientsAccumulateAndZero) {
     EXPECT_LE(test::norm_rel_error(c[i].data, a[i].data, Tensor::count(a[i].shape)), 1e-2) << a[i].name;
 }
 
+// Keeping activations instead of recomputing them (set_recompute) changes when the sub-layers' forwards run, not
+// what they compute: the loss is bitwise the default policy's, and the gradients equal its up to the order of the
+// atomic additions (embedding, MLA key gradients) that also separates two runs of one policy (the test above).
+// A bug feeding a backward another site's activations moves them by far more than that.
+TEST(CudaTrain, RecomputePoliciesGiveTheSameGradients) {
+  for (const std::string name : {"tiny-glm5-next", "bf16_stable"}) {
+    const std::string dir = test::golden_dir(name);
+    const Model m = Model::load(dir);
+    const PackedBatch batch = golden_batch(dir);
+    CudaModel gpu(m);
+    const double ref_loss = gpu.forward_backward(batch);
+    const ModelWeights ref = gpu.gradients();
+    for (const char* policy : {"none", "kda,mla", "moe,mlp,mhc", "kda,mla,moe,mlp"}) {
+      gpu.zero_grads();
+      gpu.set_recompute(parse_recompute(policy));
+      EXPECT_EQ(gpu.forward_backward(batch), ref_loss) << name << " " << policy;
+      const auto e = errors(hub_gradients(m.config(), gpu.gradients(), ""), hub_gradients(m.config(), ref, ""));
+      for (const auto& [tensor, v] : e) EXPECT_LE(v, 1e-2) << name << " --recompute " << policy << ": " << tensor;
+      std::printf("[cuda recompute] %s --recompute %s: all tensors %.3g from recompute all\n", name.c_str(), policy,
+                  e.at("*"));
+    }
+  }
+}
+
+// The same with LoRA adapters on every projection, one per routed expert: each adapter's forward product is read
+// by its backward at its own site, whether that site was recomputed or kept.
+TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model base = Model::load(dir);
+  const PackedBatch batch = golden_batch(dir);
+  const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert);
+  CudaModel gpu(base);
+  gpu.set_train_linears(false);
+  gpu.set_lora(lora);
+  LoraAdapter ref = test::without_gradients(lora);
+  const double ref_loss = gpu.forward_backward(batch);
+  gpu.lora_gradients(ref);
+  for (const char* policy : {"none", "moe,mhc"}) {
+    gpu.zero_grads();
+    gpu.set_recompute(parse_recompute(policy));
+    LoraAdapter got = test::without_gradients(lora);
+    EXPECT_EQ(gpu.forward_backward(batch), ref_loss) << policy;
+    gpu.lora_gradients(got);
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < ref.modules().size(); ++i) {
+      const LoraModule &r = ref.modules()[i], &g = got.modules()[i];
+      for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+        for (size_t j = 0; j < rt.data.size(); ++j) {
+          ASSERT_TRUE(std::isfinite(gt.data[j])) << policy;
+          diff += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+          norm += std::pow(static_cast<double>(rt.data[j]), 2);
+        }
+    }
+    ASSERT_GT(norm, 0.0);
+    EXPECT_LE(std::sqrt(diff / norm), 1e-2) << policy;
+    std::printf("[cuda recompute lora] --recompute %s: adapters' gradients %.3g from recompute all\n", policy,
+                std::sqrt(diff / norm));
+  }
+}
+
 // Loss masks: target weights scale each prediction's term, as on the CPU (0 drops a prompt token's prediction).
 TEST(CudaTrain, TargetWeightsMatchCpu) {
   const std::string dir = test::golden_dir("bf16_stable");

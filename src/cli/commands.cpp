@@ -474,8 +474,6 @@ int cmd_grad(const GradArgs& a) {
   } catch (const Error& e) {
     throw UsageError(std::string("--recompute: ") + e.what());
   }
-  if (a.device == "cuda" && policy != RecomputePolicy{})
-    throw UsageError("--device cuda recomputes every sub-layer (--recompute all)");
   check_output_path("--out", a.out);
   cpu::set_num_threads(a.threads);
   const auto t0 = std::chrono::steady_clock::now();
@@ -496,6 +494,7 @@ int cmd_grad(const GradArgs& a) {
     seqs = read_token_jsonl(a.input, device_config->vocab_size);
     for (const auto& s : seqs) batch.add(s);
     const bool writer = on_gpu_ranks(a.model, a.tp, a.ep, [&](dist::Comm& world, CudaModel& m) {
+      m.set_recompute(policy);
       const double l = m.forward_backward(batch);
       const ModelWeights mine = m.gradients();
       dist::Mesh mesh_of_ranks(world, dist::ParallelOptions{a.tp, a.ep});
@@ -515,6 +514,7 @@ int cmd_grad(const GradArgs& a) {
     device_config = gpu->config();
     seqs = read_token_jsonl(a.input, device_config->vocab_size);
     for (const auto& s : seqs) batch.add(s);
+    gpu->set_recompute(policy);
     loss = gpu->forward_backward(batch);
     grads = gpu->gradients();
 #endif

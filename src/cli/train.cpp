@@ -198,8 +198,6 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (a.device == "cuda") throw TrainUsageError("--device cuda needs a CUDA build (NEXTLM_CUDA)");
 #endif
   if (a.device == "cuda" && parallel) throw TrainUsageError("--device cuda trains on one GPU: no mpirun or --tp/--ep");
-  if (a.device == "cuda" && recompute && *recompute != RecomputePolicy{})
-    throw TrainUsageError("--device cuda recomputes every sub-layer (--recompute all)");
   const bool lora_flags = given("--lora-alpha") || given("--lora-targets") || given("--lora-experts") ||
                           given("--lora-rank-div-topk");
   if (given("--lora-rank") || lora_flags) {
@@ -304,6 +302,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
       if (!gpu) {
         gpu = lora ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(m);
         gpu->set_train_linears(lora == nullptr);
+        gpu->set_recompute(opt.recompute);
       } else if (!lora && version != gpu_version) {
         gpu->set_weights(m);
       }

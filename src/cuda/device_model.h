@@ -14,6 +14,7 @@
 #include "model/dsa.h"
 #include "model/lora.h"
 #include "model/model.h"
+#include "model/recompute.h"
 
 namespace nextlm {
 
@@ -129,14 +130,21 @@ class CudaModel {
   // ---- Training (src/cuda/train.cu) ----
   // L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) over the batch (each term weighted by batch.target_weight[t+1] when
   // given), and dL/dθ ADDED into the model's fp32 gradients on the device (zero when the first call makes them;
-  // zero_grads() zeroes them): the device counterpart of model_forward_backward (model/train.h) under its default
-  // policy. The forward keeps the streams entering each mHC site and the DSA selections; the backward recomputes
-  // each site's sub-layer, keeping its activations, right before walking back through it. Weights and GEMM inputs
+  // zero_grads() zeroes them): the device counterpart of model_forward_backward (model/train.h). The forward keeps
+  // the streams entering each mHC site and the DSA selections; the backward recomputes each site's sub-layer,
+  // keeping its activations, right before walking back through it, unless set_recompute keeps that sub-layer's
+  // activations from the forward. Weights and GEMM inputs
   // are bf16; the KDA (forward chunked, backward through time) runs in fp32, the MLA attention's backward too (its
   // forward on the tensor-core kernel where it applies); the experts' forward on the grouped GEMM, their input
   // gradients one cuBLASLt GEMM per expert. The indexer and the correction bias are frozen, as on the CPU.
   double forward_backward(const PackedBatch& batch);
   void zero_grads();
+  // Which sub-layers forward_backward runs again before their backward (model/train.h's RecomputePolicy; default
+  // all). A kept component's sites keep their activations from the forward: the sub-layer's, its input and output
+  // and the mHC mix that made the input (so `mhc` matters only at sites whose sub-layer is recomputed: kept, the
+  // mix is not computed again). Every policy gives the same loss and gradients bit for bit; keeping trades device
+  // memory (the kept sites' activations, all at once) for the recomputation's time.
+  void set_recompute(const RecomputePolicy& policy);
   // Whether the backward computes the gradients of the linear weights (projections, experts, embedding, lm_head; on
   // by default). Off, only the small fp32 tensors (norms, mHC, conv, gates) get theirs, while the input gradients
   // flow through everything: the cost of a LoRA step's frozen base. Changing it drops the gradients.

@@ -356,6 +356,7 @@ struct CudaModel::Impl {
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
   std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward
   bool train_linears = true;               // whether the backward computes the linear weights' gradients
+  RecomputePolicy recompute;               // what the training backward recomputes (CudaModel::set_recompute)
   std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
 
   Impl(const ModelConfig& c, int dev, const CudaShard& sh = {})

@@ -1,9 +1,10 @@
 // The training forward and backward on one GPU: CudaModel::forward_backward, the device counterpart of
-// model_forward_backward (src/model/train.cpp) under its default policy (recompute every sub-layer). The forward keeps
-// the streams entering each mHC site and the DSA selections; the backward walks the sites from the last, recomputing
-// each one's mHC mix and sub-layer (keeping the activations its backward reads, in the arena) and then running the
-// backward kernels (backward_kernels.h) and the GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). The forward pass and the
-// recomputation run the same functions on the same inputs, so they give the same bits.
+// model_forward_backward (src/model/train.cpp). The forward keeps the streams entering each mHC site and the DSA
+// selections; the backward walks the sites from the last, recomputing each one's mHC mix and sub-layer (keeping the
+// activations its backward reads, in the arena) and then running the backward kernels (backward_kernels.h) and the
+// GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a recompute policy that keeps a component (set_recompute), its sites
+// keep their activations from the forward instead. The forward pass and the recomputation run the same functions on
+// the same inputs, so every policy gives the same bits.
 // On one rank of a tensor/expert-parallel model (CudaShard) the same step runs on the rank's slices with the
 // collectives of src/dist/parallel_train.h's design: each sub-layer's output and input gradient are shares summed
 // over TP (the MoE's over TP and EP), the head is a vocabulary-parallel cross-entropy, and the gradients of the
@@ -158,14 +159,15 @@ class Step {
     m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
     bf16* us = scaled_bf16(u, ad.scale, rows * ad.r);
     m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, true);
-    lora_u_[{&ad, x}] = us;
+    lora_u_[site_][{&ad, x}] = us;
   }
   // Its backward given dy (bf16, row stride lddy, the adapted rows at col0): dB += dyᵀ·u, dA += s·(dy·B)ᵀ·x and
   // dx (row stride in) += s·(dy·B)·A.
   void lora_backward(const DAdapter& ad, const bf16* x, int64_t ldx, const bf16* dy, int64_t lddy, int64_t rows,
                      float* dx) {
-    const auto it = lora_u_.find({&ad, x});
-    check(it != lora_u_.end(), "LoRA backward without its forward");
+    const auto& site_u = lora_u_[site_];
+    const auto it = site_u.find({&ad, x});
+    check(it != site_u.end(), "LoRA backward without its forward");
     m_.gemm->run_dw(dy + ad.col0, lddy, it->second, ad.r, ad.out, ad.r, rows, ad.dB, true);
     float* g = m_.arena.alloc<float>(rows * ad.r);
     m_.gemm->run_dx(dy + ad.col0, lddy, ad.B, ad.out, ad.r, g, ad.r, rows, false);
@@ -285,8 +287,9 @@ class Step {
   const Plan& p_;
   Grads& g_;
   const ModelConfig& c_;
-  // Each adapter's u = s·x·Aᵀ of the site being walked back, by (adapter, input rows).
-  std::map<std::pair<const DAdapter*, const bf16*>, bf16*> lora_u_;
+  // Per site (2·layer + ffn), each adapter's u = s·x·Aᵀ from the site's last forward, by (adapter, input rows).
+  std::vector<std::map<std::pair<const DAdapter*, const bf16*>, bf16*>> lora_u_;
+  size_t site_ = 0;  // the site being run
 };
 
 void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y) {
@@ -738,23 +741,47 @@ double Step::run(const float* row_weight) {
   float* dh = zeros(TSD);
   float* dh_prev = ar.alloc<float>(TSD);
 
-  // Forward: each site's sub-layer activations are given back to the arena once the site is done.
+  // Forward. A site whose sub-layer the policy recomputes gives its activations back to the arena once it is done;
+  // a kept site leaves them there, with its sub-layer's output and its mHC mix (which made the sub-layer's input),
+  // in buffers of its own. Without recomputing mHC, a recomputed site keeps its mix alone. What the sites keep stacks
+  // up in site order and the backward, from the last site, pops it in turn (Arena is a stack).
+  struct Site {
+    bool kept = false, mix_kept = false;
+    Arena::Mark mark{};  // where its allocations began
+    float *post = nullptr, *comb = nullptr, *y = nullptr;
+    bf16* a = nullptr;
+    SubActs x;
+  };
+  const RecomputePolicy& policy = m_.recompute;
+  auto keeps = [&](const DLayer& L, bool ffn) {
+    return ffn ? (L.moe_layer ? !policy.moe : !policy.mlp) : (L.kda_layer ? !policy.kda : !policy.mla);
+  };
+  std::vector<Site> sites(2 * Lyr);
+  lora_u_.assign(2 * Lyr, {});
   m_.mark_begin("train: forward");
   m_.embed_into(p_.tokens, h, T);
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
     for (bool ffn : {false, true}) {
-      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(site_h[2 * i + ffn], h, TSD * sizeof(float), cudaMemcpyDeviceToDevice, st));
-      const Arena::Mark mark = ar.mark();
-      mhc_pre(m_.mhc_params(L, ffn, T), h, post, comb, a, mhc_work, st);
+      site_ = 2 * i + ffn;
+      Site& s = sites[site_];
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(site_h[site_], h, TSD * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      s.mark = ar.mark();
+      s.kept = keeps(L, ffn);
+      s.mix_kept = s.kept || !policy.mhc;
+      if (s.mix_kept) s.post = ar.alloc<float>(T * S), s.comb = ar.alloc<float>(T * S * S), s.a = ar.alloc<bf16>(T * D);
+      const Arena::Mark sub_mark = ar.mark();
+      if (s.kept) s.y = ar.alloc<float>(T * D);
+      float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.kept ? s.y : y;
+      bf16* sa = s.mix_kept ? s.a : a;
+      mhc_pre(m_.mhc_params(L, ffn, T), h, sp, sc, sa, mhc_work, st);
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
       // recomputation before each backward reuses them.
       select_ = true;
-      SubActs x;
-      sub_forward(i, ffn, a, x, y);
+      sub_forward(i, ffn, sa, s.x, sy);
       select_ = false;
-      mhc_post(h, y, post, comb, T, S, D, st);
-      ar.rewind(mark);
+      mhc_post(h, sy, sp, sc, T, S, D, st);
+      if (!s.kept) ar.rewind(sub_mark);
     }
   }
   m_.mark_end("train: forward");
@@ -764,28 +791,37 @@ double Step::run(const float* row_weight) {
   m_.mark_end("train: head");
   ar.rewind(head_mark);
 
-  // Backward, site by site from the last: recompute the site, then walk back through it.
+  // Backward, site by site from the last: recompute the site (unless kept), then walk back through it.
   for (size_t i = Lyr; i-- > 0;) {
     const DLayer& L = m_.layers[i];
     GLayer& G = g_.layers[i];
     for (bool ffn : {true, false}) {
-      const Arena::Mark mark = ar.mark();
-      lora_u_.clear();
+      site_ = 2 * i + ffn;
+      Site& s = sites[site_];
       const std::string kind = ffn ? (L.moe_layer ? "moe" : "mlp") : (L.kda_layer ? "kda" : "dsa");
-      const float* hin = site_h[2 * i + ffn];
+      const float* hin = site_h[site_];
       const MhcParams mp = m_.mhc_params(L, ffn, T);
-      m_.mark_begin("train: recompute " + kind);
-      mhc_pre(mp, hin, post, comb, a, mhc_work, st);
-      SubActs x;
-      sub_forward(i, ffn, a, x, y);
-      m_.mark_end("train: recompute " + kind);
+      if (!s.kept) {
+        if (!s.mix_kept) {
+          s.post = post, s.comb = comb, s.a = a;
+          m_.mark_begin("train: recompute mhc");
+          mhc_pre(mp, hin, post, comb, a, mhc_work, st);
+          m_.mark_end("train: recompute mhc");
+        }
+        s.y = y;
+        s.x = SubActs{};
+        lora_u_[site_].clear();
+        m_.mark_begin("train: recompute " + kind);
+        sub_forward(i, ffn, s.a, s.x, y);
+        m_.mark_end("train: recompute " + kind);
+      }
       m_.mark_begin("train: backward mhc");
       NEXTLM_CUDA_CHECK(cudaMemsetAsync(dh_prev, 0, TSD * sizeof(float), st));
       float *dy = zeros(T * D), *dpost = zeros(T * S), *dcomb = zeros(T * S * S), *da = zeros(T * D);
-      mhc_post_backward(hin, y, post, comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st);
+      mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st);
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
-      sub_backward(i, ffn, a, x, dy, da);
+      sub_backward(i, ffn, s.a, s.x, dy, da);
       m_.mark_end("train: backward " + kind);
       m_.mark_begin("train: backward mhc");
       const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
@@ -793,7 +829,7 @@ double Step::run(const float* row_weight) {
                        ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st);
       m_.mark_end("train: backward mhc");
       std::swap(dh, dh_prev);
-      ar.rewind(mark);
+      ar.rewind(s.mark);
     }
   }
   if (g_.embed) {
@@ -1186,6 +1222,8 @@ void CudaModel::lora_gradients(LoraAdapter& adapter) const {
 }
 
 void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }
+
+void CudaModel::set_recompute(const RecomputePolicy& policy) { impl_->recompute = policy; }
 
 ModelWeights CudaModel::gradients() const {
   using cuda::download;

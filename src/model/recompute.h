@@ -1,0 +1,39 @@
+// The training backward's activation-recompute policy (what `--recompute` sets), shared by the CPU trainer
+// (model/train.h) and the device one (cuda/device_model.h).
+#pragma once
+#include <string>
+
+namespace nextlm {
+
+// Which sub-layers the training backward runs forward again and which keep their activations from the forward.
+// Each component either recomputes (true: the forward keeps nothing of it, and its forward runs again, with its
+// activations kept, right before its backward: one layer's activations alive at a time) or keeps (false: the forward
+// keeps what its backward reads, for every layer, so its forward runs once). Every policy gives the same loss and
+// gradients bit for bit: the same functions run on the same inputs, only at other times. What "keep" keeps:
+//   kda  KdaActs (16 [T, H·K] buffers, the gates' [T, K] inputs and beta) and the output [T, D] of every KDA layer;
+//   mla  DsaActs (q and kv latents, q, kv [T, NH·(dqk+dv)], o) and the output of every DSA layer;
+//   moe  the output [T, D] of every MoE layer (the routing is kept under every policy);
+//   mlp  the output [T, D] of every dense-MLP layer;
+//   mhc  at every site the mixing coefficients (HcMix) and the sub-layer input before and after its RMSNorm
+//        (2·[T, D]).
+// The backward functions recompute some of their forward internally whatever the policy (they take only the
+// sub-layer input or the acts above): kda_layer_backward RMSNorm_K(o) and the recurrence's states (from checkpoints
+// every 64 steps); dsa_layer_backward each query's softmax weights; mlp_backward and moe_backward the gate and up
+// projections, and moe_backward the router's scores and each expert's output; mhc_pre_backward the normed streams
+// and the fn logits.
+// On the GPU (CudaModel::set_recompute) a kept component's sites keep their device activations and their mHC mix.
+struct RecomputePolicy {
+  bool kda = true, mla = true, moe = true, mlp = true, mhc = true;
+  // Written out (not defaulted): nvcc compiles the CUDA sources that include this header as C++17.
+  bool operator==(const RecomputePolicy& o) const {
+    return kda == o.kda && mla == o.mla && moe == o.moe && mlp == o.mlp && mhc == o.mhc;
+  }
+};
+// The policy as --recompute writes it: "all", "none", or the recomputed components comma-separated in the order
+// kda,mla,moe,mlp,mhc (the others are kept).
+std::string recompute_to_string(const RecomputePolicy& p);
+// Reads that form: "all", "none" or a comma-separated list of the components to recompute (any order, no repeats).
+// Throws Error naming the bad part.
+RecomputePolicy parse_recompute(const std::string& s);
+
+}  // namespace nextlm
