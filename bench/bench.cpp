@@ -102,6 +102,8 @@ int main(int argc, char** argv) {
       {"small8_full_train_step_T4096_keep", nextlm::bench::slice4_train_step_case},
       {"slice4_lora_step_T4096", nextlm::bench::slice4_lora_step_case},
       {"slice4_lora_step_T4096_shared_experts", nextlm::bench::slice4_lora_step_case},
+      {"slice4_lora_step_T4096_keep", nextlm::bench::slice4_lora_step_case},
+      {"slice4_lora_step_T4096_shared_experts_keep", nextlm::bench::slice4_lora_step_case},
 #ifdef NEXTLM_HAVE_NCCL
       {"slice4_prefill_T4096_tp2", nextlm::bench::slice4_parallel_prefill_case},
       {"slice4_prefill_T4096_ep2", nextlm::bench::slice4_parallel_prefill_case},
@@ -115,6 +117,7 @@ int main(int argc, char** argv) {
 #endif
       {"mhc", nextlm::bench::mhc_share_case},
       {"moe_grouped_gemm", nextlm::bench::moe_grouped_gemm_case},  // bench/moe_gemm.cu
+      {"moe_grouped_gemm_dx", nextlm::bench::moe_grouped_gemm_dx_case},  // the backward's dx pair (w_kn)
   };
   // `only` may name several cases, comma-separated.
   for (const Case& c : cases)

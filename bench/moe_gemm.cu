@@ -1,4 +1,5 @@
-// `moe_grouped_gemm`: the grouped expert GEMM at the 4-layer slice's shapes against cuBLASLt in the same run.
+// `moe_grouped_gemm` and `moe_grouped_gemm_dx`: the grouped expert GEMM at the 4-layer slice's shapes (the forward
+// pair, and the backward's input-gradient pair in the w_kn form) against cuBLASLt in the same run.
 // A .cu (not .cpp) because cuda/gemm.h includes common.cuh, whose device helpers only nvcc compiles; it also holds
 // the benchmark's random-fill kernel.
 #include "moe_gemm.h"
@@ -95,15 +96,9 @@ double rel_err(const T* a, const T* b, int64_t n) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-}  // namespace
-
-void moe_grouped_gemm_case(const std::string& name) {
-  const int64_t T = 4096, k = 8, E = 288, D = 4096, I = 2048, n = T * k;
-  const float limit = 10.0f;
-  cudaStream_t st;
-  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
-
-  // Routing: k distinct experts per token, uniformly at random (roughly balanced, ~114 rows per expert).
+// Routing: k distinct experts per token, uniformly at random (roughly balanced, ~114 rows per expert at the slice's
+// shapes). Returns the offsets [E+1]; min_rows, max_rows: the smallest and largest expert.
+std::vector<int32_t> random_routing(int64_t T, int64_t k, int64_t E, int32_t* min_rows, int32_t* max_rows) {
   std::mt19937 rng(1234);
   std::vector<int32_t> count(E, 0);
   for (int64_t t = 0; t < T; ++t) {
@@ -116,8 +111,21 @@ void moe_grouped_gemm_case(const std::string& name) {
   }
   std::vector<int32_t> off(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + count[e];
-  const int32_t min_rows = *std::min_element(count.begin(), count.end());
-  const int32_t max_rows = *std::max_element(count.begin(), count.end());
+  *min_rows = *std::min_element(count.begin(), count.end());
+  *max_rows = *std::max_element(count.begin(), count.end());
+  return off;
+}
+
+}  // namespace
+
+void moe_grouped_gemm_case(const std::string& name) {
+  const int64_t T = 4096, k = 8, E = 288, D = 4096, I = 2048, n = T * k;
+  const float limit = 10.0f;
+  cudaStream_t st;
+  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
+
+  int32_t min_rows = 0, max_rows = 0;
+  const std::vector<int32_t> off = random_routing(T, k, E, &min_rows, &max_rows);
 
   // Expert weights (9.7 GB gate_up + 4.8 GB down, far beyond L2), activations, outputs.
   bf16* w_gu = dev_alloc<bf16>(E * 2 * I * D);
@@ -206,6 +214,107 @@ void moe_grouped_gemm_case(const std::string& name) {
 
   for (void* p : std::initializer_list<void*>{w_gu, w_dn, x, act, out, act_ref, gu_ref, out_ref, dense_gu, d_off, ws,
                                               p_gu, p_dn})
+    cudaFree(p);
+  cudaStreamDestroy(st);
+}
+
+void moe_grouped_gemm_dx_case(const std::string& name) {
+  const int64_t T = 4096, k = 8, E = 288, D = 4096, I = 2048, n = T * k;
+  cudaStream_t st;
+  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
+  int32_t min_rows = 0, max_rows = 0;
+  const std::vector<int32_t> off = random_routing(T, k, E, &min_rows, &max_rows);  // the forward case's routing
+
+  // Expert weights as the model holds them (W_gu_e [2I, D], W_down_e [D, I]), the output gradients of the two
+  // projections, and the input gradients: ours and the per-expert loop's.
+  bf16* w_gu = dev_alloc<bf16>(E * 2 * I * D);
+  bf16* w_dn = dev_alloc<bf16>(E * D * I);
+  bf16* dout = dev_alloc<bf16>(n * D);      // d out (of down), bf16 [n, D]
+  bf16* dgu = dev_alloc<bf16>(n * 2 * I);   // d gu (gate and up), bf16 [n, 2I]
+  float* dact = dev_alloc<float>(n * I);    // dout · W_down_e, fp32 [n, I]
+  float* dxp = dev_alloc<float>(n * D);     // dgu · W_gu_e, fp32 [n, D]
+  float* dact_ref = dev_alloc<float>(n * I);
+  float* dxp_ref = dev_alloc<float>(n * D);
+  int32_t* d_off = dev_alloc<int32_t>(E + 1);
+  int32_t* ws = dev_alloc<int32_t>(cuda::grouped_gemm_workspace_ints(static_cast<int>(E)));
+  const bf16** p_gu = dev_alloc<const bf16*>(E);
+  const bf16** p_dn = dev_alloc<const bf16*>(E);
+  fill_normal(w_gu, E * 2 * I * D, 1, 1.0f / std::sqrt(float(D)), st);
+  fill_normal(w_dn, E * D * I, 2, 1.0f / std::sqrt(float(I)), st);
+  fill_normal(dout, n * D, 4, 1.0f, st);
+  fill_normal(dgu, n * 2 * I, 5, 1.0f, st);
+  std::vector<const bf16*> h_gu(E), h_dn(E);
+  for (int64_t e = 0; e < E; ++e) h_gu[e] = w_gu + e * 2 * I * D, h_dn[e] = w_dn + e * D * I;
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d_off, off.data(), (E + 1) * 4, cudaMemcpyHostToDevice, st));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(p_gu, h_gu.data(), E * sizeof(void*), cudaMemcpyHostToDevice, st));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(p_dn, h_dn.data(), E * sizeof(void*), cudaMemcpyHostToDevice, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+
+  const double flops = 2.0 * n * D * I + 2.0 * n * 2 * I * D;
+  // Bytes the pair must move at least: every expert's weights once, dout and dgu read, dact and dxp written (fp32).
+  const double bytes = 2.0 * E * 3 * I * D + 2.0 * n * D + 2.0 * n * 2 * I + 4.0 * n * I + 4.0 * n * D;
+  const int warm = 3, iters = 15;
+
+  // What Step::moe_backward does today: one cuBLASLt dx GEMM per expert on host offsets (the device→host sync is not
+  // timed); and the dense cuBLASLt dx GEMMs of the same FLOPs with one weight.
+  cuda::Gemm gemm(st);
+  auto loop = [&] {
+    for (int64_t e = 0; e < E; ++e)
+      if (const int64_t m = off[e + 1] - off[e])
+        gemm.run_dx(dout + off[e] * D, D, h_dn[e], D, I, dact_ref + off[e] * I, I, m, false);
+    for (int64_t e = 0; e < E; ++e)
+      if (const int64_t m = off[e + 1] - off[e])
+        gemm.run_dx(dgu + off[e] * 2 * I, 2 * I, h_gu[e], 2 * I, D, dxp_ref + off[e] * D, D, m, false);
+  };
+  const double loop_ms = median_ms(loop, st, 2, 5);
+  const double dense_da_ms =
+      median_ms([&] { gemm.run_dx(dout, D, w_dn, D, I, dact_ref, I, n, false); }, st, warm, iters);
+  const double dense_dx_ms =
+      median_ms([&] { gemm.run_dx(dgu, 2 * I, w_gu, 2 * I, D, dxp_ref, D, n, false); }, st, warm, iters);
+  const double dense_ms = dense_da_ms + dense_dx_ms;
+  loop();  // the references again hold the per-expert result (the dense GEMMs overwrote them)
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+
+  for (int v = 0; v < cuda::kGroupedGemmKernels; ++v) {
+    const auto kern = static_cast<cuda::GroupedGemmKernel>(v);
+    // W_down_e [D, I] is [K = D, N = I]; W_gu_e [2I, D] is [K = 2I, N = D].
+    cuda::GroupedGemm g_da{dout, d_off, p_dn, dact, n, static_cast<int>(E), static_cast<int>(I),
+                           static_cast<int>(D), cuda::GroupedEpilogue::kF32, 0.0f, kern};
+    cuda::GroupedGemm g_dx{dgu, d_off, p_gu, dxp, n, static_cast<int>(E), static_cast<int>(D),
+                           static_cast<int>(2 * I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
+    g_da.w_kn = g_dx.w_kn = true;
+    // Poisoned outputs: the check below also catches unwritten rows.
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(dact, 0xFF, n * I * sizeof(float), st));
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(dxp, 0xFF, n * D * sizeof(float), st));
+    cuda::grouped_gemm(g_da, ws, st);
+    cuda::grouped_gemm(g_dx, ws, st);
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+    // Same bf16 inputs, fp32 accumulation and fp32 outputs on both sides: only the summation order differs (~1e-6).
+    const double err_da = rel_err(dact, dact_ref, n * I), err_dx = rel_err(dxp, dxp_ref, n * D);
+    const bool ok = err_da <= 1e-2 && err_dx <= 1e-2;
+
+    const double da_ms = median_ms([&] { cuda::grouped_gemm(g_da, ws, st); }, st, warm, iters);
+    const double dx_ms = median_ms([&] { cuda::grouped_gemm(g_dx, ws, st); }, st, warm, iters);
+    const double ours = da_ms + dx_ms;
+    const double tf = flops / ours / 1e9, tf_dense = flops / dense_ms / 1e9;
+    char note[900];
+    std::snprintf(note, sizeof note,
+                  "%s %s w_kn: ours %.0f TFLOP/s (dact = dout.W_down %.3f ms, dxp = dgu.W_gu %.3f ms), cuBLAS dense "
+                  "%.0f TFLOP/s (%.3f + %.3f ms) -> ours/dense %.0f%%, per-expert cuBLASLt loop %.3f ms (%.2fx ours, "
+                  "sync not timed); byte floor %.3f ms (%.1f GB of expert weights read once); rows/expert %d..%d; "
+                  "check vs per-expert loop: dact rel %.2g, dxp rel %.2g",
+                  ok ? "ok" : "CHECK FAILED", cuda::grouped_gemm_kernel_name(kern), tf, da_ms, dx_ms, tf_dense,
+                  dense_da_ms, dense_dx_ms, 100.0 * dense_ms / ours, loop_ms, loop_ms / ours, bytes / kBytesPerMs,
+                  2.0 * E * 3 * I * D / 1e9, min_rows, max_rows, err_da, err_dx);
+    // As in moe_grouped_gemm: the variant the model runs (set_moe_expert_gemm) carries the case's name.
+    const std::string case_name = v == moe_expert_gemm() ? name : name + "_" + cuda::grouped_gemm_kernel_name(kern);
+    std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", case_name.c_str(),
+                ours, flops / kFlopsPerMs, note);
+    std::fflush(stdout);
+  }
+
+  for (void* p : std::initializer_list<void*>{w_gu, w_dn, dout, dgu, dact, dxp, dact_ref, dxp_ref, d_off, ws, p_gu,
+                                              p_dn})
     cudaFree(p);
   cudaStreamDestroy(st);
 }

@@ -16,4 +16,12 @@ namespace nextlm::bench {
 // 2.3 / 3.7 ≈ 60–65% here, whatever the kernel; the note prints the byte floor next to the FLOP floor.
 void moe_grouped_gemm_case(const std::string& name);
 
+// `moe_grouped_gemm_dx`: the backward's input gradients of the same experts at the same shapes and routing, in the
+// grouped GEMM's w_kn form (W_e as stored, [K, N]): dact [n, I] = dout [n, D] · W_down_e [D, I] and dxp [n, D] =
+// dgu [n, 2I] · W_gu_e [2I, D], both fp32. Beside it, in the same run: the per-expert cuBLASLt loop of
+// Gemm::run_dx that Step::moe_backward runs today (host offsets; the sync is not timed), which is also the reference
+// of the check (rel err ≤ 1e-2, "CHECK FAILED" in the note otherwise), and the dense cuBLASLt dx GEMMs of the same
+// FLOPs. One JSON line per kernel variant, named as in moe_grouped_gemm. The byte floor is that of the forward pair.
+void moe_grouped_gemm_dx_case(const std::string& name);
+
 }  // namespace nextlm::bench

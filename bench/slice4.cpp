@@ -349,7 +349,7 @@ void slice4_train_step_case(const std::string& name) {
                          : "every sub-layer recomputed before its backward") +
                    "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
                    "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
-                   "cores, dx of the experts on per-expert cuBLASLt GEMMs; median of " + std::to_string(kStepIters) +
+                   "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
                    " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
                    (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
@@ -378,11 +378,13 @@ struct LoraSteps {
   std::vector<LoraModule> layout;  // the adapter's modules (for the FLOP count)
 };
 
-// LoRA steps on a model: the adapters' gradients on the device, then AdamW on the host's fp32 adapters (small) and
-// their upload, as `train --device cuda --lora-rank` runs it. On a shard, `sum` adds up the ranks' shares of the
-// gradients (lora_gradients) and `sync` lines the ranks up before each timed step.
+// LoRA steps on a model, as `train --device cuda --lora-rank` runs them: on one GPU the whole step on the device
+// (forward, backward, clipping and AdamW on the device's fp32 adapters: start_lora_optimizer); on a shard the
+// adapters' gradients go to the host, where `sum` adds up the ranks' shares (lora_gradients) and AdamW runs, and
+// the new adapters go back; `sync` lines the ranks up before each timed step.
 LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
-                          const std::function<void(std::vector<ParamRef>&)>& sum, const std::function<void()>& sync) {
+                          const std::function<void(std::vector<ParamRef>&)>& sum, const std::function<void()>& sync,
+                          bool on_device) {
   model.set_train_linears(false);
   LoraOptions o;
   o.rank = 16;
@@ -392,9 +394,19 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
   std::vector<ParamRef> params = lora.params("model.language_model.");
   AdamW adam(params, AdamWOptions{});
   LoraSteps r;
+  if (on_device) {
+    model.set_lora(lora);
+    model.start_lora_optimizer(lora);
+  }
   auto step = [&] {
-    for (ParamRef& p : params) std::fill_n(p.g, p.n, 0.0f);
     model.zero_grads();
+    if (on_device) {
+      r.loss = model.forward_backward(b);
+      model.lora_adamw_step(AdamWOptions{}, 1e-4, adam.steps() + 1, 1.0 / (kT - 1), 1.0);
+      adam.set_steps(adam.steps() + 1);
+      return model.last_forward_ms();
+    }
+    for (ParamRef& p : params) std::fill_n(p.g, p.n, 0.0f);
     model.set_lora(lora);
     r.loss = model.forward_backward(b);
     model.lora_gradients(lora);
@@ -423,12 +435,14 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
 void slice4_lora_step_case(const std::string& name) {
   const bool shared = name.find("shared_experts") != std::string::npos;
   const int tp = name.find("_tp2") != std::string::npos ? 2 : 1, ep = name.find("_ep2") != std::string::npos ? 2 : 1;
+  const bool keep = name.find("_keep") != std::string::npos;  // --recompute none (one GPU)
   const ModelConfig cfg = load_config(slice4_config_path());
   const PackedBatch b = random_batch(cfg);
   LoraSteps one, split;
   {
     auto model = CudaModel::random(cfg, kSeed);
-    one = time_lora_steps(*model, shared, b, [](std::vector<ParamRef>&) {}, [] {});
+    model->set_recompute(keep ? parse_recompute("none") : RecomputePolicy{});
+    one = time_lora_steps(*model, shared, b, [](std::vector<ParamRef>&) {}, [] {}, true);
   }
   if (tp > 1 || ep > 1) {
 #ifdef NEXTLM_HAVE_NCCL
@@ -443,7 +457,7 @@ void slice4_lora_step_case(const std::string& name) {
           [&](std::vector<ParamRef>& params) {
             for (ParamRef& p : params) world.all_reduce_sum(p.g, static_cast<size_t>(p.n));
           },
-          [&] { world.barrier(); });
+          [&] { world.barrier(); }, false);
       if (world.rank() == 0) split = mine;
     });
 #else
@@ -483,8 +497,12 @@ void slice4_lora_step_case(const std::string& name) {
       {"note", std::string("one LoRA step of the 4-layer slice at ") + std::to_string(kT) +
                    " tokens: rank 16 adapters on every projection (" +
                    (shared ? "one adapter per layer shared by the routed experts" : "one adapter per routed expert") +
-                   "), forward + backward on the device (base frozen: no weight gradients), the adapters' gradients "
-                   "to the host, clipping and AdamW there and the new adapters back; median host wall time of " +
+                   "), forward + backward on the device (base frozen: no weight gradients)" +
+                   (par ? ", the adapters' gradients to the host, clipping and AdamW there and the new adapters back"
+                        : ", clipping and AdamW on the device's fp32 adapters (nothing goes to the host)") +
+                   (keep ? ", every sub-layer's activations kept from the forward (--recompute none)"
+                         : ", every sub-layer recomputed before its backward") +
+                   "; median host wall time of " +
                    std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
                    "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s" +
                    (par ? " of all " + std::to_string(std::lcm(tp, ep)) + " GPUs; tp " + std::to_string(tp) +

@@ -1,8 +1,9 @@
 // The grouped expert GEMM (src/cuda/grouped_gemm.cu) against a host fp32 reference: nn.Linear per expert on the
 // same bf16-rounded inputs, then moe.cu's clamped SwiGLU. Every kernel variant, every epilogue, uneven experts (empty
 // ones, one row, one larger than several tiles), and n, N, K, I none a multiple of the tile. Outputs are poisoned with
-// NaN and followed by a sentinel guard, so an unwritten element or a write past the end fails. Runs on a GPU machine
-// (part of test_cuda, CTest label "gpu").
+// NaN and followed by a sentinel guard, so an unwritten element or a write past the end fails. The w_kn form (W_e
+// given as [K, N], C = A·W_e: the backward's input gradients) is checked on the same reference with each W_e uploaded
+// transposed. Runs on a GPU machine (part of test_cuda, CTest label "gpu").
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "cuda/grouped_gemm.h"
 #include "io/safetensors.h"
 #include "test_util.h"
@@ -95,15 +97,32 @@ std::vector<float> swiglu_reference(const std::vector<float>& gu, int64_t n, int
   return act;
 }
 
+// W [E, N, K] → [E, K, N]: each expert's weight as the w_kn form takes it (C = A·W_e with W_e [K, N]).
+std::vector<float> transpose_experts(const std::vector<float>& W, int E, int N, int K) {
+  std::vector<float> t(W.size());
+  for (int e = 0; e < E; ++e)
+    for (int o = 0; o < N; ++o)
+      for (int k = 0; k < K; ++k) t[(int64_t(e) * K + k) * N + o] = W[(int64_t(e) * N + o) * K + k];
+  return t;
+}
+
 constexpr size_t kGuardBytes = 4096;
+
+// How run_gpu calls grouped_gemm beyond the problem and the epilogue.
+struct RunOptions {
+  bool w_kn = false;                         // upload each W_e transposed ([K, N]) and set GroupedGemm::w_kn
+  const std::vector<float>* base = nullptr;  // C before the call (fp32 [n, N], for kF32Add); else poisoned
+};
 
 // Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
 // a non-finite element (unwritten: poisoned with 0xFF bytes, a NaN in fp32 and bf16) or a changed guard byte.
-std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKernel kernel, float limit) {
+std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKernel kernel, float limit,
+                           const RunOptions& opt = {}) {
   const int out_cols = epi == GroupedEpilogue::kSwiGLU ? p.N / 2 : p.N;
-  const size_t elem = epi == GroupedEpilogue::kF32 ? 4 : 2;
+  const size_t elem = epi == GroupedEpilogue::kF32 || epi == GroupedEpilogue::kF32Add ? 4 : 2;
   const size_t out_bytes = size_t(p.n) * out_cols * elem;
-  const std::vector<uint16_t> A16 = to_bf16(p.A), W16 = to_bf16(p.W);
+  const std::vector<uint16_t> A16 = to_bf16(p.A);
+  const std::vector<uint16_t> W16 = to_bf16(opt.w_kn ? transpose_experts(p.W, p.E, p.N, p.K) : p.W);
   DevBuf dA(A16.size() * 2), dW(W16.size() * 2), dOff(p.offsets.size() * 4), dPtr(p.E * sizeof(void*)),
       dC(out_bytes + kGuardBytes), dWs(cuda::grouped_gemm_workspace_ints(p.E) * 4);
   std::vector<float> none;
@@ -111,6 +130,8 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
   if (!dA.p || !dW.p || !dOff.p || !dPtr.p || !dC.p || !dWs.p) return none;
   std::vector<const cuda::bf16*> ptrs(p.E);
   for (int e = 0; e < p.E; ++e) ptrs[e] = dW.as<cuda::bf16>() + int64_t(e) * p.N * p.K;
+  EXPECT_TRUE(!opt.base || (elem == 4 && opt.base->size() == size_t(p.n) * out_cols));
+  if (opt.base && (elem != 4 || opt.base->size() != size_t(p.n) * out_cols)) return none;
   if (!A16.empty()) {
     EXPECT_EQ(cudaMemcpy(dA.p, A16.data(), A16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   }
@@ -118,10 +139,14 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
   EXPECT_EQ(cudaMemcpy(dOff.p, p.offsets.data(), p.offsets.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(dPtr.p, ptrs.data(), p.E * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
   EXPECT_EQ(cudaMemset(dC.p, 0xFF, out_bytes + kGuardBytes), cudaSuccess);
+  if (opt.base && out_bytes) {
+    EXPECT_EQ(cudaMemcpy(dC.p, opt.base->data(), out_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
   EXPECT_EQ(cudaMemset(dWs.p, 0xFF, cuda::grouped_gemm_workspace_ints(p.E) * 4), cudaSuccess);
 
   cuda::GroupedGemm g{dA.as<cuda::bf16>(), dOff.as<int32_t>(), dPtr.as<const cuda::bf16*>(), dC.p, p.n, p.E, p.N,
                       p.K, epi, limit, kernel};
+  g.w_kn = opt.w_kn;
   cuda::grouped_gemm(g, dWs.as<int32_t>(), nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -288,6 +313,108 @@ TEST_P(CudaGroupedGemm, NoRowsIsANoOp) {
   const Problem p = make_problem({0, 0, 0}, 64, 64, 1.0f, 3);
   const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f);
   EXPECT_TRUE(got.empty());
+}
+
+// ---- The w_kn form: C = A·W_e with W_e [K, N] (the backward's dact = dout·W_down_e and dxp = dgu·W_gu_e). The
+// problems keep W as [E, N, K] for the reference and upload each W_e transposed, so the reference is unchanged.
+
+// fp32: K = 200 and N = 136 are multiples of 8 but of no tile size (BK 32/64, BN 128/256, wgmma's 64-column blocks);
+// same inputs and fp32 accumulation on both sides, so ~1e-6 relative as in the [N, K] form.
+TEST_P(CudaGroupedGemm, WknF32MatchesHostReference) {
+  const Problem p = make_problem(kRows, 136, 200, 1.0f, 51);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.w_kn = true});
+  ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+  const std::vector<float> want = reference(p);
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  const double max_err = test::max_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] w_kn fp32: norm rel err %.3g, max rel err %.3g\n",
+              cuda::grouped_gemm_kernel_name(kernel()), err, max_err);
+  EXPECT_LE(err, 1e-4);
+  EXPECT_LE(max_err, 1e-3);
+}
+
+// fp32 accumulate: C starts as random values of the product's size; C += A·W_e must hold everywhere, so a row left
+// out (C stays the base: an O(1) miss against max |want| of a few) or written over (the base is lost) fails the max
+// error. N = 200 leaves a partial 64-column block and a partial BN tile.
+TEST_P(CudaGroupedGemm, WknF32AddAccumulatesOntoC) {
+  const Problem p = make_problem(kRows, 200, 264, 1.0f, 55);
+  const std::vector<float> base = test::randn(size_t(p.n) * p.N, 57);
+  const std::vector<float> got =
+      run_gpu(p, GroupedEpilogue::kF32Add, kernel(), 0.0f, {.w_kn = true, .base = &base});
+  ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+  std::vector<float> want = reference(p);
+  for (size_t i = 0; i < want.size(); ++i) want[i] += base[i];
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  const double max_err = test::max_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] w_kn fp32 add: norm rel err %.3g, max rel err %.3g\n",
+              cuda::grouped_gemm_kernel_name(kernel()), err, max_err);
+  EXPECT_LE(err, 1e-4);
+  EXPECT_LE(max_err, 1e-3);
+}
+
+// bf16 store: bf16 rounding of the result (~2e-3 in norm), bound with margin as in the [N, K] form.
+TEST_P(CudaGroupedGemm, WknBf16MatchesHostReference) {
+  const Problem p = make_problem(kRows, 264, 136, 1.0f, 61);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kBf16, kernel(), 0.0f, {.w_kn = true});
+  ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+  const std::vector<float> want = reference(p);
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] w_kn bf16: norm rel err %.3g\n", cuda::grouped_gemm_kernel_name(kernel()), err);
+  EXPECT_LE(err, 1e-2);
+}
+
+// The model's two input-gradient products at a small width: 777 tokens routed top-2 over E = 9 experts, expert 4
+// never chosen (empty), the others ~194 rows each at random (a full and a partial M tile), D = 256, I = 128:
+//   dact [n, I]  = dout [n, D]  · W_down_e [D, I]   (K = D,  N = I)
+//   dxp  [n, D]  = dgu  [n, 2I] · W_gu_e   [2I, D]  (K = 2I, N = D)
+TEST_P(CudaGroupedGemm, WknModelInputGradientShapes) {
+  const int E = 9, D = 256, I = 128, T = 777, k = 2;
+  std::mt19937 rng(71);
+  std::vector<int> rows(E, 0);
+  std::uniform_int_distribution<int> pick(0, E - 1);
+  for (int t = 0; t < T; ++t) {
+    int chosen[k];
+    for (int j = 0; j < k; ++j) {
+      int e;
+      do e = pick(rng);
+      while (e == 4 || (j == 1 && e == chosen[0]));
+      chosen[j] = e;
+      ++rows[e];
+    }
+  }
+  ASSERT_EQ(rows[4], 0);
+  const Problem dact = make_problem(rows, I, D, 1.0f, 73);
+  const Problem dxp = make_problem(rows, D, 2 * I, 1.0f, 79);
+  for (const Problem* p : {&dact, &dxp}) {
+    const std::vector<float> got = run_gpu(*p, GroupedEpilogue::kF32, kernel(), 0.0f, {.w_kn = true});
+    ASSERT_EQ(got.size(), size_t(p->n) * p->N);
+    const std::vector<float> want = reference(*p);
+    const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+    const double max_err = test::max_rel_error(got.data(), want.data(), want.size());
+    std::printf("[grouped_gemm %s] w_kn %s (K %d, N %d, %lld rows): norm rel err %.3g, max rel err %.3g\n",
+                cuda::grouped_gemm_kernel_name(kernel()), p == &dact ? "dact" : "dxp", p->K, p->N,
+                static_cast<long long>(p->n), err, max_err);
+    EXPECT_LE(err, 1e-4);
+    EXPECT_LE(max_err, 1e-3);
+  }
+}
+
+// No rows: nothing is launched and the (poisoned) output is untouched.
+TEST_P(CudaGroupedGemm, WknNoRowsIsANoOp) {
+  const Problem p = make_problem({0, 0, 0}, 64, 64, 1.0f, 83);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.w_kn = true});
+  EXPECT_TRUE(got.empty());
+}
+
+// The SwiGLU epilogue needs W as [N, K]; with w_kn it is refused on the host, before anything is enqueued.
+TEST(CudaGroupedGemmWkn, RejectsSwiGluEpilogue) {
+  cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kSwiGLU, 7.0f};
+  g.w_kn = true;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  for (int v = 0; v < cuda::kGroupedGemmKernels; ++v) {
+    g.kernel = static_cast<GroupedGemmKernel>(v);
+    EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CudaGroupedGemm, ::testing::Range(0, cuda::kGroupedGemmKernels),

@@ -293,27 +293,33 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
 #ifdef NEXTLM_HAVE_CUDA
   // The GPU computes each micro-batch's gradients on bf16 copies of the host's fp32 values, refreshed after every
   // optimizer step; the trainer does the rest as on the CPU (so checkpoints and resumes are the same). With LoRA the
-  // device holds the frozen base, read from its checkpoint, and the adapters: it computes only their gradients.
+  // device holds the frozen base, read from its checkpoint, and the adapters, with their fp32 values, gradients and
+  // AdamW moments: the whole step runs there, and the adapters come back to the host only to be saved.
   std::unique_ptr<CudaModel> gpu;
   int64_t gpu_version = -1;
-  if (a.device == "cuda")
+  if (a.device == "cuda") {
     trainer->set_gradient_fn([&](const Model& m, LoraAdapter* lora, int64_t version, const PackedBatch& b,
                                  ModelWeights& grads) {
       if (!gpu) {
         gpu = lora ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(m);
         gpu->set_train_linears(lora == nullptr);
         gpu->set_recompute(opt.recompute);
+        if (lora) {
+          gpu->set_lora(*lora);
+          gpu->start_lora_optimizer(*lora, &trainer->optimizer());
+        }
       } else if (!lora && version != gpu_version) {
         gpu->set_weights(m);
       }
-      if (lora && version != gpu_version) gpu->set_lora(*lora);
+      if (lora) {
+        // The step's micro-batches add up their gradients on the device; the step's update starts them anew.
+        if (version != gpu_version) gpu->zero_grads();
+        gpu_version = version;
+        return gpu->forward_backward(b);
+      }
       gpu_version = version;
       gpu->zero_grads();
       const double loss = gpu->forward_backward(b);
-      if (lora) {
-        gpu->lora_gradients(*lora);
-        return loss;
-      }
       const ModelWeights g = gpu->gradients();
       const auto from = hub_gradients(m.config(), g, ""), into = hub_gradients(m.config(), grads, "");
       for (size_t i = 0; i < into.size(); ++i) {
@@ -322,6 +328,15 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
       }
       return loss;
     });
+    if (trainer->lora())
+      trainer->set_device_optimizer(Trainer::DeviceOptimizer{
+          [&](double lr, int64_t t, double scale, double max_norm) {
+            return gpu->lora_adamw_step(trainer->options().adamw, lr, t, scale, max_norm);
+          },
+          [&](LoraAdapter& adapter, AdamW& state) {
+            if (gpu) gpu->download_lora(adapter, &state);
+          }});
+  }
 #endif
   auto steps_done = [&] { return trainer ? trainer->steps_done() : ptrainer->steps_done(); };
   const bool lead = !mesh || mesh->world->rank() == 0;  // prints and writes the log

@@ -135,8 +135,8 @@ class CudaModel {
   // keeping its activations, right before walking back through it, unless set_recompute keeps that sub-layer's
   // activations from the forward. Weights and GEMM inputs
   // are bf16; the KDA (forward chunked, backward through time) runs in fp32, the MLA attention's backward too (its
-  // forward on the tensor-core kernel where it applies); the experts' forward on the grouped GEMM, their input
-  // gradients one cuBLASLt GEMM per expert. The indexer and the correction bias are frozen, as on the CPU.
+  // forward on the tensor-core kernel where it applies); the experts' forward and input gradients on the grouped
+  // GEMM (their weight gradients one cuBLASLt GEMM per expert). The indexer and the correction bias are frozen, as on the CPU.
   double forward_backward(const PackedBatch& batch);
   void zero_grads();
   // Which sub-layers forward_backward runs again before their backward (model/train.h's RecomputePolicy; default
@@ -163,6 +163,17 @@ class CudaModel {
   // same part), so that the sum over the world's ranks of what they add is the gradient (a collective over the
   // model's groups; the caller sums over the world).
   void lora_gradients(LoraAdapter& adapter) const;
+  // AdamW for the adapters on the device (one GPU, not a shard), so that a LoRA step moves nothing to the host:
+  // start_lora_optimizer copies the fp32 A and B of `adapter` (the layout set_lora placed) and the moments of
+  // `state` (zeros when null or empty; parallel to adapter.params()) to the device. Each lora_adamw_step then takes
+  // the device gradients (summed since zero_grads) times grad_scale, clips their global norm to max_norm (when > 0),
+  // applies AdamW (model/optim.h's arithmetic; t the step count after this update) to the device's fp32 values and
+  // refreshes the bf16 copies the forward reads; it returns the norm before clipping (one small transfer).
+  // download_lora copies the values (and the moments into `state`) back, for checkpoints. set_lora drops the
+  // device optimizer (the host's values are the ones to use then).
+  void start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state = nullptr);
+  double lora_adamw_step(const AdamWOptions& opt, double lr, int64_t t, double grad_scale, double max_norm);
+  void download_lora(LoraAdapter& adapter, AdamW* state) const;
   // The accumulated gradients on the host, shaped as zeros_like(weights) (model/backward.h): the indexer and the
   // correction bias empty; with tied embeddings the lm_head's gradient is added into the embedding's.
   // On a shard (forward_backward runs the TP/EP backward with its collectives; see src/cuda/train.cu): this rank's

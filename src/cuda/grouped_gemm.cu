@@ -1,5 +1,6 @@
 // Grouped expert GEMM (see grouped_gemm.h): a one-block scheduling kernel (per-expert tile counts → prefix sum) and a
-// persistent mma.sync bf16 → fp32 kernel over the global tile list, with fp32, bf16 or fused clamped-SwiGLU stores.
+// persistent mma.sync or wgmma bf16 → fp32 kernel over the global tile list, with fp32, bf16 or fused clamped-SwiGLU
+// stores; each kernel also comes in a w_kn form (W_e [K, N], C = A·W_e: the input gradient of the same linear).
 // The CPU reference is nn.Linear per expert followed by moe.cu's swiglu: act = silu(min(g, L)) · clamp(u, −L, L).
 #include "cuda/grouped_gemm.h"
 
@@ -21,6 +22,9 @@ constexpr int kScanThreads = 1024;
 // BM × BN × BK tile, STAGES-deep cp.async pipeline, MINB CTAs per SM. Shared tiles are [rows][BK] with a row stride
 // of BK + 8 elements: the eight 16-byte rows one ldmatrix phase reads then fall in distinct bank groups (stride 80 or
 // 144 bytes), and every row start stays 16-byte aligned for cp.async.
+// With w_kn the B tile is [BK][BN] (k rows, n contiguous) with a row stride of BN + 8 elements (272 or 528 bytes, an
+// odd number of 16-byte units): the eight k rows one ldmatrix.trans phase reads fall in distinct bank groups too. It
+// is no larger than the [BN][BK] tile for these shapes, so a stage's size is that of the [N, K] form.
 template <int BM_, int BN_, int BK_, int STAGES_, int MINB_>
 struct Cfg {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = STAGES_, MINB = MINB_;
@@ -30,9 +34,13 @@ struct Cfg {
   static constexpr int CPR = BK / 8;               // 16-byte chunks per tile row
   static constexpr int RSTEP = kThreads / CPR;     // rows between one thread's successive chunks
   static constexpr int CA = BM / RSTEP, CB = BN / RSTEP;
-  static constexpr int stage_elems = (BM + BN) * LDS;
+  // w_kn B tile: row stride, 16-byte chunks per k row, k rows between one thread's chunks, chunks per thread.
+  static constexpr int LDB = BN + 8, CPRB = BN / 8, RSTEPB = kThreads / CPRB, CBK = BK / RSTEPB;
+  static constexpr int b_elems = BN * LDS > BK * LDB ? BN * LDS : BK * LDB;
+  static constexpr int stage_elems = BM * LDS + b_elems;
   static constexpr int smem_bytes = STAGES * stage_elems * 2;
   static_assert(BM % RSTEP == 0 && BN % RSTEP == 0 && MI >= 1 && NI % 2 == 0 && BK % 16 == 0);
+  static_assert(kThreads % CPRB == 0 && BK % RSTEPB == 0);
 };
 
 using Cfg0 = Cfg<128, 128, 32, 4, 2>;
@@ -114,7 +122,8 @@ __device__ __forceinline__ Tile locate(int tile, const int32_t* __restrict__ sta
   return Tile{lo, local / mtiles, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM};
 }
 
-template <class C>
+// KN (w_kn): W_e is [K, N] and C = A·W_e; the B tile is then [BK][BN] (see Cfg) and read with ldmatrix.trans.
+template <class C, bool KN>
 __global__ void __launch_bounds__(kThreads, C::MINB)
     grouped_gemm_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
                         void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L) {
@@ -124,10 +133,11 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp >> 2, wn = warp & 3;
   const int g = lane >> 2, t4 = lane & 3;
-  const bool glu = epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
+  const bool glu = !KN && epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
   const int total = start[E];
   const int KT = (K + BK - 1) / BK;
   const int cc = tid % C::CPR, r0 = tid / C::CPR;  // this thread's chunk column and first row in a tile
+  const int cb = tid % C::CPRB, rb = tid / C::CPRB;  // KN: its chunk column and first k row in a B tile
 
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     const Tile tl = locate(tile, start, offsets, E, BM);
@@ -138,6 +148,7 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
     const int mact = min(MI, max(0, (rows - wm * C::WM + 15) / 16));
 
     // Source rows of this thread's chunks (invalid ones read nothing and zero-fill; their address stays in bounds).
+    // KN: one source column (b_src[0], row 0; b_ok = the column is in N), the k row's offset added per chunk.
     const bf16* a_src[C::CA];
     const bf16* b_src[C::CB];
     uint32_t a_ok = 0, b_ok = 0;
@@ -148,12 +159,18 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
       a_ok |= uint32_t(v) << s;
       a_src[s] = A + (row0 + (v ? r : 0)) * K + cc * 8;
     }
+    if constexpr (KN) {
+      const int col = nt * BN + cb * 8;
+      b_ok = col < N;
+      b_src[0] = We + (b_ok ? col : 0);
+    } else {
 #pragma unroll
-    for (int s = 0; s < C::CB; ++s) {
-      bool v;
-      const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
-      b_ok |= uint32_t(v) << s;
-      b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
+      for (int s = 0; s < C::CB; ++s) {
+        bool v;
+        const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+        b_ok |= uint32_t(v) << s;
+        b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
+      }
     }
     auto load_stage = [&](int kt, int stage) {
       bf16* As = smem + stage * C::stage_elems;
@@ -163,9 +180,19 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 #pragma unroll
       for (int s = 0; s < C::CA; ++s)
         cp_async16(As + (r0 + s * C::RSTEP) * LDS + cc * 8, a_src[s] + (kin ? k0 : 0), kin && (a_ok >> s & 1));
+      if constexpr (KN) {
+        // Rows past K zero-fill: stale shared memory must not meet A's zero-filled columns (0 · NaN).
 #pragma unroll
-      for (int s = 0; s < C::CB; ++s)
-        cp_async16(Bs + (r0 + s * C::RSTEP) * LDS + cc * 8, b_src[s] + (kin ? k0 : 0), kin && (b_ok >> s & 1));
+        for (int s = 0; s < C::CBK; ++s) {
+          const int k = k0 + rb + s * C::RSTEPB;
+          const bool v = b_ok && k < K;
+          cp_async16(Bs + (rb + s * C::RSTEPB) * C::LDB + cb * 8, b_src[0] + (v ? int64_t(k) * N : 0), v);
+        }
+      } else {
+#pragma unroll
+        for (int s = 0; s < C::CB; ++s)
+          cp_async16(Bs + (r0 + s * C::RSTEP) * LDS + cc * 8, b_src[s] + (kin ? k0 : 0), kin && (b_ok >> s & 1));
+      }
     };
 
     float acc[MI][NI][4];
@@ -194,7 +221,10 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
         for (int i = 0; i < MI; ++i)
           if (i < mact) load_a(a[i], As + (wm * C::WM + i * 16) * LDS + ks * 16, LDS);
 #pragma unroll
-        for (int p = 0; p < NI / 2; ++p) load_b_nk(b[p], Bs + (wn * C::WN + p * 16) * LDS + ks * 16, LDS);
+        for (int p = 0; p < NI / 2; ++p) {
+          if constexpr (KN) load_b_kn(b[p], Bs + ks * 16 * C::LDB + wn * C::WN + p * 16, C::LDB);
+          else load_b_nk(b[p], Bs + (wn * C::WN + p * 16) * LDS + ks * 16, LDS);
+        }
 #pragma unroll
         for (int i = 0; i < MI; ++i)
           if (i < mact)
@@ -248,6 +278,10 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 // the same cp.async pipeline (BK = 64), stored in the canonical K-major 128-byte-swizzle layout that wgmma reads
 // through shared-memory descriptors: tile row r is 128 bytes at r·128, its 16-byte chunk c at position c ^ (r mod 8),
 // eight rows (1024 bytes, 1024-aligned) per swizzle atom.
+// With w_kn the B tile is stored N-major (the canonical MN-major 128-byte-swizzle layout, read with the transpose
+// immediate imm-trans-b = 1): BN/64 blocks of 64 n columns, each BK k rows of 128 bytes (BK·128 bytes, block j at
+// j·BK·128), k row r's 16-byte chunk c (n columns 8c..8c+7 of the block) at position c ^ (r mod 8) — the same
+// address swizzle, with k in the role of the row.
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -271,8 +305,19 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
   return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// d[0..63] += A (64×16) · B (16×128), both read from shared memory through descriptors (K-major); asynchronous
-// until wgmma_wait.
+// The same for an MN-major operand (the w_kn B tile; PTX ISA "Leading/Stride Dimension Byte Offset", MN-major
+// swizzled: CUTLASS's make_gmma_desc<Major::MN> writes the canonical layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte
+// units): leading byte offset = from one 64-column block to the next (lbo bytes), stride byte offset 1024 = from one
+// 8-row k group to the next. One k16 step is two k groups: the start address advances by 2048 bytes, staying
+// 1024-aligned (base offset 0).
+__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t saddr, uint32_t lbo) {
+  return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// d[0..63] += A (64×16) · B (16×128), both read from shared memory through descriptors, A K-major, B K-major (TB = 0)
+// or N-major (TB = 1, the transpose immediate); asynchronous until wgmma_wait.
+template <int TB>
 __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -281,7 +326,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
       :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -291,11 +336,11 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TB));
 }
 
-// d[0..127] += A (64×16) · B (16×256), both read from shared memory through descriptors (K-major); asynchronous
-// until wgmma_wait.
+// d[0..127] += A (64×16) · B (16×256), as wgmma_m64n128k16.
+template <int TB>
 __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -308,7 +353,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
       :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -326,13 +371,13 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TB));
 }
 
-template <int BN>
+template <int BN, int TB>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t da, uint64_t db) {
-  if constexpr (BN == 128) wgmma_m64n128k16(d, da, db);
-  else wgmma_m64n256k16(d, da, db);
+  if constexpr (BN == 128) wgmma_m64n128k16<TB>(d, da, db);
+  else wgmma_m64n256k16<TB>(d, da, db);
 }
 
 // KEEP: wgmma groups left in flight while the next k-tile is issued (0 or 1); the prefetch distance is then
@@ -342,16 +387,21 @@ struct WgCfg {
   static constexpr int BM = 128, BN = BN_, BK = 64, STAGES = STAGES_, MINB = MINB_, KEEP = KEEP_;
   static constexpr int PREFETCH = STAGES - 1 - KEEP;
   static constexpr int CPR = 8, RSTEP = kThreads / CPR, CA = BM / RSTEP, CB = BN / RSTEP;
+  // w_kn B tile ([BK][BN], N-major, the same BN·128 bytes): 16-byte chunks per k row, k rows between one thread's
+  // chunks (a multiple of 8, so every chunk of a thread has the same swizzled position), chunks per thread.
+  static constexpr int CPRB = BN / 8, RSTEPB = kThreads / CPRB, CBK = BK / RSTEPB;
   static constexpr int a_bytes = BM * 128, stage_bytes = (BM + BN) * 128;
   static constexpr int smem_bytes = STAGES * stage_bytes + 1024;  // + slack to align the stages to 1024 bytes
   static constexpr int NACC = BN / 2;                             // fp32 accumulators per thread (64 × BN / 128)
   static_assert((BN == 128 || BN == 256) && (KEEP == 0 || KEEP == 1) && PREFETCH >= 1);
+  static_assert(kThreads % CPRB == 0 && RSTEPB % 8 == 0 && BK % RSTEPB == 0);
 };
 
 using WgCfg0 = WgCfg<128, 3, 2, 0>;
 using WgCfg1 = WgCfg<256, 4, 1, 1>;
 
-template <class C>
+// KN (w_kn): W_e is [K, N] and C = A·W_e; the B tile is then stored N-major and read with the transpose immediate.
+template <class C, bool KN>
 __global__ void __launch_bounds__(kThreads, C::MINB)
     grouped_gemm_wgmma_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
                               void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L) {
@@ -363,11 +413,15 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup (64-row half) and warp within it (16-row quarter)
   const int g = lane >> 2, t4 = lane & 3;
-  const bool glu = epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
+  const bool glu = !KN && epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
   const int total = start[E];
   const int KT = (K + BK - 1) / BK;
   const int cc = tid % C::CPR, r0 = tid / C::CPR;
   const int swz = (cc ^ (r0 & 7)) * 16;  // r0 + s·RSTEP ≡ r0 (mod 8): one swizzled chunk position per thread
+  // KN: this thread's chunk column cb and first k row rb in the B tile, and the chunk's byte position there (its
+  // 64-column block, its k row, its swizzled place in the row; rb + s·RSTEPB ≡ rb (mod 8)).
+  const int cb = tid % C::CPRB, rb = tid / C::CPRB;
+  const int b_pos = (cb >> 3) * (BK * 128) + rb * 128 + (((cb & 7) ^ (rb & 7)) * 16);
 
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     const Tile tl = locate(tile, start, offsets, E, BM);
@@ -385,12 +439,18 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
       a_ok |= uint32_t(v) << s;
       a_src[s] = A + (row0 + (v ? r : 0)) * K + cc * 8;
     }
+    if constexpr (KN) {  // one source column (b_src[0], row 0; b_ok = the column is in N), k rows added per chunk
+      const int col = nt * BN + cb * 8;
+      b_ok = col < N;
+      b_src[0] = We + (b_ok ? col : 0);
+    } else {
 #pragma unroll
-    for (int s = 0; s < C::CB; ++s) {
-      bool v;
-      const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
-      b_ok |= uint32_t(v) << s;
-      b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
+      for (int s = 0; s < C::CB; ++s) {
+        bool v;
+        const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+        b_ok |= uint32_t(v) << s;
+        b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
+      }
     }
     auto load_stage = [&](int kt, int stage) {
       unsigned char* As = smem + stage * C::stage_bytes;
@@ -400,9 +460,19 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 #pragma unroll
       for (int s = 0; s < C::CA; ++s)
         cp_async16(As + (r0 + s * C::RSTEP) * 128 + swz, a_src[s] + (kin ? k0 : 0), kin && (a_ok >> s & 1));
+      if constexpr (KN) {
+        // Rows past K zero-fill: stale shared memory must not meet A's zero-filled columns (0 · NaN).
 #pragma unroll
-      for (int s = 0; s < C::CB; ++s)
-        cp_async16(Bs + (r0 + s * C::RSTEP) * 128 + swz, b_src[s] + (kin ? k0 : 0), kin && (b_ok >> s & 1));
+        for (int s = 0; s < C::CBK; ++s) {
+          const int k = k0 + rb + s * C::RSTEPB;
+          const bool v = b_ok && k < K;
+          cp_async16(Bs + b_pos + s * C::RSTEPB * 128, b_src[0] + (v ? int64_t(k) * N : 0), v);
+        }
+      } else {
+#pragma unroll
+        for (int s = 0; s < C::CB; ++s)
+          cp_async16(Bs + (r0 + s * C::RSTEP) * 128 + swz, b_src[s] + (kin ? k0 : 0), kin && (b_ok >> s & 1));
+      }
     };
 
     float acc[NACC];
@@ -426,7 +496,12 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
       fence_regs<NACC>(acc);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks) wgmma_k16<BN>(acc, sw128_desc(a_s + ks * 32), sw128_desc(b_s + ks * 32));
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        if constexpr (KN)
+          wgmma_k16<BN, 1>(acc, sw128_desc(a_s + ks * 32), sw128_mn_desc(b_s + ks * 2048, BK * 128));
+        else
+          wgmma_k16<BN, 0>(acc, sw128_desc(a_s + ks * 32), sw128_desc(b_s + ks * 32));
+      }
       wgmma_commit();
       // Refill the stage of k-tile kt − 1 − KEEP while the MMAs run.
       if (kt + P < KT) load_stage(kt + P, (kt + P) % S);
@@ -494,7 +569,7 @@ int sm_count(int dev) {
   return sms;
 }
 
-template <class C, bool kWgmma>
+template <class C, bool kWgmma, bool KN>
 void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const bool glu = g.epilogue == GroupedEpilogue::kSwiGLU;
   const int n_tiles = glu ? static_cast<int>(ceil_div(g.N / 2, C::BN / 2)) : static_cast<int>(ceil_div(g.N, C::BN));
@@ -505,8 +580,8 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const int dev = current_device();
   const int grid = static_cast<int>(std::min<int64_t>(bound, int64_t(sm_count(dev)) * C::MINB));
   void (*kernel)(const bf16*, const int32_t*, const bf16* const*, void*, const int32_t*, int, int, int, int, float);
-  if constexpr (kWgmma) kernel = grouped_gemm_wgmma_kernel<C>;
-  else kernel = grouped_gemm_kernel<C>;
+  if constexpr (kWgmma) kernel = grouped_gemm_wgmma_kernel<C, KN>;
+  else kernel = grouped_gemm_kernel<C, KN>;
   // Opt into the dynamic shared memory once per device and kernel (idempotent: a race only repeats the call).
   static std::atomic<uint64_t> smem_set{0};
   if (!(smem_set.load(std::memory_order_acquire) >> dev & 1)) {
@@ -516,6 +591,18 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
                                                 static_cast<int>(g.epilogue), g.limit);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <bool KN>
+void dispatch(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
+  switch (g.kernel) {
+    case GroupedGemmKernel::kMma128x128x32: launch<Cfg0, false, KN>(g, workspace, stream); break;
+    case GroupedGemmKernel::kMma128x128x64: launch<Cfg1, false, KN>(g, workspace, stream); break;
+    case GroupedGemmKernel::kMma128x256x32: launch<Cfg2, false, KN>(g, workspace, stream); break;
+    case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true, KN>(g, workspace, stream); break;
+    case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true, KN>(g, workspace, stream); break;
+    default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
+  }
 }
 
 }  // namespace
@@ -538,15 +625,11 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
   check(g.N % (g.epilogue == GroupedEpilogue::kSwiGLU ? 16 : 8) == 0 && g.N > 0,
         "grouped_gemm: N must be a positive multiple of 8 (16 with the SwiGLU epilogue), got ", g.N);
   check(g.E >= 1 && g.n >= 0 && g.n < (int64_t{1} << 31), "grouped_gemm: bad E ", g.E, " or n ", g.n);
+  check(!g.w_kn || g.epilogue != GroupedEpilogue::kSwiGLU,
+        "grouped_gemm: the SwiGLU epilogue needs W as [N, K] (w_kn = false); with w_kn use kF32, kF32Add or kBf16");
   if (g.n == 0) return;
-  switch (g.kernel) {
-    case GroupedGemmKernel::kMma128x128x32: launch<Cfg0, false>(g, workspace, stream); break;
-    case GroupedGemmKernel::kMma128x128x64: launch<Cfg1, false>(g, workspace, stream); break;
-    case GroupedGemmKernel::kMma128x256x32: launch<Cfg2, false>(g, workspace, stream); break;
-    case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true>(g, workspace, stream); break;
-    case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true>(g, workspace, stream); break;
-    default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
-  }
+  if (g.w_kn) dispatch<true>(g, workspace, stream);
+  else dispatch<false>(g, workspace, stream);
 }
 
 }  // namespace nextlm::cuda

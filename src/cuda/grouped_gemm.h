@@ -1,5 +1,7 @@
 // Grouped bf16 GEMM for the MoE experts, with no host synchronisation: C[rows of e] = A[rows of e] · W_eᵀ for every
 // expert e, fp32 accumulation, with an fp32, bf16 or fused clamped-SwiGLU epilogue (matches moe.cu's swiglu kernel).
+// With w_kn it is C[rows of e] = A[rows of e] · W_e instead (W_e read as [K, N]): the input gradient dy·W of the
+// same nn.Linear weights, for the backward.
 //
 // Calling it from CudaModel's moe(...) (device_model.cu) in place of the host sync and the two per-expert loops:
 //
@@ -12,6 +14,16 @@
 //   grouped_gemm(gu, ws, stream);  // act bf16 [n, I]: replaces the gu buffer, the first loop and swiglu()
 //   GroupedGemm dn{act, offsets, down_ptrs, out, n, int(E), int(D), int(I), GroupedEpilogue::kF32};
 //   grouped_gemm(dn, ws, stream);  // out fp32 [n, D]: replaces the second loop
+//
+// The backward's input gradients with the same weight pointers (W_down_e [D, I] is [K = D, N = I], W_gu_e [2I, D] is
+// [K = 2I, N = D]):
+//
+//   GroupedGemm da{dout, offsets, down_ptrs, dact, n, int(E), int(I), int(D)};     // dact fp32 [n, I] = dout·W_down_e
+//   da.w_kn = true;
+//   grouped_gemm(da, ws, stream);
+//   GroupedGemm dx{dgu, offsets, gate_up_ptrs, dxp, n, int(E), int(D), int(2 * I)};  // dxp fp32 [n, D] = dgu·W_gu_e
+//   dx.w_kn = true;
+//   grouped_gemm(dx, ws, stream);
 //
 // `offsets` is moe_permute's device output, so the cudaMemcpyAsync + cudaStreamSynchronize go away and the whole
 // MoE becomes capturable in a CUDA graph. n = T·k is known on the host; only the split between experts is not.
@@ -45,6 +57,8 @@ enum class GroupedEpilogue {
 // and Hopper warpgroup MMA (wgmma.mma_async, sm_90a; same cp.async pipeline into 128-byte-swizzled shared memory):
 //   kWgmma128x128:  two warpgroups × m64n128k16, BK = 64, 3 stages, two CTAs per SM
 //   kWgmma128x256:  two warpgroups × m64n256k16, BK = 64, 4 stages, one CTA per SM, one MMA batch kept in flight
+// Every variant takes w_kn: the mma.sync ones read the [BK][BN] weight tile with ldmatrix.trans, the wgmma ones give
+// it to the MMA as an N-major (transposed) operand.
 enum class GroupedGemmKernel {
   kMma128x128x32 = 0,
   kMma128x128x64 = 1,
@@ -58,15 +72,18 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel k);
 struct GroupedGemm {
   const bf16* A;               // [n, K] row-major: the permuted token rows, rows of expert e contiguous
   const int32_t* offsets;      // [E+1] device: rows of expert e are offsets[e] .. offsets[e+1]-1, offsets[E] = n
-  const bf16* const* W;        // [E] device array of device pointers, each bf16 [N, K] row-major (nn.Linear out×in)
+  const bf16* const* W;        // [E] device array of device pointers, each bf16 [N, K] row-major (nn.Linear out×in),
+                               // or [K, N] row-major with w_kn; 16-byte aligned
   void* C;                     // output, see GroupedEpilogue (row stride N, or N/2 for kSwiGLU)
   int64_t n;                   // total rows (= offsets[E]); the host only needs it to size the grid
   int E;                       // experts
-  int N;                       // output features of W (2I for kSwiGLU); a multiple of 8 (16 for kSwiGLU)
-  int K;                       // input features; a multiple of 8 (16-byte rows for cp.async)
+  int N;                       // output features (2I for kSwiGLU); a multiple of 8 (16 for kSwiGLU)
+  int K;                       // input features (the contraction length); a multiple of 8 (16-byte rows for cp.async)
   GroupedEpilogue epilogue = GroupedEpilogue::kF32;
   float limit = 0.0f;          // the SwiGLU clamp L (kSwiGLU only)
   GroupedGemmKernel kernel = GroupedGemmKernel::kMma128x128x32;
+  bool w_kn = false;  // true: each W[e] is bf16 [K, N] row-major and C = A·W_e (the input gradient dy·W of a linear);
+                      // kF32, kF32Add and kBf16 only (not kSwiGLU)
 };
 
 // int32 elements of device workspace grouped_gemm needs (the per-expert tile prefix sum); E + 1.

@@ -16,6 +16,7 @@
 #include "cuda/gemm.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/optim.h"
 #include "cuda/random_init.h"
 #include "dist/comm.h"
 #include "model/init.h"
@@ -295,6 +296,18 @@ struct LoraState {
   std::vector<DAdapter*> order;  // in the host adapter's module order
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;  // (kind, layer, expert, rank) of each, that order
   std::vector<std::pair<float*, int64_t>> grads;                 // the gradient buffers, for zeroing
+  // The device optimizer (CudaModel::start_lora_optimizer), when started: per tensor of the host adapter's params()
+  // order (each module's A, then B) its fp32 value, moments and descriptor (cuda/optim.h), in one allocation.
+  struct Optimizer {
+    void* base = nullptr;
+    std::vector<DeviceParam> host;  // the descriptors (device pointers)
+    DeviceParam* params = nullptr;  // the same on the device
+    int64_t chunks = 0;
+    void* workspace = nullptr;
+    double* sq = nullptr;  // the squared gradient norm of the last step
+    ~Optimizer() { cudaFree(base); }
+  };
+  std::unique_ptr<Optimizer> opt;
   ~LoraState() { cudaFree(base); }
 };
 

@@ -220,7 +220,8 @@ class Step {
     }
   }
   // Their backward: dy the gradient of their output rows (bf16 dgu [n, 2I] or dout [n, D]), dx (+=) that of their
-  // input rows (dxp [n, D] or dact [n, I]).
+  // input rows (dxp [n, D] or dact [n, I]); off the host's expert boundaries (empty when all n rows are this rank's
+  // and the adapter is shared by the experts).
   void expert_adapters_backward(size_t i, const MoeActs& x, const std::vector<int32_t>& off,
                                 std::initializer_list<LoraKind> kinds, const bf16* dy, float* dx) {
     if (!has_adapters(i, kinds)) return;
@@ -229,8 +230,10 @@ class Step {
     const bf16* in = down ? x.act : x.xp;
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
     if (m_.lora->layers[i].shared_experts) {
+      // off is empty when every row is this rank's (no expert parallelism, nothing per expert).
+      const int64_t rows = off.empty() ? T() * c_.num_experts_per_tok : off[m_.local_experts];
       for (LoraKind k : kinds)
-        if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, off[m_.local_experts], dx);
+        if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, rows, dx);
       return;
     }
     for (int64_t e = 0; e < m_.local_experts; ++e) {
@@ -607,26 +610,42 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   bf16* dout = ar.alloc<bf16>(n * D);
   float* dweights = ar.alloc<float>(n);
   moe_combine_backward(dy, x.out, x.slot_of, x.weights, dout, dweights, T, k, D, st);
-  // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)). The products with the weights untransposed
-  // (dx = dy·W) run one cuBLASLt GEMM per expert, after a host sync of the boundaries.
-  const std::vector<int32_t> off = host_offsets(x.offsets);
-  float* dact = ar.alloc<float>(n * I);
-  for (int64_t e = 0; e < El; ++e) {
+  // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)). The input gradients (dx = dy·W, the weights
+  // untransposed) run on the grouped GEMM with no host sync, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per
+  // expert; the weight gradients (full training) and per-expert adapters one expert at a time, after a host sync of
+  // the boundaries.
+  const bool grouped = moe_expert_gemm() >= 0;
+  const bool adapters = has_adapters(i, {LoraKind::ExpertDown, LoraKind::ExpertGate, LoraKind::ExpertUp});
+  const bool per_expert = !grouped || g_.linears || (adapters && (!m_.lora->layers[i].shared_experts || El != E));
+  const std::vector<int32_t> off = per_expert ? host_offsets(x.offsets) : std::vector<int32_t>{};
+  int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
+  // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
+  auto dx_grouped = [&](const bf16* dy, const bf16* const* W, int64_t out_w, int64_t in_w, float* dx) {
+    GroupedGemm g{dy, x.offsets, W, dx, n, static_cast<int>(El), static_cast<int>(in_w), static_cast<int>(out_w),
+                  GroupedEpilogue::kF32, 0.0f, static_cast<GroupedGemmKernel>(moe_expert_gemm())};
+    g.w_kn = true;
+    grouped_gemm(g, ws, st);
+  };
+  float* dact = El == E ? ar.alloc<float>(n * I) : zeros(n * I);
+  if (grouped) dx_grouped(dout, w.down_ptrs, D, I, dact);
+  for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
-    m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
+    if (!grouped) m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
   }
   expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
-  float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);  // the other ranks' rows stay zero
-  for (int64_t e = 0; e < El; ++e) {
+  float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
+  if (grouped) dx_grouped(dgu, w.gate_up_ptrs, 2 * I, D, dxp);
+  for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].gate_up)
       m_.gemm->run_dw(dgu + r0 * 2 * I, 2 * I, x.xp + r0 * D, D, 2 * I, D, rows, gw.experts[e].gate_up, true);
-    m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
+    if (!grouped)
+      m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
   }
   expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
   moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
@@ -1166,6 +1185,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
     NEXTLM_CUDA_CHECK(cudaMemset(st->base, 0, std::max<size_t>(bytes, 1)));
     m.lora = std::move(st);
   }
+  m.lora->opt.reset();  // the host's values replace the device optimizer's
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   std::vector<uint16_t> bits;
   auto up = [&](const Tensor& t, cuda::bf16* dst) {
@@ -1219,6 +1239,124 @@ void CudaModel::lora_gradients(LoraAdapter& adapter) const {
     for (int64_t j = 0; j < d->out * d->r; ++j) dB.data[row0 * d->r + j] += wb * buf[j];
   }
   if (sum) cudaFree(sum);
+}
+
+namespace {
+
+// The device optimizer's tensors in LoraAdapter::params() order (each module's A, then B), checking that the adapter
+// is the one placed on the device, whole (not a shard's part).
+const cuda::LoraState& whole_lora(const CudaModel::Impl& m, const LoraAdapter& adapter) {
+  check(m.lora != nullptr, "no LoRA adapter on the device (set_lora)");
+  check(m.shard.tp == 1 && m.shard.ep == 1, "the device LoRA optimizer runs on one GPU, not on a shard");
+  check(adapter.modules().size() == m.lora->order.size(), "LoRA optimizer: the adapter has ",
+        adapter.modules().size(), " modules, the device ", m.lora->order.size());
+  return *m.lora;
+}
+
+}  // namespace
+
+void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state) {
+  Impl& m = *impl_;
+  const cuda::LoraState& ls = whole_lora(m, adapter);
+  const std::vector<LoraModule>& mods = adapter.modules();
+  const size_t count = 2 * mods.size();
+  const bool moments = state && !state->m().empty();
+  if (moments)
+    check(state->m().size() == count && state->v().size() == count, "LoRA optimizer: ", state->m().size(),
+          " moments for ", count, " tensors");
+  auto opt = std::make_unique<cuda::LoraState::Optimizer>();
+  opt->host.resize(count);
+  // One allocation: per tensor w, m, v (256-byte aligned), then the descriptors, the workspace and the norm.
+  std::vector<int64_t> sizes(count);
+  size_t bytes = 0;
+  auto take = [&](size_t n) {
+    const size_t at = bytes;
+    bytes += (n + 255) & ~size_t{255};
+    return at;
+  };
+  std::vector<std::array<size_t, 3>> at(count);
+  for (size_t i = 0; i < mods.size(); ++i) {
+    sizes[2 * i] = mods[i].A.numel(), sizes[2 * i + 1] = mods[i].B.numel();
+    for (size_t j : {2 * i, 2 * i + 1})
+      for (size_t& a : at[j]) a = take(static_cast<size_t>(sizes[j]) * sizeof(float));
+  }
+  for (size_t j = 0; j < count; ++j) opt->host[j].n = sizes[j];
+  opt->chunks = cuda::optim_chunks(opt->host.data(), static_cast<int>(count));
+  const size_t at_params = take(count * sizeof(cuda::DeviceParam)),
+               at_ws = take(static_cast<size_t>(cuda::optim_workspace_bytes(static_cast<int>(count), opt->chunks))),
+               at_sq = take(sizeof(double));
+  NEXTLM_CUDA_CHECK(cudaMalloc(&opt->base, std::max<size_t>(bytes, 1)));
+  NEXTLM_CUDA_CHECK(cudaMemset(opt->base, 0, std::max<size_t>(bytes, 1)));
+  char* base = static_cast<char*>(opt->base);
+  const std::vector<ParamRef> refs = const_cast<LoraAdapter&>(adapter).params("");
+  for (size_t i = 0; i < mods.size(); ++i) {
+    const cuda::DAdapter& d = *ls.order[i];
+    for (int half = 0; half < 2; ++half) {
+      const size_t j = 2 * i + half;
+      cuda::DeviceParam& p = opt->host[j];
+      p.w = reinterpret_cast<float*>(base + at[j][0]);
+      p.m = reinterpret_cast<float*>(base + at[j][1]);
+      p.v = reinterpret_cast<float*>(base + at[j][2]);
+      p.g = half ? d.dB : d.dA;
+      p.w16 = half ? d.B : d.A;
+      p.decay = refs[j].decay ? 1 : 0;
+      const Tensor& t = half ? mods[i].B : mods[i].A;
+      NEXTLM_CUDA_CHECK(cudaMemcpy(p.w, t.data.data(), sizes[j] * sizeof(float), cudaMemcpyHostToDevice));
+      if (moments) {
+        check(static_cast<int64_t>(state->m()[j].size()) == sizes[j] &&
+                  static_cast<int64_t>(state->v()[j].size()) == sizes[j],
+              "LoRA optimizer: moments of ", refs[j].name, " have the wrong size");
+        NEXTLM_CUDA_CHECK(cudaMemcpy(p.m, state->m()[j].data(), sizes[j] * sizeof(float), cudaMemcpyHostToDevice));
+        NEXTLM_CUDA_CHECK(cudaMemcpy(p.v, state->v()[j].data(), sizes[j] * sizeof(float), cudaMemcpyHostToDevice));
+      }
+    }
+  }
+  opt->params = reinterpret_cast<cuda::DeviceParam*>(base + at_params);
+  opt->workspace = base + at_ws;
+  opt->sq = reinterpret_cast<double*>(base + at_sq);
+  NEXTLM_CUDA_CHECK(cudaMemcpy(opt->params, opt->host.data(), count * sizeof(cuda::DeviceParam),
+                               cudaMemcpyHostToDevice));
+  m.lora->opt = std::move(opt);
+}
+
+double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, double grad_scale, double max_norm) {
+  Impl& m = *impl_;
+  check(m.lora && m.lora->opt, "no device LoRA optimizer (start_lora_optimizer)");
+  cuda::LoraState::Optimizer& opt = *m.lora->opt;
+  const int count = static_cast<int>(opt.host.size());
+  const float scale = static_cast<float>(grad_scale);
+  cuda::grad_sq_norm(opt.params, count, opt.chunks, scale, opt.sq, opt.workspace, m.stream);
+  cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
+                     o.weight_decay, t, opt.workspace, m.stream);
+  double sq = 0;
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(&sq, opt.sq, sizeof(double), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  return std::sqrt(sq);
+}
+
+void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
+  const Impl& m = *impl_;
+  whole_lora(m, adapter);
+  check(m.lora->opt != nullptr, "no device LoRA optimizer (start_lora_optimizer)");
+  const cuda::LoraState::Optimizer& opt = *m.lora->opt;
+  std::vector<LoraModule>& mods = adapter.modules();
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  if (state) {
+    state->m().resize(opt.host.size());
+    state->v().resize(opt.host.size());
+  }
+  for (size_t j = 0; j < opt.host.size(); ++j) {
+    const cuda::DeviceParam& p = opt.host[j];
+    Tensor& t = j % 2 ? mods[j / 2].B : mods[j / 2].A;
+    check(t.numel() == p.n, "LoRA optimizer: module ", j / 2, " changed shape");
+    NEXTLM_CUDA_CHECK(cudaMemcpy(t.data.data(), p.w, p.n * sizeof(float), cudaMemcpyDeviceToHost));
+    if (state) {
+      state->m()[j].resize(static_cast<size_t>(p.n));
+      state->v()[j].resize(static_cast<size_t>(p.n));
+      NEXTLM_CUDA_CHECK(cudaMemcpy(state->m()[j].data(), p.m, p.n * sizeof(float), cudaMemcpyDeviceToHost));
+      NEXTLM_CUDA_CHECK(cudaMemcpy(state->v()[j].data(), p.v, p.n * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+  }
 }
 
 void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }

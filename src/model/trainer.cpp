@@ -184,17 +184,23 @@ StepStats Trainer::step() {
   // The per-token mean makes the step size independent of the batch size; a step with nothing to predict (every
   // token masked) still counts as a step and leaves the weights alone apart from weight decay.
   const float inv = weight > 0 ? static_cast<float>(1.0 / weight) : 0.0f;
-  for (ParamRef& p : params_)
-    for (int64_t i = 0; i < p.n; ++i) p.g[i] *= inv;
   StepStats st;
-  st.grad_norm = clip_grad_norm(params_, opt_.clip);
   st.lr = lr_at(adam_.steps(), opt_.steps, opt_.warmup, opt_.adamw.lr, opt_.min_lr_ratio);
-  adam_.step(params_, st.lr);
-  ModelWeights& w = model_.mutable_weights();
-  if (lora_) {
-    lora_->apply(lora_base_, w);
-  } else if (model_.config().tie_word_embeddings) {
-    w.lm_head.data = w.embed.data;  // same size: no reallocation
+  if (device_opt_.update) {
+    st.grad_norm = device_opt_.update(st.lr, adam_.steps() + 1, inv, opt_.clip);
+    adam_.set_steps(adam_.steps() + 1);
+    device_stale_ = true;
+  } else {
+    for (ParamRef& p : params_)
+      for (int64_t i = 0; i < p.n; ++i) p.g[i] *= inv;
+    st.grad_norm = clip_grad_norm(params_, opt_.clip);
+    adam_.step(params_, st.lr);
+    ModelWeights& w = model_.mutable_weights();
+    if (lora_) {
+      lora_->apply(lora_base_, w);
+    } else if (model_.config().tie_word_embeddings) {
+      w.lm_head.data = w.embed.data;  // same size: no reallocation
+    }
   }
   st.step = adam_.steps();
   st.loss = weight > 0 ? loss / weight : 0.0;
@@ -297,7 +303,12 @@ void write_training_checkpoint(const std::string& dir, const std::function<void(
   }
 }
 
-void Trainer::save(const std::string& dir) const {
+void Trainer::save(const std::string& dir) {
+  if (device_stale_) {
+    device_opt_.fetch(*lora_, adam_);
+    lora_->apply(lora_base_, model_.mutable_weights());
+    device_stale_ = false;
+  }
   std::vector<TensorToWrite> moments;
   for (size_t k = 0; k < params_.size(); ++k) {
     moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});

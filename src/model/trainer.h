@@ -86,6 +86,19 @@ class Trainer {
                                           const PackedBatch& batch, ModelWeights& grads)>;
   void set_gradient_fn(GradientFn f) { grad_fn_ = std::move(f); }
 
+  // A LoRA run's optimizer on the device that holds the adapters' gradients (`train --device cuda --lora-rank`):
+  // `update` gets the step's learning rate, the step count after it, the gradients' scale (1 / the step's prediction
+  // weight) and the clipping norm, clips and updates the adapters it holds and returns the gradient norm before
+  // clipping; `fetch` copies its adapters and moments into the trainer's. The trainer's own adapters, moments and
+  // merged model then lag behind until save() fetches them (nothing is merged on the host between saves).
+  struct DeviceOptimizer {
+    std::function<double(double lr, int64_t t, double scale, double max_norm)> update;
+    std::function<void(LoraAdapter& adapter, AdamW& state)> fetch;
+  };
+  void set_device_optimizer(DeviceOptimizer d) { device_opt_ = std::move(d); }
+  // The AdamW state (moments and step count) as of the last step, or with a device optimizer as of the last fetch.
+  const AdamW& optimizer() const { return adam_; }
+
   // Writes DIR (created, or replaced as a whole): config.json + model.safetensors (a model dir Model::load reads),
   // optimizer.safetensors (moments, under the tensors' names) and trainer_state.json (step, data position,
   // options). The new checkpoint is built beside DIR and swapped in with one rename, so DIR is always a complete
@@ -93,13 +106,14 @@ class Trainer {
   // With LoRA the checkpoint holds the adapter instead of the model: adapter_model.safetensors +
   // adapter_config.json (a PEFT directory, for `score --adapter` and `merge`), with the same optimizer and state
   // files; resume() loads the base model from options().base_model.
-  void save(const std::string& dir) const;
+  void save(const std::string& dir);  // fetches a device optimizer's state first
   // A trainer in exactly the state save() recorded; `opt` replaces the stored options (pass stored_options(dir)
   // to keep them).
   static Trainer resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt);
   static TrainOptions stored_options(const std::string& dir);
 
-  // The model trained (with LoRA: the base with the adapters merged in, W + s·B·A).
+  // The model trained (with LoRA: the base with the adapters merged in, W + s·B·A; with a device optimizer, as of
+  // the last save).
   const Model& model() const { return model_; }
   const LoraAdapter* lora() const { return lora_ ? &*lora_ : nullptr; }
   int64_t num_trainable() const;
@@ -122,6 +136,8 @@ class Trainer {
   std::optional<LoraAdapter> lora_;
   std::vector<Tensor> lora_base_;  // the base weights under the adapters (LoraAdapter::capture)
   GradientFn grad_fn_;             // empty: model_forward_backward
+  DeviceOptimizer device_opt_;     // empty: clipping and AdamW on the host
+  bool device_stale_ = false;      // the device optimizer has stepped since the last fetch
 };
 
 // The order in which epoch `epoch` visits n sequences (Fisher–Yates from a generator seeded by seed and epoch).
