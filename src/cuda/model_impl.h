@@ -15,6 +15,7 @@
 #include "cuda/device_model.h"
 #include "cuda/gemm.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/grouped_lora.h"
 #include "cuda/kernels.h"
 #include "cuda/optim.h"
 #include "cuda/random_init.h"
@@ -288,6 +289,15 @@ struct DAdapter {
 struct LayerLora {
   std::array<std::vector<DAdapter>, kNumLoraKinds> kinds;
   bool shared_experts = false;  // the experts' kinds hold one adapter for every expert
+  // Per-expert kinds whose adapters run grouped (cuda/grouped_lora.h): device arrays of the experts' A, B, dA, dB
+  // (null A: one expert at a time).
+  struct Grouped {
+    const bf16* const* A = nullptr;
+    const bf16* const* B = nullptr;
+    float* const* dA = nullptr;
+    float* const* dB = nullptr;
+  };
+  std::array<Grouped, kNumLoraKinds> grouped;
 };
 struct LoraState {
   void* base = nullptr;  // one allocation for every adapter's buffers
@@ -308,7 +318,11 @@ struct LoraState {
     ~Optimizer() { cudaFree(base); }
   };
   std::unique_ptr<Optimizer> opt;
-  ~LoraState() { cudaFree(base); }
+  void* grouped_ptrs = nullptr;  // the LayerLora::Grouped arrays
+  ~LoraState() {
+    cudaFree(base);
+    cudaFree(grouped_ptrs);
+  }
 };
 
 struct Grads {

@@ -189,12 +189,27 @@ class Step {
       if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, x, ldx, dy, W.out, T(), dx);
   }
   // The routed experts' adapters of `kinds` (gate and up on gu [n, 2I], or down on out [n, D]): one for all the
-  // permuted rows at once, or each expert's on its rows (after a host sync of the boundaries).
+  // permuted rows at once, each expert's on its rows grouped in one launch (grouped_lora.h), or, for shapes the
+  // grouped kernels do not take, one expert at a time after a host sync of the boundaries.
   bool has_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
     if (!m_.lora) return false;
     for (LoraKind k : kinds)
       if (!m_.lora->layers[i].kinds[static_cast<int>(k)].empty()) return true;
     return false;
+  }
+  // Whether every per-expert adapter of `kinds` on layer i runs grouped (all experts in one launch, no host sync).
+  bool grouped_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
+    const LayerLora& ll = m_.lora->layers[i];
+    if (ll.shared_experts) return false;
+    for (LoraKind k : kinds)
+      if (!ll.kinds[static_cast<int>(k)].empty() && !ll.grouped[static_cast<int>(k)].A) return false;
+    return true;
+  }
+  GroupedLora grouped_lora(size_t i, LoraKind k, const int32_t* offsets) const {
+    const DAdapter& a = m_.lora->layers[i].kinds[static_cast<int>(k)][0];
+    const LayerLora::Grouped& g = m_.lora->layers[i].grouped[static_cast<int>(k)];
+    return GroupedLora{offsets, static_cast<int>(m_.local_experts), static_cast<int>(a.r), static_cast<int>(a.in),
+                       static_cast<int>(a.out), g.A, g.B, a.scale};
   }
   void expert_adapters_forward(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
     if (!has_adapters(i, kinds)) return;
@@ -208,6 +223,16 @@ class Step {
       const int64_t rows = m_.local_experts == c_.n_routed_experts ? n : host_offsets(x.offsets)[m_.local_experts];
       for (LoraKind k : kinds)
         if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, in, ld_in, rows, out, ld_out);
+      return;
+    }
+    if (grouped_adapters(i, kinds)) {
+      for (LoraKind k : kinds) {
+        const DAdapter* ad = adapter(i, k);
+        if (!ad) continue;
+        bf16* u = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
+        grouped_lora_forward(grouped_lora(i, k, x.offsets), in, ld_in, n, u, out, ld_out, ad->col0, m_.stream);
+        lora_u_[site_][{ad, in}] = u;
+      }
       return;
     }
     const std::vector<int32_t> off = host_offsets(x.offsets);
@@ -234,6 +259,21 @@ class Step {
       const int64_t rows = off.empty() ? T() * c_.num_experts_per_tok : off[m_.local_experts];
       for (LoraKind k : kinds)
         if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, in, ld_in, dy, ld_out, rows, dx);
+      return;
+    }
+    if (grouped_adapters(i, kinds)) {
+      const int64_t n = T() * c_.num_experts_per_tok;
+      for (LoraKind k : kinds) {
+        const DAdapter* ad = adapter(i, k);
+        if (!ad) continue;
+        const auto& site_u = lora_u_[site_];
+        const auto it = site_u.find({ad, in});
+        check(it != site_u.end(), "LoRA backward without its forward");
+        const LayerLora::Grouped& g = m_.lora->layers[i].grouped[static_cast<int>(k)];
+        bf16* gs = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
+        grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, ld_in, it->second, dy, ld_out, n, gs, dx,
+                              ld_in, ad->col0, m_.stream);
+      }
       return;
     }
     for (int64_t e = 0; e < m_.local_experts; ++e) {
@@ -616,7 +656,11 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // the boundaries.
   const bool grouped = moe_expert_gemm() >= 0;
   const bool adapters = has_adapters(i, {LoraKind::ExpertDown, LoraKind::ExpertGate, LoraKind::ExpertUp});
-  const bool per_expert = !grouped || g_.linears || (adapters && (!m_.lora->layers[i].shared_experts || El != E));
+  const bool per_expert =
+      !grouped || g_.linears ||
+      (adapters && (m_.lora->layers[i].shared_experts
+                        ? El != E
+                        : !grouped_adapters(i, {LoraKind::ExpertDown, LoraKind::ExpertGate, LoraKind::ExpertUp})));
   const std::vector<int32_t> off = per_expert ? host_offsets(x.offsets) : std::vector<int32_t>{};
   int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
   // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
@@ -1108,6 +1152,48 @@ Tensor cut_cols(const Tensor& t, int64_t begin, int64_t count) {
 
 }  // namespace
 
+namespace {
+
+// The per-expert adapters that can run grouped (cuda/grouped_lora.h: the same rank, widths, place and scale for
+// every expert, widths and row strides multiples of 8, rank ≤ 64) get device arrays of their experts' pointers.
+void group_expert_adapters(const ModelConfig& c, cuda::LoraState& st) {
+  std::vector<const void*> ptrs;
+  std::vector<std::pair<cuda::LayerLora*, int>> runs;  // (layer, kind) of each run of 4·El pointers
+  for (cuda::LayerLora& ll : st.layers) {
+    if (ll.shared_experts) continue;
+    for (int k = 0; k < kNumLoraKinds; ++k) {
+      const std::vector<cuda::DAdapter>& v = ll.kinds[k];
+      if (v.empty() || !lora_kind_is_expert(static_cast<LoraKind>(k))) continue;
+      const cuda::DAdapter& a = v[0];
+      bool ok = a.r >= 1 && a.r <= 64 && a.in % 8 == 0 && a.out % 8 == 0 && a.col0 % 8 == 0 &&
+                c.hidden_size % 8 == 0 && c.moe_intermediate_size % 8 == 0;
+      for (const cuda::DAdapter& d : v)
+        ok = ok && d.r == a.r && d.in == a.in && d.out == a.out && d.col0 == a.col0 && d.scale == a.scale;
+      if (!ok) continue;
+      for (const cuda::DAdapter& d : v) ptrs.push_back(d.A);
+      for (const cuda::DAdapter& d : v) ptrs.push_back(d.B);
+      for (const cuda::DAdapter& d : v) ptrs.push_back(d.dA);
+      for (const cuda::DAdapter& d : v) ptrs.push_back(d.dB);
+      runs.emplace_back(&ll, k);
+    }
+  }
+  if (runs.empty()) return;
+  NEXTLM_CUDA_CHECK(cudaMalloc(&st.grouped_ptrs, ptrs.size() * sizeof(void*)));
+  NEXTLM_CUDA_CHECK(cudaMemcpy(st.grouped_ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  void** dev = static_cast<void**>(st.grouped_ptrs);
+  for (const auto& [ll, k] : runs) {
+    const size_t El = ll->kinds[k].size();
+    cuda::LayerLora::Grouped& g = ll->grouped[k];
+    g.A = reinterpret_cast<const cuda::bf16* const*>(dev);
+    g.B = reinterpret_cast<const cuda::bf16* const*>(dev + El);
+    g.dA = reinterpret_cast<float* const*>(dev + 2 * El);
+    g.dB = reinterpret_cast<float* const*>(dev + 3 * El);
+    dev += 4 * El;
+  }
+}
+
+}  // namespace
+
 void CudaModel::set_lora(const LoraAdapter& adapter) {
   Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
@@ -1183,6 +1269,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       st->grads.emplace_back(d.dB, d.out * d.r);
     }
     NEXTLM_CUDA_CHECK(cudaMemset(st->base, 0, std::max<size_t>(bytes, 1)));
+    group_expert_adapters(c, *st);
     m.lora = std::move(st);
   }
   m.lora->opt.reset();  // the host's values replace the device optimizer's
