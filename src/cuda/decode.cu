@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "cuda/gemv.cuh"
 #include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
@@ -14,65 +15,51 @@ namespace {
 
 // ---- GEMV ----
 
-constexpr int kLinWarps = 8;  // output elements per block, one per warp
-constexpr int kLinRows = 8;   // input rows per block (each weight chunk is read once for all of them)
+// decode_linear on the tensor-core GEMV of gemv.cuh (its summation order). Work item (row group rg, x tile mt):
+// Split::tiles tiles of 16 outputs against up to 32 rows of x; mt runs fastest, so that the x tiles of one weight slab
+// run side by side and all but the first read it from L2. A persistent grid walks the items.
+template <bool kVec>
+__global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm)
+    linear_kernel(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
+                  bool accumulate) {
+  __shared__ float red[gemv::kWarps][gemv::kTileRows][gemv::kRedLd];
+  const gemv::Split sp = gemv::split_of(in);
+  const int64_t ntiles = (out + gemv::kTileRows - 1) / gemv::kTileRows, groups = (ntiles + sp.tiles - 1) / sp.tiles;
+  const int64_t mtiles = (M + gemv::kPassRows - 1) / gemv::kPassRows;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int tb = warp / sp.nchain, chain = warp % sp.nchain;
+  for (int64_t item = blockIdx.x; item < groups * mtiles; item += gridDim.x) {
+    const int64_t rg = item / mtiles, m0 = item % mtiles * gemv::kPassRows;
+    const int rows = static_cast<int>(M - m0 < gemv::kPassRows ? M - m0 : gemv::kPassRows);
+    const int64_t tile = rg * sp.tiles + tb;
+    if (tb < sp.tiles && tile < ntiles) {
+      // Rows past `out` read as zeros (their pointers clamped to the last row, never dereferenced).
+      const int64_t n_lo = tile * gemv::kTileRows + g, n_hi = n_lo + 8;
+      gemv::warp_pass<kVec>(W + min(n_lo, out - 1) * in, n_lo < out, W + min(n_hi, out - 1) * in, n_hi < out,
+                            x + m0 * ldx, ldx, rows, static_cast<int>(in), sp, chain, red[warp]);
+    }
+    __syncthreads();
+    // Outputs fastest: 16 consecutive y elements of a row per tile.
+    for (int idx = threadIdx.x; idx < sp.tiles * gemv::kTileRows * rows; idx += blockDim.x) {
+      const int r = idx % gemv::kTileRows, m = idx / gemv::kTileRows % rows, t = idx / gemv::kTileRows / rows;
+      const int64_t n = (rg * sp.tiles + t) * gemv::kTileRows + r;
+      if (n < out) {
+        const float s = gemv::chain_sum(red, sp, t, r, m);
+        float* dst = y + (m0 + m) * ldy + n;
+        *dst = accumulate ? *dst + s : s;
+      }
+    }
+    __syncthreads();  // red is rewritten by the next item
+  }
+}
 
+// Eight bf16 (one 16-byte load) to fp32.
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     f[2 * i] = __uint_as_float(u[i] << 16);
     f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-  }
-}
-
-// Output element n of rows m0 … m0+R−1. Each row's sum runs over `in` in the same order (lane l takes chunks
-// l, l+32, …, then the xor-shuffle tree), whatever M, R or the row's neighbours.
-template <bool kVec, int R>
-__global__ void __launch_bounds__(kLinWarps * 32)
-    linear_kernel(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
-                  bool accumulate) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t n = blockIdx.x * int64_t(kLinWarps) + warp;
-  if (n >= out) return;
-  const int64_t m0 = blockIdx.y * int64_t(R);
-  const int rows = static_cast<int>(M - m0 < R ? M - m0 : R);
-  const bf16* w = W + n * in;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  if (kVec) {
-    const int64_t nc = in / 8;
-#pragma unroll 4
-    for (int64_t c = lane; c < nc; c += 32) {
-      float wf[8], xf[8];
-      unpack8(__ldg(reinterpret_cast<const uint4*>(w) + c), wf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (r < rows) {
-          unpack8(*(reinterpret_cast<const uint4*>(x + (m0 + r) * ldx) + c), xf);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
-        }
-      }
-    }
-  } else {
-    for (int64_t i = lane; i < in; i += 32) {
-      const float wv = __bfloat162float(w[i]);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (r < rows) acc[r] = fmaf(wv, __bfloat162float(x[(m0 + r) * ldx + i]), acc[r]);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (r < rows) {
-      const float s = warp_sum(acc[r]);
-      if (lane == 0) {
-        float* dst = y + (m0 + r) * ldy + n;
-        *dst = accumulate ? *dst + s : s;
-      }
-    }
   }
 }
 
@@ -784,15 +771,19 @@ void set_smem(const void* kernel, size_t bytes) {
 
 void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
                    int64_t M, bool accumulate, cudaStream_t st) {
+  check(M >= 0 && out >= 0 && in >= 0 && in < (int64_t{1} << 31), "decode_linear: bad shape ", M, "x", in, " -> ",
+        out);
   if (!M || !out) return;
-  const dim3 grid(static_cast<unsigned>(ceil_div(out, kLinWarps)), static_cast<unsigned>(ceil_div(M, kLinRows)));
-  check(grid.y <= 65535, "decode_linear: too many rows (", M, ")");
-  // The vector path depends on the shapes and the buffers' alignment only, never on M.
+  const gemv::Split sp = gemv::split_of(in);
+  const int64_t items = ceil_div(ceil_div(out, gemv::kTileRows), sp.tiles) * ceil_div(M, gemv::kPassRows);
+  const unsigned grid = static_cast<unsigned>(gemv::grid_for(items));
+  // 16-byte loads or element loads: the same values into the same MMAs, so the choice changes no bit.
   if (in % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(W)) {
-    linear_kernel<true, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
+    linear_kernel<true><<<grid, gemv::kThreads, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
   } else {
-    linear_kernel<false, kLinRows><<<grid, kLinWarps * 32, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
+    linear_kernel<false><<<grid, gemv::kThreads, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
   }
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
 void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st) {

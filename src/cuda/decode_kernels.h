@@ -11,8 +11,9 @@
 namespace nextlm::cuda {
 
 // y[m] = W·x[m] (+ y[m] when accumulate) for M rows: x bf16 [M, in] (row stride ldx), W bf16 [out, in], y fp32
-// [M, out] (row stride ldy), fp32 accumulation. One warp per output element, lanes over `in` in a fixed order:
-// the batch-invariant replacement of Gemm::run for decoding.
+// [M, out] (row stride ldy), fp32 accumulation: the batch-invariant replacement of Gemm::run for decoding. A
+// tensor-core GEMV that streams W once per 32 rows of x (src/cuda/gemv.cuh), every output summed in an order fixed
+// by `in` alone (documented there), whatever M, the row's position or the buffers' alignment. in < 2^31.
 void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
                    int64_t M, bool accumulate, cudaStream_t st);
 
