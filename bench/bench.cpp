@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
       {"slice4_decode_b1", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 1); }},
       {"slice4_decode_b16", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 16); }},
       {"slice4_decode_b64", [](const std::string& n) { nextlm::bench::slice4_decode_case(n, 64); }},
-      // decode_linear and the MoE grouped GEMV of a step against their byte floors (bench/decode_gemv.cu).
+      // decode_linear against its byte floors and cuBLASLt (bench/decode_gemv.cu).
       {"decode_gemv", nextlm::bench::decode_gemv_case},
       {"slice4_train_inference_b1", nextlm::bench::slice4_train_inference_case},
       {"slice4_train_step_T4096", nextlm::bench::slice4_train_step_case},

@@ -342,7 +342,9 @@ TEST(CudaTrain, DeviceLoraOptimizerMatchesHost) {
     adam.step(params, lr);
     const double dev_norm = gpu.lora_adamw_step(o, lr, step, scale, max_norm);
     EXPECT_NEAR(dev_norm, host_norm, 1e-9 * host_norm) << "step " << step;
-    if (step == 1) EXPECT_GT(host_norm, max_norm) << "the first step is to be clipped";
+    if (step == 1) {
+      EXPECT_GT(host_norm, max_norm) << "the first step is to be clipped";
+    }
     std::printf("[cuda lora optimizer] step %d: gradient norm %.10g (host %.10g)\n", step, dev_norm, host_norm);
   }
   LoraAdapter got = test::without_gradients(lora);

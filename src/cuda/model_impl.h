@@ -17,7 +17,6 @@
 #include "cuda/grouped_gemm.h"
 #include "cuda/grouped_lora.h"
 #include "cuda/kernels.h"
-#include "cuda/moe_decode.h"
 #include "cuda/optim.h"
 #include "cuda/random_init.h"
 #include "dist/comm.h"
@@ -862,17 +861,7 @@ struct CudaModel::Impl {
     bf16* act = arena.alloc<bf16>(n * I);
     float* out = arena.alloc<float>(n * D);
     mark_begin("experts");
-    if (step && !gemm->batch_invariant()) {
-      // A decoding step: the grouped GEMV reads each chosen expert's weights once for its few rows, whatever B
-      // (cuda/moe_decode.h); one kernel for every B, so that a row's bits do not depend on its batch. Batch-invariant
-      // mode keeps the forward's grouped GEMM, so that a step computes the forward's bits.
-      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
-                     static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit)};
-      moe_decode_gemv(gu, stream);
-      GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
-                     static_cast<int>(I), GroupedEpilogue::kF32};
-      moe_decode_gemv(dn, stream);
-    } else if (moe_expert_gemm() >= 0 || step) {
+    if (moe_expert_gemm() >= 0 || step) {
       // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
       int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
       const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm() >= 0 ? moe_expert_gemm() : 4);

@@ -96,8 +96,6 @@ __global__ void embedding_backward_kernel(const int32_t* tok, const float* dh, f
 
 // ---- Clamped SwiGLU: act = silu(min(g, L))·clamp(u, −L, L) ----
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-
 __global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float L) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / I, c = i % I;
