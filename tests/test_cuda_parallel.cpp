@@ -50,15 +50,18 @@ class StagedComm final : public dist::Comm {
 
  private:
   void reduce(float* x, size_t n, bool max) {
+    // Both copies on the model's stream (non-blocking: a plain cudaMemcpy to the device may return before its DMA
+    // lands, and that stream would not wait for it), each waited for before h is read or freed.
     std::vector<float> h(n);
+    ASSERT_EQ(cudaMemcpyAsync(h.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost, st_), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(st_), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(h.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
     if (max) {
       host_.all_reduce_max(h.data(), n);
     } else {
       host_.all_reduce_sum(h.data(), n);
     }
-    ASSERT_EQ(cudaMemcpy(x, h.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(x, h.data(), n * sizeof(float), cudaMemcpyHostToDevice, st_), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st_), cudaSuccess);
   }
   dist::Comm& host_;
   cudaStream_t st_;

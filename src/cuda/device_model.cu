@@ -218,6 +218,9 @@ void CudaModel::set_weights(const Model& model) {
       src.f32_slice_into(name, f.shape, f.init, f.slice, static_cast<float*>(f.dst));
     }
   }
+  // A cudaMemcpy from pageable memory may return before its last DMA lands, and the model's stream does not wait
+  // for the legacy stream's copies: wait for them here.
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 double CudaModel::last_forward_ms() const { return impl_->last_ms; }

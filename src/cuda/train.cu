@@ -1286,6 +1286,8 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
     up(sp.kind == LoraSplit::kCols ? cut_cols(mods[i].A, sp.begin, sp.count) : mods[i].A, m.lora->order[i]->A);
     up(sp.kind == LoraSplit::kRows ? cut_rows(mods[i].B, sp.begin, sp.count) : mods[i].B, m.lora->order[i]->B);
   }
+  // The copies from pageable memory may return before their DMA lands; the model's stream does not wait for them.
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void CudaModel::lora_gradients(LoraAdapter& adapter) const {
@@ -1403,6 +1405,7 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
   opt->sq = reinterpret_cast<double*>(base + at_sq);
   NEXTLM_CUDA_CHECK(cudaMemcpy(opt->params, opt->host.data(), count * sizeof(cuda::DeviceParam),
                                cudaMemcpyHostToDevice));
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // as in set_lora: the copies' DMA has landed before the stream reads
   m.lora->opt = std::move(opt);
 }
 
