@@ -142,8 +142,9 @@ class CudaModel {
   // Which sub-layers forward_backward runs again before their backward (model/train.h's RecomputePolicy; default
   // all). A kept component's sites keep their activations from the forward: the sub-layer's, its input and output
   // and the mHC mix that made the input (so `mhc` matters only at sites whose sub-layer is recomputed: kept, the
-  // mix is not computed again). Every policy gives the same loss and gradients bit for bit; keeping trades device
-  // memory (the kept sites' activations, all at once) for the recomputation's time.
+  // mix is not computed again). Every policy gives the same loss bit for bit and the same gradients up to the order
+  // of the atomic additions that also separates two runs of one policy (the embedding's and the MLA keys'); keeping
+  // trades device memory (the kept sites' activations, all at once) for the recomputation's time.
   void set_recompute(const RecomputePolicy& policy);
   // Whether the backward computes the gradients of the linear weights (projections, experts, embedding, lm_head; on
   // by default). Off, only the small fp32 tensors (norms, mHC, conv, gates) get theirs, while the input gradients

@@ -4,7 +4,8 @@
 // activations its backward reads, in the arena) and then running the backward kernels (backward_kernels.h) and the
 // GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a recompute policy that keeps a component (set_recompute), its sites
 // keep their activations from the forward instead. The forward pass and the recomputation run the same functions on
-// the same inputs, so every policy gives the same bits.
+// the same inputs, so every policy gives the same loss bit for bit, and the same gradients up to the order of the
+// atomic additions that also separates two runs of one policy (embedding, MLA key gradients).
 // On one rank of a tensor/expert-parallel model (CudaShard) the same step runs on the rank's slices with the
 // collectives of src/dist/parallel_train.h's design: each sub-layer's output and input gradient are shares summed
 // over TP (the MoE's over TP and EP), the head is a vocabulary-parallel cross-entropy, and the gradients of the
@@ -652,8 +653,8 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   moe_combine_backward(dy, x.out, x.slot_of, x.weights, dout, dweights, T, k, D, st);
   // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)). The input gradients (dx = dy·W, the weights
   // untransposed) run on the grouped GEMM with no host sync, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per
-  // expert; the weight gradients (full training) and per-expert adapters one expert at a time, after a host sync of
-  // the boundaries.
+  // expert; the weight gradients (full training), and per-expert adapters of shapes the grouped LoRA kernels do not
+  // take, one expert at a time after a host sync of the boundaries.
   const bool grouped = moe_expert_gemm() >= 0;
   const bool adapters = has_adapters(i, {LoraKind::ExpertDown, LoraKind::ExpertGate, LoraKind::ExpertUp});
   const bool per_expert =
