@@ -13,6 +13,7 @@
 #include "cuda/gemm.h"
 #include "cuda/random_init.h"
 #include "cuda/testing_buffers.h"
+#include "device_timing.cuh"
 
 namespace nextlm::bench {
 
@@ -27,44 +28,6 @@ constexpr int kWarm = 3, kIters = 30;
 
 void fill(bf16* x, int64_t n, uint64_t key, float scale, cudaStream_t st) {
   cuda::fill_random(x, true, n, {cuda::Dist::Normal, scale, 0.0f}, key, st);
-}
-
-// Median milliseconds of f() (enqueued on st) after kWarm untimed runs.
-template <class F>
-double median_ms(F&& f, cudaStream_t st) {
-  for (int i = 0; i < kWarm; ++i) f();
-  cudaEvent_t a, b;
-  NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
-  NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> ms;
-  for (int i = 0; i < kIters; ++i) {
-    NEXTLM_CUDA_CHECK(cudaEventRecord(a, st));
-    f();
-    NEXTLM_CUDA_CHECK(cudaEventRecord(b, st));
-    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-// ‖a − b‖ / ‖b‖ over n device floats; a non-finite element gives +inf.
-double rel_err(const float* a, const float* b, int64_t n) {
-  std::vector<float> ha(n), hb(n);
-  NEXTLM_CUDA_CHECK(cudaMemcpy(ha.data(), a, n * sizeof(float), cudaMemcpyDeviceToHost));
-  NEXTLM_CUDA_CHECK(cudaMemcpy(hb.data(), b, n * sizeof(float), cudaMemcpyDeviceToHost));
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double x = ha[i], y = hb[i];
-    if (!std::isfinite(x) || !std::isfinite(y)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
 }
 
 void emit(const std::string& name, double ours, double floor, const std::string& peer, double peer_ms,
@@ -88,15 +51,16 @@ void linear_line(const std::string& name, int64_t out, int64_t in, int64_t M, cu
   cuda::decode_linear(x.as<bf16>(), in, w0, out, in, y.as<float>(), out, M, false, st);
   gemm.run(x.as<bf16>(), in, w0, out, in, y_ref.as<float>(), out, M);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
-  const double err = rel_err(y.as<float>(), y_ref.as<float>(), M * out);
+  const double err = device_rel_err(y.as<float>(), y_ref.as<float>(), M * out);
 
   int64_t it = 0;
   const double ours = median_ms(
       [&] { cuda::decode_linear(x.as<bf16>(), in, w0 + it++ % copies * elems, out, in, y.as<float>(), out, M, false,
                                 st); },
-      st);
+      st, kWarm, kIters);
   const double peer = median_ms(
-      [&] { gemm.run(x.as<bf16>(), in, w0 + it++ % copies * elems, out, in, y_ref.as<float>(), out, M); }, st);
+      [&] { gemm.run(x.as<bf16>(), in, w0 + it++ % copies * elems, out, in, y_ref.as<float>(), out, M); }, st,
+      kWarm, kIters);
   const double floor = bytes / kBytesPerMs;
   char note[400];
   std::snprintf(note, sizeof note,

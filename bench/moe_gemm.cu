@@ -15,6 +15,7 @@
 #include "cuda/device_model.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
+#include "device_timing.cuh"
 
 namespace nextlm::bench {
 
@@ -48,52 +49,6 @@ T* dev_alloc(int64_t n) {
   void* p = nullptr;
   NEXTLM_CUDA_CHECK(cudaMalloc(&p, size_t(n) * sizeof(T)));
   return static_cast<T*>(p);
-}
-
-// Median milliseconds of f() (enqueued on st) after `warm` untimed runs.
-template <class F>
-double median_ms(F&& f, cudaStream_t st, int warm, int iters) {
-  for (int i = 0; i < warm; ++i) f();
-  cudaEvent_t a, b;
-  NEXTLM_CUDA_CHECK(cudaEventCreate(&a));
-  NEXTLM_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    NEXTLM_CUDA_CHECK(cudaEventRecord(a, st));
-    f();
-    NEXTLM_CUDA_CHECK(cudaEventRecord(b, st));
-    NEXTLM_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    NEXTLM_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-// ‖a − b‖ / ‖b‖ over device arrays (bf16 or fp32) copied to the host; NaN gives +inf.
-template <class T>
-double rel_err(const T* a, const T* b, int64_t n) {
-  std::vector<T> ha(n), hb(n);
-  NEXTLM_CUDA_CHECK(cudaMemcpy(ha.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost));
-  NEXTLM_CUDA_CHECK(cudaMemcpy(hb.data(), b, n * sizeof(T), cudaMemcpyDeviceToHost));
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    double x, y;
-    if constexpr (sizeof(T) == 2) {
-      x = __bfloat162float(ha[i]);
-      y = __bfloat162float(hb[i]);
-    } else {
-      x = ha[i];
-      y = hb[i];
-    }
-    if (!std::isfinite(x) || !std::isfinite(y)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
 }
 
 // Routing: k distinct experts per token, uniformly at random (roughly balanced, ~114 rows per expert at the slice's
@@ -189,7 +144,7 @@ void moe_grouped_gemm_case(const std::string& name) {
     cuda::grouped_gemm(g_dn, ws, st);
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
     // Same inputs as the per-expert loop; both round act to bf16, so ~1e-3 is expected (bf16 ulps of act).
-    const double err_act = rel_err(act, act_ref, n * I), err_out = rel_err(out, out_ref, n * D);
+    const double err_act = device_rel_err(act, act_ref, n * I), err_out = device_rel_err(out, out_ref, n * D);
     const bool ok = err_act <= 1e-2 && err_out <= 1e-2;
 
     const double gu_ms = median_ms([&] { cuda::grouped_gemm(g_gu, ws, st); }, st, warm, iters);
@@ -290,7 +245,7 @@ void moe_grouped_gemm_dx_case(const std::string& name) {
     cuda::grouped_gemm(g_dx, ws, st);
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
     // Same bf16 inputs, fp32 accumulation and fp32 outputs on both sides: only the summation order differs (~1e-6).
-    const double err_da = rel_err(dact, dact_ref, n * I), err_dx = rel_err(dxp, dxp_ref, n * D);
+    const double err_da = device_rel_err(dact, dact_ref, n * I), err_dx = device_rel_err(dxp, dxp_ref, n * D);
     const bool ok = err_da <= 1e-2 && err_dx <= 1e-2;
 
     const double da_ms = median_ms([&] { cuda::grouped_gemm(g_da, ws, st); }, st, warm, iters);

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "cuda/grouped_gemm.h"
 #include "io/safetensors.h"
+#include "cuda_test_buffer.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -34,20 +35,7 @@ std::vector<float> widen(const std::vector<uint16_t>& b) {
   return x;
 }
 
-// One device allocation, freed on scope exit.
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) {
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
+using test::DevBuf;
 
 // A routed problem: experts' row counts, A [n, K] and W_e [N, K] (bf16-rounded values), on host and device.
 struct Problem {

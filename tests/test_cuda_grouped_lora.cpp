@@ -22,6 +22,7 @@
 
 #include "cuda/grouped_lora.h"
 #include "io/safetensors.h"
+#include "cuda_test_buffer.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -47,37 +48,9 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
 }
 float bf(uint16_t b) { return bf16_to_f32(b); }
 
-// One device allocation, freed on scope exit.
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) {
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-template <class T>
-void up(DevBuf& b, const std::vector<T>& v) {
-  ASSERT_NE(b.p, nullptr);
-  if (!v.empty()) {
-    ASSERT_EQ(cudaMemcpy(b.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-}
-template <class T>
-std::vector<T> down(const DevBuf& b, size_t n) {
-  std::vector<T> v(n);
-  EXPECT_NE(b.p, nullptr);
-  if (n && b.p) {
-    EXPECT_EQ(cudaMemcpy(v.data(), b.p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  return v;
-}
+using test::DevBuf;
+using test::download;
+using test::upload;
 
 struct Case {
   std::string name;
@@ -152,7 +125,7 @@ Out run_device(const Host& h, bool graph = false) {
       ADD_FAILURE() << "cudaMalloc failed";
       return o;
     }
-  up(x, h.x), up(dy, h.dy), up(off, h.off), up(y, h.y0), up(dx, h.dx0);
+  upload(x, h.x), upload(dy, h.dy), upload(off, h.off), upload(y, h.y0), upload(dx, h.dx0);
   EXPECT_EQ(cudaMemset(u.p, 0xFF, h.n * h.ldr * 2), cudaSuccess);
   EXPECT_EQ(cudaMemset(gs.p, 0xFF, h.n * h.ldr * 2), cudaSuccess);
   // Each expert's adapter and gradients, in reverse order in memory (the kernels must follow the pointers).
@@ -165,7 +138,7 @@ Out run_device(const Host& h, bool graph = false) {
     vda[e] = dA.as<float>() + s * r * in;
     vdb[e] = dB.as<float>() + s * out * r;
   }
-  up(pA, va), up(pB, vb), up(pdA, vda), up(pdB, vdb);
+  upload(pA, va), upload(pB, vb), upload(pdA, vda), upload(pdB, vdb);
   // The starting values in the same reversed layout.
   std::vector<float> dA0(h.dA0.size()), dB0(h.dB0.size());
   std::vector<uint16_t> A16(h.A.size()), B16(h.B.size());
@@ -176,7 +149,7 @@ Out run_device(const Host& h, bool graph = false) {
     std::copy_n(h.dA0.begin() + e * r * in, r * in, dA0.begin() + s * r * in);
     std::copy_n(h.dB0.begin() + e * out * r, out * r, dB0.begin() + s * out * r);
   }
-  up(A, A16), up(B, B16), up(dA, dA0), up(dB, dB0);
+  upload(A, A16), upload(B, B16), upload(dA, dA0), upload(dB, dB0);
 
   const cuda::GroupedLora g{off.as<int32_t>(), h.E, c.r, c.in, c.out, pA.as<const cuda::bf16* const>(),
                             pB.as<const cuda::bf16* const>(), h.scale};
@@ -207,11 +180,11 @@ Out run_device(const Host& h, bool graph = false) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   cudaStreamDestroy(st);
 
-  o.u = down<uint16_t>(u, h.n * h.ldr);
-  o.gs = down<uint16_t>(gs, h.n * h.ldr);
-  o.y = down<float>(y, h.y0.size());
-  o.dx = down<float>(dx, h.dx0.size());
-  const std::vector<float> dAr = down<float>(dA, h.dA0.size()), dBr = down<float>(dB, h.dB0.size());
+  o.u = download<uint16_t>(u, h.n * h.ldr);
+  o.gs = download<uint16_t>(gs, h.n * h.ldr);
+  o.y = download<float>(y, h.y0.size());
+  o.dx = download<float>(dx, h.dx0.size());
+  const std::vector<float> dAr = download<float>(dA, h.dA0.size()), dBr = download<float>(dB, h.dB0.size());
   o.dA.resize(dAr.size());
   o.dB.resize(dBr.size());
   for (int64_t e = 0; e < E; ++e) {  // back to expert order

@@ -26,6 +26,7 @@
 #include "cuda/optim.h"
 #include "io/safetensors.h"
 #include "model/optim.h"
+#include "cuda_test_buffer.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -33,40 +34,9 @@ namespace {
 
 using cuda::DeviceParam;
 
-// One device allocation (at least one byte), freed on scope exit. (src/cuda/testing_buffers.h is nvcc-only: it
-// includes common.cuh.)
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevBuf(size_t n_bytes) : bytes(n_bytes) {
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-template <class T>
-void upload(const DevBuf& b, const std::vector<T>& v) {
-  ASSERT_LE(v.size() * sizeof(T), b.bytes);
-  if (!v.empty()) {
-    ASSERT_EQ(cudaMemcpy(b.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-}
-
-template <class T>
-std::vector<T> download(const DevBuf& b, size_t n) {
-  std::vector<T> v(n);
-  EXPECT_LE(n * sizeof(T), b.bytes);
-  if (n) {
-    EXPECT_EQ(cudaMemcpy(v.data(), b.p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  return v;
-}
+using test::DevBuf;
+using test::download;
+using test::upload;
 
 uint32_t bits(float x) {
   uint32_t u;

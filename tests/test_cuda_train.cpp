@@ -276,16 +276,30 @@ TEST(CudaTrain, RecomputePoliciesGiveTheSameGradients) {
   }
 }
 
+// A golden's base model on the device, frozen, with random adapters (one per routed expert) set on it, and the
+// golden's batch.
+struct LoraOnGpu {
+  Model base;
+  PackedBatch batch;
+  LoraAdapter lora;
+  CudaModel gpu;
+  explicit LoraOnGpu(const std::string& name)
+      : base(Model::load(test::golden_dir(name))),
+        batch(golden_batch(test::golden_dir(name))),
+        lora(test::random_lora(base.config(), LoraExperts::PerExpert)),
+        gpu(base) {
+    gpu.set_train_linears(false);
+    gpu.set_lora(lora);
+  }
+};
+
 // The same with LoRA adapters on every projection, one per routed expert: each adapter's forward product is read
 // by its backward at its own site, whether that site was recomputed or kept.
 TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
-  const std::string dir = test::golden_dir("bf16_stable");
-  const Model base = Model::load(dir);
-  const PackedBatch batch = golden_batch(dir);
-  const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert);
-  CudaModel gpu(base);
-  gpu.set_train_linears(false);
-  gpu.set_lora(lora);
+  LoraOnGpu t("bf16_stable");
+  const PackedBatch& batch = t.batch;
+  const LoraAdapter& lora = t.lora;
+  CudaModel& gpu = t.gpu;
   LoraAdapter ref = test::without_gradients(lora);
   const double ref_loss = gpu.forward_backward(batch);
   gpu.lora_gradients(ref);
@@ -317,13 +331,10 @@ TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
 // agree to 1e-9 relative and the adapters and moments to 1e-6 of each tensor's norm (fp32 ulps: the norm's double
 // sums differ in order, which can move the clipping coefficient by one ulp).
 TEST(CudaTrain, DeviceLoraOptimizerMatchesHost) {
-  const std::string dir = test::golden_dir("bf16_stable");
-  const Model base = Model::load(dir);
-  const PackedBatch batch = golden_batch(dir);
-  const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert);
-  CudaModel gpu(base);
-  gpu.set_train_linears(false);
-  gpu.set_lora(lora);
+  LoraOnGpu t("bf16_stable");
+  const PackedBatch& batch = t.batch;
+  const LoraAdapter& lora = t.lora;
+  CudaModel& gpu = t.gpu;
   LoraAdapter host = test::without_gradients(lora);
   std::vector<ParamRef> params = host.params("");
   const AdamWOptions o;
