@@ -362,17 +362,12 @@ TEST(CudaTrain, DeviceLoraOptimizerMatchesHost) {
   std::vector<ParamRef> got_params = got.params("");
   AdamW state(got_params, o);
   gpu.download_lora(got, &state);
-  auto rel = [](const float* a, const float* b, int64_t n) {
-    double d = 0, r = 0;
-    for (int64_t i = 0; i < n; ++i) d += std::pow(double(a[i]) - b[i], 2), r += double(b[i]) * b[i];
-    return r > 0 ? std::sqrt(d / r) : std::sqrt(d);
-  };
   double worst = 0;
   for (size_t k = 0; k < params.size(); ++k) {
     for (const auto& [a, b] : {std::pair<const float*, const float*>{got_params[k].w, params[k].w},
                                {state.m()[k].data(), adam.m()[k].data()},
                                {state.v()[k].data(), adam.v()[k].data()}}) {
-      const double e = rel(a, b, params[k].n);
+      const double e = test::norm_rel_error(a, b, static_cast<size_t>(params[k].n));
       EXPECT_LE(e, 1e-6) << params[k].name;
       worst = std::max(worst, e);
     }
@@ -380,8 +375,10 @@ TEST(CudaTrain, DeviceLoraOptimizerMatchesHost) {
   // The update moved the adapters (a test that would pass on a no-op would be no test).
   double moved = 0;
   for (size_t k = 0; k < params.size(); ++k)
-    moved = std::max(moved, rel(got_params[k].w, k % 2 ? lora.modules()[k / 2].B.data.data()
-                                                        : lora.modules()[k / 2].A.data.data(), params[k].n));
+    moved = std::max(moved, test::norm_rel_error(got_params[k].w,
+                                                 k % 2 ? lora.modules()[k / 2].B.data.data()
+                                                       : lora.modules()[k / 2].A.data.data(),
+                                                 static_cast<size_t>(params[k].n)));
   EXPECT_GT(moved, 1e-4);
   std::printf("[cuda lora optimizer] %zu tensors: worst relative difference to the host %.3g; moved by %.3g\n",
               params.size(), worst, moved);
