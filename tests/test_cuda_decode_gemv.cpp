@@ -144,5 +144,35 @@ TEST(CudaDecodeGemvSplit, SmallShapesMatchHostReference) {
   EXPECT_TRUE(cuda_testing::decode_linear_gemv({}, rounded(test::randn(37 * 64, 23)), 0, 37, 64).empty());
 }
 
+// decode_linear_multi: segments of different widths (one split each, several chains or one), output counts below,
+// at and across tile and row-group boundaries, in one launch, for one row, a few and more than a pass of 32; each
+// segment's output is bitwise what decode_linear gives for it alone, and one misaligned input sends the whole launch
+// down the element-load path with the same bits. An empty segment is skipped.
+TEST(CudaDecodeGemvMulti, SegmentsEqualSeparateLaunchesBitwise) {
+  struct Shape {
+    int64_t out, in;
+  };
+  const std::vector<Shape> shapes{{1000, 520}, {37, 1544}, {16, 64}, {0, 72}, {129, 4104}, {5, 136}};
+  for (int64_t M : {1, 7, 40})
+    for (bool misalign : {false, true}) {
+      std::vector<cuda_testing::GemvSegment> segs;
+      unsigned seed = 300 + static_cast<unsigned>(M);
+      for (const Shape& sh : shapes)
+        segs.push_back({rounded(test::randn(M * sh.in, ++seed)), rounded(test::randn(sh.out * sh.in, ++seed)), sh.out,
+                        sh.in, misalign && sh.out == 37});
+      const std::vector<std::vector<float>> ys = cuda_testing::decode_linear_multi_gemv(segs, M);
+      ASSERT_EQ(ys.size(), segs.size());
+      for (size_t i = 0; i < segs.size(); ++i) {
+        const auto& sg = segs[i];
+        const std::string at = "M=" + std::to_string(M) + " segment " + std::to_string(i) + (misalign ? " misaligned" : "");
+        const std::vector<float> one = cuda_testing::decode_linear_gemv(sg.x, sg.W, M, sg.out, sg.in);
+        ASSERT_EQ(ys[i].size(), one.size()) << at;
+        EXPECT_TRUE(bitwise_equal(ys[i].data(), one.data(), one.size())) << at;
+        const std::vector<float> want = reference(sg.x, sg.W, M, sg.out, sg.in);
+        EXPECT_LE(test::norm_rel_error(ys[i].data(), want.data(), want.size()), 1e-5) << at;
+      }
+    }
+}
+
 }  // namespace
 }  // namespace nextlm

@@ -64,5 +64,7 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Whether a pointer allows 16-byte vector accesses.
+inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace nextlm::cuda

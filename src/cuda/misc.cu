@@ -6,10 +6,19 @@ namespace nextlm::cuda {
 
 namespace {
 
+// Grid (tokens, column blocks); VEC: 4 columns a thread (D a multiple of 4, the bases aligned for it).
+template <bool VEC>
 __global__ void embed_kernel(const int32_t* tok, const bf16* embed, float* h, int64_t S, int64_t D) {
   const int64_t t = blockIdx.x;
   const bf16* row = embed + static_cast<int64_t>(tok[t]) * D;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+  const int64_t d = (blockIdx.y * int64_t(blockDim.x) + threadIdx.x) * (VEC ? 4 : 1);
+  if (d >= D) return;
+  if constexpr (VEC) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(row + d));
+    const float4 v = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                                 __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+    for (int64_t s = 0; s < S; ++s) *reinterpret_cast<float4*>(h + (t * S + s) * D + d) = v;
+  } else {
     const float v = __bfloat162float(row[d]);
     for (int64_t s = 0; s < S; ++s) h[(t * S + s) * D + d] = v;
   }
@@ -64,17 +73,34 @@ __global__ void sigmoid_kernel(float* x, int64_t n) {
     x[i] = 1.0f / (1.0f + expf(-x[i]));
 }
 
+// One block a token. VEC: 4 columns a thread with 16-byte loads, the streams' loads all issued before the sums
+// (the loop over a token's columns is otherwise a chain of dependent load latencies at decoding's one token).
+template <bool VEC>
 __global__ void stream_mean_norm_kernel(const float* h, const float* w, bf16* out, int64_t S, int64_t D, float eps) {
   extern __shared__ float mean[];
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x;
   float ss = 0.0f;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
-    acc /= static_cast<float>(S);
-    mean[d] = acc;
-    ss += acc * acc;
+  if constexpr (VEC) {
+    for (int64_t d = 4 * threadIdx.x; d < D; d += 4 * blockDim.x) {
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float4 x = __ldg(reinterpret_cast<const float4*>(h + (t * S + s) * D + d));
+        acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+      }
+      const float n = static_cast<float>(S);
+      acc.x /= n, acc.y /= n, acc.z /= n, acc.w /= n;
+      *reinterpret_cast<float4*>(mean + d) = acc;
+      ss += acc.x * acc.x, ss += acc.y * acc.y, ss += acc.z * acc.z, ss += acc.w * acc.w;
+    }
+  } else {
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < S; ++s) acc += h[(t * S + s) * D + d];
+      acc /= static_cast<float>(S);
+      mean[d] = acc;
+      ss += acc * acc;
+    }
   }
   const float r = rsqrtf(block_sum(ss, scratch) / D + eps);
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[t * D + d] = __float2bfloat16(w[d] * (mean[d] * r));
@@ -139,7 +165,15 @@ int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, 
 }  // namespace
 
 void embed_streams(const int32_t* tok, const bf16* embed, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st) {
-  if (T) embed_kernel<<<T, 256, 0, st>>>(tok, embed, h, S, D);
+  if (!T || !D) return;
+  // 8-byte bf16 loads of the row, 16-byte stores into the streams.
+  if (D % 4 == 0 && reinterpret_cast<uintptr_t>(embed) % 8 == 0 && is_aligned16(h)) {
+    embed_kernel<true><<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(D / 4, 256))), 256, 0, st>>>(
+        tok, embed, h, S, D);
+  } else {
+    embed_kernel<false><<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(D, 256))), 256, 0, st>>>(
+        tok, embed, h, S, D);
+  }
 }
 
 void embed_rows_range(const int32_t* tok, const bf16* embed, int64_t begin, int64_t rows, float* x, int64_t T,
@@ -170,7 +204,12 @@ void sigmoid_inplace(float* x, int64_t n, cudaStream_t st) {
 
 void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,
                       cudaStream_t st) {
-  if (T) stream_mean_norm_kernel<<<T, 256, D * sizeof(float), st>>>(h, w, out, S, D, eps);
+  if (!T) return;
+  const size_t smem = D * sizeof(float);
+  auto kernel = D % 4 == 0 && is_aligned16(h) ? stream_mean_norm_kernel<true> : stream_mean_norm_kernel<false>;
+  if (smem > 48 * 1024)
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<T, 256, smem, st>>>(h, w, out, S, D, eps);
 }
 
 void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "cuda/decode_kernels.h"
+#include "cuda/decode_linear.h"
 #include "cuda/device_model.h"
 #include "cuda/gemm.h"
 #include "cuda/grouped_gemm.h"
@@ -837,7 +839,12 @@ struct CudaModel::Impl {
     const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                   I = cfg.moe_intermediate_size, n = T * k;
     float* logits = arena.alloc<float>(T * E);
-    if (step) {
+    float* shared_gu = nullptr;  // decoding: the shared expert's gate|up, projected with the router in one launch
+    if (step && w.has_shared) {
+      const int64_t Is = w.shared.I;
+      shared_gu = arena.alloc<float>(T * 2 * Is);
+      lin_multi({{a, D, w.router.w, E, D, logits, E}, {a, D, w.shared.gate_up.w, 2 * Is, D, shared_gu, 2 * Is}}, T);
+    } else if (step) {
       lin(a, D, w.router.w, E, D, logits, E, T);
     } else {
       gemm->run(a, D, w.router.w, E, D, logits, E, T);
@@ -890,7 +897,7 @@ struct CudaModel::Impl {
     }
     mark_end("experts");
     if (w.has_shared && step) {
-      mlp_step(w.shared, a, T, y);
+      mlp_step_down(w.shared, shared_gu, T, y);
     } else if (w.has_shared) {
       mlp(w.shared, a, T, y);
     } else {
@@ -996,13 +1003,26 @@ struct CudaModel::Impl {
     }
   }
 
+  // Several of a step's projections at once (decode_linear_multi: one launch, the same bits as one lin() each).
+  void lin_multi(std::initializer_list<cuda::LinearSeg> segs, int64_t B) {
+    if (gemm->batch_invariant()) {
+      for (const cuda::LinearSeg& sg : segs) gemm->run(sg.x, sg.ldx, sg.W, sg.out, sg.in, sg.y, sg.ldy, B);
+    } else {
+      cuda::decode_linear_multi(segs, B, stream);
+    }
+  }
+
   void mlp_step(const cuda::DMlp& m, const cuda::bf16* a, int64_t B, float* y) {
-    using namespace cuda;
-    const int64_t D = cfg.hidden_size;
     float* gu = arena.alloc<float>(B * 2 * m.I);
-    bf16* act = arena.alloc<bf16>(B * m.I);
-    lin(a, D, m.gate_up.w, 2 * m.I, D, gu, 2 * m.I, B);
-    swiglu(gu, act, B, m.I, static_cast<float>(cfg.swiglu_limit), stream);
+    lin(a, cfg.hidden_size, m.gate_up.w, 2 * m.I, cfg.hidden_size, gu, 2 * m.I, B);
+    mlp_step_down(m, gu, B, y);
+  }
+
+  // The MLP's clamped SwiGLU and down projection from its gate|up projections gu [B, 2·I].
+  void mlp_step_down(const cuda::DMlp& m, const float* gu, int64_t B, float* y) {
+    const int64_t D = cfg.hidden_size;
+    cuda::bf16* act = arena.alloc<cuda::bf16>(B * m.I);
+    cuda::swiglu(gu, act, B, m.I, static_cast<float>(cfg.swiglu_limit), stream);
     lin(act, m.I, m.down.w, D, m.I, y, D, B);
   }
 
@@ -1034,23 +1054,23 @@ struct CudaModel::Impl {
     const bool has_bound = cfg.linear_lower_bound.has_value();
     const float bound = static_cast<float>(cfg.linear_lower_bound.value_or(0.0));
     const float eps = static_cast<float>(cfg.rms_norm_eps);
+    // The projections of a: q|k|v, f_a, b and g_a in one launch; f_a and g_a side by side, so that one conversion
+    // rounds both to bf16 for f_b and g_b, the second launch.
     float* raw = arena.alloc<float>(B * 3 * HK);
-    lin(a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK, B);
-    float* fa = arena.alloc<float>(B * K);
-    bf16* fa16 = arena.alloc<bf16>(B * K);
-    float* g = arena.alloc<float>(B * HK);
-    lin(a, D, w.f_a.w, K, D, fa, K, B);
-    to_bf16(fa, fa16, B * K, stream);
-    lin(fa16, K, w.f_b.w, HK, K, g, HK, B);
+    float* fga = arena.alloc<float>(2 * B * K);
+    float *fa = fga, *ga = fga + B * K;
     float* beta = arena.alloc<float>(B * H);
-    lin(a, D, w.b.w, H, D, beta, H, B);
-    sigmoid_inplace(beta, B * H, stream);
-    float* ga = arena.alloc<float>(B * K);
-    bf16* ga16 = arena.alloc<bf16>(B * K);
+    lin_multi({{a, D, w.qkv.w, 3 * HK, D, raw, 3 * HK},
+               {a, D, w.f_a.w, K, D, fa, K},
+               {a, D, w.b.w, H, D, beta, H},
+               {a, D, w.g_a.w, K, D, ga, K}},
+              B);
+    bf16* fga16 = arena.alloc<bf16>(2 * B * K);
+    to_bf16(fga, fga16, 2 * B * K, stream);
+    float* g = arena.alloc<float>(B * HK);
     float* gate = arena.alloc<float>(B * HK);
-    lin(a, D, w.g_a.w, K, D, ga, K, B);
-    to_bf16(ga, ga16, B * K, stream);
-    lin(ga16, K, w.g_b.w, HK, K, gate, HK, B);
+    lin_multi({{fga16, K, w.f_b.w, HK, K, g, HK}, {fga16 + B * K, K, w.g_b.w, HK, K, gate, HK}}, B);
+    sigmoid_inplace(beta, B * H, stream);
     bf16* o16 = arena.alloc<bf16>(B * HK);
     mark_begin("kda core");
     if (kda_tc_path()) {
@@ -1084,26 +1104,39 @@ struct CudaModel::Impl {
     const int64_t B = r.B, D = cfg.hidden_size, NH = cfg.num_attention_heads, dqk = cfg.qk_nope_head_dim,
                   dv = cfg.v_head_dim, QL = cfg.q_lora_rank, KL = cfg.kv_lora_rank;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
+    const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
     float* qa = arena.alloc<float>(B * QL);
     bf16* qr = arena.alloc<bf16>(B * QL);
     float* q = arena.alloc<float>(B * NH * dqk);
-    lin(a, D, w.q_a.w, QL, D, qa, QL, B);
-    rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
-    lin(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B);
     float* lat = arena.alloc<float>(B * KL);
     bf16* lat16 = arena.alloc<bf16>(B * KL);
-    lin(a, D, w.kv_a.w, KL, D, lat, KL, B);
+    float *qi = nullptr, *ki = nullptr, *gs = nullptr, *wts = nullptr;
+    // The projections of a in one launch (the indexer's too), then those of qr in another.
+    if (w.has_indexer) {
+      qi = arena.alloc<float>(B * IH * ID);
+      ki = arena.alloc<float>(B * ID);
+      gs = arena.alloc<float>(B * ID);
+      wts = arena.alloc<float>(B * IH);
+      lin_multi({{a, D, w.q_a.w, QL, D, qa, QL},
+                 {a, D, w.kv_a.w, KL, D, lat, KL},
+                 {a, D, w.idx.wk.w, ID, D, ki, ID},
+                 {a, D, w.idx.gate.w, ID, D, gs, ID},
+                 {a, D, w.idx.weights.w, IH, D, wts, IH}},
+                B);
+    } else {
+      lin_multi({{a, D, w.q_a.w, QL, D, qa, QL}, {a, D, w.kv_a.w, KL, D, lat, KL}}, B);
+    }
+    rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
+    if (w.has_indexer) {
+      lin_multi({{qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk}, {qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID}}, B);
+    } else {
+      lin(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B);
+    }
     rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, B, KL, eps, stream);
     mla_decode_append(lat16, r.slot, r.pos, c.latent, B, KL, r.max_len, stream);
     if (w.has_indexer) {
-      const int64_t IH = cfg.index_n_heads, ID = cfg.index_head_dim;
-      float *qi = arena.alloc<float>(B * IH * ID), *ki = arena.alloc<float>(B * ID), *gs = arena.alloc<float>(B * ID),
-            *wts = arena.alloc<float>(B * IH), *scores = arena.alloc<float>(B * r.max_pools);
-      lin(qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID, B);
-      lin(a, D, w.idx.wk.w, ID, D, ki, ID, B);
+      float* scores = arena.alloc<float>(B * r.max_pools);
       layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, B, ID, 1e-6f, stream);
-      lin(a, D, w.idx.gate.w, ID, D, gs, ID, B);
-      lin(a, D, w.idx.weights.w, IH, D, wts, IH, B);
       const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate,
                                    c.pool_key, scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools,
                                    r.max_selectable, cfg.index_kpool_always_select_tail};

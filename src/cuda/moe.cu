@@ -73,6 +73,14 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     const int64_t e = lane + 32 * j;
     if (e >= E || !(kept >> (e / EG) & 1)) c[j] = -INFINITY;
   }
+  // The chosen experts' sigmoid scores stay in registers of the lane that holds them and reach lane 0 through a
+  // shuffle (a global load per choice would put k dependent memory latencies on the step's path).
+  float sg[kRouteMaxPerLane];
+#pragma unroll
+  for (int j = 0; j < kRouteMaxPerLane; ++j) {
+    const int64_t e = lane + 32 * j;
+    sg[j] = e < E ? 1.0f / (1.0f + expf(-lg[e])) : 0.0f;
+  }
   float sum = 0.0f;
   for (int64_t i = 0; i < k; ++i) {
     float v = -INFINITY;
@@ -84,27 +92,37 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     // No candidate left (non-finite scores, from non-finite activations): expert 0, so that the permutation and the
     // expert GEMMs stay in bounds and the non-finite values show in the output instead of an illegal address.
     if (idx == INT_MAX) idx = 0;
+    float chosen = 0.0f;
 #pragma unroll
     for (int j = 0; j < kRouteMaxPerLane; ++j)
-      if (lane + 32 * j == idx) c[j] = -INFINITY;
+      if (lane + 32 * j == idx) c[j] = -INFINITY, chosen = sg[j];
+    chosen = __shfl_sync(0xffffffffu, chosen, idx & 31);
     if (lane == 0) {
       experts[t * k + i] = idx;
-      sum += 1.0f / (1.0f + expf(-lg[idx]));
+      weights[t * k + i] = chosen;
+      sum += chosen;
     }
   }
   if (lane == 0)
     for (int64_t i = 0; i < k; ++i) {
-      const int32_t e = experts[t * k + i];
-      float w = 1.0f / (1.0f + expf(-lg[e]));
+      float w = weights[t * k + i];
       if (norm) w /= sum + 1e-20f;
       weights[t * k + i] = w * scale;
     }
 }
 
+// Grid (rows, column blocks): a decoding step's few rows still spread over many blocks. VEC: 16-byte copies (D a
+// multiple of 8, both bases 16-byte aligned).
+template <bool VEC>
 __global__ void gather_kernel(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t D) {
   const int64_t r = blockIdx.x;
   const bf16* src = x + static_cast<int64_t>(token_of_slot[r]) * D;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) xp[r * D + d] = src[d];
+  const int64_t i = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+  if constexpr (VEC) {
+    if (8 * i < D) reinterpret_cast<uint4*>(xp + r * D)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+  } else {
+    if (i < D) xp[r * D + i] = src[i];
+  }
 }
 
 __global__ void swiglu_kernel(const float* gu, bf16* act, int64_t n, int64_t I, float L) {
@@ -116,11 +134,27 @@ __global__ void swiglu_kernel(const float* gu, bf16* act, int64_t n, int64_t I, 
   }
 }
 
+// Grid (tokens, column blocks), a thread per column (VEC: 4 columns, D a multiple of 4 and the bases 16-byte
+// aligned); each column's sum runs in choice order either way.
+template <bool VEC>
 __global__ void combine_kernel(float* y, const float* out, const int32_t* slot_of, const float* w, int64_t k, int64_t D,
                                const int32_t* rows_held) {
   const int64_t t = blockIdx.x;
   const int32_t held = rows_held ? *rows_held : INT_MAX;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+  const int64_t d = (blockIdx.y * int64_t(blockDim.x) + threadIdx.x) * (VEC ? 4 : 1);
+  if (d >= D) return;
+  if constexpr (VEC) {
+    float4 acc = *reinterpret_cast<const float4*>(y + t * D + d);
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t row = slot_of[t * k + i];
+      if (row < held) {
+        const float wi = w[t * k + i];
+        const float4 o = __ldg(reinterpret_cast<const float4*>(out + static_cast<int64_t>(row) * D + d));
+        acc.x += wi * o.x, acc.y += wi * o.y, acc.z += wi * o.z, acc.w += wi * o.w;
+      }
+    }
+    *reinterpret_cast<float4*>(y + t * D + d) = acc;
+  } else {
     float acc = y[t * D + d];
     for (int64_t i = 0; i < k; ++i) {
       const int32_t row = slot_of[t * k + i];
@@ -158,6 +192,35 @@ __global__ void permute_finish_kernel(const int32_t* keys, const int32_t* slots,
   for (int32_t e = prev + 1; e <= cur; ++e) offsets[e] = static_cast<int32_t>(p);
 }
 
+// Up to this many routing slots (a decoding step's B·k), moe_permute runs as one block instead of iota, a radix
+// sort and permute_finish.
+constexpr int64_t kSmallPermute = 1024;
+
+// One block: the stable sort by rank. Row p of slot i is #{j : key_j < key_i} + #{j < i : key_j = key_i}, exactly
+// where the stable radix sort puts it, and offsets[e] = #{j : key_j < e}.
+__global__ void __launch_bounds__(1024) small_permute_kernel(const int32_t* experts, int64_t n, int64_t k, int64_t E,
+                                                             int32_t* keys_sorted, int32_t* slots_sorted,
+                                                             int32_t* token_of_slot, int32_t* slot_of,
+                                                             int32_t* offsets) {
+  __shared__ int32_t key[kSmallPermute];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) key[i] = experts[i];
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t ki = key[i];
+    int32_t p = 0;
+    for (int64_t j = 0; j < n; ++j) p += key[j] < ki || (key[j] == ki && j < i);
+    keys_sorted[p] = ki;
+    slots_sorted[p] = static_cast<int32_t>(i);
+    token_of_slot[p] = static_cast<int32_t>(i / k);
+    slot_of[i] = p;
+  }
+  for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) {
+    int32_t below = 0;
+    for (int64_t j = 0; j < n; ++j) below += key[j] < e;
+    offsets[e] = below;
+  }
+}
+
 }  // namespace
 
 size_t moe_permute_temp_bytes(int64_t n) {
@@ -173,6 +236,12 @@ void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_
                  size_t temp_bytes, cudaStream_t st) {
   const int64_t n = T * k;
   if (!n) return;
+  if (n <= kSmallPermute) {
+    small_permute_kernel<<<1, 1024, 0, st>>>(experts, n, k, E, keys_sorted, slots_sorted, token_of_slot, slot_of,
+                                             offsets);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   iota_kernel<<<ceil_div(n, 256), 256, 0, st>>>(slots_in, n);
   int end_bit = 1;
   while ((int64_t{1} << end_bit) <= E) ++end_bit;
@@ -191,7 +260,14 @@ void moe_route(const float* logits, const float* bias, int32_t* experts, float* 
 }
 
 void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st) {
-  if (n) gather_kernel<<<n, 256, 0, st>>>(x, token_of_slot, xp, D);
+  if (!n || !D) return;
+  if (D % 8 == 0 && is_aligned16(x) && is_aligned16(xp)) {
+    gather_kernel<true><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(ceil_div(D / 8, 256))), 256, 0, st>>>(
+        x, token_of_slot, xp, D);
+  } else {
+    gather_kernel<false><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(ceil_div(D, 256))), 256, 0, st>>>(
+        x, token_of_slot, xp, D);
+  }
 }
 
 void swiglu(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaStream_t st) {
@@ -200,7 +276,14 @@ void swiglu(const float* gu, bf16* act, int64_t n, int64_t I, float limit, cudaS
 
 void moe_combine(float* y, const float* out, const int32_t* slot_of, const float* weights, int64_t T, int64_t k,
                  int64_t D, cudaStream_t st, const int32_t* rows_held) {
-  if (T) combine_kernel<<<T, 256, 0, st>>>(y, out, slot_of, weights, k, D, rows_held);
+  if (!T || !D) return;
+  if (D % 4 == 0 && is_aligned16(y) && is_aligned16(out)) {
+    combine_kernel<true><<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(D / 4, 256))), 256, 0, st>>>(
+        y, out, slot_of, weights, k, D, rows_held);
+  } else {
+    combine_kernel<false><<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(D, 256))), 256, 0, st>>>(
+        y, out, slot_of, weights, k, D, rows_held);
+  }
 }
 
 void moe_localize(int32_t* experts, int64_t n, int64_t begin, int64_t count, cudaStream_t st) {

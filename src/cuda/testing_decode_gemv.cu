@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cuda/decode_kernels.h"
+#include "cuda/decode_linear.h"
 #include "cuda/testing_buffers.h"
 
 namespace nextlm::cuda_testing {
@@ -58,6 +59,39 @@ std::vector<float> decode_linear_gemv(const std::vector<float>& x, const std::ve
                       out, M, !y0.empty(), nullptr);
   finish();
   return unguard<float>(dy, M * out, sentinel, "decode_linear");
+}
+
+std::vector<std::vector<float>> decode_linear_multi_gemv(const std::vector<GemvSegment>& segs, int64_t M) {
+  check(segs.size() <= static_cast<size_t>(cuda::kMaxLinearSegs), "decode_linear_multi_gemv: too many segments");
+  const float sentinel = 1234.5f;
+  std::vector<Buf> xs, ws, ys;
+  std::vector<cuda::LinearSeg> list;
+  for (const GemvSegment& s : segs) {
+    check(int64_t(s.x.size()) == M * s.in && int64_t(s.W.size()) == s.out * s.in,
+          "decode_linear_multi_gemv: bad input sizes");
+    const int64_t shift = s.misalign ? 1 : 0;
+    xs.push_back(upload_bf16(s.x, shift));
+    ws.push_back(upload_bf16(s.W, 0));
+    ys.push_back(guarded(std::vector<float>(M * s.out, NAN), sentinel));
+    list.push_back({xs.back().as<cuda::bf16>() + shift, s.in, ws.back().as<cuda::bf16>(), s.out, s.in,
+                    ys.back().as<float>() + kGuard, s.out});
+  }
+  // decode_linear_multi takes an initializer list: spell out each count.
+  auto at = [&](size_t i) { return list[i]; };
+  switch (list.size()) {
+    case 1: cuda::decode_linear_multi({at(0)}, M, nullptr); break;
+    case 2: cuda::decode_linear_multi({at(0), at(1)}, M, nullptr); break;
+    case 3: cuda::decode_linear_multi({at(0), at(1), at(2)}, M, nullptr); break;
+    case 4: cuda::decode_linear_multi({at(0), at(1), at(2), at(3)}, M, nullptr); break;
+    case 5: cuda::decode_linear_multi({at(0), at(1), at(2), at(3), at(4)}, M, nullptr); break;
+    case 6: cuda::decode_linear_multi({at(0), at(1), at(2), at(3), at(4), at(5)}, M, nullptr); break;
+    default: break;
+  }
+  finish();
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < segs.size(); ++i)
+    out.push_back(unguard<float>(ys[i], M * segs[i].out, sentinel, "decode_linear_multi"));
+  return out;
 }
 
 }  // namespace nextlm::cuda_testing

@@ -1,4 +1,4 @@
-// Host-side entry point to the decoding GEMV (decode_linear in src/cuda/decode.cu), for
+// Host-side entry points to the decoding GEMV (decode_linear in src/cuda/decode.cu, decode_linear_multi), for
 // tests/test_cuda_decode_gemv.cpp: host vectors in and out, inputs rounded to bf16 on the way in. The output is
 // poisoned with NaN first (unless accumulated into) and framed by sentinels that must survive (an Error otherwise),
 // so an unwritten element or a write out of bounds shows.
@@ -13,5 +13,15 @@ namespace nextlm::cuda_testing {
 std::vector<float> decode_linear_gemv(const std::vector<float>& x, const std::vector<float>& W, int64_t M,
                                       int64_t out, int64_t in, const std::vector<float>& y0 = {},
                                       bool misalign = false);
+
+// decode_linear_multi over segments i = 0 … n−1, each x_i [M, in_i] against W_i [out_i, in_i] (x_i misaligned by one
+// bf16 when misalign[i], which sends the whole launch down the element-load path): the y_i [M, out_i], each framed
+// by sentinels and poisoned with NaN as above.
+struct GemvSegment {
+  std::vector<float> x, W;
+  int64_t out, in;
+  bool misalign = false;
+};
+std::vector<std::vector<float>> decode_linear_multi_gemv(const std::vector<GemvSegment>& segs, int64_t M);
 
 }  // namespace nextlm::cuda_testing
