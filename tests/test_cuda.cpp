@@ -330,16 +330,17 @@ namespace nextlm {
 namespace {
 
 // mHC pre on awkward shapes (S·D across the 1024-column chunks with a ragged last tile, S·D or D not a multiple of
-// 4, token tiles cut short) against the CPU reference; and batch invariance: each token's outputs are bitwise the
-// same alone and in batches of 5 and 16 (the per-token projection kernel), 17, 45 and 300 (the tiled one, whose
-// threads skip token rows past T in a short tile), since every sum runs in an order fixed by S and D alone.
+// 4, token tiles cut short) and the model's (S = 4, D = 4096: 16 full chunks) against the CPU reference; and batch
+// invariance: each token's outputs are bitwise the same alone and in batches of 2, 5, 9 and 16 (the decode path's
+// per-chunk-chain projection, whose chains the apply kernel sums), 17, 45 and 300 (the tiled one, whose threads
+// skip token rows past T in a short tile), since every sum runs in an order fixed by S and D alone.
 TEST(CudaMhc, PreMatchesCpuAndIsBatchInvariant) {
   struct Shape {
     int64_t S, D;
   };
   unsigned seed = 500;
   for (const Shape sh : {Shape{4, 300}, Shape{4, 256}, Shape{3, 333}, Shape{1, 70}, Shape{2, 130}, Shape{6, 100},
-                         Shape{8, 130}}) {
+                         Shape{8, 130}, Shape{4, 4096}}) {
     const int64_t S = sh.S, D = sh.D, M = (2 + S) * S, T = 300;
     ModelConfig c;
     c.hc_mult = S;
@@ -373,7 +374,7 @@ TEST(CudaMhc, PreMatchesCpuAndIsBatchInvariant) {
         if (!(x[i] == y[i] && std::signbit(x[i]) == std::signbit(y[i]))) return false;  // NaN never passes
       return true;
     };
-    for (int64_t n : {1, 5, 16, 17, 45}) {
+    for (int64_t n : {1, 2, 5, 9, 16, 17, 45}) {
       std::vector<int64_t> pick(n);
       for (int64_t i = 0; i < n; ++i) pick[i] = (i * 67 + n * 13) % T;  // distinct: 67 is prime to 300
       std::vector<float> hs(n * S * D);

@@ -27,8 +27,9 @@ struct MhcParams {
   float rms_eps, hc_eps;
   int iters;
 };
-// work: mhc_pre_workspace_floats(T, S, D) floats (the projection's per-chunk partials). Every reduction runs in an
-// order fixed by S and D, so a token's outputs are bitwise the same whatever else is in the batch.
+// work: mhc_pre_workspace_floats(T, S, D) floats (the projection's partials: per chunk, or for T <= 16 per chunk and
+// warp chain). Every reduction runs in an order fixed by S and D, so a token's outputs are bitwise the same whatever
+// else is in the batch.
 int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D);
 void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st);
 // h[t, s] ← post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r], in place. y fp32 [T, D].

@@ -5,7 +5,11 @@
 // m = fn·h[t] (with Σh² beside it) is split over S·D in chunks of kChunk; inside a chunk, tile i (kBK wide) gives
 // warp w the columns [i·kBK + 8w, i·kBK + 8w + 8), accumulated in column order by one fma chain per output; the
 // warps' chains are summed in warp order and the chunks' partials in chunk order. Both projection kernels (tiled for
-// batches, per token for a few tokens) follow exactly these chains, so a token's bits do not depend on T.
+// batches, a block per chunk and chain for a few tokens, whose chains the apply kernel sums) follow exactly these
+// chains, so a token's bits do not depend on T. The apply kernel's sigmoid, softmax and Sinkhorn are the CPU loops'
+// operations in their order (each line sum left to right, IEEE division), as mhc_backward.cu's recomputation is.
+#include <algorithm>
+
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 
@@ -182,138 +186,325 @@ __global__ void __launch_bounds__(kThreads, S <= 4 ? 2 : 1)
   }
 }
 
-// The same chains for one token a block: grid (T, splits); warp w, lane → outputs lane, lane + 32, … (the last is
-// Σh²). For a few tokens (decode), where a tile would be mostly empty rows; fn then comes from L2 for every token.
+// The same chains for a few tokens (decode), spread so that a batch of one still fills the GPU: a block per (chunk,
+// warp chain) pair, blockIdx.x = sp·kWarps + w, takes chain w's columns of chunk sp (tile i's [i·kBK + 8w, +8), at
+// most kChunk / kWarps = 128 of them) of all M fn rows and of the T tokens' h rows into shared memory with
+// asynchronous copies all in flight at once, then one thread a (token, output) runs that chain's fma chain in column
+// order (output M: h times itself, Σh²). chains [splits, T, N, kWarps] keeps the chains apart; the apply kernel sums
+// them in warp order, then the chunks in chunk order, exactly as the tiled kernel and its apply do.
+constexpr int kRowsThreads = 512;                 // T·N chains a block: 400 at T = 16, S = 4
+constexpr int kGroupCols = int(kChunk) / kWarps;  // columns of one chain in one chunk
+constexpr int kLdG = kGroupCols + 4;              // padded rows: 8 rows' 16-byte reads at one column hit distinct banks
+
 template <int S>
-__global__ void __launch_bounds__(kThreads)
-    mhc_project_rows_kernel(const float* h, const float* fn, float* part, int64_t T, int64_t SD) {
+size_t rows_smem_bytes(int64_t T) {
+  return sizeof(float) * static_cast<size_t>((ProjTile<S>::M + T) * kLdG);
+}
+
+// Columns 4q … 4q+3 of a chain: acc += a·b (a an h row, b an fn row or a itself) in column order.
+__device__ __forceinline__ void chain4(const float* a, const float* b, int q, float& acc) {
+  const float4 x = *reinterpret_cast<const float4*>(a + 4 * q);
+  const float4 f = *reinterpret_cast<const float4*>(b + 4 * q);
+  acc = fmaf(x.x, f.x, acc);
+  acc = fmaf(x.y, f.y, acc);
+  acc = fmaf(x.z, f.z, acc);
+  acc = fmaf(x.w, f.w, acc);
+}
+
+template <int S, bool VEC>
+__global__ void __launch_bounds__(kRowsThreads)
+    mhc_project_rows_kernel(const float* h, const float* fn, float* chains, int64_t T, int64_t SD) {
   using P = ProjTile<S>;
-  __shared__ float red[kWarps][P::N];
-  const int64_t t = blockIdx.x, sp = blockIdx.y;
+  constexpr int kFullTiles = int(kChunk) / kBK;
+  extern __shared__ __align__(16) float smem[];  // [M + T, kLdG]: the fn rows, then the h rows
+  const int w = static_cast<int>(blockIdx.x % kWarps);
+  const int64_t sp = blockIdx.x / kWarps;
   const int64_t k0 = sp * kChunk, k1 = min(SD, k0 + kChunk);
   const int nt = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* ht = h + t * SD;
-  for (int n = lane; n < P::N; n += 32) {
-    const float* fr = n < P::M ? fn + n * SD : ht;  // the last output multiplies h by itself
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < nt; ++i) {
-      const int64_t kb = k0 + int64_t(i) * kBK + warp * 8;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const int64_t k = kb + c;
-        const bool ok = k < k1;  // past the chunk: the tiled kernel's zero fill
-        acc = fmaf(ok ? ht[k] : 0.0f, ok ? fr[k] : 0.0f, acc);
-      }
+  const int rows = P::M + static_cast<int>(T);
+  // Column j of the chain (tile j / 8, offset j % 8) is column k0 + (j / 8)·kBK + 8w + j % 8 of S·D; those past the
+  // chunk are zero-filled, as the tiled kernel's copies are.
+  constexpr int W = VEC ? 4 : 1;
+  const int per_row = nt * 8 / W;
+  for (int idx = threadIdx.x; idx < rows * per_row; idx += kRowsThreads) {
+    const int r = idx / per_row, j = (idx % per_row) * W;
+    const int64_t k = k0 + int64_t(j >> 3) * kBK + 8 * w + (j & 7);
+    const bool ok = k < k1;  // VEC: k and k1 are multiples of 4, so the whole float4 is in or out
+    const float* row = r < P::M ? fn + r * SD : h + (r - P::M) * SD;
+    float* dst = smem + r * kLdG + j;
+    if constexpr (VEC) {
+      cp_async16(dst, ok ? row + k : row, ok);
+    } else {
+      cp_async4(dst, ok ? row + k : row, ok);
     }
-    red[warp][n] = acc;
   }
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
-  for (int n = threadIdx.x; n < P::N; n += kThreads) {
-    float v = red[0][n];
+  for (int idx = threadIdx.x; idx < static_cast<int>(T) * P::N; idx += kRowsThreads) {
+    const int t = idx / P::N, n = idx % P::N;
+    const float* a = smem + (P::M + t) * kLdG;
+    const float* b = n < P::M ? smem + n * kLdG : a;
+    float acc = 0.0f;
+    if (nt == kFullTiles) {
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) v += red[w][n];
-    part[(sp * T + t) * P::N + n] = v;
+      for (int q = 0; q < 2 * kFullTiles; ++q) chain4(a, b, q, acc);
+    } else {
+#pragma unroll 4
+      for (int q = 0; q < 2 * nt; ++q) chain4(a, b, q, acc);
+    }
+    chains[((sp * T + t) * P::N + n) * kWarps + w] = acc;
   }
 }
 
-// One block a token: the partials summed in chunk order, the norm, sigmoid/softmax/Sinkhorn (warp 0, a lane per row
-// or column, each sum in the order of the CPU loops), then a = RMSNorm(Σ_s pre[s]·h[t, s]; norm_w) in bf16.
-// VEC: D and the bases a multiple of 4 floats.
-template <int S, bool VEC>
-__global__ void __launch_bounds__(kThreads) mhc_apply_kernel(MhcParams p, const float* h, const float* part,
-                                                             int64_t splits, float* post, float* comb, bf16* a) {
-  constexpr int M = (2 + S) * S, N = M + 1;
-  extern __shared__ __align__(16) float smem[];  // collapsed [D]
-  __shared__ float mix[N];
+// The apply kernel's blocks: the first nsk take skt tokens each, a warp a token, for the mix (post, comb: sigmoid,
+// softmax, Sinkhorn); the T after them a token each for the collapse a = RMSNorm(Σ_s pre[s]·h[t, s]; norm_w). pre
+// does not depend on comb, so the Sinkhorn's serial steps run beside the collapse. Up to kSkOneMaxT tokens (all of
+// them fit one wave of blocks) a Sinkhorn block takes one token, so that its chains are loaded in one round and all
+// run at once; beyond, kWarps tokens, for fewer blocks. The grouping changes no token's arithmetic.
+constexpr int kSumSplits = 16;  // chunk partials staged in shared memory at a time
+constexpr int64_t kSkOneMaxT = 128;
+int sk_tokens(int64_t T) { return T <= kSkOneMaxT ? 1 : kWarps; }
+
+template <int S>
+struct ApplyDims {
+  static constexpr int M = (2 + S) * S, N = M + 1;
+  static constexpr int NS = N - S;  // the Sinkhorn blocks' outputs S … M: post and comb logits, Σh²
+  static constexpr int NC = S + 1;  // the collapse blocks' outputs 0 … S−1 and M: pre logits, Σh²
+  // The Sinkhorn's S×S matrix over the lanes: entry (r, c) in slot r / RP of lane (r % RP)·S + c.
+  static constexpr int RP = 32 / S;
+  static constexpr int E = (S + RP - 1) / RP;
+  // Collapse columns (VEC: float4s) a thread loads before using them: after the rows kernel all of D = 4096 at S = 4
+  // at once (a few blocks, latency bound); after the tiled one few, for the registers of many blocks an SM.
+  static constexpr int collapse_batch(int W) { return W == 1 ? 1 : S <= 4 ? 4 : 2; }
+  static constexpr size_t static_bytes = sizeof(float) * (kWarps * NS + S + 32);
+  static size_t dyn_bytes(int64_t D) {
+    const int64_t sk = int64_t(kWarps) * kSumSplits * NS, col = int64_t(kSumSplits) * NC;
+    return sizeof(float) * static_cast<size_t>(std::max({2 * D, sk, col}));
+  }
+};
+
+// A thread's collapse columns: one float (VEC false) or four consecutive ones.
+template <bool VEC>
+struct Cols {
+  using T = float;
+  static constexpr int W = 1;
+  static __device__ __forceinline__ T load(const float* p) { return *p; }
+  static __device__ __forceinline__ void store(float* p, T v) { *p = v; }
+  static __device__ __forceinline__ T zero() { return 0.0f; }
+  static __device__ __forceinline__ T fma(float a, T x, T v) { return fmaf(a, x, v); }
+  static __device__ __forceinline__ float sum_sq(T v, float ss) { return fmaf(v, v, ss); }
+};
+template <>
+struct Cols<true> {
+  using T = float4;
+  static constexpr int W = 4;
+  static __device__ __forceinline__ T load(const float* p) { return *reinterpret_cast<const float4*>(p); }
+  static __device__ __forceinline__ void store(float* p, T v) { *reinterpret_cast<float4*>(p) = v; }
+  static __device__ __forceinline__ T zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+  static __device__ __forceinline__ T fma(float a, T x, T v) {
+    return make_float4(fmaf(a, x.x, v.x), fmaf(a, x.y, v.y), fmaf(a, x.z, v.z), fmaf(a, x.w, v.w));
+  }
+  static __device__ __forceinline__ float sum_sq(T v, float ss) {
+    ss = fmaf(v.x, v.x, ss);
+    ss = fmaf(v.y, v.y, ss);
+    ss = fmaf(v.z, v.z, ss);
+    return fmaf(v.w, v.w, ss);
+  }
+};
+
+// mix[k, j] = output nmap(j) of token t0 + k summed over chunks in chunk order, each chunk's partial being its W
+// chains summed in warp order (W = 1: part [splits, T, N] holds the partials). The chains of kSumSplits chunks are
+// loaded at a time (Q·W loads a thread in flight) and summed into psum [ntok, ≤ kSumSplits, NO]. Ends synced.
+template <int N, int W, int NO, typename Map>
+__device__ __forceinline__ void sum_partials(const float* part, int64_t T, int64_t splits, int64_t t0, int ntok,
+                                             Map nmap, float* psum, float* mix) {
+  constexpr int Q = W == 1 ? 8 : 2;
+  for (int64_t g0 = 0; g0 < splits; g0 += kSumSplits) {
+    const int ng = static_cast<int>(min(int64_t(kSumSplits), splits - g0));
+    const int count = ntok * ng * NO;
+    for (int b = threadIdx.x; b < count; b += Q * kThreads) {
+      float v[Q][W] = {};
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        const int idx = b + q * kThreads;
+        if (idx < count) {
+          const int j = idx % NO, sp = (idx / NO) % ng, k = idx / (NO * ng);
+          const float* src = part + (((g0 + sp) * T + t0 + k) * N + nmap(j)) * W;
+#pragma unroll
+          for (int w = 0; w < W; ++w) v[q][w] = src[w];
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        const int idx = b + q * kThreads;
+        if (idx < count) {
+          float s = v[q][0];
+#pragma unroll
+          for (int w = 1; w < W; ++w) s += v[q][w];
+          psum[idx] = s;
+        }
+      }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ntok * NO; idx += kThreads) {
+      const int k = idx / NO, j = idx % NO;
+      const float* ps = psum + k * ng * NO + j;
+      float s = g0 == 0 ? ps[0] : mix[idx] + ps[0];
+      for (int sp = 1; sp < ng; ++sp) s += ps[sp * NO];
+      mix[idx] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// One Sinkhorn normalisation of the columns: every lane gathers its column's S entries by shuffles and sums them in
+// row order, as the CPU loop does; C /= (sum + eps).
+template <int S>
+__device__ __forceinline__ void sinkhorn_cols(float (&C)[ApplyDims<S>::E], int lane, float eps) {
+  using A = ApplyDims<S>;
+  const int cc = lane % S;
+  float sum = 0.0f;
+#pragma unroll
+  for (int r = 0; r < S; ++r) sum += __shfl_sync(0xffffffffu, C[r / A::RP], (r % A::RP) * S + cc);
+#pragma unroll
+  for (int e = 0; e < A::E; ++e) C[e] /= sum + eps;
+}
+
+// The same for the rows (summed in column order).
+template <int S>
+__device__ __forceinline__ void sinkhorn_rows(float (&C)[ApplyDims<S>::E], int lane, float eps) {
+  using A = ApplyDims<S>;
+  const int rb = (lane / S) * S;
+#pragma unroll
+  for (int e = 0; e < A::E; ++e) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < S; ++c) sum += __shfl_sync(0xffffffffu, C[e], rb + c);
+    C[e] /= sum + eps;
+  }
+}
+
+// A warp: token t's post and comb from mx = its mix outputs S … M. Lanes past the matrix (and slots past row S)
+// carry benign values through the shuffles and are never read by a matrix entry nor written.
+template <int S>
+__device__ __forceinline__ void mix_token(const MhcParams& p, const float* mx, int64_t t, float* post, float* comb,
+                                          int lane) {
+  using A = ApplyDims<S>;
+  const float r = rsqrtf(mx[A::NS - 1] / static_cast<float>(S * p.D) + p.rms_eps);  // fn·(f·r) = r·(fn·f)
+  const float* base = p.base;
+  const float* sc = p.scale;
+  const float eps = p.hc_eps;
+  if (lane < S) post[t * S + lane] = 2.0f / (1.0f + expf(-((mx[lane] * r) * sc[1] + base[S + lane])));
+  const int rl = lane / S, cc = lane % S, rb = rl * S;
+  float C[A::E];
+  bool valid[A::E];
+#pragma unroll
+  for (int e = 0; e < A::E; ++e) {  // softmax of row rr
+    const int rr = e * A::RP + rl;
+    valid[e] = rl < A::RP && rr < S;
+    const float z = valid[e] ? (mx[S + rr * S + cc] * r) * sc[2] + base[2 * S + rr * S + cc] : 0.0f;
+    float m = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < S; ++c) m = fmaxf(m, __shfl_sync(0xffffffffu, z, rb + c));
+    const float ex = expf(z - m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < S; ++c) sum += __shfl_sync(0xffffffffu, ex, rb + c);
+    C[e] = (valid[e] ? ex : 1.0f) / (valid[e] ? sum : 1.0f) + eps;
+  }
+  sinkhorn_cols<S>(C, lane, eps);
+  for (int it = 0; it + 1 < p.iters; ++it) {
+    sinkhorn_rows<S>(C, lane, eps);
+    sinkhorn_cols<S>(C, lane, eps);
+  }
+#pragma unroll
+  for (int e = 0; e < A::E; ++e)
+    if (valid[e]) comb[t * S * S + (e * A::RP + rl) * S + cc] = C[e];
+}
+
+// part: the projection's chains [splits, T, N, W] (W = kWarps, the rows kernel) or partials [splits, T, N] (W = 1,
+// the tiled one). VEC: D and the bases a multiple of 4 floats (the collapse's loads and its Σx² order).
+template <int S, bool VEC, int W>
+__global__ void __launch_bounds__(kThreads)
+    mhc_apply_kernel(MhcParams p, const float* h, const float* part, int64_t splits, int skt, int64_t nsk, float* post,
+                     float* comb, bf16* a) {
+  using A = ApplyDims<S>;
+  extern __shared__ __align__(16) float smem[];  // psum, then (collapse) x [D] and norm_w [D]
+  __shared__ float mix[kWarps * A::NS];  // skt·NS, or NC
   __shared__ float pre[S];
-  __shared__ float C[S * S];
   __shared__ float scratch[32];
-  const int64_t t = blockIdx.x, T = p.T, D = p.D, SD = S * D;
-  for (int n = threadIdx.x; n < N; n += kThreads) {
-    float v = part[t * N + n];
-    for (int64_t sp = 1; sp < splits; ++sp) v += part[(sp * T + t) * N + n];
-    mix[n] = v;
+  const int64_t T = p.T, D = p.D, SD = S * D;
+  if (int64_t(blockIdx.x) < nsk) {
+    const int64_t t0 = int64_t(blockIdx.x) * skt;
+    const int ntok = static_cast<int>(min(int64_t(skt), T - t0));
+    sum_partials<A::N, W, A::NS>(part, T, splits, t0, ntok, [](int j) { return S + j; }, smem, mix);
+    const int warp = threadIdx.x >> 5;
+    if (warp < ntok) mix_token<S>(p, mix + warp * A::NS, t0 + warp, post, comb, threadIdx.x & 31);
+    return;
   }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const float r = rsqrtf(mix[M] / static_cast<float>(SD) + p.rms_eps);  // fn·(f·r) = r·(fn·f)
-    const float* base = p.base;
-    const float* sc = p.scale;
-    const float eps = p.hc_eps;
-    if (lane < S) {
-      const int s = lane;
-      pre[s] = 1.0f / (1.0f + expf(-((mix[s] * r) * sc[0] + base[s]))) + eps;
-      post[t * S + s] = 2.0f / (1.0f + expf(-((mix[S + s] * r) * sc[1] + base[S + s])));
-      const int rr = lane;  // softmax of row rr
-      float mx = -INFINITY;
-      for (int c = 0; c < S; ++c) {
-        C[rr * S + c] = (mix[2 * S + rr * S + c] * r) * sc[2] + base[2 * S + rr * S + c];
-        mx = fmaxf(mx, C[rr * S + c]);
-      }
-      float sum = 0.0f;
-      for (int c = 0; c < S; ++c) sum += (C[rr * S + c] = expf(C[rr * S + c] - mx));
-      for (int c = 0; c < S; ++c) C[rr * S + c] = C[rr * S + c] / sum + eps;
-    }
-    __syncwarp();
-    auto cols = [&] {
-      if (lane < S) {
-        float sum = 0.0f;
-        for (int rr = 0; rr < S; ++rr) sum += C[rr * S + lane];
-        for (int rr = 0; rr < S; ++rr) C[rr * S + lane] /= sum + eps;
-      }
-      __syncwarp();
-    };
-    cols();
-    for (int it = 0; it + 1 < p.iters; ++it) {
-      if (lane < S) {
-        float sum = 0.0f;
-        for (int c = 0; c < S; ++c) sum += C[lane * S + c];
-        for (int c = 0; c < S; ++c) C[lane * S + c] /= sum + eps;
-      }
-      __syncwarp();
-      cols();
-    }
-    for (int i = lane; i < S * S; i += 32) comb[t * S * S + i] = C[i];
-  }
-  __syncthreads();
+
+  const int64_t t = int64_t(blockIdx.x) - nsk;
+  // x = Σ_s pre[s]·h[t, s] into xs and norm_w into ws, U columns (VEC: float4s) a thread loaded before any is used,
+  // the first U before the mix is summed (they do not depend on it); each thread's Σx² in its column order.
+  using V = Cols<VEC>;
+  constexpr int U = A::collapse_batch(W);
+  const int64_t first = V::W * int64_t(threadIdx.x), stride = V::W * int64_t(kThreads);
   const float* ht = h + t * SD;
-  float ss = 0.0f;
-  if constexpr (VEC) {
-    for (int64_t d = 4 * threadIdx.x; d < D; d += 4 * kThreads) {
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  typename V::T x[U][S], wv[U];
+  auto load = [&](int64_t d0) {
 #pragma unroll
-      for (int s = 0; s < S; ++s) {
-        const float4 x = *reinterpret_cast<const float4*>(ht + s * D + d);
-        v.x = fmaf(pre[s], x.x, v.x), v.y = fmaf(pre[s], x.y, v.y);
-        v.z = fmaf(pre[s], x.z, v.z), v.w = fmaf(pre[s], x.w, v.w);
+    for (int u = 0; u < U; ++u) {
+      const int64_t d = d0 + stride * u;
+      if (d < D) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) x[u][s] = V::load(ht + s * D + d);
+        wv[u] = V::load(p.norm_w + d);
       }
-      *reinterpret_cast<float4*>(smem + d) = v;
-      ss = fmaf(v.x, v.x, ss), ss = fmaf(v.y, v.y, ss), ss = fmaf(v.z, v.z, ss), ss = fmaf(v.w, v.w, ss);
     }
-  } else {
-    for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-      float v = 0.0f;
+  };
+  load(first);
+  sum_partials<A::N, W, A::NC>(part, T, splits, t, 1, [](int j) { return j < S ? j : A::M; }, smem, mix);
+  if (threadIdx.x < S) {
+    const int s = threadIdx.x;
+    const float r = rsqrtf(mix[S] / static_cast<float>(SD) + p.rms_eps);
+    pre[s] = 1.0f / (1.0f + expf(-((mix[s] * r) * p.scale[0] + p.base[s]))) + p.hc_eps;
+  }
+  __syncthreads();  // pre is set; the partials in smem are no longer needed
+  float pr[S];
 #pragma unroll
-      for (int s = 0; s < S; ++s) v = fmaf(pre[s], ht[s * D + d], v);
-      smem[d] = v;
-      ss = fmaf(v, v, ss);
+  for (int s = 0; s < S; ++s) pr[s] = pre[s];
+  float* xs = smem;
+  float* ws = smem + D;
+  float ss = 0.0f;
+  for (int64_t d0 = first; d0 < D; d0 += stride * U) {
+    if (d0 != first) load(d0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t d = d0 + stride * u;
+      if (d < D) {
+        typename V::T v = V::zero();
+#pragma unroll
+        for (int s = 0; s < S; ++s) v = V::fma(pr[s], x[u][s], v);
+        V::store(xs + d, v);
+        V::store(ws + d, wv[u]);
+        ss = V::sum_sq(v, ss);
+      }
     }
   }
+  // Each thread reads back only the columns it wrote.
   const float r2 = rsqrtf(block_sum(ss, scratch) / static_cast<float>(D) + p.rms_eps);
   bf16* at = a + t * D;
   if constexpr (VEC) {
-    for (int64_t d = 4 * threadIdx.x; d < D; d += 4 * kThreads) {
-      const float4 v = *reinterpret_cast<const float4*>(smem + d);
-      const float4 w = *reinterpret_cast<const float4*>(p.norm_w + d);
+    for (int64_t d = first; d < D; d += stride) {
+      const float4 v = *reinterpret_cast<const float4*>(xs + d);
+      const float4 w = *reinterpret_cast<const float4*>(ws + d);
       __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(at + d);
       out[0] = __floats2bfloat162_rn(w.x * (v.x * r2), w.y * (v.y * r2));
       out[1] = __floats2bfloat162_rn(w.z * (v.z * r2), w.w * (v.w * r2));
     }
   } else {
-    for (int64_t d = threadIdx.x; d < D; d += kThreads) at[d] = __float2bfloat16(p.norm_w[d] * (smem[d] * r2));
+    for (int64_t d = first; d < D; d += stride) at[d] = __float2bfloat16(ws[d] * (xs[d] * r2));
   }
 }
 
@@ -359,28 +550,42 @@ __global__ void mhc_post_kernel(float* h, const float* y, const float* post, con
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Opts a kernel in to more than the default 48 KB of shared memory when it needs it (static + dyn bytes).
+template <typename K>
+void allow_smem(K kernel, size_t static_bytes, size_t dyn) {
+  if (static_bytes + dyn > 48 * 1024)
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dyn)));
+}
+
 template <int S>
 void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
   using P = ProjTile<S>;
+  using A = ApplyDims<S>;
   const int64_t SD = S * p.D, splits = num_splits(SD);
-  if (p.T <= kRowsMaxT) {
-    mhc_project_rows_kernel<S>
-        <<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(splits)), kThreads, 0, st>>>(h, p.fn, work, p.T, SD);
+  const bool rows = p.T <= kRowsMaxT;
+  const bool proj_vec = SD % 4 == 0 && aligned16(h) && aligned16(p.fn);
+  if (rows) {
+    auto kernel = proj_vec ? mhc_project_rows_kernel<S, true> : mhc_project_rows_kernel<S, false>;
+    const size_t smem = rows_smem_bytes<S>(p.T);
+    allow_smem(kernel, 0, smem);
+    kernel<<<static_cast<unsigned>(splits * kWarps), kRowsThreads, smem, st>>>(h, p.fn, work, p.T, SD);
   } else {
     const dim3 grid(static_cast<unsigned>(ceil_div(p.T, P::BM)), static_cast<unsigned>(splits));
-    const bool vec = SD % 4 == 0 && aligned16(h) && aligned16(p.fn);
-    auto kernel = vec ? mhc_project_tiled_kernel<S, true> : mhc_project_tiled_kernel<S, false>;
+    auto kernel = proj_vec ? mhc_project_tiled_kernel<S, true> : mhc_project_tiled_kernel<S, false>;
     NEXTLM_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(P::smem_bytes)));
     kernel<<<grid, kThreads, P::smem_bytes, st>>>(h, p.fn, work, p.T, SD);
   }
-  const size_t smem = p.D * sizeof(float);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
   const bool vec = p.D % 4 == 0 && aligned16(h) && aligned16(p.norm_w) && reinterpret_cast<uintptr_t>(a) % 8 == 0;
-  auto kernel = vec ? mhc_apply_kernel<S, true> : mhc_apply_kernel<S, false>;
-  if (smem > 48 * 1024)
-    NEXTLM_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<static_cast<unsigned>(p.T), kThreads, smem, st>>>(p, h, work, splits, post, comb, a);
+  auto kernel = rows ? (vec ? mhc_apply_kernel<S, true, kWarps> : mhc_apply_kernel<S, false, kWarps>)
+                     : (vec ? mhc_apply_kernel<S, true, 1> : mhc_apply_kernel<S, false, 1>);
+  const size_t smem = A::dyn_bytes(p.D);
+  allow_smem(kernel, A::static_bytes, smem);
+  const int skt = sk_tokens(p.T);
+  const int64_t nsk = ceil_div(p.T, skt);
+  kernel<<<static_cast<unsigned>(nsk + p.T), kThreads, smem, st>>>(p, h, work, splits, skt, nsk, post, comb, a);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int S>
@@ -394,6 +599,7 @@ void launch_post(float* h, const float* y, const float* post, const float* comb,
   } else {
     mhc_post_kernel<S, false><<<grid, 256, 0, st>>>(h, y, post, comb, D);
   }
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
@@ -410,7 +616,12 @@ void launch_post(float* h, const float* y, const float* post, const float* comb,
     default: fail("CUDA mHC: hc_mult ", S_, " is not instantiated (1, 2, 3, 4, 6, 8)"); \
   }
 
-int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D) { return num_splits(S * D) * T * ((2 + S) * S + 1); }
+// Up to kRowsMaxT tokens the chains [splits, T, N, kWarps], else the partials [splits, T, N]; past kRowsMaxT at least
+// the chains of kRowsMaxT tokens, so that the size never shrinks as T grows (a buffer sized for a batch holds any
+// smaller one).
+int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D) {
+  return num_splits(S * D) * ((2 + S) * S + 1) * std::max(T, std::min(T, kRowsMaxT) * kWarps);
+}
 
 void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
   if (!p.T) return;
