@@ -19,6 +19,8 @@
 #include <array>
 #include <filesystem>
 #include <map>
+#include <iterator>
+#include <memory>
 #include <tuple>
 #include <random>
 
@@ -27,6 +29,7 @@
 #include "model/lora.h"
 #include "model/optim.h"
 #include "model/train.h"
+#include "model/trainer.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -546,6 +549,139 @@ TEST(CudaTrain, LoraTrainCliLearnsOnTheGpu) {
   std::printf("[cuda lora train] loss %.4f -> %.4f on the GPU, %.4f -> %.4f on the CPU\n", g.front(), g.back(),
               c.front(), c.back());
   EXPECT_TRUE(std::filesystem::exists(tmp.str("gpu/checkpoint/adapter_model.safetensors")));
+}
+
+// The device LoRA step exactly as src/cli/train.cpp plugs it into a Trainer, on a trainer that holds the base on
+// the host (what `train --device cuda --lora-rank` ran before the base stayed on disk): `steps` steps from fresh
+// adapters with the options `opt`, saving into each of `saves` (step → checkpoint directory). Returns the losses.
+std::vector<double> host_base_device_lora(const std::string& model, const std::string& data, const TrainOptions& opt,
+                                          int64_t steps, const std::map<int64_t, std::string>& saves) {
+  const ModelConfig cfg = load_config(model + "/config.json");
+  Trainer tr(Model::load(model), read_train_jsonl(data, cfg.vocab_size, opt.batch_tokens), opt);
+  EXPECT_EQ(tr.lora_base(), LoraBase::Host);
+  std::unique_ptr<CudaModel> gpu;
+  int64_t gpu_version = -1;
+  tr.set_gradient_fn([&](const Model&, LoraAdapter* lora, int64_t version, const PackedBatch& b, ModelWeights&) {
+    if (!gpu) {
+      gpu = CudaModel::load(opt.base_model);
+      gpu->set_train_linears(false);
+      gpu->set_recompute(opt.recompute);
+      gpu->set_lora(*lora);
+      gpu->start_lora_optimizer(*lora, &tr.optimizer());
+    }
+    if (version != gpu_version) gpu->zero_grads();
+    gpu_version = version;
+    return gpu->forward_backward(b);
+  });
+  tr.set_device_optimizer(Trainer::DeviceOptimizer{
+      [&](double lr, int64_t t, double scale, double max_norm) {
+        return gpu->lora_adamw_step(tr.options().adamw, lr, t, scale, max_norm);
+      },
+      [&](LoraAdapter& adapter, AdamW& state) {
+        if (gpu) gpu->download_lora(adapter, &state);
+      }});
+  std::vector<double> losses;
+  while (tr.steps_done() < steps) {
+    losses.push_back(tr.step().loss);
+    if (saves.count(tr.steps_done())) tr.save(saves.at(tr.steps_done()));
+  }
+  return losses;
+}
+
+// ‖a − b‖/‖b‖ over every tensor of two safetensors files together, which must hold the same names and shapes.
+double file_error(const std::string& a, const std::string& b) {
+  const SafetensorsFile fa(a), fb(b);
+  EXPECT_EQ(fa.buffer().tensors().size(), fb.buffer().tensors().size()) << a;
+  double diff = 0, ref = 0;
+  for (const TensorView& t : fb.buffer().tensors()) {
+    const TensorView* u = fa.buffer().find(t.name);
+    if (!u || u->shape != t.shape) {
+      ADD_FAILURE() << a << ": " << t.name << " missing or mis-shaped";
+      return INFINITY;
+    }
+    const std::vector<float> x = to_f32(*u), y = to_f32(t);
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (!std::isfinite(x[i])) return INFINITY;
+      diff += (static_cast<double>(x[i]) - y[i]) * (static_cast<double>(x[i]) - y[i]);
+      ref += static_cast<double>(y[i]) * y[i];
+    }
+  }
+  return std::sqrt(diff / ref);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// `train --device cuda --lora-rank` keeps the base on disk (LoraBase::Disk: the host holds the adapters and their
+// optimizer state, no base weight) and trains as the host-base trainer did with the same device step
+// (host_base_device_lora, run here in-process): the first loss the same to the log's 9 digits (the same base and
+// adapters, B = 0: the same forward), the later losses within 1e-3 and the final adapters and moments within 1e-2
+// (two runs differ by the order of the backward's atomic additions, the MLA key gradients, which AdamW carries on),
+// the same adapter_config.json and trainer_state.json. A checkpoint the host-base trainer wrote at step 5 resumes
+// through the disk path (`train --resume` with --device cuda) to where the uninterrupted run ends, within the same
+// bounds. A wrong adapter init, seed or optimizer state moves the adapters by O(1), not 1e-2.
+TEST(CudaTrain, LoraTrainCliKeepsTheBaseOnDisk) {
+  const std::string model = test::golden_dir("tiny-glm5-next");
+  test::TempDir tmp;
+  std::vector<std::string> texts;
+  for (int rep = 0; rep < 4; ++rep)
+    for (const char* l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."})
+      texts.push_back(l);
+  const std::string data = tmp.str("data.jsonl");
+  write_byte_jsonl(data, texts);
+  const test::CliResult disk = test::run_nextlm(
+      "train --device cuda --model " + test::shell_quote(model) + " --data " + test::shell_quote(data) +
+      " --lora-rank 8 --warmup 2 --lr 1e-2 --batch-tokens 64 --grad-accum 2 --seed 1 --steps 10 --out " +
+      test::shell_quote(tmp.str("disk")));
+  ASSERT_EQ(disk.rc, 0) << disk.err;
+  EXPECT_NE(disk.err.find("read by the GPU from its checkpoint"), std::string::npos) << disk.err;
+  // The CLI's own options (defaults included), as it stored them.
+  const TrainOptions opt = Trainer::stored_options(tmp.str("disk/checkpoint"));
+  ASSERT_TRUE(opt.lora.has_value());
+  const std::vector<double> host = host_base_device_lora(
+      model, data, opt, 10, {{5, tmp.str("part/checkpoint")}, {10, tmp.str("host/checkpoint")}});
+  const std::vector<double> d = csv_losses(tmp.str("disk/train_log.csv"));
+  ASSERT_EQ(d.size(), 10u);
+  ASSERT_EQ(host.size(), 10u);
+  char first[64];
+  std::snprintf(first, sizeof first, "%.9g", host[0]);
+  EXPECT_EQ(d[0], std::stod(first)) << "the first step's loss differs from the host-base trainer's";
+  double worst = 0;
+  for (size_t i = 0; i < 10; ++i) worst = std::max(worst, std::fabs(d[i] - host[i]) / host[i]);
+  EXPECT_LE(worst, 1e-3);
+  EXPECT_LT(d.back(), d.front() - 0.1) << "loss did not fall";
+  const double adapter_err = file_error(tmp.str("disk/checkpoint/adapter_model.safetensors"),
+                                        tmp.str("host/checkpoint/adapter_model.safetensors"));
+  const double moment_err = file_error(tmp.str("disk/checkpoint/optimizer.safetensors"),
+                                       tmp.str("host/checkpoint/optimizer.safetensors"));
+  EXPECT_LE(adapter_err, 1e-2);
+  EXPECT_LE(moment_err, 1e-2);
+  for (const char* f : {"adapter_config.json", "trainer_state.json"})
+    EXPECT_EQ(read_text(tmp.str("disk/checkpoint/") + f), read_text(tmp.str("host/checkpoint/") + f)) << f;
+  std::printf("[cuda lora disk] losses %.4f -> %.4f (host base %.4f -> %.4f), worst relative loss difference %.3g; "
+              "adapters %.3g, moments %.3g\n",
+              d.front(), d.back(), host.front(), host.back(), worst, adapter_err, moment_err);
+
+  // Resume the host-base trainer's step-5 checkpoint through the disk path.
+  const test::CliResult res = test::run_nextlm("train --device cuda --resume " + test::shell_quote(tmp.str("part")) +
+                                               " --out " + test::shell_quote(tmp.str("part")) + " --data " +
+                                               test::shell_quote(data));
+  ASSERT_EQ(res.rc, 0) << res.err;
+  EXPECT_NE(res.err.find("read by the GPU from its checkpoint"), std::string::npos) << res.err;
+  const std::vector<double> r = csv_losses(tmp.str("part/train_log.csv"));
+  ASSERT_EQ(r.size(), 5u);
+  double worst_resumed = 0;
+  for (size_t i = 0; i < 5; ++i) worst_resumed = std::max(worst_resumed, std::fabs(r[i] - host[5 + i]) / host[5 + i]);
+  EXPECT_LE(worst_resumed, 1e-3);
+  const double resumed_err = file_error(tmp.str("part/checkpoint/adapter_model.safetensors"),
+                                        tmp.str("host/checkpoint/adapter_model.safetensors"));
+  EXPECT_LE(resumed_err, 1e-2);
+  EXPECT_EQ(read_text(tmp.str("part/checkpoint/trainer_state.json")),
+            read_text(tmp.str("host/checkpoint/trainer_state.json")));
+  std::printf("[cuda lora disk] resumed at step 5: worst relative loss difference %.3g, adapters %.3g\n",
+              worst_resumed, resumed_err);
 }
 
 }  // namespace

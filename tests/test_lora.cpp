@@ -1,19 +1,27 @@
 // LoRA on the CPU reference path (model/lora.h): targets, PEFT init, the adapters' gradients against finite
 // differences, B = 0 leaving the model exactly as it is, merged checkpoints equal to the adapter forward, PEFT names,
-// shapes and config, training steps that lower the loss and resume bit for bit, and the CLI (train, score --adapter,
-// merge) with its errors.
+// shapes and config, training steps that lower the loss and resume bit for bit, the trainer with its base on disk
+// (the same adapters, steps and checkpoint files from the config and tensor shapes alone, no base weight held), and
+// the CLI (train, score --adapter, merge) with its errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <optional>
 #include <random>
 #include <regex>
 #include <map>
 #include <set>
 #include <sstream>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -504,6 +512,307 @@ TEST(LoraTrain, StepsLowerTheLossKeepTheBaseAndResumeBitForBit) {
   }
 }
 
+// ---- LoRA with the base on disk (LoraBase::Disk) ---------------------------------------------------------------
+
+TrainOptions lora_train_options(LoraExperts ex) {
+  TrainOptions opt;
+  opt.steps = 8;
+  opt.warmup = 1;
+  opt.batch_tokens = 64;
+  opt.grad_accum = 2;
+  opt.adamw.lr = 2e-2;
+  opt.seed = 4;
+  opt.lora = options(4, 8, "all", ex, ex == LoraExperts::Shared);
+  opt.base_model = tiny_dir();
+  return opt;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+void expect_same_adapters(const LoraAdapter& a, const LoraAdapter& b) {
+  ASSERT_EQ(a.modules().size(), b.modules().size());
+  for (size_t i = 0; i < a.modules().size(); ++i) {
+    const LoraModule &x = a.modules()[i], &y = b.modules()[i];
+    const std::string where = a.module_path(x, 0, "");
+    EXPECT_EQ(x.kind, y.kind) << where;
+    EXPECT_EQ(x.layer, y.layer) << where;
+    EXPECT_EQ(x.expert, y.expert) << where;
+    EXPECT_EQ(x.rank, y.rank) << where;
+    EXPECT_EQ(x.scale, y.scale) << where;
+    EXPECT_TRUE(same_bits(x.A, y.A)) << where;
+    EXPECT_TRUE(same_bits(x.B, y.B)) << where;
+  }
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
+  const std::string sa((std::istreambuf_iterator<char>(fa)), {}), sb((std::istreambuf_iterator<char>(fb)), {});
+  return !sa.empty() && sa == sb;
+}
+
+// The adapters' gradients as `train --device cuda` computes them for a trainer whose base is on disk, done on the
+// CPU: a base of its own (the trainer holds none), merged with the adapter's current A and B whenever the version
+// changes, the merged model's full weight gradient summed over the step's micro-batches, and dA, dB recomputed from
+// that sum at each call. The arithmetic is the host-base trainer's default path, so both give the same bits.
+struct CpuGradients {
+  Model merged = Model::load(tiny_dir());
+  std::vector<Tensor> base;
+  ModelWeights dW;
+  int64_t version = -1;
+  RecomputePolicy recompute;
+
+  // Adds the batch's gradient into dW and sets ad's dA, dB to the adapter gradient of the step so far (ad's A and B
+  // merged in).
+  double run(LoraAdapter& ad, int64_t v, const PackedBatch& b) {
+    if (base.empty()) base = ad.capture(merged.weights());
+    if (v != version) {
+      ad.apply(base, merged.mutable_weights());
+      dW = zeros_like(merged.weights());
+      version = v;
+    }
+    const double loss = model_forward_backward(merged, b, dW, recompute);
+    for (LoraModule& m : ad.modules()) {
+      std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
+      std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
+    }
+    ad.backward(dW);
+    return loss;
+  }
+  Trainer::GradientFn fn() {
+    return [this](const Model& m, LoraAdapter* lora, int64_t v, const PackedBatch& b, ModelWeights& grads) {
+      EXPECT_TRUE(m.weights().layers.empty() && m.weights().embed.data.empty()) << "the trainer holds base weights";
+      EXPECT_TRUE(grads.layers.empty() && grads.embed.data.empty()) << "the trainer holds full-model gradients";
+      return run(*lora, v, b);
+    };
+  }
+};
+
+// The device optimizer of `train --device cuda --lora-rank`, emulated on the host with the host's arithmetic: its
+// own copy of the adapter (values, gradients) and AdamW state, taken from the trainer when the first gradient is
+// asked for (as CudaModel::start_lora_optimizer), updated by `update` and copied back by `fetch`.
+struct HostDevice {
+  CpuGradients grads;
+  std::optional<LoraAdapter> dev;
+  std::vector<ParamRef> params;
+  std::optional<AdamW> adam;
+  const Trainer* trainer = nullptr;
+
+  void attach(Trainer& t) {
+    trainer = &t;
+    t.set_gradient_fn([this](const Model&, LoraAdapter* lora, int64_t v, const PackedBatch& b, ModelWeights&) {
+      if (!dev) {
+        dev.emplace(*lora);
+        params = dev->params("model.language_model.");
+        adam.emplace(params, trainer->options().adamw);
+        if (!trainer->optimizer().m().empty()) {
+          adam->m() = trainer->optimizer().m();
+          adam->v() = trainer->optimizer().v();
+        }
+      }
+      return grads.run(*dev, v, b);
+    });
+    t.set_device_optimizer(Trainer::DeviceOptimizer{
+        [this](double lr, int64_t step, double scale, double max_norm) {
+          const float s = static_cast<float>(scale);
+          for (ParamRef& p : params)
+            for (int64_t i = 0; i < p.n; ++i) p.g[i] *= s;
+          const double norm = clip_grad_norm(params, max_norm);
+          adam->set_steps(step - 1);
+          adam->step(params, lr);
+          return norm;
+        },
+        [this](LoraAdapter& adapter, AdamW& state) {
+          if (!dev) return;
+          for (size_t i = 0; i < adapter.modules().size(); ++i) {
+            LoraModule& m = adapter.modules()[i];
+            std::copy(dev->modules()[i].A.data.begin(), dev->modules()[i].A.data.end(), m.A.data.begin());
+            std::copy(dev->modules()[i].B.data.begin(), dev->modules()[i].B.data.end(), m.B.data.begin());
+          }
+          state.m() = adam->m();
+          state.v() = adam->v();
+        }});
+  }
+};
+
+// The base-on-disk trainer makes the host trainer's adapters bit for bit from the config and the checkpoint's
+// headers, holds no model, and names what does not fit.
+TEST(LoraTrain, BaseOnDiskMakesTheSameAdaptersFromShapesOnly) {
+  for (LoraExperts ex : {LoraExperts::PerExpert, LoraExperts::Shared}) {
+    const TrainOptions opt = lora_train_options(ex);
+    Trainer host(Model::load(tiny_dir()), text_examples(), opt);
+    Trainer disk = Trainer::with_base_on_disk(text_examples(), opt);
+    EXPECT_EQ(host.lora_base(), LoraBase::Host);
+    EXPECT_EQ(disk.lora_base(), LoraBase::Disk);
+    ASSERT_NE(disk.lora(), nullptr);
+    expect_same_adapters(*host.lora(), *disk.lora());
+    EXPECT_EQ(disk.num_trainable(), host.num_trainable());
+    EXPECT_EQ(disk.optimizer().m().size(), host.optimizer().m().size());
+    EXPECT_NE(error_of([&] { disk.model(); }).find("holds no model"), std::string::npos);
+    EXPECT_NE(error_of([&] { disk.step(); }).find("set_gradient_fn"), std::string::npos);
+    EXPECT_EQ(disk.steps_done(), 0);
+    // Another seed, other adapters: the comparison above can fail.
+    TrainOptions other = opt;
+    other.seed = 5;
+    EXPECT_FALSE(same_bits(Trainer::with_base_on_disk(text_examples(), other).lora()->modules()[0].A,
+                           disk.lora()->modules()[0].A));
+  }
+  const TensorShapes shapes = read_tensor_shapes(tiny_dir());
+  const std::string p = "model.language_model.";
+  EXPECT_EQ(shapes.at(p + "layers.0.self_attn.q_proj.weight"), (std::vector<int64_t>{32, 48}));
+  EXPECT_EQ(shapes.at(p + "layers.2.mlp.experts.5.up_proj.weight"), (std::vector<int64_t>{24, 48}));
+  const TrainOptions opt = lora_train_options(LoraExperts::Shared);
+  const ModelConfig c = load_config(tiny_dir() + "/config.json");
+  auto make = [&](const ModelConfig& cfg, const TensorShapes& s, const TrainOptions& o) {
+    return error_of([&] { const Trainer t(cfg, s, text_examples(), o); });
+  };
+  EXPECT_EQ(make(c, shapes, opt), "(no error)");
+  TensorShapes missing = shapes;
+  missing.erase(p + "layers.3.self_attn.kv_b_proj.weight");
+  EXPECT_NE(make(c, missing, opt).find("layers.3.self_attn.kv_b_proj"), std::string::npos) << make(c, missing, opt);
+  TensorShapes bad = shapes;
+  bad[p + "layers.2.mlp.experts.5.up_proj.weight"] = {25, 48};  // a shared module checks every expert it covers
+  EXPECT_NE(make(c, bad, opt).find("experts.5.up_proj"), std::string::npos) << make(c, bad, opt);
+  ModelConfig other = c;
+  other.vocab_size = 300;
+  EXPECT_NE(make(other, shapes, opt).find("embed_tokens"), std::string::npos) << make(other, shapes, opt);
+  TrainOptions plain = opt;
+  plain.lora.reset();
+  EXPECT_NE(make(c, shapes, plain).find("LoRA"), std::string::npos);
+  // A text-only checkpoint (model.*) works as Model::load reads it.
+  TensorShapes text_only;
+  for (const auto& [name, shape] : shapes)
+    text_only[name.rfind(p, 0) == 0 ? "model." + name.substr(p.size()) : name] = shape;
+  EXPECT_EQ(make(c, text_only, opt), "(no error)");
+}
+
+// Stepping with the base on disk (the adapters' gradients from a gradient function, with the host optimizer or a
+// device one) gives the host-base trainer's losses, adapters and checkpoint files bit for bit; the checkpoint of
+// either resumes in either, with the next step the same.
+TEST(LoraTrain, BaseOnDiskStepsSavesAndResumesAsTheHostBase) {
+  const std::vector<std::string> files = {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors",
+                                          "trainer_state.json"};
+  for (const bool device : {false, true}) {
+    SCOPED_TRACE(device ? "device optimizer" : "host optimizer");
+    const TrainOptions opt = lora_train_options(LoraExperts::PerExpert);
+    Trainer host(Model::load(tiny_dir()), text_examples(), opt);
+    Trainer disk = Trainer::with_base_on_disk(text_examples(), opt);
+    CpuGradients cpu;
+    HostDevice emu;
+    if (device) {
+      emu.attach(disk);
+    } else {
+      disk.set_gradient_fn(cpu.fn());
+    }
+    for (int i = 0; i < 3; ++i) {
+      const StepStats h = host.step(), d = disk.step();
+      EXPECT_EQ(d.loss, h.loss) << "step " << i + 1;
+      EXPECT_EQ(d.grad_norm, h.grad_norm) << "step " << i + 1;
+      EXPECT_EQ(d.lr, h.lr);
+    }
+    TempDir dir;
+    host.save(dir.str("host"));
+    disk.save(dir.str("disk"));
+    expect_same_adapters(*host.lora(), *disk.lora());
+    for (const std::string& f : files)
+      EXPECT_TRUE(same_file(dir.str("host/" + f), dir.str("disk/" + f))) << f << " differs between the two bases";
+    EXPECT_FALSE(fs::exists(dir.str("disk/model.safetensors")));
+    const StepStats next = host.step();
+    // The disk checkpoint resumes with either base, and the host one with the base on disk.
+    for (const auto& [from, base] : {std::pair{"disk", LoraBase::Disk}, std::pair{"disk", LoraBase::Host},
+                                     std::pair{"host", LoraBase::Disk}}) {
+      SCOPED_TRACE(std::string(from) + (base == LoraBase::Disk ? " -> disk" : " -> host"));
+      const std::string ck = dir.str(from);
+      Trainer r = Trainer::resume(ck, text_examples(), Trainer::stored_options(ck), base);
+      EXPECT_EQ(r.lora_base(), base);
+      EXPECT_EQ(r.steps_done(), 3);
+      CpuGradients g;
+      HostDevice e;
+      if (base == LoraBase::Disk) {
+        EXPECT_NE(error_of([&] { r.model(); }).find("holds no model"), std::string::npos);
+        if (device) {
+          e.attach(r);
+        } else {
+          r.set_gradient_fn(g.fn());
+        }
+      }
+      const StepStats again = r.step();
+      EXPECT_EQ(again.loss, next.loss);
+      EXPECT_EQ(again.grad_norm, next.grad_norm);
+      r.save(dir.str("again"));
+      host.save(dir.str("host4"));
+      for (const std::string& f : files)
+        EXPECT_TRUE(same_file(dir.str("host4/" + f), dir.str("again/" + f))) << f << " differs after the resume";
+    }
+  }
+}
+
+// The real GLM-5.3-Flash (the config's defaults: 313B parameters, 1.25 TB in fp32) gets its adapters, saves them
+// and is ready to train with the base on disk while the process may map only 1 GiB more than it has: a trainer that
+// allocated a base weight (the embedding alone is 2.5 GB) would fail with bad_alloc here instead of filling the
+// machine. The adapters (rank 2, no routed experts) with their gradients and moments take about 80 MB.
+TEST(LoraTrain, BaseOnDiskHoldsNoWeightOfTheRealModel) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "the address-space limit does not combine with AddressSanitizer's shadow memory";
+#else
+  const ModelConfig c = parse_config(json{{"model_type", "glm5_next_text"}});
+  EXPECT_GT(parameter_count(c), int64_t{300'000'000'000});
+  EXPECT_EQ(c.hidden_size, 4096);
+  TrainOptions opt;
+  opt.lora = options(2, 4, "kda,mla,mlp,shared_experts", LoraExperts::PerExpert);
+  opt.base_model = "/models/GLM-5.3-Flash";
+  opt.seed = 3;
+  // The checkpoint's shapes: the embedding's and each adapted projection's (the hub names of the real model).
+  TensorShapes shapes;
+  shapes["model.language_model.embed_tokens.weight"] = {c.vocab_size, c.hidden_size};
+  {
+    const LoraAdapter ad(c, *opt.lora, opt.seed);
+    for (const LoraModule& m : ad.modules())
+      shapes[ad.module_path(m, 0, "model.language_model.") + ".weight"] = {m.B.dim(0), m.A.dim(1)};
+  }
+  std::vector<TrainExample> data(1);
+  data[0].tokens = {1, 2, 3, 4};
+  std::ifstream statm("/proc/self/statm");
+  size_t pages = 0;
+  statm >> pages;
+  ASSERT_GT(pages, 0u);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &old), 0);
+  rlimit lim = old;
+  lim.rlim_cur = pages * static_cast<size_t>(sysconf(_SC_PAGESIZE)) + (size_t{1} << 30);
+  if (old.rlim_cur != RLIM_INFINITY) lim.rlim_cur = std::min<rlim_t>(lim.rlim_cur, old.rlim_cur);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &lim), 0);
+  std::string error;
+  std::optional<Trainer> tr;
+  try {
+    tr.emplace(c, shapes, data, opt);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  setrlimit(RLIMIT_AS, &old);
+  ASSERT_TRUE(tr.has_value()) << error;
+  EXPECT_EQ(tr->lora_base(), LoraBase::Disk);
+  EXPECT_GT(tr->num_trainable(), 0);
+  EXPECT_LT(tr->num_trainable(), int64_t{100'000'000});
+  std::printf("[lora base on disk] a %lld-parameter base, %lld adapter parameters held\n",
+              static_cast<long long>(parameter_count(c)), static_cast<long long>(tr->num_trainable()));
+  EXPECT_NE(error_of([&] { tr->model(); }).find("holds no model"), std::string::npos);
+  TempDir dir;
+  tr->save(dir.str("ckpt"));
+  const SafetensorsFile f(dir.str("ckpt/adapter_model.safetensors"));
+  const TensorView* a =
+      f.buffer().find("base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->shape, (std::vector<int64_t>{2, 4096}));
+#endif
+}
+
 // ---- CLI --------------------------------------------------------------------------------------------------------
 
 std::string write_data(const TempDir& dir) {
@@ -537,6 +846,10 @@ TEST(LoraCli, TrainScoreMergeAndResume) {
                                  " --steps 3 --lr 2e-2 --warmup 1 --batch-tokens 64 --threads 1");
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.err.find("LoRA:"), std::string::npos) << r.err;
+  // The base's size comes from its config (parameter_count), which is what the loaded model counts.
+  EXPECT_NE(r.err.find("(" + std::to_string(Model::load(tiny_dir()).num_parameters()) + " parameters)"),
+            std::string::npos)
+      << r.err;
   const std::string ck = out + "/checkpoint";
   for (const char* f : {"adapter_model.safetensors", "adapter_config.json", "trainer_state.json"})
     EXPECT_TRUE(fs::exists(ck + "/" + f)) << f;

@@ -1,6 +1,6 @@
 // Training pieces on the CPU: random init (distributions of transformers' _init_weights, determinism), saving in hub
-// layout and reading back bit for bit, the loss mask, data loading, and checkpoint resume reproducing the next step
-// exactly.
+// layout and reading back bit for bit, the parameter count from a config, the loss mask, data loading, and checkpoint
+// resume reproducing the next step exactly.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -187,6 +187,34 @@ TEST(Data, ReadsMasksCutsLongSequencesAndNamesBadLines) {
   std::vector<int64_t> sorted = o;
   std::sort(sorted.begin(), sorted.end());
   for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(sorted[i], i);
+}
+
+// parameter_count reads the shapes from the config alone (for a LoRA base that is never loaded): it must count what
+// Model::num_parameters counts of the loaded tensors, on every layer kind, tied or not, with or without a shared
+// expert and with full and shared indexers.
+TEST(Model, ParameterCountFromTheConfigIsTheLoadedModels) {
+  int checked = 0;
+  for (const std::string& name : golden_cases()) {
+    const Model m = Model::load(golden_dir(name));
+    EXPECT_EQ(parameter_count(m.config()), m.num_parameters()) << name;
+    ++checked;
+  }
+  const Model tiny = Model::load(std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next");
+  EXPECT_EQ(parameter_count(tiny.config()), tiny.num_parameters());
+  ModelConfig c = fortunes_config();
+  c.tie_word_embeddings = true;
+  c.n_shared_experts = 0;
+  c.layer_types[6] = LayerType::SparseAttention;  // a shared-indexer DSA layer follows a full one
+  c.indexer_types[6] = IndexerType::Full;
+  c.indexer_types[7] = IndexerType::Shared;
+  validate(c);
+  const Model m(c, init_weights(c, 1));
+  EXPECT_EQ(parameter_count(c), m.num_parameters());
+  // Every shape enters: one more head changes both counts the same way.
+  c.linear_num_heads = 3;
+  EXPECT_EQ(parameter_count(c), Model(c, init_weights(c, 1)).num_parameters());
+  EXPECT_NE(parameter_count(c), m.num_parameters());
+  EXPECT_GE(checked, 4);
 }
 
 TEST(Trainer, ResumeReproducesTheNextStepBitForBit) {

@@ -148,7 +148,9 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   tr->add_option("--device", a.device,
                  "where the gradients are computed: cpu, or cuda in a CUDA build (bf16 weights and GEMMs on the GPU; "
-                 "the fp32 master weights, the optimizer and the checkpoints stay on the host)")
+                 "the fp32 master weights, the optimizer and the checkpoints stay on the host; with --lora-rank the "
+                 "whole step runs on the GPU, which reads the frozen base from its checkpoint, and the host holds "
+                 "only the adapters)")
       ->capture_default_str();
   tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
   tr->add_option("--lora-rank", a.lora_rank, "train LoRA adapters of this rank on the --model (frozen) instead");
@@ -267,6 +269,9 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   }
   if (parallel && opt.lora) throw TrainUsageError("LoRA training does not run under mpirun or with --tp/--ep yet");
   std::vector<TrainExample> data = read_train_jsonl(a.data, cfg.vocab_size, opt.batch_tokens);
+  // LoRA on the GPU leaves the base in its checkpoint: the device reads it from there, and the host holds only the
+  // config, the adapters and their optimizer state (a host copy of a 313B base would be 1.25 TB of fp32).
+  const bool base_on_disk = a.device == "cuda" && opt.lora && !parallel;
   std::optional<Trainer> trainer;
   std::optional<dist::Mesh> mesh;
   std::optional<dist::ParallelTrainer> ptrainer;
@@ -285,7 +290,9 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
       ptrainer.emplace(std::move(m), *mesh, std::move(data), opt);
     }
   } else if (!resume_dir.empty()) {
-    trainer.emplace(Trainer::resume(resume_dir, std::move(data), opt));
+    trainer.emplace(Trainer::resume(resume_dir, std::move(data), opt, base_on_disk ? LoraBase::Disk : LoraBase::Host));
+  } else if (base_on_disk) {
+    trainer.emplace(cfg, read_tensor_shapes(opt.base_model), std::move(data), opt);
   } else {
     Model m = a.config.empty() ? Model::load(a.model) : Model(cfg, init_weights(cfg, opt.seed));
     trainer.emplace(std::move(m), std::move(data), opt);
@@ -293,8 +300,9 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
 #ifdef NEXTLM_HAVE_CUDA
   // The GPU computes each micro-batch's gradients on bf16 copies of the host's fp32 values, refreshed after every
   // optimizer step; the trainer does the rest as on the CPU (so checkpoints and resumes are the same). With LoRA the
-  // device holds the frozen base, read from its checkpoint, and the adapters, with their fp32 values, gradients and
-  // AdamW moments: the whole step runs there, and the adapters come back to the host only to be saved.
+  // device holds the frozen base, read from its checkpoint (the trainer holds none of it: LoraBase::Disk, and `m`
+  // has no weights), and the adapters, with their fp32 values, gradients and AdamW moments: the whole step runs
+  // there, and the adapters come back to the host only to be saved.
   std::unique_ptr<CudaModel> gpu;
   int64_t gpu_version = -1;
   if (a.device == "cuda") {
@@ -379,8 +387,8 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   const int64_t num_trainable = trainer ? trainer->num_trainable() : ptrainer->num_trainable();
   if (lead && trainer && trainer->lora())
     std::cerr << "LoRA: " << trainer->lora()->modules().size() << " adapters of rank " << opt.lora->rank
-              << " on the frozen base " << opt.base_model << " (" << trainer->model().num_parameters()
-              << " parameters)\n";
+              << " on the frozen base " << opt.base_model << " (" << parameter_count(cfg) << " parameters"
+              << (trainer->lora_base() == LoraBase::Disk ? ", read by the GPU from its checkpoint" : "") << ")\n";
   if (lead && mesh)
     std::cerr << "parallel: " << mesh->world->size() << " ranks, " << mesh->dp->size()
               << " data-parallel replicas of " << mesh->replica_size << " (tp " << a.tp << ", ep " << a.ep << ")\n";

@@ -308,6 +308,19 @@ std::vector<Tensor> LoraAdapter::capture(const ModelWeights& w) const {
   return out;
 }
 
+void LoraAdapter::check_base_shapes(const std::map<std::string, std::vector<int64_t>>& shapes,
+                                    const std::string& prefix) const {
+  for (const LoraModule& m : modules_)
+    for (int64_t e : covered(m, config_.n_routed_experts)) {
+      const std::string name = module_path(m, e, prefix) + ".weight";
+      const std::vector<int64_t> want{m.B.dim(0), m.A.dim(1)};
+      const auto it = shapes.find(name);
+      check(it != shapes.end(), "LoRA module ", module_path(m, e, ""), " has no weight ", name, " in the base");
+      check(it->second == want, "LoRA module ", module_path(m, e, ""), ": adapter is for a ", shape_str(want),
+            " weight, the base's ", name, " is ", shape_str(it->second));
+    }
+}
+
 void LoraAdapter::apply(const std::vector<Tensor>& base, ModelWeights& w) const {
   size_t j = 0;
   for (const LoraModule& m : modules_)

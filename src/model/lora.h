@@ -17,6 +17,7 @@
 // Letters: r rank, in/out the projection's input and output widths, E routed experts.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,10 @@ class LoraAdapter {
 
   // Copies of the base weights the adapters sit on, in module order (shared modules: E copies); apply() needs them.
   std::vector<Tensor> capture(const ModelWeights& w) const;
+  // capture()'s checks against a base that is never loaded: the weight under every module (each expert a shared
+  // module covers) is in `shapes`, a checkpoint's tensor shapes by name (<prefix>layers.{i}.<path>.weight), with the
+  // adapter's [out, in] shape. Throws Error naming the first that is missing or mis-shaped.
+  void check_base_shapes(const std::map<std::string, std::vector<int64_t>>& shapes, const std::string& prefix) const;
   // W_eff = base + s·B·A into every targeted weight of w; `base` from capture().
   void apply(const std::vector<Tensor>& base, ModelWeights& w) const;
   // The adapters' gradients from the full-model weight gradients dW = ∂L/∂W_eff: dA += s·Bᵀ·dW, dB += s·dW·Aᵀ

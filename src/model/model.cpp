@@ -136,6 +136,29 @@ int64_t Model::num_parameters() const {
   return n;
 }
 
+int64_t parameter_count(const ModelConfig& c) {
+  const int64_t V = c.vocab_size, D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
+  const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
+  const int64_t NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim;
+  const int64_t QL = c.q_lora_rank, KL = c.kv_lora_rank, IH = c.index_n_heads, ID = c.index_head_dim;
+  const int64_t E = c.n_routed_experts, Im = c.moe_intermediate_size;
+  const int64_t kda = 3 * HK * D + 3 * HK * W + K * D + HK * K + HK + H + H * D + K * D + HK * K + K + D * HK;
+  const int64_t dsa = QL * D + QL + NH * dqk * QL + KL * D + KL + NH * (dqk + dv) * KL + D * NH * dv;
+  const int64_t indexer = IH * ID * QL + ID * D + 2 * ID + IH * D + c.index_kpool * ID + ID * D;
+  const int64_t moe = E * D + E + E * 3 * Im * D + (c.n_shared_experts > 0 ? 3 * Im * c.n_shared_experts * D : 0);
+  int64_t n = V * D + D + (c.tie_word_embeddings ? 0 : V * D);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    n += 2 * (M * S * D + M + 3) + 2 * D;  // mHC of both sites, the two norms
+    if (c.layer_types[i] == LayerType::LinearAttention) {
+      n += kda;
+    } else {
+      n += dsa + (c.indexer_types[i] == IndexerType::Full ? indexer : 0);
+    }
+    n += c.mlp_layer_types[i] == MlpType::Dense ? 3 * c.intermediate_size * D : moe;
+  }
+  return n;
+}
+
 int64_t Model::num_active_parameters() const {
   // A token runs num_experts_per_tok of the routed experts of each MoE layer; everything else counts whole.
   int64_t n = num_parameters();

@@ -69,4 +69,8 @@ class Model {
 
 void validate_batch(const PackedBatch& batch, int64_t vocab_size);
 
+// Model::num_parameters() of a model of config c, from the config alone (the shapes load_weights checks): for a
+// base that is never loaded (a LoRA trainer's on disk).
+int64_t parameter_count(const ModelConfig& c);
+
 }  // namespace nextlm

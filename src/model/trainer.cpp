@@ -93,23 +93,86 @@ std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
   return order;
 }
 
+namespace {
+
+void check_options(const std::vector<TrainExample>& data, const TrainOptions& opt) {
+  check(!data.empty(), "no training data");
+  check(opt.steps >= 0 && opt.warmup >= 0 && opt.grad_accum >= 1 && opt.batch_tokens >= 2,
+        "invalid training options");
+}
+
+// The text model's prefix in a checkpoint, chosen as load_weights chooses it: multimodal checkpoints hold it under
+// model.language_model., text-only ones under model.
+std::string text_prefix(const TensorShapes& s) {
+  const std::string mm = "model.language_model.";
+  return !s.count(mm + "embed_tokens.weight") && s.count("model.embed_tokens.weight") ? "model." : mm;
+}
+
+}  // namespace
+
 Trainer::Trainer(Model model, std::vector<TrainExample> data, TrainOptions opt)
     : model_(std::move(model)),
       data_(std::move(data)),
       opt_(opt),
       grads_(zeros_like(model_.weights())),
       adam_({}, opt.adamw) {
-  check(!data_.empty(), "no training data");
-  check(opt_.steps >= 0 && opt_.warmup >= 0 && opt_.grad_accum >= 1 && opt_.batch_tokens >= 2,
-        "invalid training options");
+  check_options(data_, opt_);
   if (opt_.lora) {
     lora_.emplace(model_.config(), *opt_.lora, opt_.seed);
     lora_base_ = lora_->capture(model_.weights());
     lora_->apply(lora_base_, model_.mutable_weights());  // B = 0: W_eff = W, written the one way it always is
   }
+  init_optimizer();
+}
+
+Trainer::Trainer(ModelConfig config, const TensorShapes& base_shapes, std::vector<TrainExample> data,
+                 TrainOptions opt)
+    : model_(std::move(config), ModelWeights{}), data_(std::move(data)), opt_(opt), adam_({}, opt.adamw),
+      base_(LoraBase::Disk) {
+  check_options(data_, opt_);
+  check(opt_.lora.has_value(), "a trainer with its base on disk trains LoRA adapters: the options have no LoRA");
+  const ModelConfig& c = model_.config();
+  validate(c);
+  // The embedding's shape ties the config to the checkpoint (as Model::load would check it); the adapted
+  // projections' shapes are the only other ones the host needs to know.
+  const std::string prefix = text_prefix(base_shapes), embed = prefix + "embed_tokens.weight";
+  const std::vector<int64_t> embed_shape{c.vocab_size, c.hidden_size};
+  const auto it = base_shapes.find(embed);
+  check(it != base_shapes.end(), "checkpoint ", opt_.base_model, " is missing tensor ", embed);
+  check(it->second == embed_shape, "tensor ", embed, " in ", opt_.base_model, " has shape ", shape_str(it->second),
+        ", expected ", shape_str(embed_shape));
+  lora_.emplace(c, *opt_.lora, opt_.seed);
+  lora_->check_base_shapes(base_shapes, prefix);
+  init_optimizer();
+}
+
+TensorShapes read_tensor_shapes(const std::string& dir) {
+  const Checkpoint ck(dir);  // maps the files and parses their headers; no tensor's data is touched
+  TensorShapes out;
+  for (const std::string& name : ck.names()) out.emplace(name, ck.find(name)->shape);
+  return out;
+}
+
+Trainer Trainer::with_base_on_disk(std::vector<TrainExample> data, TrainOptions opt) {
+  check(opt.lora.has_value(), "a trainer with its base on disk trains LoRA adapters: the options have no LoRA");
+  std::error_code ec;
+  check(fs::is_directory(opt.base_model, ec), "LoRA base model ", opt.base_model, " does not exist");
+  const fs::path cfg = fs::path(opt.base_model) / "config.json";
+  check(fs::exists(cfg, ec), "no config.json in ", opt.base_model);
+  ModelConfig c = load_config(cfg.string());
+  const TensorShapes shapes = read_tensor_shapes(opt.base_model);
+  return Trainer(std::move(c), shapes, std::move(data), std::move(opt));
+}
+
+void Trainer::init_optimizer() {
   reset_params();
   adam_ = AdamW(params_, opt_.adamw);
   order_ = epoch_order(static_cast<int64_t>(data_.size()), opt_.seed, pos_.epoch);
+}
+
+const Model& Trainer::model() const {
+  check(base_ == LoraBase::Host, "this LoRA trainer holds no model: its base stays in ", opt_.base_model);
+  return model_;
 }
 
 // PEFT module names use transformers' module tree, whose text model is model.language_model.* in 5.x.
@@ -166,6 +229,8 @@ double prediction_weight(const PackedBatch& b) {
 }
 
 StepStats Trainer::step() {
+  check(base_ == LoraBase::Host || grad_fn_,
+        "a LoRA trainer with its base on disk needs a gradient function that reads the base (set_gradient_fn)");
   const auto t0 = std::chrono::steady_clock::now();
   if (!device_opt_.update)  // a device optimizer keeps the gradients where they are computed
     for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
@@ -198,7 +263,7 @@ StepStats Trainer::step() {
     adam_.step(params_, st.lr);
     ModelWeights& w = model_.mutable_weights();
     if (lora_) {
-      lora_->apply(lora_base_, w);
+      if (base_ == LoraBase::Host) lora_->apply(lora_base_, w);
     } else if (model_.config().tie_word_embeddings) {
       w.lm_head.data = w.embed.data;  // same size: no reallocation
     }
@@ -307,7 +372,7 @@ void write_training_checkpoint(const std::string& dir, const std::function<void(
 void Trainer::save(const std::string& dir) {
   if (device_stale_) {
     device_opt_.fetch(*lora_, adam_);
-    lora_->apply(lora_base_, model_.mutable_weights());
+    if (base_ == LoraBase::Host) lora_->apply(lora_base_, model_.mutable_weights());
     device_stale_ = false;
   }
   std::vector<TensorToWrite> moments;
@@ -347,17 +412,19 @@ TrainOptions Trainer::stored_options(const std::string& dir) {
   }
 }
 
-Trainer Trainer::resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt) {
+Trainer Trainer::resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt, LoraBase base) {
   const json st = read_state(dir);
   if (opt.lora) {
     std::error_code ec;
     check(fs::is_directory(opt.base_model, ec), "cannot resume the LoRA run in ", dir, ": its base model ",
           opt.base_model, " does not exist");
   }
-  Trainer tr(Model::load(opt.lora ? opt.base_model : dir), std::move(data), opt);
+  const bool on_disk = opt.lora && base == LoraBase::Disk;
+  Trainer tr = on_disk ? with_base_on_disk(std::move(data), opt)
+                       : Trainer(Model::load(opt.lora ? opt.base_model : dir), std::move(data), opt);
   if (tr.lora_) {
     tr.lora_->load_values(dir, kPrefix);
-    tr.lora_->apply(tr.lora_base_, tr.model_.mutable_weights());
+    if (!on_disk) tr.lora_->apply(tr.lora_base_, tr.model_.mutable_weights());
   }
   try {
     check(st.at("num_sequences").get<size_t>() == tr.data_.size(), "cannot resume from ", dir, ": it was trained on ",

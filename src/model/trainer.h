@@ -4,6 +4,7 @@
 #include <csignal>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -62,11 +63,36 @@ struct StepStats {
   double seconds = 0.0;     // wall time of the step
 };
 
+// The shapes of a checkpoint's tensors by name (hub names, e.g. model.language_model.layers.0.self_attn.q_proj.weight).
+using TensorShapes = std::map<std::string, std::vector<int64_t>>;
+// Those of the checkpoint in DIR (model.safetensors or the shards of its index), from the safetensors headers alone:
+// no tensor's data is read.
+TensorShapes read_tensor_shapes(const std::string& dir);
+
+// Where a LoRA trainer's frozen base lives.
+enum class LoraBase {
+  // In the trainer's Model, in fp32, with W + s·B·A merged into it after every step (the CPU path).
+  Host,
+  // In its checkpoint (TrainOptions::base_model) only: the trainer holds the config, the adapters and their
+  // optimizer state, and the gradient function reads the base itself (`train --device cuda --lora-rank`, where the
+  // GPU holds it in bf16). A 313B base would take 1.25 TB of host memory in fp32; this takes none.
+  Disk,
+};
+
 class Trainer {
  public:
   // Starts from `model` with fresh optimizer state (with opt.lora: fresh adapters on `model`, which stays frozen).
   // data must not be empty.
   Trainer(Model model, std::vector<TrainExample> data, TrainOptions opt);
+  // A LoRA trainer with its base on disk (LoraBase::Disk; opt.lora required): the model's config and the base's
+  // tensor shapes (read_tensor_shapes(opt.base_model)) are all it reads of the base. The adapters are those the
+  // constructor above makes for the same config, options and seed, bit for bit; each adapted projection must be in
+  // base_shapes with the adapter's [out, in] shape (Error otherwise, naming it). Neither the base's weights, nor a
+  // merged model, nor full-model gradients are ever allocated: step() needs set_gradient_fn, and model() is an
+  // Error.
+  Trainer(ModelConfig config, const TensorShapes& base_shapes, std::vector<TrainExample> data, TrainOptions opt);
+  // The same, reading opt.base_model/config.json and the checkpoint's headers.
+  static Trainer with_base_on_disk(std::vector<TrainExample> data, TrainOptions opt);
   // params_ points into model_ and grads_: a move keeps those buffers (std::vector moves its storage), a copy would
   // not.
   Trainer(const Trainer&) = delete;
@@ -81,7 +107,8 @@ class Trainer {
   // CPU by default; `train --device cuda` plugs in the GPU's. Without LoRA it adds dL/dθ into grads (zeros_like
   // layout); with LoRA, `lora` is the adapter (A and B current) and it adds dL/dA, dL/dB into the modules' dA, dB
   // (grads is then unused). `version` changes exactly when the trained values have (the optimizer steps taken),
-  // so an engine holding a copy of them knows when to refresh it.
+  // so an engine holding a copy of them knows when to refresh it. With the base on disk, `model` holds the config
+  // and no weight, and grads is empty: the function reads the base from options().base_model itself.
   using GradientFn = std::function<double(const Model& model, LoraAdapter* lora, int64_t version,
                                           const PackedBatch& batch, ModelWeights& grads)>;
   void set_gradient_fn(GradientFn f) { grad_fn_ = std::move(f); }
@@ -105,16 +132,20 @@ class Trainer {
   // checkpoint, old or new.
   // With LoRA the checkpoint holds the adapter instead of the model: adapter_model.safetensors +
   // adapter_config.json (a PEFT directory, for `score --adapter` and `merge`), with the same optimizer and state
-  // files; resume() loads the base model from options().base_model.
+  // files; resume() loads the base model from options().base_model. Both places of the base write the same files.
   void save(const std::string& dir);  // fetches a device optimizer's state first
   // A trainer in exactly the state save() recorded; `opt` replaces the stored options (pass stored_options(dir)
-  // to keep them).
-  static Trainer resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt);
+  // to keep them). A LoRA checkpoint resumes with its base where `base` says (LoraBase::Disk reads only the base's
+  // config and tensor shapes, as with_base_on_disk); `base` is ignored without LoRA.
+  static Trainer resume(const std::string& dir, std::vector<TrainExample> data, TrainOptions opt,
+                        LoraBase base = LoraBase::Host);
   static TrainOptions stored_options(const std::string& dir);
 
   // The model trained (with LoRA: the base with the adapters merged in, W + s·B·A; with a device optimizer, as of
-  // the last save).
-  const Model& model() const { return model_; }
+  // the last save). An Error when the LoRA base is on disk: there is no host model then.
+  const Model& model() const;
+  // Host unless this is a LoRA trainer with its base on disk.
+  LoraBase lora_base() const { return base_; }
   const LoraAdapter* lora() const { return lora_ ? &*lora_ : nullptr; }
   int64_t num_trainable() const;
   const TrainOptions& options() const { return opt_; }
@@ -124,8 +155,9 @@ class Trainer {
  private:
   PackedBatch next_batch();
   void reset_params();
+  void init_optimizer();  // the constructors' common end: parameters, fresh AdamW state, the first epoch's order
 
-  Model model_;
+  Model model_;  // with the LoRA base on disk: the config and no weight
   std::vector<TrainExample> data_;
   TrainOptions opt_;
   ModelWeights grads_;
@@ -134,7 +166,8 @@ class Trainer {
   DataPosition pos_;
   std::vector<int64_t> order_;  // the current epoch's permutation
   std::optional<LoraAdapter> lora_;
-  std::vector<Tensor> lora_base_;  // the base weights under the adapters (LoraAdapter::capture)
+  std::vector<Tensor> lora_base_;  // the base weights under the adapters (LoraAdapter::capture); empty on disk
+  LoraBase base_ = LoraBase::Host;
   GradientFn grad_fn_;             // empty: model_forward_backward
   DeviceOptimizer device_opt_;     // empty: clipping and AdamW on the host
   bool device_stale_ = false;      // the device optimizer has stepped since the last fetch
