@@ -91,7 +91,8 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 
 // The same gradients from the chunked (WY) form (src/cuda/kda_chunked_backward.cu): per chunk of 64 tokens as ch
 // describes them (the forward's plan), parallel over chunks except two passes over each sequence's chunks that carry
-// the state and its gradient; fp32 on CUDA cores, reproducible (no atomics). Inputs and outputs as
+// the state and its gradient; the matrix products on tensor cores in split bf16 (hi + lo, three MMAs, fp32 sums:
+// about fp32's accuracy), reproducible (no atomics). Inputs and outputs as
 // kda_recurrent_backward; every sequence starts from a zero state. K ∈ {32, 64, 128}. work:
 // kda_chunked_backward_workspace_bytes(ch.num_chunks, T, H, K) bytes (385 KiB per chunk and head at K = 128, so
 // 1.5 GiB at T = 4096, H = 64).

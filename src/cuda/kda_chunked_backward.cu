@@ -1,6 +1,6 @@
-// Backward of the KDA delta rule in the chunked (WY) form on the GPU, fp32 throughout: the chunk-parallel
-// counterpart of kda_recurrent_backward (src/cuda/kda_backward.cu) and of the CPU definition in
-// src/model/kda_backward.cpp, over chunks of 64 tokens laid out as the forward's plan lays them out (KdaChunks).
+// Backward of the KDA delta rule in the chunked (WY) form on the GPU, its matrix products on tensor cores in split
+// bf16: the chunk-parallel counterpart of kda_recurrent_backward (src/cuda/kda_backward.cu) and of the CPU definition
+// in src/model/kda_backward.cpp, over chunks of 64 tokens laid out as the forward's plan lays them out (KdaChunks).
 //
 // Per chunk (rows i < n, S0 the state entering it, Γ the in-chunk cumulative log decay, γ = Γ of its last row):
 //   M = strict_lower(k·decay·kᵀ), A = (I + diag(β)·M)⁻¹, U = A·(β v), W = A·(β k∘e^Γ),
@@ -10,39 +10,51 @@
 // overflows for any g ≤ 0 and the cross-block sums are plain products. The backward, with dSe the gradient of S_end:
 //   du = Aqkᵀ·dO + Kd·dSe,  dS0 = Qgᵀ·dO + e^γ∘dSe − Wᵀ·du   (sequential over chunks, value columns apart; the
 //                                                             products with dO are formed beforehand, in parallel)
-//   dW = −du·S0ᵀ, dQg = dO·S0ᵀ, dKd = u·dSeᵀ, dγ ∋ e^γ∘rowsum(S0∘dSe)  (kernel "inter")
-//   dAqk = lower(dO·uᵀ), d(βv) = Aᵀ·du, d(βKg) = Aᵀ·dW, dL = −strict_lower(Aᵀ·dA·Aᵀ) with
-//   dA = strict_lower(du·(βv)ᵀ + dW·(βKg)ᵀ), then the products through the decay for dq, dk, dΓ  (kernel "intra")
+//   dW = −du·S0ᵀ, dQg = dO·S0ᵀ, dKd = u·dSeᵀ, dγ ∋ e^γ∘rowsum(S0∘dSe), dAqk = lower(dO·uᵀ)  (kernel "inter")
+//   d(βv) = Aᵀ·du, d(βKg) = Aᵀ·dW, dL = −strict_lower(Aᵀ·dA·Aᵀ) with dA = strict_lower(du·(βv)ᵀ + dW·(βKg)ᵀ),
+//   then the products through the decay for dq, dk, dΓ  (kernel "intra")
 //   dg = reverse cumsum of dΓ over the chunk's rows, + dγ on every row.
 //
-// Five kernels: prep (per chunk and head: the factors), fwd_state (per sequence, head and 64 value columns: the
-// states entering every chunk and u), bwd_state (the same grid, backward: dSe of every chunk and du), inter and intra
-// (per chunk and head). All products are fp32 FMAs on CUDA cores from shared memory, 16×16 threads each owning a
-// strided tile of the output; fp32 keeps the result within rounding of the recurrent definition (tensor cores in
-// bf16 or tf32 would cost 1e-3 … 1e-2 relative error in the gradients). Every output element is written by one
-// thread with sums in a fixed order (no atomics): reproducible run to run. Kernels of one call run in stream order,
-// so inter and intra both add into dq, dk and dg without a race.
+// Five kernels: prep (per chunk and head: the factors, and the state pass's products with dO), fwd_state (per
+// sequence, head and 64 value columns: the states entering every chunk and u), bwd_state (the same grid, backward:
+// dSe of every chunk and du), inter and intra (per chunk and head). Each block has eight warps; a product's output is
+// cut into one 16-row tile per warp (WarpTile), and the state passes keep their fp32 state in the accumulators.
+//
+// Precision. Every matrix product runs on tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulation) in split
+// bf16: an operand x is held as x_hi = bf16(x) and x_lo = bf16(x − x_hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
+// (three MMAs; about 16 mantissa bits, ~1e-5 relative per product, where plain bf16 or tf32 products would cost
+// 1e-3 … 1e-2 in the gradients). On tensor cores: U, W, the cross-block parts of Aqk and M, Qgᵀ·dO and Aqkᵀ·dO (prep);
+// W·S and Kdᵀ·u (fwd_state); Kd·dSe and Wᵀ·du (bwd_state); du·S0ᵀ, dO·S0ᵀ, u·dSeᵀ and dO·uᵀ (inter); Aᵀ·du, Aᵀ·dW,
+// dA, Aᵀ·dA, (Aᵀ·dA)·Aᵀ and the cross-block products through the decay (intra). In fp32 on CUDA cores: the cumulative
+// gates, the pairs within a 16-row block (their decay taken element by element), the inverse A, and every
+// element-wise step. The chunked form is thus expected ~1e-5 (norm-relative) from the recurrent one instead of within
+// fp32 rounding of it; the tests and the bench hold it to 1e-4. Every output element is written by one thread with
+// sums in a fixed order (no atomics; an MMA's sum order is fixed too): reproducible run to run. Kernels of one call
+// run in stream order, so inter and intra both add into dq, dk and dg without a race.
 #include "cuda/backward_kernels.h"
+#include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
 
 namespace {
 
-constexpr int kC = 64;        // chunk length (the forward's plan)
-constexpr int kCP = kC + 1;   // padded row stride of C×C matrices in shared memory
-// Value columns per block of the state passes: 64 gives 4×4 and 8×4 output tiles per thread (fewer shared-memory
-// loads per FMA than narrower tiles) and, at H = 64, 128 blocks per sequence, about one per SM of the H200.
+constexpr int kC = 64;         // chunk length (the forward's plan)
+constexpr int kCP = kC + 1;    // padded row stride of fp32 C×C matrices in shared memory
+constexpr int kCS = kC + 8;    // row stride of split C×C matrices in shared memory (ldmatrix without bank conflicts)
+constexpr int kThreads = 256;  // eight warps
+// Value columns per block of the state passes: at H = 64, K = 128, 128 blocks per sequence, about one per SM.
 template <int K>
 constexpr int state_cols() {
   return K < 64 ? K : 64;
 }
-constexpr int kThreads = 256; // 16×16 threads: the tile layout of mm()
 
-// Per (chunk, head) workspace block, in floats (385 KiB at K = 128). From prep: U, W, Kd = k∘e^(γ−Γ), Γ [C, K];
-// A (unit lower), M (strictly lower) [C, C]; γ [K]; and the parts of the state pass that do not depend on the carried
-// gradient, Qgᵀ·dO [K, K] in the dh slot and Aqkᵀ·dO [C, K] in the du slot. From fwd_state: h = S0 [K, K] and
-// u [C, K]; from bwd_state (over what prep left there): dSe [K, K] and du [C, K]; from inter: dW [C, K]. Rows ≥ n of
-// a chunk hold zeros (U, W, u, du) or are unused.
+// Per (chunk, head) workspace block, in floats (385 KiB at K = 128). "Split" slots hold a matrix as its hi plane
+// (bf16, rows × cols) followed by its lo plane, in the space of the fp32 matrix. From prep: U [C, K] (fp32), W and
+// Kd = k∘e^(γ−Γ) [C, K] (split), Γ [C, K]; A [C, C] (split, unit lower), M [C, C] (strictly lower); γ [K]; and the
+// parts of the state pass that do not depend on the carried gradient, Qgᵀ·dO [K, K] in the dh slot and Aqkᵀ·dO
+// [C, K] in the du slot. From fwd_state: h = S0 [K, K] and u [C, K]; from bwd_state (over what prep left there): dSe
+// [K, K] and du [C, K]; from inter: dW [C, K] (split) and dAqk [C, C] in the U slot (U is dead by then). Rows ≥ n of
+// a chunk hold zeros (U, W, Kd, u, du, dW, dAqk) or are unused.
 struct Layout {
   int64_t K;
   __host__ __device__ int64_t ck() const { return kC * K; }
@@ -69,56 +81,107 @@ struct Params {
   float* ws;
 };
 
-// acc[a][b] += Σ_{k < kc} A(i, k)·B(k, j) for i = ty + 16a, j = tx + 16b (ty = tid / 16, tx = tid % 16), with
-// A(i, k) = pa[i·sai + k·sak] and B(k, j) = pb[k·sbk + j·sbj] in shared memory. With odd row strides both operand
-// orientations are free of bank conflicts (a warp reads two rows i, sixteen columns j).
-template <int TM, int TN>
-__device__ __forceinline__ void mm(float (&acc)[TM][TN], const float* pa, int sai, int sak, const float* pb, int sbk,
-                                   int sbj, int kc) {
-  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
-  pa += ty * sai;
-  pb += tx * sbj;
-#pragma unroll 4
-  for (int k = 0; k < kc; ++k) {
-    float av[TM], bv[TN];
+// ---- Split bf16 and tensor-core products ----
+
+__device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+// x0, x1 (adjacent columns) into a split matrix at p: hi there, lo `plane` elements further on.
+__device__ __forceinline__ void put2(bf16* p, int plane, float x0, float x1) {
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(x0, x1);
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x0 - __low2float(hi), x1 - __high2float(hi));
+  *reinterpret_cast<__nv_bfloat162*>(p) = hi;
+  *reinterpret_cast<__nv_bfloat162*>(p + plane) = lo;
+}
+// Four adjacent columns (p 8-byte aligned).
+__device__ __forceinline__ void put4(bf16* p, int plane, float4 x) {
+  const __nv_bfloat162 h0 = __floats2bfloat162_rn(x.x, x.y), h1 = __floats2bfloat162_rn(x.z, x.w);
+  const __nv_bfloat162 l0 = __floats2bfloat162_rn(x.x - __low2float(h0), x.y - __high2float(h0));
+  const __nv_bfloat162 l1 = __floats2bfloat162_rn(x.z - __low2float(h1), x.w - __high2float(h1));
+  *reinterpret_cast<uint2*>(p) = make_uint2(bits(h0), bits(h1));
+  *reinterpret_cast<uint2*>(p + plane) = make_uint2(bits(l0), bits(l1));
+}
+// hi + lo of four adjacent columns.
+__device__ __forceinline__ float4 get4(const bf16* p, int plane) {
+  const uint2 h = *reinterpret_cast<const uint2*>(p), l = *reinterpret_cast<const uint2*>(p + plane);
+  auto lo16 = [](uint32_t x) { return __uint_as_float(x << 16); };
+  auto hi16 = [](uint32_t x) { return __uint_as_float(x & 0xffff0000u); };
+  return make_float4(lo16(h.x) + lo16(l.x), hi16(h.x) + hi16(l.x), lo16(h.y) + lo16(l.y), hi16(h.y) + hi16(l.y));
+}
+
+__device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+
+// The cut of an R × N output into one tile of 16·MT rows × 8·NT columns per warp: RT row tiles times CG column
+// groups, warps beyond them idle (only for K = 32).
+template <int R, int N, int MT = 1>
+struct WarpTile {
+  static constexpr int RT = R / (16 * MT);
+  static constexpr int CG = 8 / RT < N / 16 ? 8 / RT : N / 16;
+  static constexpr int NT = N / (8 * CG);
+  static_assert(RT >= 1 && RT <= 8 && CG >= 1 && NT % 2 == 0, "a tile per warp, n-tiles in pairs");
+  __device__ static int row0(int w) { return 16 * MT * (w % RT); }
+  __device__ static int col0(int w) { return (N / CG) * (w / RT); }
+  __device__ static bool active(int w) { return w / RT < CG; }
+};
+
+// acc[mt][nt] += a[mt]·(n-tile nt of b) for every tile of the warp; b holds the n-tiles in pairs (load_b_*).
+template <int MT, int NT>
+__device__ __forceinline__ void mma_tiles(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4],
+                                          const uint32_t (&b)[NT / 2][4]) {
 #pragma unroll
-    for (int a = 0; a < TM; ++a) av[a] = pa[16 * a * sai + k * sak];
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int b = 0; b < TN; ++b) bv[b] = pb[k * sbk + 16 * b * sbj];
+    for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[mt][nt], a[mt], b[nt / 2][2 * (nt % 2)], b[nt / 2][2 * (nt % 2) + 1]);
+}
+
+// acc += A·B on this warp's tile of 16·MT rows × 8·NT columns, over the k-steps kb ≤ kk < ke (16 each), in split
+// bf16: A_lo·B_hi + A_hi·B_lo + A_hi·B_hi with fp32 accumulation, in that order per k-step (each pass over all the
+// tiles, so that consecutive MMAs are independent). a points at A's element (row 0, k 0) in the hi plane of a split
+// matrix (lo plane pa elements on): row-major [m][k] with row stride lda or, with AT, stored as [k][m]; m-tile mt
+// starts amt elements after a. b points at B's element (k 0, column 0): stored [k][n] with row stride ldb or, with
+// BT, as [n][k]; lo plane pb elements on.
+template <int MT, int NT, bool AT, bool BT>
+__device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int lda, int amt, int pa, const bf16* b,
+                                     int ldb, int pb, int kb, int ke) {
+  static_assert(NT % 2 == 0, "B fragments come in pairs of n-tiles");
+#pragma unroll 1
+  for (int kk = kb; kk < ke; ++kk) {
+    uint32_t ah[MT][4], al[MT][4], bh[NT / 2][4], bl[NT / 2][4];
 #pragma unroll
-    for (int a = 0; a < TM; ++a)
+    for (int mt = 0; mt < MT; ++mt) {
+      const bf16* t = a + mt * amt + (AT ? 16 * kk * lda : 16 * kk);
+      if constexpr (AT) {
+        load_a_t(ah[mt], t, lda);
+        load_a_t(al[mt], t + pa, lda);
+      } else {
+        load_a(ah[mt], t, lda);
+        load_a(al[mt], t + pa, lda);
+      }
+    }
 #pragma unroll
-      for (int b = 0; b < TN; ++b) acc[a][b] = fmaf(av[a], bv[b], acc[a][b]);
+    for (int np = 0; np < NT / 2; ++np) {
+      const bf16* t = b + (BT ? 16 * np * ldb + 16 * kk : 16 * kk * ldb + 16 * np);
+      if constexpr (BT) {
+        load_b_nk(bh[np], t, ldb);
+        load_b_nk(bl[np], t + pb, ldb);
+      } else {
+        load_b_kn(bh[np], t, ldb);
+        load_b_kn(bl[np], t + pb, ldb);
+      }
+    }
+    mma_tiles(acc, al, bh);
+    mma_tiles(acc, ah, bl);
+    mma_tiles(acc, ah, bh);
   }
 }
 
-template <int TM, int TN>
-__device__ __forceinline__ void zero(float (&acc)[TM][TN]) {
-#pragma unroll
-  for (int a = 0; a < TM; ++a)
-#pragma unroll
-    for (int b = 0; b < TN; ++b) acc[a][b] = 0.0f;
-}
+// ---- Staging into shared memory ----
 
-// Sum over the 16 threads tx of one row (a half warp); every lane must call it.
-__device__ __forceinline__ float row_sum16(float x) {
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-// Asynchronous copies global → shared (cp.async, 4 bytes each so that padded rows need no alignment): a whole
-// staging loop is in flight at once, without registers. A thread's copies are complete after cp_async_wait<n>()
-// leaves at most n of its committed groups pending (sync_staged: none), and visible to the block after a barrier.
+// Asynchronous 4-byte copies global → shared (cp.async, so that padded fp32 rows need no alignment): a whole staging
+// loop is in flight at once, without registers; complete after sync_staged().
 __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void sync_staged() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -138,23 +201,123 @@ __device__ __forceinline__ void stage(float* dst, int ld, const float* src, int6
   }
 }
 
+// Visits the ROWS × COLS elements of a matrix four columns at a time, in batches of about 32 loaded floats per
+// thread: load(r, c) for every element of the batch first (so that its global loads are in flight together), then
+// put(r, c, x). Rows ≥ valid are not loaded: put gets a zero-initialised x for them.
+template <int ROWS, int COLS, class Load, class Put>
+__device__ __forceinline__ void staged(int valid, Load load, Put put) {
+  using X = decltype(load(0, 0));
+  constexpr int floats = sizeof(X) / 4, depth = floats <= 4 ? 8 : (floats <= 8 ? 4 : 2);
+  constexpr int c4 = COLS / 4, per = ROWS * c4 / kThreads, B = per < depth ? per : depth;
+  static_assert(ROWS * c4 % kThreads == 0 && per % B == 0, "whole rounds of the block");
+#pragma unroll
+  for (int e0 = 0; e0 < per; e0 += B) {
+    X x[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int idx = threadIdx.x + (e0 + b) * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+      x[b] = r < valid ? load(r, c) : X{};
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int idx = threadIdx.x + (e0 + b) * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+      put(r, c, x[b]);
+    }
+  }
+}
+
+// A ROWS × COLS fp32 matrix (row stride lds, 16-byte aligned rows) split into shared memory (row stride ld, lo plane
+// `plane` elements on); rows ≥ valid are zero.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void stage_split(bf16* dst, int ld, int plane, const float* src, int64_t lds, int valid) {
+  staged<ROWS, COLS>(
+      valid, [&](int r, int c) { return ld4(src + r * lds + c); },
+      [&](int r, int c, float4 x) { put4(dst + r * ld + c, plane, x); });
+}
+
+// A split ROWS × COLS matrix stored densely (hi plane, then lo plane) → shared memory (row stride ld, planes `plane`
+// elements apart) by cp.async; the caller commits and waits.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void copy_split(bf16* dst, int ld, int plane, const bf16* src) {
+  constexpr int pieces = COLS / 8, per_plane = ROWS * pieces;
+  for (int idx = threadIdx.x; idx < 2 * per_plane; idx += kThreads) {
+    const int pl = idx / per_plane, rem = idx - pl * per_plane, r = rem / pieces, c = 8 * (rem - r * pieces);
+    cp_async16(dst + pl * plane + r * ld + c, src + pl * (ROWS * COLS) + r * COLS + c, true);
+  }
+}
+
+// Adds the row sums rs (of this thread's columns on its rows r0 + g and r0 + g + 8) over the four threads of a row
+// into part[row]; lane t = 0 of the row writes.
+__device__ __forceinline__ void add_rows(float* part, int r0, const float (&rs)[2]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float s = rs[hf];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if ((lane & 3) == 0) part[r0 + (lane >> 2) + 8 * hf] += s;
+  }
+}
+
+// dst[r·ld + c] += src[r·ls + c] (src in shared memory) for the rows r < n of a [C, K] tile, by all threads, each
+// issuing all its loads of dst before its stores (a load after a store to dst could not be hoisted above it).
+template <int K>
+__device__ __forceinline__ void add_tile(float* dst, int64_t ld, const float* src, int ls, int n) {
+  constexpr int c4 = K / 4, per = kC * c4 / kThreads;
+  float4 x[per];
+#pragma unroll
+  for (int e = 0; e < per; ++e) {
+    const int idx = threadIdx.x + e * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+    x[e] = r < n ? ld4(dst + r * ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int e = 0; e < per; ++e) {
+    const int idx = threadIdx.x + e * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+    if (r < n) {
+      const float4 y = ld4(src + r * ls + c);
+      float4* out = reinterpret_cast<float4*>(dst + r * ld + c);
+      *out = make_float4(x[e].x + y.x, x[e].y + y.y, x[e].z + y.z, x[e].w + y.w);
+    }
+  }
+}
+
+// The epilogues below read the global operands of a group of NG n-tiles into registers first, then compute and
+// store: a global load that follows a store cannot be hoisted above it, and one memory latency per element would
+// dominate the kernels.
+template <int NT>
+constexpr int group_of() {
+  return NT < 4 ? NT : 4;
+}
+
 // ---- prep: per (chunk, head), the forward's factors (as kda.cu's chunk_prepare, with A and M kept apart) and the
 // state pass's products with dO ----
 
 template <int K>
+struct PrepSmem {
+  static constexpr int KP = K + 1, KS = K + 8;
+  static constexpr int floats = 3 * kC * KP + 2 * kC * kCP + kC;  // Γ, k, q; A, Aqk (fp32); β
+  static constexpr int cross = 2 * 80 * KS;                         // split [80, KS]
+  static constexpr int factors = 2 * kC * kCS + 4 * kC * KS;        // split [C, CS] and two split [C, KS]
+  static constexpr size_t bytes = size_t(floats) * 4 + size_t(cross > factors ? cross : factors) * 2;
+};
+
+template <int K>
 __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
-  constexpr int KP = K + 1, TK = K / 16;
-  extern __shared__ float sm[];
-  float* sg = sm;              // [C, KP] Γ
-  float* sk = sg + kC * KP;    // [C, KP] k, then β k∘e^Γ
-  float* sq = sk + kC * KP;    // [C, KP] q, then β v
-  float* sa = sq + kC * KP;    // [C, CP] A
-  float* sqk = sa + kC * kCP;  // [C, CP] Aqk
-  float* sb = sqk + kC * kCP;  // [C] β
-  float* xs = sb + kC;         // [C + 16, KP] scratch
+  constexpr int KP = K + 1, KS = K + 8, pX = kC * KS, pC = kC * kCS;
+  using OT = WarpTile<kC, K>;
+  static_assert(OT::RT * OT::CG == 8, "every warp has a tile of the [C, K] outputs");
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* sg = reinterpret_cast<float*>(smem);  // [C, KP] Γ
+  float* sk = sg + kC * KP;                    // [C, KP] k
+  float* sq = sk + kC * KP;                    // [C, KP] q
+  float* sa = sq + kC * KP;                    // [C, CP] A
+  float* sqk = sa + kC * kCP;                  // [C, CP] Aqk
+  float* sb = sqk + kC * kCP;                  // [C] β
+  bf16* xs = reinterpret_cast<bf16*>(sb + kC);  // split scratch
+  float* xf = reinterpret_cast<float*>(xs);     // the same, as fp32 scratch of the inverse
   const int64_t c = blockIdx.x, h = blockIdx.y, H = p.H, HK = H * K;
   const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const Layout lay{K};
   float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
@@ -167,18 +330,22 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
     for (int i = 1; i < kC; ++i) sg[i * KP + d] += sg[(i - 1) * KP + d];
   __syncthreads();
   // Aqk[i, j] = Σ_d q_i k_j decay (j ≤ i), M[i, j] = Σ_d k_i k_j decay (j < i); −β_i M into A for the substitution.
-  // Zeros first where nothing is computed (j > i, rows ≥ n); then the element-wise factors.
+  // Zeros first where nothing is computed (j > i, rows ≥ n); then the element-wise factors: Kd (split) and Γ.
   for (int idx = tid; idx < kC * kC; idx += kThreads) {
     const int i = idx / kC, j = idx - i * kC;
     sqk[i * kCP + j] = 0.0f;
     sa[i * kCP + j] = 0.0f;
     ws[lay.M() + idx] = 0.0f;
   }
-  for (int idx = tid; idx < kC * K; idx += kThreads) {
-    const int i = idx / K, d = idx - i * K;
-    const float gi = sg[i * KP + d], gl = sg[(kC - 1) * KP + d];  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
-    ws[lay.Kd() + idx] = sk[i * KP + d] * __expf(gl - gi);
-    ws[lay.G() + idx] = gi;
+  {
+    bf16* wkd = reinterpret_cast<bf16*>(ws + lay.Kd());
+    for (int idx = tid; idx < kC * K / 2; idx += kThreads) {
+      const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
+      const float g0 = sg[i * KP + d], g1 = sg[i * KP + d + 1];  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
+      const float l0 = sg[(kC - 1) * KP + d], l1 = sg[(kC - 1) * KP + d + 1];
+      put2(wkd + i * K + d, kC * K, sk[i * KP + d] * __expf(l0 - g0), sk[i * KP + d + 1] * __expf(l1 - g1));
+      st2(ws + lay.G() + i * K + d, g0, g1);
+    }
   }
   for (int d = tid; d < K; d += kThreads) ws[lay.gl() + d] = sg[(kC - 1) * KP + d];
   __syncthreads();
@@ -218,56 +385,59 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
         }
     }
   }
-  // Rows of block ib against the earlier rows j < r = 16·ib, the decay split at r into e^(Γ_i − Γ_r)·e^(Γ_r − Γ_j),
-  // both ≤ 1: the scratch holds k_j e^(Γ_r − Γ_j) (rows < r ≤ 48), and q_i, k_i times e^(Γ_i − Γ_r) (rows 48 …
-  // 63 and 64 … 79).
+  // Rows of block ib against the earlier rows j < r0 = 16·ib, on tensor cores, the decay split at r0 into
+  // e^(Γ_i − Γ_r0)·e^(Γ_r0 − Γ_j), both ≤ 1: the split scratch holds k_j e^(Γ_r0 − Γ_j) (rows j < r0 ≤ 48), then q_i
+  // and k_i times e^(Γ_i − Γ_r0) (rows 48 … 63 and 64 … 79). Warp w < 2·ib forms columns 16·(w/2) … of Aqk (even w)
+  // or M (odd w) on the block's rows.
+  {
+    constexpr int pl = 80 * KS;
+#pragma unroll 1
+    for (int ib = 1; ib < 4; ++ib) {
+      const int r0 = 16 * ib;
+      if (r0 >= n) break;
+      __syncthreads();  // the scratch is no longer read
+      for (int idx = tid; idx < r0 * K / 2; idx += kThreads) {
+        const int j = idx / (K / 2), d = 2 * (idx - j * (K / 2));
+        put2(xs + j * KS + d, pl, sk[j * KP + d] * __expf(sg[r0 * KP + d] - sg[j * KP + d]),
+             sk[j * KP + d + 1] * __expf(sg[r0 * KP + d + 1] - sg[j * KP + d + 1]));
+      }
+      for (int idx = tid; idx < 16 * K / 2; idx += kThreads) {
+        const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
+        const float e0 = __expf(sg[i * KP + d] - sg[r0 * KP + d]);
+        const float e1 = __expf(sg[i * KP + d + 1] - sg[r0 * KP + d + 1]);
+        put2(xs + (48 + il) * KS + d, pl, sq[i * KP + d] * e0, sq[i * KP + d + 1] * e1);
+        put2(xs + (64 + il) * KS + d, pl, sk[i * KP + d] * e0, sk[i * KP + d + 1] * e1);
+      }
+      __syncthreads();
+      if (warp < 2 * ib) {
+        const int is_m = warp & 1, j0 = 16 * (warp >> 1);
+        float acc[1][2][4] = {};
+        mma3<1, 2, false, true>(acc, xs + (48 + 16 * is_m) * KS, KS, 0, pl, xs + j0 * KS, KS, pl, 0, K / 16);
 #pragma unroll
-  for (int ib = 1; ib < 4; ++ib) {
-    const int r0 = 16 * ib;
-    if (r0 >= n) break;
-    __syncthreads();  // the scratch is no longer read
-    for (int idx = tid; idx < r0 * K; idx += kThreads) {
-      const int j = idx / K, d = idx - j * K;
-      xs[j * KP + d] = sk[j * KP + d] * __expf(sg[r0 * KP + d] - sg[j * KP + d]);
-    }
-    for (int idx = tid; idx < 16 * K; idx += kThreads) {
-      const int il = idx / K, d = idx - il * K, i = r0 + il;
-      const float e = __expf(sg[i * KP + d] - sg[r0 * KP + d]);
-      xs[(48 + il) * KP + d] = sq[i * KP + d] * e;
-      xs[(64 + il) * KP + d] = sk[i * KP + d] * e;
-    }
-    __syncthreads();
-    const int ty = tid >> 4, tx = tid & 15, i = r0 + ty;
-    float s[3] = {}, m[3] = {};
-#pragma unroll 2
-    for (int d = 0; d < K; ++d) {
-      const float qe = xs[(48 + ty) * KP + d], ke = xs[(64 + ty) * KP + d];
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int jb = 0; jb < 3; ++jb)
-        if (jb < ib) {
-          const float kr = xs[(tx + 16 * jb) * KP + d];
-          s[jb] = fmaf(qe, kr, s[jb]);
-          m[jb] = fmaf(ke, kr, m[jb]);
-        }
-    }
-    if (i < n) {
-#pragma unroll
-      for (int jb = 0; jb < 3; ++jb)
-        if (jb < ib) {
-          const int j = tx + 16 * jb;
-          sqk[i * kCP + j] = s[jb];
-          ws[lay.M() + i * kC + j] = m[jb];
-          sa[i * kCP + j] = -sb[i] * m[jb];
-        }
+          for (int x = 0; x < 4; ++x) {
+            const int i = r0 + gq + 8 * (x >> 1), j = j0 + 8 * nt + 2 * tq + (x & 1);
+            const float val = acc[0][nt][x];
+            if (i < n) {
+              if (is_m) {
+                ws[lay.M() + i * kC + j] = val;
+                sa[i * kCP + j] = -sb[i] * val;
+              } else {
+                sqk[i * kCP + j] = val;
+              }
+            }
+          }
+      }
     }
   }
   __syncthreads();
-  // A = (I + L)⁻¹ from A0 = −L (strictly lower) in blocks of 16: first each diagonal block by forward substitution
-  // within one warp (row i: A[i, j] = A0[i, j] + Σ_{j<m<i} A0[i, m]·A[m, j], lane j, row i of A0 broadcast by
-  // shuffles), then the block rows in order: A[ib, jb] = A[ib, ib]·Σ_{jb≤kb<ib} A0[ib, kb]·A[kb, jb]. Rows ≥ n are
-  // zero off the diagonal and stay so.
+  // A = (I + L)⁻¹ from A0 = −L (strictly lower) in blocks of 16, in fp32: first each diagonal block by forward
+  // substitution within one warp (row i: A[i, j] = A0[i, j] + Σ_{j<m<i} A0[i, m]·A[m, j], lane j, row i of A0
+  // broadcast by shuffles), then the block rows in order: A[ib, jb] = A[ib, ib]·Σ_{jb≤kb<ib} A0[ib, kb]·A[kb, jb].
+  // Rows ≥ n are zero off the diagonal and stay so.
   if (tid < 4 * 32) {
-    const int lane = tid & 31, r0 = 16 * (tid >> 5);
+    const int r0 = 16 * (tid >> 5);
     for (int il = 2; il < 16; ++il) {
       const int i = r0 + il;
       const float a0 = lane < 16 ? sa[i * kCP + r0 + lane] : 0.0f;
@@ -286,628 +456,854 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
 #pragma unroll
   for (int ib = 1; ib < 4; ++ib) {
     if (16 * ib >= n) break;
-    for (int idx = tid; idx < ib * 256; idx += kThreads) {  // xs[jb][il][jl] = Σ_kb A0[ib, kb]·A[kb, jb]
+    for (int idx = tid; idx < ib * 256; idx += kThreads) {  // xf[jb][il][jl] = Σ_kb A0[ib, kb]·A[kb, jb]
       const int jb = idx >> 8, il = (idx >> 4) & 15, jl = idx & 15;
       const float* ar = sa + (16 * ib + il) * kCP;
       float acc = 0.0f;
       for (int m = 16 * jb; m < 16 * ib; ++m) acc = fmaf(ar[m], sa[m * kCP + 16 * jb + jl], acc);
-      xs[idx] = acc;
+      xf[idx] = acc;
     }
     __syncthreads();
     for (int idx = tid; idx < ib * 256; idx += kThreads) {
       const int jb = idx >> 8, il = (idx >> 4) & 15, jl = idx & 15;
       const float* br = sa + (16 * ib + il) * kCP + 16 * ib;
       float acc = 0.0f;
-      for (int ml = 0; ml <= il; ++ml) acc = fmaf(br[ml], xs[(jb << 8) + (ml << 4) + jl], acc);
+      for (int ml = 0; ml <= il; ++ml) acc = fmaf(br[ml], xf[(jb << 8) + (ml << 4) + jl], acc);
       sa[(16 * ib + il) * kCP + 16 * jb + jl] = acc;
     }
     __syncthreads();
   }
-  // β v and β k∘e^Γ in place of q and k (each thread rewrites what it reads).
-  for (int idx = tid; idx < kC * K; idx += kThreads) {
-    const int i = idx / K, d = idx - i * K;
-    sq[i * KP + d] = i < n ? sb[i] * p.v[base + int64_t(i) * HK + d] : 0.0f;
-    sk[i * KP + d] *= sb[i] * __expf(sg[i * KP + d]);
+  // U = A·(β v) and W = A·(β k∘e^Γ); A split into the scratch and into its workspace slot (for intra).
+  const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16;
+  {
+    bf16* sA = xs;             // [C, CS] A
+    bf16* sV = sA + 2 * pC;    // [C, KS] β v
+    bf16* sKg = sV + 2 * pX;   // [C, KS] β k∘e^Γ
+    bf16* wA = reinterpret_cast<bf16*>(ws + lay.A());
+    for (int idx = tid; idx < kC * kC / 2; idx += kThreads) {
+      const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
+      const float a0 = sa[i * kCP + j], a1 = sa[i * kCP + j + 1];
+      put2(sA + i * kCS + j, pC, a0, a1);
+      put2(wA + i * kC + j, kC * kC, a0, a1);
+    }
+    staged<kC, K>(
+        n, [&](int i, int d) { return ld4(p.v + base + int64_t(i) * HK + d); },
+        [&](int i, int d, float4 v) {
+          const float b = sb[i];
+          float kg[4];
+#pragma unroll
+          for (int x = 0; x < 4; ++x) kg[x] = sk[i * KP + d + x] * (b * __expf(sg[i * KP + d + x]));
+          put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w));
+          put4(sKg + i * KS + d, pX, make_float4(kg[0], kg[1], kg[2], kg[3]));
+        });
+    __syncthreads();
+    // A is lower triangular: row tile rt needs the k-steps 0 … rt.
+    {
+      float acc[1][OT::NT][4] = {};
+      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sV + c0, KS, pX, 0, rt + 1);
+#pragma unroll
+      for (int nt = 0; nt < OT::NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+          st2(ws + lay.U() + i * K + d, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
+        }
+    }
+    {
+      bf16* wW = reinterpret_cast<bf16*>(ws + lay.W());
+      float acc[1][OT::NT][4] = {};
+      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sKg + c0, KS, pX, 0, rt + 1);
+#pragma unroll
+      for (int nt = 0; nt < OT::NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+          put2(wW + i * K + d, kC * K, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
+        }
+    }
   }
   __syncthreads();
-  for (int idx = tid; idx < kC * kC; idx += kThreads) ws[lay.A() + idx] = sa[(idx / kC) * kCP + idx % kC];
-  const int ty = tid >> 4, tx = tid & 15;
+  // Qgᵀ·dO [K, K] and Aqkᵀ·dO [C, K], sums over the chunk's rows (rows ≥ n are zero in Qg, dO and Aqk).
   {
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, sa, kCP, 1, sq, KP, 1, kC);
+    bf16* sQg = xs;            // [C, KS] q∘e^Γ
+    bf16* sDo = sQg + 2 * pX;  // [C, KS] dO
+    bf16* sQk = sDo + 2 * pX;  // [C, CS] Aqk
+    for (int idx = tid; idx < kC * K / 2; idx += kThreads) {
+      const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
+      put2(sQg + i * KS + d, pX, sq[i * KP + d] * __expf(sg[i * KP + d]),
+           sq[i * KP + d + 1] * __expf(sg[i * KP + d + 1]));
+    }
+    stage_split<kC, K>(sDo, KS, pX, p.do_ + base, HK, n);
+    for (int idx = tid; idx < kC * kC / 2; idx += kThreads) {
+      const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
+      put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1]);
+    }
+    __syncthreads();
+    const int kend = (n + 15) / 16;
+    {
+      constexpr int MT = K >= 64 ? 2 : 1;
+      using HT = WarpTile<K, K, MT>;
+      if (HT::active(warp)) {
+        const int d0 = HT::row0(warp), v0 = HT::col0(warp);
+        float acc[MT][HT::NT][4] = {};
+        mma3<MT, HT::NT, true, false>(acc, sQg + d0, KS, 16, pX, sDo + v0, KS, pX, 0, kend);
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int b = 0; b < TK; ++b) ws[lay.U() + (ty + 16 * a) * K + tx + 16 * b] = acc[a][b];
-  }
-  {
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, sa, kCP, 1, sk, KP, 1, kC);
+          for (int nt = 0; nt < HT::NT; ++nt)
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+            for (int hf = 0; hf < 2; ++hf) {
+              const int d = d0 + 16 * mt + gq + 8 * hf, v = v0 + 8 * nt + 2 * tq;
+              st2(ws + lay.dh() + d * K + v, acc[mt][nt][2 * hf], acc[mt][nt][2 * hf + 1]);
+            }
+      }
+    }
+    {  // Aqkᵀ is upper triangular: row tile rt needs the k-steps rt … kend − 1.
+      float acc[1][OT::NT][4] = {};
+      mma3<1, OT::NT, true, false>(acc, sQk + r0, kCS, 16, pC, sDo + c0, KS, pX, rt, kend);
 #pragma unroll
-      for (int b = 0; b < TK; ++b) ws[lay.W() + (ty + 16 * a) * K + tx + 16 * b] = acc[a][b];
-  }
-  // Qgᵀ·dO and Aqkᵀ·dO, with Qg in place of β v and dO in place of β Kg.
-  __syncthreads();
-  for (int idx = tid; idx < kC * K; idx += kThreads) {
-    const int i = idx / K, d = idx - i * K;
-    sq[i * KP + d] = i < n ? p.q[base + int64_t(i) * HK + d] * __expf(sg[i * KP + d]) : 0.0f;
-  }
-  stage(sk, KP, p.do_ + base, HK, kC, K, n);
-  sync_staged();
-  {
-    float acc[TK][TK];
-    zero(acc);
-    mm(acc, sq, 1, KP, sk, KP, 1, n);
+      for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
-    for (int a = 0; a < TK; ++a)
-#pragma unroll
-      for (int b = 0; b < TK; ++b) ws[lay.dh() + (ty + 16 * a) * K + tx + 16 * b] = acc[a][b];
-  }
-  {
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, sqk, 1, kCP, sk, KP, 1, n);
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < TK; ++b) ws[lay.du() + (ty + 16 * a) * K + tx + 16 * b] = acc[a][b];
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+          st2(ws + lay.du() + i * K + d, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
+        }
+    }
   }
 }
 
-// ---- fwd_state: per (sequence, head, TV value columns), the states entering the chunks, and u = U − W·S ----
-// W of the next chunk is copied in while this chunk's state update runs, Kd while the next chunk's u runs: one
-// cp.async group per matrix, W's always the older of the two pending.
+// ---- The state passes: per (sequence, head, TV value columns), sequential over the sequence's chunks. The state
+// (or its gradient) [K, TV] stays in fp32 accumulators of the warps, and goes to shared memory in split bf16 as the
+// operand of the chunk's first product. W and Kd are staged by cp.async from their split slots, the next chunk's one
+// while this chunk's other product runs: one cp.async group per matrix, the older one always awaited first. ----
 
 template <int K>
+struct StateSmem {
+  static constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
+  static constexpr size_t bytes = size_t(2 * (K * VS + kC * VS + 2 * kC * KS)) * 2;
+};
+
+// fwd_state: S entering each chunk (into the h slot) and u = U − W·S; S ← e^γ∘S + Kdᵀ·u.
+template <int K>
 __global__ void __launch_bounds__(kThreads, 1) fwd_state_kernel(Params p) {
-  constexpr int KP = K + 1, TK = K / 16, TV = state_cols<K>(), TN = TV / 16, TP = TV + 1;
-  extern __shared__ float sm[];
-  float* sS = sm;               // [K, TP] the state's columns c0 …
-  float* su = sS + K * TP;      // [C, TP]
-  float* sw = su + kC * TP;     // [C, KP] W
-  float* skd = sw + kC * KP;    // [C, KP] Kd
+  constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
+  using ST = WarpTile<K, TV>;   // the state [K, TV]
+  using UT = WarpTile<kC, TV>;  // u [C, TV]
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sS = reinterpret_cast<bf16*>(smem);  // [K, VS] the state's columns c0 …
+  bf16* su = sS + 2 * K * VS;                // [C, VS] u
+  bf16* sw = su + 2 * kC * VS;               // [C, KS] W
+  bf16* skd = sw + 2 * kC * KS;              // [C, KS] Kd
   const int64_t seq = blockIdx.x, h = blockIdx.y, H = p.H;
   const int c0 = blockIdx.z * TV;
-  const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const Layout lay{K};
   const int64_t first = p.ch.seq_first_chunk[seq], count = p.ch.seq_num_chunks[seq];
   if (count <= 0) return;  // the whole block leaves
-  for (int i = tid; i < K * TP; i += kThreads) sS[i] = 0.0f;
+  const bool s_on = ST::active(warp);
+  const int sr = ST::row0(warp), sc = ST::col0(warp), ur = UT::row0(warp), uc = UT::col0(warp);
   auto chunk_ws = [&](int64_t c) { return p.ws + (c * H + h) * lay.per(); };
-  stage(sw, KP, chunk_ws(first) + lay.W(), K, kC, K, kC);
+  auto split_at = [&](int64_t c, int64_t off) { return reinterpret_cast<const bf16*>(chunk_ws(c) + off); };
+  float S[1][ST::NT][4] = {};  // zero entering the sequence
+  copy_split<kC, K>(sw, KS, kC * KS, split_at(first, lay.W()));
   cp_async_commit();
-  stage(skd, KP, chunk_ws(first) + lay.Kd(), K, kC, K, kC);
+  copy_split<kC, K>(skd, KS, kC * KS, split_at(first, lay.Kd()));
   cp_async_commit();
   for (int64_t c = first; c < first + count; ++c) {
     float* ws = chunk_ws(c);
     const int n = p.ch.chunk_len[c];
-    float U[4][TN], eg[TK];  // loaded ahead of the products, which hide their latency
+    float U[UT::NT][4], eg[2] = {1.0f, 1.0f};  // loaded ahead of the products, which hide their latency
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+    for (int nt = 0; nt < UT::NT; ++nt)
 #pragma unroll
-      for (int b = 0; b < TN; ++b) U[a][b] = ws[lay.U() + (ty + 16 * a) * K + c0 + tx + 16 * b];
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = ld2(ws + lay.U() + (ur + gq + 8 * hf) * K + c0 + uc + 8 * nt + 2 * tq);
+        U[nt][2 * hf] = x.x;
+        U[nt][2 * hf + 1] = x.y;
+      }
+    if (s_on) {
 #pragma unroll
-    for (int a = 0; a < TK; ++a) eg[a] = __expf(ws[lay.gl() + ty + 16 * a]);
-    cp_async_wait<1>();  // W of this chunk
-    __syncthreads();     // … and everyone's copies of it; the previous state update is complete
-    for (int idx = tid; idx < K * TV; idx += kThreads) {
-      const int d = idx / TV, j = idx - d * TV;
-      ws[lay.h() + d * K + c0 + j] = sS[d * TP + j];
+      for (int hf = 0; hf < 2; ++hf) eg[hf] = __expf(ws[lay.gl() + sr + gq + 8 * hf]);
+#pragma unroll
+      for (int nt = 0; nt < ST::NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int d = sr + gq + 8 * hf, j = sc + 8 * nt + 2 * tq;
+          put2(sS + d * VS + j, K * VS, S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
+          st2(ws + lay.h() + d * K + c0 + j, S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
+        }
     }
+    cp_async_wait<1>();  // W of this chunk
+    __syncthreads();     // … and everyone's copies of it; the state is in shared memory
     {
-      float acc[4][TN];
-      zero(acc);
-      mm(acc, sw, KP, 1, sS, TP, 1, K);
+      float acc[1][UT::NT][4] = {};
+      mma3<1, UT::NT, false, false>(acc, sw + ur * KS, KS, 0, kC * KS, sS + uc, VS, K * VS, 0, K / 16);
 #pragma unroll
-      for (int a = 0; a < 4; ++a)
+      for (int nt = 0; nt < UT::NT; ++nt)
 #pragma unroll
-        for (int b = 0; b < TN; ++b) {
-          const int i = ty + 16 * a, j = tx + 16 * b;
-          const float u = U[a][b] - acc[a][b];
-          su[i * TP + j] = u;
-          ws[lay.u() + i * K + c0 + j] = u;
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = ur + gq + 8 * hf, j = uc + 8 * nt + 2 * tq;
+          const float u0 = U[nt][2 * hf] - acc[0][nt][2 * hf], u1 = U[nt][2 * hf + 1] - acc[0][nt][2 * hf + 1];
+          put2(su + i * VS + j, kC * VS, u0, u1);
+          st2(ws + lay.u() + i * K + c0 + j, u0, u1);
         }
     }
     cp_async_wait<0>();  // Kd of this chunk
-    __syncthreads();     // u complete, W no longer read
-    if (c + 1 < first + count) stage(sw, KP, chunk_ws(c + 1) + lay.W(), K, kC, K, kC);
+    __syncthreads();     // u complete, W and the state's copy no longer read
+    if (c + 1 < first + count) copy_split<kC, K>(sw, KS, kC * KS, split_at(c + 1, lay.W()));
     cp_async_commit();
-    {
-      float acc[TK][TN];
-      zero(acc);
-      mm(acc, skd, 1, KP, su, TP, 1, n);
+    if (s_on) {  // rows ≥ n of Kd and u are zero
 #pragma unroll
-      for (int a = 0; a < TK; ++a)
+      for (int nt = 0; nt < ST::NT; ++nt)
 #pragma unroll
-        for (int b = 0; b < TN; ++b) {
-          const int d = ty + 16 * a, j = tx + 16 * b;
-          sS[d * TP + j] = fmaf(eg[a], sS[d * TP + j], acc[a][b]);
-        }
+        for (int x = 0; x < 4; ++x) S[0][nt][x] *= eg[x >> 1];
+      mma3<1, ST::NT, true, false>(S, skd + sr, KS, 16, kC * KS, su + sc, VS, kC * VS, 0, (n + 15) / 16);
     }
     __syncthreads();  // Kd and u no longer read
-    if (c + 1 < first + count) stage(skd, KP, chunk_ws(c + 1) + lay.Kd(), K, kC, K, kC);
+    if (c + 1 < first + count) copy_split<kC, K>(skd, KS, kC * KS, split_at(c + 1, lay.Kd()));
     cp_async_commit();
   }
 }
 
-// ---- bwd_state: per (sequence, head, TV value columns), backward over the chunks carrying dS ----
-// The same pipeline as fwd_state, backward: Kd of the previous chunk is copied in while this chunk's dS runs, W
-// while the previous chunk's du runs.
-
+// bwd_state: backward over the chunks carrying dS: dSe of each chunk (into the dh slot, over Qgᵀ·dO, which this
+// thread has read), du = Aqkᵀ·dO + Kd·dSe (over Aqkᵀ·dO in the du slot), dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du. Each thread
+// reads and rewrites only its own elements of the two slots.
 template <int K>
 __global__ void __launch_bounds__(kThreads, 1) bwd_state_kernel(Params p) {
-  constexpr int KP = K + 1, TK = K / 16, TV = state_cols<K>(), TN = TV / 16, TP = TV + 1;
-  extern __shared__ float sm[];
-  float* sdS = sm;              // [K, TP] the gradient of the state leaving the chunk
-  float* sdu = sdS + K * TP;    // [C, TP]
-  float* skd = sdu + kC * TP;   // [C, KP] Kd
-  float* sw = skd + kC * KP;    // [C, KP] W
+  constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
+  using ST = WarpTile<K, TV>;
+  using UT = WarpTile<kC, TV>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sdS = reinterpret_cast<bf16*>(smem);  // [K, VS] the gradient of the state leaving the chunk
+  bf16* sdu = sdS + 2 * K * VS;               // [C, VS]
+  bf16* sw = sdu + 2 * kC * VS;               // [C, KS] W
+  bf16* skd = sw + 2 * kC * KS;               // [C, KS] Kd
   const int64_t seq = blockIdx.x, h = blockIdx.y, H = p.H;
   const int c0 = blockIdx.z * TV;
-  const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const Layout lay{K};
   const int64_t first = p.ch.seq_first_chunk[seq], count = p.ch.seq_num_chunks[seq];
   if (count <= 0) return;  // the whole block leaves
-  for (int i = tid; i < K * TP; i += kThreads) sdS[i] = 0.0f;
+  const bool s_on = ST::active(warp);
+  const int sr = ST::row0(warp), sc = ST::col0(warp), ur = UT::row0(warp), uc = UT::col0(warp);
   auto chunk_ws = [&](int64_t c) { return p.ws + (c * H + h) * lay.per(); };
+  auto split_at = [&](int64_t c, int64_t off) { return reinterpret_cast<const bf16*>(chunk_ws(c) + off); };
+  float dS[1][ST::NT][4] = {};  // zero leaving the sequence
   const int64_t last = first + count - 1;
-  stage(skd, KP, chunk_ws(last) + lay.Kd(), K, kC, K, kC);
+  copy_split<kC, K>(skd, KS, kC * KS, split_at(last, lay.Kd()));
   cp_async_commit();
-  stage(sw, KP, chunk_ws(last) + lay.W(), K, kC, K, kC);
+  copy_split<kC, K>(sw, KS, kC * KS, split_at(last, lay.W()));
   cp_async_commit();
   for (int64_t c = last; c >= first; --c) {
     float* ws = chunk_ws(c);
     const int n = p.ch.chunk_len[c];
-    float du0[4][TN], eg[TK];  // Aqkᵀ·dO from prep (in the du slot) and e^γ, loaded ahead of the products
+    float du0[UT::NT][4], p0[ST::NT][4], eg[2] = {1.0f, 1.0f};  // Aqkᵀ·dO, Qgᵀ·dO and e^γ, ahead of the products
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+    for (int nt = 0; nt < UT::NT; ++nt)
 #pragma unroll
-      for (int b = 0; b < TN; ++b) du0[a][b] = ws[lay.du() + (ty + 16 * a) * K + c0 + tx + 16 * b];
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = ld2(ws + lay.du() + (ur + gq + 8 * hf) * K + c0 + uc + 8 * nt + 2 * tq);
+        du0[nt][2 * hf] = x.x;
+        du0[nt][2 * hf + 1] = x.y;
+      }
+    if (s_on) {
 #pragma unroll
-    for (int a = 0; a < TK; ++a) eg[a] = __expf(ws[lay.gl() + ty + 16 * a]);
-    cp_async_wait<1>();  // Kd of this chunk
-    __syncthreads();     // … and everyone's copies of it; the previous dS update is complete
-    {  // du = Aqkᵀ·dO + Kd·dSe
-      float acc[4][TN];
-      zero(acc);
-      mm(acc, skd, KP, 1, sdS, TP, 1, K);
+      for (int hf = 0; hf < 2; ++hf) eg[hf] = __expf(ws[lay.gl() + sr + gq + 8 * hf]);
 #pragma unroll
-      for (int a = 0; a < 4; ++a)
+      for (int nt = 0; nt < ST::NT; ++nt)
 #pragma unroll
-        for (int b = 0; b < TN; ++b) {
-          const int i = ty + 16 * a, j = tx + 16 * b;
-          const float du = du0[a][b] + acc[a][b];
-          sdu[i * TP + j] = du;
-          ws[lay.du() + i * K + c0 + j] = du;
+        for (int hf = 0; hf < 2; ++hf) {
+          const float2 x = ld2(ws + lay.dh() + (sr + gq + 8 * hf) * K + c0 + sc + 8 * nt + 2 * tq);
+          p0[nt][2 * hf] = x.x;
+          p0[nt][2 * hf + 1] = x.y;
+        }
+#pragma unroll
+      for (int nt = 0; nt < ST::NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int d = sr + gq + 8 * hf, j = sc + 8 * nt + 2 * tq;
+          put2(sdS + d * VS + j, K * VS, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
+          st2(ws + lay.dh() + d * K + c0 + j, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
         }
     }
-    float p0[TK][TN];  // Qgᵀ·dO from prep (in the dh slot)
+    cp_async_wait<1>();  // Kd of this chunk
+    __syncthreads();     // … and everyone's copies of it; dSe is in shared memory
+    {  // du = Aqkᵀ·dO + Kd·dSe
+      float acc[1][UT::NT][4] = {};
+      mma3<1, UT::NT, false, false>(acc, skd + ur * KS, KS, 0, kC * KS, sdS + uc, VS, K * VS, 0, K / 16);
 #pragma unroll
-    for (int a = 0; a < TK; ++a)
+      for (int nt = 0; nt < UT::NT; ++nt)
 #pragma unroll
-      for (int b = 0; b < TN; ++b) p0[a][b] = ws[lay.dh() + (ty + 16 * a) * K + c0 + tx + 16 * b];
-    cp_async_wait<0>();  // W of this chunk
-    __syncthreads();     // du complete, Kd and dS no longer read
-    if (c > first) stage(skd, KP, chunk_ws(c - 1) + lay.Kd(), K, kC, K, kC);
-    cp_async_commit();
-    {  // dS0 = Qgᵀ·dO + e^γ∘dSe − Wᵀ·du; dSe takes the dh slot. Each thread reads and rewrites only its own
-       // elements of dS and of the slot.
-      float acc[TK][TN];
-      zero(acc);
-      mm(acc, sw, 1, KP, sdu, TP, 1, n);
-#pragma unroll
-      for (int a = 0; a < TK; ++a)
-#pragma unroll
-        for (int b = 0; b < TN; ++b) {
-          const int d = ty + 16 * a, j = tx + 16 * b;
-          const float dse = sdS[d * TP + j];
-          ws[lay.dh() + d * K + c0 + j] = dse;
-          sdS[d * TP + j] = fmaf(eg[a], dse, p0[a][b]) - acc[a][b];
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = ur + gq + 8 * hf, j = uc + 8 * nt + 2 * tq;
+          const float a0 = du0[nt][2 * hf] + acc[0][nt][2 * hf], a1 = du0[nt][2 * hf + 1] + acc[0][nt][2 * hf + 1];
+          put2(sdu + i * VS + j, kC * VS, a0, a1);
+          st2(ws + lay.du() + i * K + c0 + j, a0, a1);
         }
+    }
+    cp_async_wait<0>();  // W of this chunk
+    __syncthreads();     // du complete, Kd and dSe's copy no longer read
+    if (c > first) copy_split<kC, K>(skd, KS, kC * KS, split_at(c - 1, lay.Kd()));
+    cp_async_commit();
+    if (s_on) {  // dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du (rows ≥ n of W and du are zero)
+      float acc[1][ST::NT][4] = {};
+      mma3<1, ST::NT, true, false>(acc, sw + sr, KS, 16, kC * KS, sdu + sc, VS, kC * VS, 0, (n + 15) / 16);
+#pragma unroll
+      for (int nt = 0; nt < ST::NT; ++nt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) dS[0][nt][x] = fmaf(eg[x >> 1], dS[0][nt][x], p0[nt][x]) - acc[0][nt][x];
     }
     __syncthreads();  // W and du no longer read
-    if (c > first) stage(sw, KP, chunk_ws(c - 1) + lay.W(), K, kC, K, kC);
+    if (c > first) copy_split<kC, K>(sw, KS, kC * KS, split_at(c - 1, lay.W()));
     cp_async_commit();
   }
 }
 
-// ---- inter: per (chunk, head), the products with S0 and dSe (contractions over the value dim) ----
+// ---- inter: per (chunk, head), the products with S0 and dSe (contractions over the value dim) and dAqk ----
 
 template <int K>
-__global__ void __launch_bounds__(kThreads, 2) inter_kernel(Params p) {
-  constexpr int KP = K + 1, TK = K / 16;
-  extern __shared__ float sm[];
-  float* ss = sm;               // [K, KP] S0, then dSe
-  float* sx = ss + K * KP;      // [C, KP] du, dO, u, then dΓ
-  float* sdir = sx + kC * KP;   // [K] rowsum(S0∘dSe)
+struct InterSmem {
+  static constexpr int KS = K + 8;
+  static constexpr size_t bytes = size_t(2 * K * KS + 4 * kC * KS) * 2 + size_t(5 * K) * 4;
+};
+
+template <int K>
+__global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
+  constexpr int KS = K + 8, pX = kC * KS, pS = K * KS;
+  using OT = WarpTile<kC, K>;   // the [C, K] outputs: rows 16·(w % 4) …, columns K/2·(w / 4) …
+  using CT = WarpTile<kC, kC>;  // dAqk: rows 16·(w % 4) …, columns 32·(w / 4) …
+  constexpr int NT = OT::NT;
+  static_assert(OT::RT == 4 && OT::CG == 2 && CT::RT == 4 && CT::CG == 2, "one tile per warp");
+  static_assert(kC * K * 4 <= (2 * K * KS + 2 * kC * KS) * 2, "dΓ fits over S0 and du");
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sS = reinterpret_cast<bf16*>(smem);                  // [K, KS] S0, then dSe
+  bf16* sx = sS + 2 * pS;                                    // [C, KS] du, then u
+  bf16* so = sx + 2 * pX;                                    // [C, KS] dO
+  float* sdir = reinterpret_cast<float*>(so + 2 * pX);       // [K] rowsum(S0∘dSe)
+  float* scol = sdir + K;                                    // [4, K] Σ over a row tile of dKd∘Kd
+  float* sdg = reinterpret_cast<float*>(smem);               // [C, K] dΓ, at the end (over S and sx)
   const int64_t c = blockIdx.x, h = blockIdx.y, H = p.H, HK = H * K;
   const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c];
-  const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const Layout lay{K};
-  const float* ws = p.ws + (c * H + h) * lay.per();
-  float* dW = p.ws + (c * H + h) * lay.per() + lay.dW();
+  float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
-  float dG[4][TK];  // dΓ of this thread's elements
-  float colp[TK];   // Σ over its rows of dKd∘Kd (for dγ)
+  const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16;
+  float dG[NT][4];  // dΓ of this thread's elements
 
-  // rowsum(S0∘dSe) from global memory, a warp per row.
-  for (int d = warp; d < K; d += kThreads / 32) {
-    float s = 0.0f;
-    for (int v = lane; v < K; v += 32) s = fmaf(ws[lay.h() + d * K + v], ws[lay.dh() + d * K + v], s);
-    s = warp_sum(s);
-    if (lane == 0) sdir[d] = s;
-  }
-  stage(ss, KP, ws + lay.h(), K, K, K, K);
-  stage(sx, KP, ws + lay.du(), K, kC, K, kC);
-  sync_staged();
-  {  // dW = −du·S0ᵀ
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, sx, KP, 1, ss, 1, KP, K);
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < TK; ++b) dW[(ty + 16 * a) * K + tx + 16 * b] = -acc[a][b];
-  }
+  stage_split<K, K>(sS, KS, pS, ws + lay.h(), K, K);
+  stage_split<kC, K>(sx, KS, pX, ws + lay.du(), K, kC);
+  stage_split<kC, K>(so, KS, pX, p.do_ + base, HK, n);
   __syncthreads();
-  stage(sx, KP, p.do_ + base, HK, kC, K, n);
-  sync_staged();
-  {  // dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ += dQg∘Qg
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, sx, KP, 1, ss, 1, KP, K);
+  {  // dW = −du·S0ᵀ (into its slot, split) and dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ = dQg∘Qg (du and dO as two m-tiles)
+    float acc[2][NT][4] = {};
+    mma3<2, NT, false, true>(acc, sx + r0 * KS, KS, 2 * pX, pX, sS + c0 * KS, KS, pS, 0, K / 16);
+    bf16* wdW = reinterpret_cast<bf16*>(ws + lay.dW());
+    constexpr int NG = group_of<NT>();
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+    for (int n0 = 0; n0 < NT; n0 += NG) {
+      float2 g2[NG][2], q2[NG][2], o2[NG][2];  // Γ, q and dq at this thread's elements
 #pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int i = ty + 16 * a, d = tx + 16 * b;
-        dG[a][b] = 0.0f;
-        if (i < n) {
+      for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
           const int64_t e = base + int64_t(i) * HK + d;
-          const float dqg = acc[a][b] * __expf(ws[lay.G() + i * K + d]);
-          p.dq[e] += dqg;
-          dG[a][b] = dqg * p.q[e];
+          const bool in = i < n;
+          g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
+          q2[j][hf] = in ? ld2(p.q + e) : make_float2(0.0f, 0.0f);
+          o2[j][hf] = in ? ld2(p.dq + e) : make_float2(0.0f, 0.0f);
         }
-      }
+#pragma unroll
+      for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+          put2(wdW + i * K + d, kC * K, -acc[0][nt][2 * hf], -acc[0][nt][2 * hf + 1]);
+          const float d0 = acc[1][nt][2 * hf] * __expf(g2[j][hf].x), d1 = acc[1][nt][2 * hf + 1] * __expf(g2[j][hf].y);
+          dG[nt][2 * hf] = d0 * q2[j][hf].x;  // zero on rows ≥ n (q = 0 there)
+          dG[nt][2 * hf + 1] = d1 * q2[j][hf].y;
+          if (i < n) st2(p.dq + base + int64_t(i) * HK + d, o2[j][hf].x + d0, o2[j][hf].y + d1);
+        }
+    }
   }
+  __syncthreads();  // S0 and du no longer read
+  // dSe over S0 in place (each thread rewrites what it reads), with rowsum(S0∘dSe) on the way: the K/4 threads of a
+  // row are neighbours within a warp. u over du.
+  static_assert(32 % (K / 4) == 0, "whole rows of the staging per warp");
+  staged<K, K>(
+      K, [&](int r, int cc) { return ld4(ws + lay.dh() + r * K + cc); },
+      [&](int r, int cc, float4 x) {
+        bf16* at = sS + r * KS + cc;
+        const float4 s0 = get4(at, pS);
+        float s = s0.x * x.x + s0.y * x.y + s0.z * x.z + s0.w * x.w;
+        put4(at, pS, x);
+#pragma unroll
+        for (int o = K / 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (cc == 0) sdir[r] = s;
+      });
+  stage_split<kC, K>(sx, KS, pX, ws + lay.u(), K, kC);
   __syncthreads();
-  stage(ss, KP, ws + lay.dh(), K, K, K, K);
-  stage(sx, KP, ws + lay.u(), K, kC, K, kC);
-  sync_staged();
+  float colp[NT][2];  // Σ over this thread's rows of dKd∘Kd, per column
   {  // dKd = u·dSeᵀ: dk += dKd∘e^(γ−Γ), dΓ −= dKd∘Kd, dγ += Σ_i dKd∘Kd
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, sx, KP, 1, ss, 1, KP, K);
+    float acc[1][NT][4] = {};
+    mma3<1, NT, false, true>(acc, sx + r0 * KS, KS, 0, pX, sS + c0 * KS, KS, pS, 0, K / 16);
+    constexpr int NG = group_of<NT>();
 #pragma unroll
-    for (int b = 0; b < TK; ++b) colp[b] = 0.0f;
+    for (int n0 = 0; n0 < NT; n0 += NG) {
+      float2 g2[NG][2], l2[NG], k2[NG][2], o2[NG][2];  // Γ, γ, k and dk at this thread's elements
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+      for (int j = 0; j < NG; ++j) {
+        l2[j] = ld2(ws + lay.gl() + c0 + 8 * (n0 + j) + 2 * tq);
 #pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int i = ty + 16 * a, d = tx + 16 * b;
-        if (i < n) {
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
           const int64_t e = base + int64_t(i) * HK + d;
-          const float kd = ws[lay.Kd() + i * K + d];
-          p.dk[e] += acc[a][b] * __expf(ws[lay.gl() + d] - ws[lay.G() + i * K + d]);
-          dG[a][b] -= acc[a][b] * kd;
-          colp[b] = fmaf(acc[a][b], kd, colp[b]);
+          const bool in = i < n;
+          g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
+          k2[j][hf] = in ? ld2(p.k + e) : make_float2(0.0f, 0.0f);
+          o2[j][hf] = in ? ld2(p.dk + e) : make_float2(0.0f, 0.0f);
         }
       }
+#pragma unroll
+      for (int j = 0; j < NG; ++j) {
+        const int nt = n0 + j;
+        colp[nt][0] = colp[nt][1] = 0.0f;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+          const float e0 = __expf(l2[j].x - g2[j][hf].x), e1 = __expf(l2[j].y - g2[j][hf].y);
+          const float a0 = acc[0][nt][2 * hf], a1 = acc[0][nt][2 * hf + 1];
+          const float kd0 = k2[j][hf].x * e0, kd1 = k2[j][hf].y * e1;  // zero on rows ≥ n (k = 0 there)
+          dG[nt][2 * hf] -= a0 * kd0;
+          dG[nt][2 * hf + 1] -= a1 * kd1;
+          colp[nt][0] = fmaf(a0, kd0, colp[nt][0]);
+          colp[nt][1] = fmaf(a1, kd1, colp[nt][1]);
+          if (i < n) st2(p.dk + base + int64_t(i) * HK + d, o2[j][hf].x + a0 * e0, o2[j][hf].y + a1 * e1);
+        }
+      }
+    }
   }
+  {  // dAqk = lower(dO·uᵀ) into the U slot; tiles wholly above the diagonal are zero
+    const int i0 = CT::row0(warp), j0 = CT::col0(warp);
+    float acc[1][CT::NT][4] = {};
+    if (j0 < i0 + 16) mma3<1, CT::NT, false, true>(acc, so + i0 * KS, KS, 0, pX, sx + j0 * KS, KS, pX, 0, K / 16);
+#pragma unroll
+    for (int nt = 0; nt < CT::NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = i0 + gq + 8 * hf, j = j0 + 8 * nt + 2 * tq;
+        st2(ws + lay.U() + i * kC + j, j <= i ? acc[0][nt][2 * hf] : 0.0f, j + 1 <= i ? acc[0][nt][2 * hf + 1] : 0.0f);
+      }
+  }
+  // Column sums of dKd∘Kd over the warp's 16 rows (lanes of equal t), one partial per row tile.
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float s = colp[nt][e];
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
+      s += __shfl_xor_sync(0xffffffffu, s, 16);
+      if (gq == 0) scol[rt * K + c0 + 8 * nt + 2 * tq + e] = s;
+    }
+  __syncthreads();  // dSe and u no longer read
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      st2(sdg + (r0 + gq + 8 * hf) * K + c0 + 8 * nt + 2 * tq, dG[nt][2 * hf], dG[nt][2 * hf + 1]);
   __syncthreads();
-  // Partial column sums by ty into ss, dΓ into sx; then per column d: dγ and the reverse cumsum over the rows.
-#pragma unroll
-  for (int b = 0; b < TK; ++b) ss[ty * K + tx + 16 * b] = colp[b];
-#pragma unroll
-  for (int a = 0; a < 4; ++a)
-#pragma unroll
-    for (int b = 0; b < TK; ++b) sx[(ty + 16 * a) * KP + tx + 16 * b] = dG[a][b];
-  __syncthreads();
+  // Per column d: dγ, then the reverse cumsum of dΓ over the rows, in place; then into dg.
   for (int d = tid; d < K; d += kThreads) {
-    float dgam = 0.0f;
-    for (int y = 0; y < 16; ++y) dgam += ss[y * K + d];
+    float dgam = scol[d] + scol[K + d] + scol[2 * K + d] + scol[3 * K + d];
     dgam = fmaf(__expf(ws[lay.gl() + d]), sdir[d], dgam);
     float run = 0.0f;
     for (int i = n - 1; i >= 0; --i) {
-      run += sx[i * KP + d];
-      p.dg[base + int64_t(i) * HK + d] += run + dgam;
+      run += sdg[i * K + d];
+      sdg[i * K + d] = run + dgam;
     }
   }
+  __syncthreads();
+  add_tile<K>(p.dg + base, HK, sdg, K, n);
 }
 
 // ---- intra: per (chunk, head), the WY factors' and the intra-chunk products' gradients ----
 
+// Shared memory, byte offsets. Phases 1–4 (the WY factors): A, du (then T1 = Aᵀ·dA), dW, β v, β Kg, dA (all split).
+// Phase 5 (the products through the decay): Γ, q, k (fp32), dAqk and dM (fp32 and split) and a split scratch of 96
+// rows; dM is written at the end of phase 4, clear of A and T1, which that phase reads.
+template <int K>
+struct IntraSmem {
+  static constexpr int KS = K + 8, FS = K + 8;  // FS: row stride of the fp32 [C, K] matrices (float2 per lane)
+  static constexpr int XS = kC * KS * 4, CSB = kC * kCS * 4, F = kC * FS * 4, FC = kC * kCP * 4;
+  static constexpr int A = 0, du = CSB, T1 = CSB, dW = CSB + XS, bv = CSB + 2 * XS, bk = CSB + 3 * XS,
+                       dA = CSB + 4 * XS, end14 = 2 * CSB + 4 * XS;
+  static constexpr int G = 0, q = F, k = 2 * F, qkf = 3 * F, mf = 3 * F + FC, qks = 3 * F + 2 * FC, ms = qks + CSB,
+                       xs = ms + CSB, end5 = xs + 96 * KS * 4;
+  static constexpr int misc = end14 > end5 ? end14 : end5;  // β [C], dβ partials [2, C]
+  static constexpr size_t bytes = size_t(misc) + 3 * kC * 4;
+  static_assert(mf >= T1 + CSB, "dM clears A and T1");
+};
+
 template <int K>
 __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
-  constexpr int KP = K + 1, TK = K / 16;
-  extern __shared__ float sm[];
-  float* x1 = sm;               // [C, KP] dO, du, q, dΓ
-  float* x2 = x1 + kC * KP;     // [C, KP] u, β v, β Kg, k
-  float* x3 = x2 + kC * KP;     // [C, KP] dW, Γ
-  float* pa = x3 + kC * KP;     // [C, CP] A
-  float* pm = pa + kC * kCP;    // [C, CP] M
-  float* pp = pm + kC * kCP;    // [C, CP] dAqk
-  float* pg = pp + kC * kCP;    // [C, CP] strict_lower(dA), then dM
-  float* pt = pg + kC * kCP;    // [C, CP] Aᵀ·dA
-  float* sb = pt + kC * kCP;    // [C] β
-  float* sdb = sb + kC;         // [C] dβ
-  float* xs2 = sdb + kC;        // [C, KP] scratch
+  using L = IntraSmem<K>;
+  constexpr int KS = K + 8, pX = kC * KS, pC = kC * kCS, pS = 96 * KS;
+  using OT = WarpTile<kC, K>;
+  using CT = WarpTile<kC, kC>;
+  constexpr int NT = OT::NT;
+  static_assert(OT::RT == 4 && OT::CG == 2 && CT::RT == 4 && CT::CG == 2, "one tile per warp, rows alike");
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto bfp = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };
+  auto flp = [&](int off) { return reinterpret_cast<float*>(smem + off); };
+  bf16 *sA = bfp(L::A), *sdu = bfp(L::du), *sT1 = bfp(L::T1), *sdW = bfp(L::dW), *sbv = bfp(L::bv),
+       *sbk = bfp(L::bk), *sdA = bfp(L::dA);
+  float *fG = flp(L::G), *fq = flp(L::q), *fk = flp(L::k), *fqk = flp(L::qkf), *fm = flp(L::mf);
+  bf16 *sqk = bfp(L::qks), *sms = bfp(L::ms), *sx = bfp(L::xs);
+  float* sb = flp(L::misc);  // [C] β
+  float* sdb = sb + kC;      // [2, C] dβ, per column half
   const int64_t c = blockIdx.x, h = blockIdx.y, H = p.H, HK = H * K;
-  const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c];
-  const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
+  const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c], nb = (n + 15) / 16;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const Layout lay{K};
   const float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
-  float dk[4][TK], dG[4][TK];  // this thread's elements of dk and dΓ
+  // The warp's tiles: rows r0 … r0+15 (row block rt); [C, K] outputs on columns c0 …, [C, C] ones on j0 ….
+  const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16, half = warp / OT::RT, j0 = CT::col0(warp);
+  float* sdbh = sdb + half * kC;
+  float dq[NT][4], dk[NT][4], dG[NT][4];  // this thread's elements of dq, dk and dΓ
 
-  stage(x1, KP, p.do_ + base, HK, kC, K, n);
-  stage(x2, KP, ws + lay.u(), K, kC, K, kC);
-  stage(pa, kCP, ws + lay.A(), kC, kC, kC, kC);
-  stage(pm, kCP, ws + lay.M(), kC, kC, kC, kC);
+  // Phase 1: A, dW (split slots), du, β v, β Kg.
+  copy_split<kC, kC>(sA, kCS, pC, reinterpret_cast<const bf16*>(ws + lay.A()));
+  copy_split<kC, K>(sdW, KS, pX, reinterpret_cast<const bf16*>(ws + lay.dW()));
+  cp_async_commit();
   for (int i = tid; i < kC; i += kThreads) {
     sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
-    sdb[i] = 0.0f;
+    sdb[i] = sdb[kC + i] = 0.0f;
   }
-  sync_staged();
-  {  // dAqk = lower(dO·uᵀ)
-    float acc[4][4];
-    zero(acc);
-    mm(acc, x1, KP, 1, x2, 1, KP, K);
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int i = ty + 16 * a, j = tx + 16 * b;
-        pp[i * kCP + j] = j <= i ? acc[a][b] : 0.0f;
-      }
-  }
+  stage_split<kC, K>(sdu, KS, pX, ws + lay.du(), K, kC);
+  struct VB {  // a row's β and four elements of v (or k) and Γ
+    float4 x, g;
+    float b;
+  };
+  staged<kC, K>(
+      n, [&](int r, int cc) { return VB{ld4(p.v + base + int64_t(r) * HK + cc), {}, p.beta[(t0 + r) * H + h]}; },
+      [&](int r, int cc, const VB& a) {
+        put4(sbv + r * KS + cc, pX, make_float4(a.b * a.x.x, a.b * a.x.y, a.b * a.x.z, a.b * a.x.w));
+      });
+  staged<kC, K>(
+      n,
+      [&](int r, int cc) {
+        return VB{ld4(p.k + base + int64_t(r) * HK + cc), ld4(ws + lay.G() + r * K + cc), p.beta[(t0 + r) * H + h]};
+      },
+      [&](int r, int cc, const VB& a) {
+        put4(sbk + r * KS + cc, pX,
+             make_float4(a.b * a.x.x * __expf(a.g.x), a.b * a.x.y * __expf(a.g.y), a.b * a.x.z * __expf(a.g.z),
+                         a.b * a.x.w * __expf(a.g.w)));
+      });
+  cp_async_wait<0>();
   __syncthreads();
-  stage(x1, KP, ws + lay.du(), K, kC, K, kC);
-  for (int idx = tid; idx < kC * K; idx += kThreads) {
-    const int i = idx / K, d = idx - i * K;
-    x2[i * KP + d] = i < n ? sb[i] * p.v[base + int64_t(i) * HK + d] : 0.0f;
-  }
-  stage(x3, KP, ws + lay.dW(), K, kC, K, kC);
-  sync_staged();
+  // Aᵀ is upper triangular: row tile rt needs the k-steps rt …; rows ≥ n of du and dW are zero.
   {  // d(βv) = Aᵀ·du: dv += β·d(βv), dβ += rowsum(v∘d(βv))
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, pa, 1, kCP, x1, KP, 1, kC);
+    float acc[1][NT][4] = {}, rs[2] = {0.0f, 0.0f};
+    mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdu + c0, KS, pX, rt, nb);
+    constexpr int NG = group_of<NT>();
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int i = ty + 16 * a;
-      float r = 0.0f;
+    for (int n0 = 0; n0 < NT; n0 += NG) {
+      float2 v2[NG][2], o2[NG][2];  // v and dv at this thread's elements
 #pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int d = tx + 16 * b;
+      for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
+          const int64_t e = base + int64_t(i) * HK + d;
+          v2[j][hf] = i < n ? ld2(p.v + e) : make_float2(0.0f, 0.0f);
+          o2[j][hf] = i < n ? ld2(p.dv + e) : make_float2(0.0f, 0.0f);
+        }
+#pragma unroll
+      for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+          const float a0 = acc[0][nt][2 * hf], a1 = acc[0][nt][2 * hf + 1];
+          rs[hf] = fmaf(v2[j][hf].x, a0, fmaf(v2[j][hf].y, a1, rs[hf]));
+          if (i < n) st2(p.dv + base + int64_t(i) * HK + d, o2[j][hf].x + sb[i] * a0, o2[j][hf].y + sb[i] * a1);
+        }
+    }
+    add_rows(sdbh, r0, rs);
+  }
+  {  // d(βKg) = Aᵀ·dW: dKg = β·d(βKg); dk = dKg∘e^Γ, dΓ = dKg∘Kg, dβ += rowsum(Kg∘d(βKg))
+    float acc[1][NT][4] = {}, rs[2] = {0.0f, 0.0f};
+    mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdW + c0, KS, pX, rt, nb);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+#pragma unroll
+        for (int x = 2 * hf; x < 2 * hf + 2; ++x) dq[nt][x] = dk[nt][x] = dG[nt][x] = 0.0f;
         if (i < n) {
           const int64_t e = base + int64_t(i) * HK + d;
-          p.dv[e] += sb[i] * acc[a][b];
-          r = fmaf(p.v[e], acc[a][b], r);
+          const float2 g2 = ld2(ws + lay.G() + i * K + d), k2 = ld2(p.k + e);
+          const float eg[2] = {__expf(g2.x), __expf(g2.y)}, kg[2] = {k2.x * eg[0], k2.y * eg[1]};
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const float a = acc[0][nt][2 * hf + b], dkg = sb[i] * a;
+            dk[nt][2 * hf + b] = dkg * eg[b];
+            dG[nt][2 * hf + b] = dkg * kg[b];
+            rs[hf] = fmaf(kg[b], a, rs[hf]);
+          }
         }
       }
-      r = row_sum16(r);
-      if (tx == 0) sdb[i] += r;
-    }
+    add_rows(sdbh, r0, rs);
   }
-  {  // d(βKg) = Aᵀ·dW: dKg = β·d(βKg); dk += dKg∘e^Γ, dΓ += dKg∘Kg, dβ += rowsum(Kg∘d(βKg))
-    float acc[4][TK];
-    zero(acc);
-    mm(acc, pa, 1, kCP, x3, KP, 1, kC);
+  {  // Phase 2: dA = strict_lower(du·(βv)ᵀ + dW·(βKg)ᵀ); tiles wholly above the diagonal are zero
+    float acc[1][CT::NT][4] = {};
+    if (j0 < r0 + 16) {
+      mma3<1, CT::NT, false, true>(acc, sdu + r0 * KS, KS, 0, pX, sbv + j0 * KS, KS, pX, 0, K / 16);
+      mma3<1, CT::NT, false, true>(acc, sdW + r0 * KS, KS, 0, pX, sbk + j0 * KS, KS, pX, 0, K / 16);
+    }
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int i = ty + 16 * a;
-      float r = 0.0f;
+    for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int d = tx + 16 * b;
-        dk[a][b] = 0.0f;
-        dG[a][b] = 0.0f;
-        if (i < n) {
-          const float eg = __expf(ws[lay.G() + i * K + d]);
-          const float kg = p.k[base + int64_t(i) * HK + d] * eg;
-          const float dkg = sb[i] * acc[a][b];
-          dk[a][b] = dkg * eg;
-          dG[a][b] = dkg * kg;
-          r = fmaf(kg, acc[a][b], r);
-        }
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + gq + 8 * hf, j = j0 + 8 * nt + 2 * tq;
+        put2(sdA + i * kCS + j, pC, j < i ? acc[0][nt][2 * hf] : 0.0f, j + 1 < i ? acc[0][nt][2 * hf + 1] : 0.0f);
       }
-      r = row_sum16(r);
-      if (tx == 0) sdb[i] += r;
-    }
-  }
-  float accA[4][4];  // dA = du·(βv)ᵀ + dW·(βKg)ᵀ
-  zero(accA);
-  mm(accA, x1, KP, 1, x2, 1, KP, K);
-  __syncthreads();
-  for (int idx = tid; idx < kC * K; idx += kThreads) {
-    const int i = idx / K, d = idx - i * K;
-    x2[i * KP + d] =
-        i < n ? sb[i] * p.k[base + int64_t(i) * HK + d] * __expf(ws[lay.G() + i * K + d]) : 0.0f;
   }
   __syncthreads();
-  mm(accA, x3, KP, 1, x2, 1, KP, K);
+  {  // Phase 3: T1 = Aᵀ·dA (over du; rows ≥ n of dA are zero)
+    float acc[1][CT::NT][4] = {};
+    mma3<1, CT::NT, true, false>(acc, sA + r0, kCS, 16, pC, sdA + j0, kCS, pC, rt, nb);
 #pragma unroll
-  for (int a = 0; a < 4; ++a)
+    for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int i = ty + 16 * a, j = tx + 16 * b;
-      pg[i * kCP + j] = j < i ? accA[a][b] : 0.0f;
-    }
-  __syncthreads();
-  {  // Aᵀ·dA
-    float acc[4][4];
-    zero(acc);
-    mm(acc, pa, 1, kCP, pg, kCP, 1, kC);
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) pt[(ty + 16 * a) * kCP + tx + 16 * b] = acc[a][b];
+      for (int hf = 0; hf < 2; ++hf)
+        put2(sT1 + (r0 + gq + 8 * hf) * kCS + j0 + 8 * nt + 2 * tq, pC, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
   }
   __syncthreads();
-  {  // dL = −strict_lower(Aᵀ·dA·Aᵀ); dβ += rowsum(dL∘M), dM = β·dL (into pg: dA is no longer read)
-    float acc[4][4];
-    zero(acc);
-    mm(acc, pt, kCP, 1, pa, 1, kCP, kC);
+  {  // Phase 4: dL = −strict_lower(T1·Aᵀ); dβ += rowsum(dL∘M), dM = β·dL (split and fp32). Aᵀ[m, j] = A[j, m] is
+     // zero for m > j and T1[i, m] for m ≥ n: the k-steps below min(nb, (j0 + 32)/16).
+    float acc[1][CT::NT][4] = {}, rs[2] = {0.0f, 0.0f};
+    float2 m2[CT::NT][2];  // M at this thread's elements, loaded ahead of the product
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int i = ty + 16 * a;
-      float r = 0.0f;
+    for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int j = tx + 16 * b;
-        const float dl = j < i ? -acc[a][b] : 0.0f;
-        r = fmaf(dl, pm[i * kCP + j], r);
-        pg[i * kCP + j] = sb[i] * dl;
+      for (int hf = 0; hf < 2; ++hf) m2[nt][hf] = ld2(ws + lay.M() + (r0 + gq + 8 * hf) * kC + j0 + 8 * nt + 2 * tq);
+    if (j0 < r0 + 16)
+      mma3<1, CT::NT, false, true>(acc, sT1 + r0 * kCS, kCS, 0, pC, sA + j0 * kCS, kCS, pC, 0, min(nb, j0 / 16 + 2));
+#pragma unroll
+    for (int nt = 0; nt < CT::NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + gq + 8 * hf, j = j0 + 8 * nt + 2 * tq;
+        const float l0 = j < i ? -acc[0][nt][2 * hf] : 0.0f, l1 = j + 1 < i ? -acc[0][nt][2 * hf + 1] : 0.0f;
+        rs[hf] = fmaf(l0, m2[nt][hf].x, fmaf(l1, m2[nt][hf].y, rs[hf]));  // M rows ≥ n are zero
+        const float m0 = sb[i] * l0, m1 = sb[i] * l1;
+        put2(sms + i * kCS + j, pC, m0, m1);
+        fm[i * kCP + j] = m0;
+        fm[i * kCP + j + 1] = m1;
       }
-      r = row_sum16(r);
-      if (tx == 0) sdb[i] += r;
-    }
+    add_rows(sdbh, r0, rs);
   }
-  stage(x1, KP, p.q + base, HK, kC, K, n);
-  stage(x2, KP, p.k + base, HK, kC, K, n);
-  stage(x3, KP, ws + lay.G(), K, kC, K, kC);
-  sync_staged();
-  // Through Aqk and M with the decay e^(Γ_i − Γ_j), j ≤ i:
+  __syncthreads();
+  // Phase 5. Through Aqk and M with the decay e^(Γ_i − Γ_j), j ≤ i:
   //   X_i = Σ_j dAqk[i,j] k_j e, Y_i = Σ_j dM[i,j] k_j e, Z_j = Σ_i (dAqk[i,j] q_i + dM[i,j] k_i) e;
   //   dq_i += X_i, dk_i += Y_i, dk_j += Z_j, dΓ_i += q_i X_i + k_i Y_i, dΓ_j −= k_j Z_j.
-  // Pairs within one 16-row block take the decay element by element. Pairs across blocks split it at a block
-  // boundary (j < r ≤ i) into e^(Γ_i − Γ_r)·e^(Γ_r − Γ_j), both ≤ 1, so that their sums become products with a
-  // rescaled k (or q, k) shared by all the rows of a block, formed once in a scratch buffer.
-  float* xs = pa;  // [C, KP] scratch over A and M (contiguous, no longer read)
-  static_assert(2 * kCP >= KP, "A and M together hold a [C, KP] scratch");
+  // Γ, q, k and dAqk staged; then, for X and Y across blocks, the scratch rows 8·bi·(bi − 1) + j hold
+  // k_j e^(Γ_r − Γ_j), j < r = 16·bi, for the row blocks bi = 1 … 3.
+  constexpr int FS = L::FS;
+  {
+    struct GQK {
+      float4 g, q, k;
+    };
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    staged<kC, K>(
+        kC,  // Γ on every row, q and k zero on rows ≥ n
+        [&](int i, int cc) {
+          const int64_t e = base + int64_t(i) * HK + cc;
+          return GQK{ld4(ws + lay.G() + i * K + cc), i < n ? ld4(p.q + e) : zero, i < n ? ld4(p.k + e) : zero};
+        },
+        [&](int i, int cc, const GQK& x) {
+          *reinterpret_cast<float4*>(fG + i * FS + cc) = x.g;
+          *reinterpret_cast<float4*>(fq + i * FS + cc) = x.q;
+          *reinterpret_cast<float4*>(fk + i * FS + cc) = x.k;
+        });
+    staged<kC, kC>(
+        kC, [&](int i, int j) { return ld4(ws + lay.U() + i * kC + j); },
+        [&](int i, int j, float4 a) {
+          float* f = fqk + i * kCP + j;
+          f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+          put4(sqk + i * kCS + j, pC, a);
+        });
+  }
+  __syncthreads();
+  for (int idx = tid; idx < 96 * K / 2; idx += kThreads) {
+    const int row = idx / (K / 2), d = 2 * (idx - row * (K / 2));
+    const int bi = row < 16 ? 1 : (row < 48 ? 2 : 3), j = row - 8 * bi * (bi - 1), r = 16 * bi;
+    const float2 kj = ld2(fk + j * FS + d), gj = ld2(fG + j * FS + d), gr = ld2(fG + r * FS + d);
+    put2(sx + row * KS + d, pS, kj.x * __expf(gr.x - gj.x), kj.y * __expf(gr.y - gj.y));
+  }
+  __syncthreads();
+  // Pairs within the warp's own 16-row block, the decay element by element: for row m = r0 + l and this thread's row
+  // i, e = e^(−|Γ_i − Γ_m|) is e^(Γ_i − Γ_m) when m ≤ i (X, Y of row i) and e^(Γ_m − Γ_i) when m ≥ i (Z of row i as
+  // the earlier row). Two n-tiles a pass.
 #pragma unroll
-  for (int a = 0; a < 4; ++a) {
-    const int i = ty + 16 * a;
-    if (i < n) {
-      float gi[TK], X[TK], Y[TK], Z[TK];
+  for (int pass = 0; pass < NT / 2; ++pass) {
+    float X[2][4] = {}, Y[2][4] = {}, Z[2][4] = {}, gi[2][4];
 #pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        gi[b] = x3[i * KP + tx + 16 * b];
-        X[b] = Y[b] = Z[b] = 0.0f;
+    for (int pn = 0; pn < 2; ++pn)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 g2 = ld2(fG + (r0 + gq + 8 * hf) * FS + c0 + 8 * (2 * pass + pn) + 2 * tq);
+        gi[pn][2 * hf] = g2.x;
+        gi[pn][2 * hf + 1] = g2.y;
       }
-      for (int j = 16 * a; j <= i; ++j) {
-        const float pj = pp[i * kCP + j], qj = pg[i * kCP + j];
+#pragma unroll 2
+    for (int l = 0; l < 16; ++l) {
+      const int m = r0 + l;
+      float cx[2], cy[2], cz[2], cw[2];
 #pragma unroll
-        for (int b = 0; b < TK; ++b) {
-          const int d = tx + 16 * b;
-          const float kj = x2[j * KP + d] * __expf(gi[b] - x3[j * KP + d]);
-          X[b] = fmaf(pj, kj, X[b]);
-          Y[b] = fmaf(qj, kj, Y[b]);
+      for (int hf = 0; hf < 2; ++hf) {
+        const int il = gq + 8 * hf, i = r0 + il;
+        cx[hf] = l <= il ? fqk[i * kCP + m] : 0.0f;
+        cy[hf] = l <= il ? fm[i * kCP + m] : 0.0f;
+        cz[hf] = l >= il ? fqk[m * kCP + i] : 0.0f;
+        cw[hf] = l >= il ? fm[m * kCP + i] : 0.0f;
+      }
+#pragma unroll
+      for (int pn = 0; pn < 2; ++pn) {
+        const int d = c0 + 8 * (2 * pass + pn) + 2 * tq;
+        const float2 k2 = ld2(fk + m * FS + d), q2 = ld2(fq + m * FS + d), g2 = ld2(fG + m * FS + d);
+        const float km[2] = {k2.x, k2.y}, qm[2] = {q2.x, q2.y}, gm[2] = {g2.x, g2.y};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int hf = x >> 1, b = x & 1;
+          const float e = __expf(-fabsf(gi[pn][x] - gm[b])), t = km[b] * e;
+          X[pn][x] = fmaf(cx[hf], t, X[pn][x]);
+          Y[pn][x] = fmaf(cy[hf], t, Y[pn][x]);
+          Z[pn][x] = fmaf(fmaf(cz[hf], qm[b], cw[hf] * km[b]), e, Z[pn][x]);
         }
       }
-      const int rend = min(16 * a + 16, n);
-      for (int r = i; r < rend; ++r) {
-        const float pr = pp[r * kCP + i], qr = pg[r * kCP + i];
+    }
 #pragma unroll
-        for (int b = 0; b < TK; ++b) {
-          const int d = tx + 16 * b;
-          const float e = __expf(x3[r * KP + d] - gi[b]);
-          Z[b] = fmaf(fmaf(pr, x1[r * KP + d], qr * x2[r * KP + d]), e, Z[b]);
+    for (int pn = 0; pn < 2; ++pn)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int nt = 2 * pass + pn, at = (r0 + gq + 8 * hf) * FS + c0 + 8 * nt + 2 * tq;
+        const float2 q2 = ld2(fq + at), k2 = ld2(fk + at);
+        const float qi[2] = {q2.x, q2.y}, ki[2] = {k2.x, k2.y};
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int x = 2 * hf + b;
+          dq[nt][x] += X[pn][x];
+          dk[nt][x] += Y[pn][x] + Z[pn][x];
+          dG[nt][x] += qi[b] * X[pn][x] + ki[b] * (Y[pn][x] - Z[pn][x]);
         }
       }
+  }
+  // X and Y of row block rt ≥ 1 against the earlier rows j < r0: e^(Γ_i − Γ_r0) times dAqk (dM) · the scratch.
+  if (rt >= 1 && r0 < n) {
+    const bf16* xb = sx + 8 * rt * (rt - 1) * KS + c0;
 #pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int d = tx + 16 * b;
-        p.dq[base + int64_t(i) * HK + d] += X[b];
-        dk[a][b] += Y[b] + Z[b];
-        dG[a][b] += x1[i * KP + d] * X[b] + x2[i * KP + d] * (Y[b] - Z[b]);
-      }
+    for (int which = 0; which < 2; ++which) {  // unrolled: dq or dk is chosen at compile time
+      float acc[1][NT][4] = {};
+      mma3<1, NT, false, false>(acc, (which ? sms : sqk) + r0 * kCS, kCS, 0, pC, xb, KS, pS, 0, rt);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int d = c0 + 8 * nt + 2 * tq, at = (r0 + gq + 8 * hf) * FS + d;
+          const float2 g2 = ld2(fG + at), gr = ld2(fG + r0 * FS + d), o2 = ld2((which ? fk : fq) + at);
+          const float y[2] = {acc[0][nt][2 * hf] * __expf(g2.x - gr.x), acc[0][nt][2 * hf + 1] * __expf(g2.y - gr.y)};
+          const float o[2] = {o2.x, o2.y};
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            (which ? dk : dq)[nt][2 * hf + b] += y[b];
+            dG[nt][2 * hf + b] += o[b] * y[b];
+          }
+        }
     }
   }
-  // Rows of block bi against the earlier rows j < r = 16·bi: the scratch holds k_j e^(Γ_r − Γ_j).
-#pragma unroll
-  for (int bi = 1; bi < 4; ++bi) {
-    const int r0 = 16 * bi;
-    if (r0 >= n) break;
-    __syncthreads();  // the scratch is no longer read
-    for (int idx = tid; idx < r0 * K; idx += kThreads) {
-      const int j = idx / K, d = idx - j * K;
-      xs[j * KP + d] = x2[j * KP + d] * __expf(x3[r0 * KP + d] - x3[j * KP + d]);
-    }
-    __syncthreads();
-    const int i = r0 + ty;
-    float X[TK], Y[TK];
-#pragma unroll
-    for (int b = 0; b < TK; ++b) X[b] = Y[b] = 0.0f;
-    for (int j = 0; j < r0; ++j) {
-      const float pj = pp[i * kCP + j], qj = pg[i * kCP + j];
-#pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const float kv = xs[j * KP + tx + 16 * b];
-        X[b] = fmaf(pj, kv, X[b]);
-        Y[b] = fmaf(qj, kv, Y[b]);
-      }
-    }
-    if (i < n) {
-#pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int d = tx + 16 * b;
-        const float e = __expf(x3[i * KP + d] - x3[r0 * KP + d]);
-        p.dq[base + int64_t(i) * HK + d] += X[b] * e;
-        dk[bi][b] = fmaf(Y[b], e, dk[bi][b]);
-        dG[bi][b] += (x1[i * KP + d] * X[b] + x2[i * KP + d] * Y[b]) * e;
-      }
-    }
+  __syncthreads();  // the scratch is no longer read
+  // For Z across blocks, row block br = 1 … 3 with s = 16·br: q_r and k_r times e^(Γ_r − Γ_s), r = s + l, at scratch
+  // rows 32·(br − 1) + l and 32·(br − 1) + 16 + l.
+  for (int idx = tid; idx < 48 * K / 2; idx += kThreads) {
+    const int rr = idx / (K / 2), d = 2 * (idx - rr * (K / 2)), br = 1 + rr / 16, l = rr % 16;
+    const int r = 16 * br + l, s = 16 * br;
+    const float2 gr = ld2(fG + r * FS + d), gs = ld2(fG + s * FS + d), qr = ld2(fq + r * FS + d),
+                 kr = ld2(fk + r * FS + d);
+    const float e0 = __expf(gr.x - gs.x), e1 = __expf(gr.y - gs.y);
+    put2(sx + (32 * (br - 1) + l) * KS + d, pS, qr.x * e0, qr.y * e1);
+    put2(sx + (32 * (br - 1) + 16 + l) * KS + d, pS, kr.x * e0, kr.y * e1);
   }
-  // Rows of block bj against the later rows r > s = 16·bj + 15: the scratches hold q_r and k_r times e^(Γ_r − Γ_s).
-#pragma unroll
-  for (int bj = 0; bj < 3; ++bj) {
-    const int s0 = 16 * bj + 15;
-    if (s0 + 1 >= n) break;
-    __syncthreads();  // the scratches are no longer read
-    for (int idx = tid; idx < (n - s0 - 1) * K; idx += kThreads) {
-      const int r = s0 + 1 + idx / K, d = idx % K;
-      const float e = __expf(x3[r * KP + d] - x3[s0 * KP + d]);
-      xs[r * KP + d] = x1[r * KP + d] * e;
-      xs2[r * KP + d] = x2[r * KP + d] * e;
-    }
-    __syncthreads();
-    const int i = 16 * bj + ty;  // ≤ s0 < n
-    float Z[TK];
-#pragma unroll
-    for (int b = 0; b < TK; ++b) Z[b] = 0.0f;
-    for (int r = s0 + 1; r < n; ++r) {
-      const float pr = pp[r * kCP + i], qr = pg[r * kCP + i];
-#pragma unroll
-      for (int b = 0; b < TK; ++b) {
-        const int d = tx + 16 * b;
-        Z[b] = fmaf(pr, xs[r * KP + d], fmaf(qr, xs2[r * KP + d], Z[b]));
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < TK; ++b) {
-      const int d = tx + 16 * b;
-      const float z = Z[b] * __expf(x3[s0 * KP + d] - x3[i * KP + d]);
-      dk[bj][b] += z;
-      dG[bj][b] -= x2[i * KP + d] * z;
-    }
-  }
-#pragma unroll
-  for (int a = 0; a < 4; ++a)
-#pragma unroll
-    for (int b = 0; b < TK; ++b) {
-      const int i = ty + 16 * a;
-      if (i < n) p.dk[base + int64_t(i) * HK + tx + 16 * b] += dk[a][b];
-    }
   __syncthreads();
+  // Z of row block rt ≤ 2 against each later block br: e^(Γ_s − Γ_j) times (dAqk[br, rt]ᵀ·q̃ + dM[br, rt]ᵀ·k̃).
+  if (r0 < n) {
+#pragma unroll 1
+    for (int br = rt + 1; br < 4 && 16 * br < n; ++br) {
+      const int s = 16 * br;
+      float acc[1][NT][4] = {};
+      mma3<1, NT, true, false>(acc, sqk + s * kCS + r0, kCS, 16, pC, sx + 32 * (br - 1) * KS + c0, KS, pS, 0, 1);
+      mma3<1, NT, true, false>(acc, sms + s * kCS + r0, kCS, 16, pC, sx + (32 * (br - 1) + 16) * KS + c0, KS, pS,
+                               0, 1);
 #pragma unroll
-  for (int a = 0; a < 4; ++a)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int b = 0; b < TK; ++b) x1[(ty + 16 * a) * KP + tx + 16 * b] = dG[a][b];
+        for (int hf = 0; hf < 2; ++hf) {
+          const int d = c0 + 8 * nt + 2 * tq, at = (r0 + gq + 8 * hf) * FS + d;
+          const float2 g2 = ld2(fG + at), gs = ld2(fG + s * FS + d), k2 = ld2(fk + at);
+          const float z[2] = {acc[0][nt][2 * hf] * __expf(gs.x - g2.x), acc[0][nt][2 * hf + 1] * __expf(gs.y - g2.y)};
+          const float ki[2] = {k2.x, k2.y};
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            dk[nt][2 * hf + b] += z[b];
+            dG[nt][2 * hf + b] -= ki[b] * z[b];
+          }
+        }
+    }
+  }
+  __syncthreads();  // q no longer read: dΓ takes its place
+  float* fdg = fq;
+  constexpr int NG = group_of<NT>();
+#pragma unroll
+  for (int n0 = 0; n0 < NT; n0 += NG) {
+    float2 oq[NG][2], ok[NG][2];  // dq and dk at this thread's elements
+#pragma unroll
+    for (int j = 0; j < NG; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
+        const int64_t e = base + int64_t(i) * HK + d;
+        oq[j][hf] = i < n ? ld2(p.dq + e) : make_float2(0.0f, 0.0f);
+        ok[j][hf] = i < n ? ld2(p.dk + e) : make_float2(0.0f, 0.0f);
+      }
+#pragma unroll
+    for (int j = 0; j < NG; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
+        if (i < n) {
+          const int64_t e = base + int64_t(i) * HK + d;
+          st2(p.dq + e, oq[j][hf].x + dq[nt][2 * hf], oq[j][hf].y + dq[nt][2 * hf + 1]);
+          st2(p.dk + e, ok[j][hf].x + dk[nt][2 * hf], ok[j][hf].y + dk[nt][2 * hf + 1]);
+        }
+        st2(fdg + i * FS + d, dG[nt][2 * hf], dG[nt][2 * hf + 1]);
+      }
+  }
   __syncthreads();
+  // The reverse cumsum of dΓ over the rows, in place per column d; then into dg.
   for (int d = tid; d < K; d += kThreads) {
     float run = 0.0f;
     for (int i = n - 1; i >= 0; --i) {
-      run += x1[i * KP + d];
-      p.dg[base + int64_t(i) * HK + d] += run;
+      run += fdg[i * FS + d];
+      fdg[i * FS + d] = run;
     }
   }
-  for (int i = tid; i < n; i += kThreads) p.dbeta[(t0 + i) * H + h] += sdb[i];
+  __syncthreads();
+  add_tile<K>(p.dg + base, HK, fdg, FS, n);
+  for (int i = tid; i < n; i += kThreads) p.dbeta[(t0 + i) * H + h] += sdb[i] + sdb[kC + i];
 }
 
 template <class Kernel>
@@ -918,27 +1314,24 @@ void set_smem(Kernel kernel, size_t bytes) {
 
 template <int K>
 void launch(const Params& p, cudaStream_t st) {
-  constexpr int KP = K + 1;
   const auto nc = static_cast<unsigned>(p.ch.num_chunks), ns = static_cast<unsigned>(p.ch.num_seqs);
   const auto H = static_cast<unsigned>(p.H);
-  constexpr int TP = state_cols<K>() + 1;
   const dim3 per_chunk(nc, H), per_seq(ns, H, K / state_cols<K>());
-  const size_t prep = (3 * kC * KP + 2 * kC * kCP + kC + (kC + 16) * KP) * sizeof(float);
-  const size_t fwd = (K * TP + kC * TP + 2 * kC * KP) * sizeof(float);
-  const size_t bwd = fwd;
-  const size_t inter = (K * KP + kC * KP + K) * sizeof(float);
-  const size_t intra = (4 * kC * KP + 5 * kC * kCP + 2 * kC) * sizeof(float);
+  constexpr size_t prep = PrepSmem<K>::bytes, state = StateSmem<K>::bytes, inter = InterSmem<K>::bytes,
+                   intra = IntraSmem<K>::bytes;
+  constexpr size_t limit = 227 * 1024;  // dynamic shared memory of one block on the H100/H200
+  static_assert(prep <= limit && state <= limit && inter <= limit && intra <= limit, "shared memory");
   set_smem(prep_kernel<K>, prep);
-  set_smem(fwd_state_kernel<K>, fwd);
-  set_smem(bwd_state_kernel<K>, bwd);
+  set_smem(fwd_state_kernel<K>, state);
+  set_smem(bwd_state_kernel<K>, state);
   set_smem(inter_kernel<K>, inter);
   set_smem(intra_kernel<K>, intra);
   prep_kernel<K><<<per_chunk, kThreads, prep, st>>>(p);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (ns > 0) {
-    fwd_state_kernel<K><<<per_seq, kThreads, fwd, st>>>(p);
+    fwd_state_kernel<K><<<per_seq, kThreads, state, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
-    bwd_state_kernel<K><<<per_seq, kThreads, bwd, st>>>(p);
+    bwd_state_kernel<K><<<per_seq, kThreads, state, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   inter_kernel<K><<<per_chunk, kThreads, inter, st>>>(p);
@@ -961,6 +1354,12 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
   check(K == 32 || K == 64 || K == 128, "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
         "kda_chunked_backward: grid too large");
+  // Rows of K floats are read and written as float2/float4.
+  for (const void* ptr : {static_cast<const void*>(q), static_cast<const void*>(k), static_cast<const void*>(v),
+                          static_cast<const void*>(g), static_cast<const void*>(do_), static_cast<const void*>(dq),
+                          static_cast<const void*>(dk), static_cast<const void*>(dv), static_cast<const void*>(dg),
+                          static_cast<const void*>(work)})
+    check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
   const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work)};
   switch (K) {
     case 32: launch<32>(p, st); break;
