@@ -336,41 +336,115 @@ INSTANTIATE_TEST_SUITE_P(Pools, CudaDecodeIndexer,
                                   (info.param.tail ? "_tail" : "_notail");
                          });
 
+// Decoding against the prefill indexer (the forward's scores and selection, which CudaIndexerPrefill holds to the
+// CPU) on long sequences: more pools than one round of the selection kernel's threads (P = 1: 1100 pools; P = 4: 520)
+// and more heads than a warp's lanes (IH = 40: a full and a part-filled group of 32), ID not a multiple of 32. Two
+// sequences step together, in alternating row order; every selection must equal the forward's bit for bit, near
+// ties included, since both score in the same order.
+TEST(CudaDecodeIndexerForward, LongSequencesSelectAsThePrefill) {
+  struct Case {
+    int64_t P, topk;
+    bool tail;
+    std::vector<int64_t> lens;
+  };
+  for (const Case& k : {Case{1, 64, true, {1100, 700}}, Case{4, 64, false, {2080, 900}}}) {
+    const int64_t IH = 40, ID = 72, P = k.P;
+    const std::vector<int64_t> cu{0, k.lens[0], k.lens[0] + k.lens[1]};
+    const int64_t T = cu.back();
+    cuda_testing::IndexerPrefill in;
+    in.IH = IH, in.ID = ID, in.P = P, in.topk = k.topk, in.tail = k.tail, in.cu_seqlens = cu;
+    in.qi = test::randn(T * IH * ID, 31), in.ki = test::randn(T * ID, 32), in.gs = test::randn(T * ID, 33, 0.5f);
+    in.wts = test::randn(T * IH, 34), in.ape = test::randn(P * ID, 35, 0.5f);
+    const std::vector<std::vector<int32_t>> want = cuda_testing::indexer_prefill(in);
+
+    cuda_testing::IndexerDecodeSteps dec;
+    dec.IH = IH, dec.ID = ID, dec.P = P, dec.topk = k.topk, dec.num_slots = 2, dec.max_pools = k.lens[0] / P + 1;
+    dec.tail = k.tail, dec.ape = in.ape;
+    std::vector<std::vector<int64_t>> tokens;  // the packed token of each row of each step
+    for (int64_t s = 0; s < k.lens[0]; ++s) {
+      std::vector<int32_t> sl{0};
+      if (s < k.lens[1]) sl.push_back(1);
+      if (s % 2) std::reverse(sl.begin(), sl.end());
+      std::vector<int64_t> tk;
+      std::vector<float> qi, ki, gs, wts;
+      for (int32_t slot : sl) {
+        const int64_t t = cu[slot] + s;
+        tk.push_back(t);
+        qi.insert(qi.end(), in.qi.begin() + t * IH * ID, in.qi.begin() + (t + 1) * IH * ID);
+        ki.insert(ki.end(), in.ki.begin() + t * ID, in.ki.begin() + (t + 1) * ID);
+        gs.insert(gs.end(), in.gs.begin() + t * ID, in.gs.begin() + (t + 1) * ID);
+        wts.insert(wts.end(), in.wts.begin() + t * IH, in.wts.begin() + (t + 1) * IH);
+      }
+      dec.slots.push_back(sl), dec.qi.push_back(qi), dec.ki.push_back(ki), dec.gs.push_back(gs);
+      dec.wts.push_back(wts), tokens.push_back(tk);
+    }
+    const auto got = cuda_testing::indexer_decode_steps(dec);
+    int64_t rows = 0, chosen = 0, mismatched = 0;
+    for (size_t s = 0; s < tokens.size(); ++s)
+      for (size_t b = 0; b < tokens[s].size(); ++b, ++rows) {
+        const int64_t t = tokens[s][b], rel = t - cu[dec.slots[s][b]];
+        chosen += (rel + 1) / P > k.topk / P;
+        if (got[s][b] != want[t] && ++mismatched <= 3)
+          ADD_FAILURE() << "P=" << P << " sequence " << dec.slots[s][b] << " position " << rel << ": selection differs";
+      }
+    std::printf("[cuda decode] indexer IH=%lld ID=%lld P=%lld vs prefill: %lld rows (%lld chose by score), %lld "
+                "mismatched\n",
+                static_cast<long long>(IH), static_cast<long long>(ID), static_cast<long long>(P),
+                static_cast<long long>(rows), static_cast<long long>(chosen), static_cast<long long>(mismatched));
+    EXPECT_GT(chosen, rows / 2);  // the scoring and top-k paths carry most rows
+    EXPECT_EQ(mismatched, 0);
+  }
+}
+
 // ---- MLA ----
 
 // Absorbed attention over cached bf16 latents against the expanded form (k, v = kv_b·c, attention_weights), with
 // the same bf16-rounded latents and kv_b: selections of several sizes, and empty ones (uniform over 0 … pos). On
 // CUDA cores (KL = 40) and on tensor cores (one head group; two groups, the second part-filled, with splits of
-// several 64-key tiles and a uniform row over 1200 keys).
+// several 64-key tiles and a uniform row over 1200 keys; the model's KL = 512 with four head groups and twelve rows,
+// which take the single-buffered split kernel and the qa and combine kernels that serve 8 rows at once, while each
+// row alone takes the double-buffered and one-row ones). Then each row alone must give the same bits.
 struct MlaDecodeCase {
-  int64_t NH, KL, max_len, max_sel;
+  int64_t NH, KL, max_len, max_sel, dqk = 16, dv = 24, B = 4;
 };
-void PrintTo(const MlaDecodeCase& c, std::ostream* os) { *os << "NH=" << c.NH << " KL=" << c.KL; }
+void PrintTo(const MlaDecodeCase& c, std::ostream* os) {
+  *os << "NH=" << c.NH << " KL=" << c.KL << " dqk=" << c.dqk << " dv=" << c.dv << " B=" << c.B;
+}
 class CudaDecodeMla : public ::testing::TestWithParam<MlaDecodeCase> {};
 
 TEST_P(CudaDecodeMla, AbsorbedMatchesExpandedCpuAndIsBatchInvariant) {
-  const auto [NH, KL, max_len, max_sel] = GetParam();
-  const int64_t dqk = 16, dv = 24, NS = 4, dkv = dqk + dv;
+  const MlaDecodeCase c = GetParam();
+  const int64_t NH = c.NH, KL = c.KL, max_len = c.max_len, max_sel = c.max_sel, dqk = c.dqk, dv = c.dv, B = c.B;
+  const int64_t NS = std::max<int64_t>(B, 4), dkv = dqk + dv;
   std::vector<float> latent = test::randn(NS * max_len * KL, 1), kv_b = test::randn(NH * dkv * KL, 2, 0.3f);
   for (float& x : latent) x = bf16r(x);
   for (float& x : kv_b) x = bf16r(x);
-  const std::vector<int32_t> slots{2, 0, 1, 3};
-  const std::vector<int32_t> pos{10, 0, static_cast<int32_t>(max_len - 27),
-                                 static_cast<int32_t>(max_len > 64 ? max_len - 1 : 5)};
-  const int64_t B = static_cast<int64_t>(slots.size());
+  // Rows 0–3: a short selection, an empty one at position 0, a long one, an empty one over (nearly) the whole cache.
+  // Rows past 3, each in its own slot: selections of varied lengths, every third one empty.
+  std::vector<int32_t> slots{2, 0, 1, 3};
+  std::vector<int32_t> pos{10, 0, static_cast<int32_t>(max_len - 27),
+                           static_cast<int32_t>(max_len > 64 ? max_len - 1 : 5)};
+  for (int64_t b = 4; b < B; ++b) {
+    slots.push_back(static_cast<int32_t>(b));
+    pos.push_back(static_cast<int32_t>(max_len - 1 - (b * 53) % (max_len / 2)));
+  }
   std::vector<float> q = test::randn(B * NH * dqk, 3), nl = test::randn(B * KL, 4);
   for (float& x : nl) x = bf16r(x);
   std::vector<std::vector<int32_t>> sel(B);
   std::mt19937 gen(5);
-  for (int64_t b : {0, 2}) {
+  auto choose = [&](int64_t b, int64_t n) {  // n earlier keys at random, and the query's own position (the tail's)
     std::vector<int32_t> all(pos[b] + 1);
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end() - 1, gen);
-    sel[b].assign(all.begin(), all.begin() + (b == 0 ? 5 : max_sel - 1));
-    sel[b].push_back(pos[b]);  // the query's own position, as the tail gives it
+    sel[b].assign(all.begin(), all.begin() + n);
+    sel[b].push_back(pos[b]);
     std::sort(sel[b].begin(), sel[b].end());
     sel[b].erase(std::unique(sel[b].begin(), sel[b].end()), sel[b].end());
-  }
+  };
+  choose(0, 5);
+  choose(2, max_sel - 1);
+  for (int64_t b = 4; b < B; ++b)
+    if (b % 3 != 0) choose(b, std::max<int64_t>(1, std::min<int64_t>(max_sel - 1, pos[b]) - (b * 37) % (max_sel / 2)));
   const std::vector<float> got =
       cuda_testing::mla_decode(q, kv_b, latent, nl, slots, pos, sel, NH, dqk, dv, KL, max_len, max_sel);
   std::vector<float> want(B * NH * dv, 0.0f);
@@ -401,9 +475,10 @@ TEST_P(CudaDecodeMla, AbsorbedMatchesExpandedCpuAndIsBatchInvariant) {
   for (float x : got) ASSERT_TRUE(std::isfinite(x));
   const double err = test::norm_rel_error(got.data(), want.data(), want.size());
   const bool tc = cuda_testing::mla_decode_on_tensor_cores(NH, KL);
-  std::printf("[cuda decode] MLA absorbed (%s) NH=%lld KL=%lld vs expanded: ||do||/||o|| = %.2e\n",
-              tc ? "tensor cores" : "fp32", static_cast<long long>(NH), static_cast<long long>(KL), err);
-  // fp32: the bf16 output rounding (~2e-3); tensor cores also round qa and the softmax weights to bf16.
+  std::printf("[cuda decode] MLA absorbed (%s) NH=%lld KL=%lld B=%lld vs expanded: ||do||/||o|| = %.2e\n",
+              tc ? "tensor cores" : "fp32", static_cast<long long>(NH), static_cast<long long>(KL),
+              static_cast<long long>(B), err);
+  // fp32: the bf16 output rounding (~2e-3); tensor cores also round qa and the softmax weights to bf16 pairs.
   EXPECT_LE(err, 1e-2);
   for (int64_t b = 0; b < B; ++b) {
     const std::vector<float> one = cuda_testing::mla_decode(
@@ -416,9 +491,12 @@ TEST_P(CudaDecodeMla, AbsorbedMatchesExpandedCpuAndIsBatchInvariant) {
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeMla,
                          ::testing::Values(MlaDecodeCase{3, 40, 64, 23}, MlaDecodeCase{3, 64, 64, 23},
-                                           MlaDecodeCase{20, 128, 1200, 1100}),
+                                           MlaDecodeCase{20, 128, 1200, 1100},
+                                           MlaDecodeCase{64, 512, 700, 640, 40, 72, 12}),
                          [](const auto& info) {
-                           return "NH" + std::to_string(info.param.NH) + "_KL" + std::to_string(info.param.KL);
+                           const MlaDecodeCase& c = info.param;
+                           return "NH" + std::to_string(c.NH) + "_KL" + std::to_string(c.KL) +
+                                  (c.B != 4 ? "_B" + std::to_string(c.B) : std::string());
                          });
 
 // ---- The device decode session (CudaDecoder) on the golden models ----

@@ -80,7 +80,7 @@ struct IndexerDecodeParams {
 };
 void indexer_decode_append(const IndexerDecodeParams& p, cudaStream_t st);
 // The selection of each row as indexer_select makes it (sequence-relative positions ascending, ties to the lower
-// pool): sel [B, max_sel], count [B]. Run after indexer_decode_append.
+// pool; the scores bit for bit, so ID ≤ 128 as there): sel [B, max_sel], count [B]. Run after indexer_decode_append.
 void indexer_decode_select(const IndexerDecodeParams& p, int32_t* sel, int32_t* count, int64_t max_sel,
                            cudaStream_t st);
 
@@ -111,7 +111,7 @@ struct MlaDecodeParams {
 };
 int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL);
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st);
-// Whether mla_decode_attention scores and sums the keys on tensor cores (all heads of a row at once; qa and the
+// Whether mla_decode_attention scores and sums the keys on tensor cores (16 heads of a row at once; qa and the
 // softmax weights as bf16 pairs, fp32 accumulation): NH ≤ 64 and KL one of 32, 64, 128, 256, 512 (and 16-byte aligned
 // latents). Otherwise on CUDA cores in fp32 (one block per row, head and split). Either way the choice and every
 // reduction order depend on the shapes only.
