@@ -1,4 +1,4 @@
-// Decoding kernels: one new token per cache slot (batch-invariant GEMV, the KDA recurrent step with the conv history,
+// Decoding kernels: one new token per cache slot (the KDA recurrent step with the conv history,
 // the indexer's incremental pool cache and selection, absorbed MLA over cached bf16 latents). Matches
 // src/model/kda.cpp (kda_layer_forward_cached, recurrent form) and src/model/dsa.cpp (indexer_forward_cached,
 // dsa_layer_forward_cached), with the numerics of the bf16 forward (src/cuda/kda.cu, dsa.cu).
@@ -7,52 +7,11 @@
 #include <algorithm>
 #include <atomic>
 
-#include "cuda/gemv.cuh"
 #include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
 
 namespace {
-
-// ---- GEMV ----
-
-// decode_linear on the tensor-core GEMV of gemv.cuh (its summation order). Work item (row group rg, x tile mt):
-// Split::tiles tiles of 16 outputs against up to 32 rows of x; mt runs fastest, so that the x tiles of one weight slab
-// run side by side and all but the first read it from L2. A persistent grid walks the items.
-template <bool kVec>
-__global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm)
-    linear_kernel(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy, int64_t M,
-                  bool accumulate) {
-  __shared__ float red[gemv::kWarps][gemv::kTileRows][gemv::kRedLd];
-  const gemv::Split sp = gemv::split_of(in);
-  const int64_t ntiles = (out + gemv::kTileRows - 1) / gemv::kTileRows, groups = (ntiles + sp.tiles - 1) / sp.tiles;
-  const int64_t mtiles = (M + gemv::kPassRows - 1) / gemv::kPassRows;
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-  const int tb = warp / sp.nchain, chain = warp % sp.nchain;
-  for (int64_t item = blockIdx.x; item < groups * mtiles; item += gridDim.x) {
-    const int64_t rg = item / mtiles, m0 = item % mtiles * gemv::kPassRows;
-    const int rows = static_cast<int>(M - m0 < gemv::kPassRows ? M - m0 : gemv::kPassRows);
-    const int64_t tile = rg * sp.tiles + tb;
-    if (tb < sp.tiles && tile < ntiles) {
-      // Rows past `out` read as zeros (their pointers clamped to the last row, never dereferenced).
-      const int64_t n_lo = tile * gemv::kTileRows + g, n_hi = n_lo + 8;
-      gemv::warp_pass<kVec>(W + min(n_lo, out - 1) * in, n_lo < out, W + min(n_hi, out - 1) * in, n_hi < out,
-                            x + m0 * ldx, ldx, rows, static_cast<int>(in), sp, chain, red[warp]);
-    }
-    __syncthreads();
-    // Outputs fastest: 16 consecutive y elements of a row per tile.
-    for (int idx = threadIdx.x; idx < sp.tiles * gemv::kTileRows * rows; idx += blockDim.x) {
-      const int r = idx % gemv::kTileRows, m = idx / gemv::kTileRows % rows, t = idx / gemv::kTileRows / rows;
-      const int64_t n = (rg * sp.tiles + t) * gemv::kTileRows + r;
-      if (n < out) {
-        const float s = gemv::chain_sum(red, sp, t, r, m);
-        float* dst = y + (m0 + m) * ldy + n;
-        *dst = accumulate ? *dst + s : s;
-      }
-    }
-    __syncthreads();  // red is rewritten by the next item
-  }
-}
 
 // Eight bf16 (one 16-byte load) to fp32.
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
@@ -1020,23 +979,6 @@ void set_smem(const void* kernel, size_t bytes) {
 }
 
 }  // namespace
-
-void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
-                   int64_t M, bool accumulate, cudaStream_t st) {
-  check(M >= 0 && out >= 0 && in >= 0 && in < (int64_t{1} << 31), "decode_linear: bad shape ", M, "x", in, " -> ",
-        out);
-  if (!M || !out) return;
-  const gemv::Split sp = gemv::split_of(in);
-  const int64_t items = ceil_div(ceil_div(out, gemv::kTileRows), sp.tiles) * ceil_div(M, gemv::kPassRows);
-  const unsigned grid = static_cast<unsigned>(gemv::grid_for(items));
-  // 16-byte loads or element loads: the same values into the same MMAs, so the choice changes no bit.
-  if (in % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(W)) {
-    linear_kernel<true><<<grid, gemv::kThreads, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
-  } else {
-    linear_kernel<false><<<grid, gemv::kThreads, 0, st>>>(x, ldx, W, out, in, y, ldy, M, accumulate);
-  }
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-}
 
 void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st) {
   check(p.K >= 1 && p.K <= kKdaMaxK, "CUDA KDA decoding: linear_head_dim must be at most ", kKdaMaxK, ", got ", p.K);

@@ -7,15 +7,9 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/decode_linear.h"  // decode_linear, the GEMV of the steps' projections
 
 namespace nextlm::cuda {
-
-// y[m] = W·x[m] (+ y[m] when accumulate) for M rows: x bf16 [M, in] (row stride ldx), W bf16 [out, in], y fp32
-// [M, out] (row stride ldy), fp32 accumulation: the batch-invariant replacement of Gemm::run for decoding. A
-// tensor-core GEMV that streams W once per 32 rows of x (src/cuda/gemv.cuh), every output summed in an order fixed
-// by `in` alone (documented there), whatever M, the row's position or the buffers' alignment. in < 2^31.
-void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
-                   int64_t M, bool accumulate, cudaStream_t st);
 
 // ---- KDA ----
 // One token per row b, in cache slot slot[b]: the causal conv over [the slot's last W−1 pre-conv projections; the

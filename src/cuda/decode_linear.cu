@@ -1,6 +1,7 @@
-// decode_linear_multi (src/cuda/decode_linear.h): the tensor-core GEMV of gemv.cuh over several (x, W, y) segments
-// in one persistent grid. Work item (segment, row group rg, x tile mt) as in decode_linear: Split::tiles tiles of 16
-// outputs of the segment against up to 32 rows of x, mt fastest; the segments' items follow each other.
+// decode_linear and decode_linear_multi (src/cuda/decode_linear.h): the tensor-core GEMV of gemv.cuh over one or
+// several (x, W, y) segments in one persistent grid. Work item (segment, row group rg, x tile mt): Split::tiles tiles
+// of 16 outputs of the segment against up to 32 rows of x; mt runs fastest, so that the x tiles of one weight slab run
+// side by side and all but the first read it from L2; the segments' items follow each other.
 #include "cuda/decode_linear.h"
 
 #include "cuda/gemv.cuh"
@@ -14,6 +15,7 @@ struct Segs {
   int64_t first[kMaxLinearSegs + 1];  // the segments' first work items; first[n] = all items
   int n;
   int64_t M;
+  bool accumulate;  // y += W·x
 };
 
 int64_t items_of(const LinearSeg& s, int64_t M) {
@@ -50,23 +52,26 @@ __global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_mul
     for (int idx = threadIdx.x; idx < sp.tiles * gemv::kTileRows * rows; idx += blockDim.x) {
       const int r = idx % gemv::kTileRows, m = idx / gemv::kTileRows % rows, t = idx / gemv::kTileRows / rows;
       const int64_t n = (rg * sp.tiles + t) * gemv::kTileRows + r;
-      if (n < s.out) s.y[(m0 + m) * s.ldy + n] = gemv::chain_sum(red, sp, t, r, m);
+      if (n < s.out) {
+        const float v = gemv::chain_sum(red, sp, t, r, m);
+        float* dst = s.y + (m0 + m) * s.ldy + n;
+        *dst = p.accumulate ? *dst + v : v;
+      }
     }
     __syncthreads();  // red is rewritten by the next item
   }
 }
 
-}  // namespace
-
-void decode_linear_multi(std::initializer_list<LinearSeg> segs, int64_t M, cudaStream_t st) {
-  check(M >= 0, "decode_linear_multi: negative row count ", M);
+void launch(std::initializer_list<LinearSeg> segs, int64_t M, bool accumulate, cudaStream_t st) {
+  check(M >= 0, "decode_linear: negative row count ", M);
   check(segs.size() <= static_cast<size_t>(kMaxLinearSegs), "decode_linear_multi: at most ", kMaxLinearSegs,
         " segments, got ", segs.size());
   Segs p{};
   p.M = M;
+  p.accumulate = accumulate;
   bool vec = true;
   for (const LinearSeg& s : segs) {
-    check(s.out >= 0 && s.in >= 0 && s.in < (int64_t{1} << 31), "decode_linear_multi: bad shape ", s.in, " -> ",
+    check(s.out >= 0 && s.in >= 0 && s.in < (int64_t{1} << 31), "decode_linear: bad shape ", M, "x", s.in, " -> ",
           s.out);
     if (!s.out) continue;
     p.seg[p.n] = s;
@@ -83,6 +88,17 @@ void decode_linear_multi(std::initializer_list<LinearSeg> segs, int64_t M, cudaS
     linear_multi_kernel<false><<<grid, gemv::kThreads, 0, st>>>(p);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
+                   int64_t M, bool accumulate, cudaStream_t st) {
+  launch({LinearSeg{x, ldx, W, out, in, y, ldy}}, M, accumulate, st);
+}
+
+void decode_linear_multi(std::initializer_list<LinearSeg> segs, int64_t M, cudaStream_t st) {
+  launch(segs, M, false, st);
 }
 
 }  // namespace nextlm::cuda

@@ -1,4 +1,4 @@
-// The tensor-core GEMV of decoding, the kernel body of decode_linear (decode.cu): a few rows of x [rows, in] against
+// The tensor-core GEMV of decoding, the kernel body of decode_linear (decode_linear.cu): a few rows of x [rows, in] against
 // a bf16 weight W [out, in] that is streamed from HBM once, fp32 accumulation on m16n8k16 MMAs (W rows as the MMA's
 // M side, x rows as its N side, so one row of x costs an n8 tile, not an m16 one).
 //

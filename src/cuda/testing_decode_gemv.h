@@ -1,4 +1,4 @@
-// Host-side entry points to the decoding GEMV (decode_linear in src/cuda/decode.cu, decode_linear_multi), for
+// Host-side entry points to the decoding GEMV (decode_linear and decode_linear_multi, src/cuda/decode_linear.cu), for
 // tests/test_cuda_decode_gemv.cpp: host vectors in and out, inputs rounded to bf16 on the way in. The output is
 // poisoned with NaN first (unless accumulated into) and framed by sentinels that must survive (an Error otherwise),
 // so an unwritten element or a write out of bounds shows.
