@@ -1,6 +1,6 @@
-// The tensor-core GEMV of decoding, the kernel body of decode_linear (decode_linear.cu): a few rows of x [rows, in] against
-// a bf16 weight W [out, in] that is streamed from HBM once, fp32 accumulation on m16n8k16 MMAs (W rows as the MMA's
-// M side, x rows as its N side, so one row of x costs an n8 tile, not an m16 one).
+// The tensor-core GEMV of decoding, the kernel body of decode_linear (decode_linear.cu): a few rows of x [rows, in]
+// against a bf16 weight W [out, in] that is streamed from HBM once, fp32 accumulation on m16n8k16 MMAs (W rows as the
+// MMA's M side, x rows as its N side, so one row of x costs an n8 tile, not an m16 one).
 //
 // The summation order of output n of a row (batch invariance: it depends on `in` alone):
 //   - `in` is cut into segments of 64·SB inputs, SB = clamp(⌈in / 512⌉, 1, 4); nseg = max(1, ⌈in / (64·SB)⌉);
