@@ -13,6 +13,7 @@
 #include "cuda/testing.h"
 #include "decode.h"
 #include "decode_gemv.h"
+#include "mhc_backward.h"
 #include "moe_gemm.h"
 #include "slice4.h"
 
@@ -85,6 +86,8 @@ int main(int argc, char** argv) {
       // The training backward's recurrence and attention kernels against their peers (bench/backward.cu).
       {"kda_bwd_T4096_H64", nextlm::bench::kda_backward_case},
       {"mla_bwd_T4096_NH64", nextlm::bench::mla_backward_case},
+      // One mHC site's backward (post + pre) at the slice's width (bench/mhc_backward.cu).
+      {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA

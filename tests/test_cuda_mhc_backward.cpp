@@ -38,6 +38,7 @@ constexpr double kTol = 1e-4;
 struct PreCase {
   int64_t T, S, D;
   bool init_weights;  // base = 0, scale = 1 as random_init; else random base and scale
+  bool with_dpost = true, with_dcomb = true, with_da = true;  // an absent output gradient passes null
 };
 
 void check_pre(const PreCase& pc, unsigned seed) {
@@ -59,8 +60,12 @@ void check_pre(const PreCase& pc, unsigned seed) {
   std::vector<float> norm_w = test::randn(D, ++seed, 0.2f);
   for (float& x : norm_w) x += 1.0f;
   const std::vector<float> h = test::randn(T * SD, ++seed);
-  const std::vector<float> dpost = test::randn(T * S, ++seed), dcomb = test::randn(T * S * S, ++seed);
-  const std::vector<float> da = test::randn(T * D, ++seed);
+  std::vector<float> dpost = test::randn(T * S, ++seed), dcomb = test::randn(T * S * S, ++seed);
+  std::vector<float> da = test::randn(T * D, ++seed);
+  if (!pc.with_dpost) dpost.clear();
+  if (!pc.with_dcomb) dcomb.clear();
+  if (!pc.with_da) da.clear();
+  auto or_null = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
 
   // CPU: the collapse a0 (before the sub-layer norm), the norm's backward into da0, then mhc_pre_backward.
   const std::vector<float> dh0 = test::randn(T * SD, ++seed, 0.5f), dfn0 = test::randn(M * SD, ++seed, 0.5f);
@@ -70,10 +75,11 @@ void check_pre(const PreCase& pc, unsigned seed) {
   std::vector<float> a0(T * D), da0(T * D, 0.0f);
   mhc_pre_forward(w, c, h.data(), T, mix, a0.data());
   std::vector<float> dnw_cpu = dnw0, dh_cpu = dh0;
-  rmsnorm_backward(a0.data(), norm_w.data(), da.data(), T, D, eps, da0.data(), dnw_cpu.data());
+  if (pc.with_da) rmsnorm_backward(a0.data(), norm_w.data(), da.data(), T, D, eps, da0.data(), dnw_cpu.data());
   HcWeights dw{Tensor({M, SD}), Tensor({M}), Tensor({3})};
   dw.fn.data = dfn0, dw.base.data = dbase0, dw.scale.data = dscale0;
-  mhc_pre_backward(w, c, h.data(), T, dpost.data(), dcomb.data(), da0.data(), dh_cpu.data(), dw);
+  mhc_pre_backward(w, c, h.data(), T, or_null(dpost), or_null(dcomb), pc.with_da ? da0.data() : nullptr,
+                   dh_cpu.data(), dw);
 
   std::vector<float> dh = dh0, dfn = dfn0, dbase = dbase0, dscale = dscale0, dnw = dnw0;
   cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
@@ -83,18 +89,48 @@ void check_pre(const PreCase& pc, unsigned seed) {
   EXPECT_LE(added_rel_error(dfn, dw.fn.data, dfn0), kTol) << "dfn " << at;
   EXPECT_LE(added_rel_error(dbase, dw.base.data, dbase0), kTol) << "dbase " << at;
   EXPECT_LE(added_rel_error(dscale, dw.scale.data, dscale0), kTol) << "dscale " << at;
-  EXPECT_LE(added_rel_error(dnw, dnw_cpu, dnw0), kTol) << "dnorm_w " << at;
+  if (pc.with_da) {
+    EXPECT_LE(added_rel_error(dnw, dnw_cpu, dnw0), kTol) << "dnorm_w " << at;
+  } else {
+    EXPECT_EQ(dnw, dnw0) << "dnorm_w without da " << at;
+  }
+
+  // Every gradient is summed in a fixed order (no atomics): a second run adds the same bits.
+  std::vector<float> dh2 = dh0, dfn2 = dfn0, dbase2 = dbase0, dscale2 = dscale0, dnw2 = dnw0;
+  cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
+                                 hc_eps, iters, dh2, dfn2, dbase2, dscale2, dnw2);
+  EXPECT_EQ(dh2, dh) << "dh rerun " << at;
+  EXPECT_EQ(dfn2, dfn) << "dfn rerun " << at;
+  EXPECT_EQ(dbase2, dbase) << "dbase rerun " << at;
+  EXPECT_EQ(dscale2, dscale) << "dscale rerun " << at;
+  EXPECT_EQ(dnw2, dnw) << "dnorm_w rerun " << at;
 }
 
-// T = 1, 7 and 300 (a token kernel block holding one token, a partial group of 8, many groups; a projection tile
-// of 128 tokens cut short), D = 64 and 320 at S = 4 (S·D = 1280 ends in a partial 32-column tile); S·D = 4400 spans
-// three projection chunks of 2048 columns; S = 3 and 8 exercise other instantiations.
+// T = 1, 7, 65 and 300 (a 32-token coefficient block holding one token, partial 64-token statistics tiles, many
+// blocks), D = 64, 100, 200 and 320 (d tiles of 16 and 32 cut short; D = 70 at S = 8 is not a multiple of 4 and
+// takes the 4-byte copies), D = 4096 at S = 4 (the model's width: 86 d-chunks for 3 token tiles), T = 1000 (several
+// token blocks of the per-column pass, 32 coefficient blocks); S = 1, 2, 3, 6 and 8 exercise the other
+// instantiations (M = 3 and 15 are not multiples of 4).
 TEST(CudaBackwardMhc, PreMatchesCpu) {
   unsigned seed = 7000;
   for (const PreCase pc : {PreCase{1, 4, 64, true}, PreCase{7, 4, 64, true}, PreCase{300, 4, 64, true},
                            PreCase{1, 4, 320, false}, PreCase{7, 4, 320, true}, PreCase{300, 4, 320, false},
-                           PreCase{37, 4, 1100, false}, PreCase{45, 3, 100, false}, PreCase{29, 8, 70, false}})
+                           PreCase{37, 4, 1100, false}, PreCase{130, 4, 4096, false}, PreCase{1000, 4, 256, false},
+                           PreCase{65, 2, 200, false}, PreCase{40, 1, 100, false}, PreCase{45, 3, 100, false},
+                           PreCase{33, 6, 48, false}, PreCase{29, 8, 70, false}})
     check_pre(pc, seed += 100);
+}
+
+// Absent output gradients (null dpost, dcomb or da) contribute nothing; without da dnorm_w is left alone.
+TEST(CudaBackwardMhc, PreWithoutSomeGradients) {
+  unsigned seed = 7700;
+  PreCase no_da{70, 4, 96, false};
+  no_da.with_da = false;
+  PreCase no_comb{70, 4, 96, false};
+  no_comb.with_dcomb = false;
+  PreCase no_post{70, 4, 96, false};
+  no_post.with_dpost = false;
+  for (const PreCase& pc : {no_da, no_comb, no_post}) check_pre(pc, seed += 100);
 }
 
 // T = 0 enqueues nothing and leaves the gradients alone.
@@ -115,7 +151,7 @@ TEST(CudaBackwardMhc, PreEmptyIsNoOp) {
 TEST(CudaBackwardMhc, PostMatchesCpu) {
   unsigned seed = 8000;
   for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {7, 4, 320}, {300, 4, 333},
-                                {45, 3, 100}, {29, 8, 70}}) {
+                                {3, 4, 4096}, {45, 3, 100}, {29, 8, 70}}) {
     HcMix mix;
     mix.post = test::randn(T * S, ++seed);
     mix.comb = test::randn(T * S * S, ++seed, 0.5f);

@@ -1,13 +1,29 @@
 // Backward of the mHC sites, of RMSNorm and of the final stream mean + norm on the GPU, fp32; matches
 // src/model/mhc_backward.cpp, norm_backward.cpp and head_backward.cpp (and the forwards of src/cuda/mhc.cu, misc.cu).
 //
-// mhc_pre_backward runs in five kernels: the projection fn·h[t] with Σh² (register-tiled, per column-chunk
-// partials); a token kernel (the coefficients recomputed, the Sinkhorn and softmax backward, the sub-layer RMSNorm
-// and collapse backward into dh, dm = dL/dm); an fn kernel over (columns, token blocks) that holds fn's columns in
-// registers for the input norm's backward into dh and the dfn partials; and two fixed-order sums of the partials
-// (into dfn; into dnorm_w, dbase, dscale). h is read three times and dh updated twice. Every parameter gradient is
-// summed in an order fixed by T, S and D, so it is reproducible run to run.
+// mhc_pre_backward reads h twice and updates dh once, in four kernels:
+//  1. statistics (grid: token tiles × d-chunks): per token, the projection fn·h, the Gram matrix G[s, s'] =
+//     Σ_d h_s·h_s' and A[s] = Σ_d norm_w·da·h_s, from one pass over h and da (cp.async pipeline, register tiles).
+//     The collapse x = Σ_s pre_s·h_s is linear in h, so its norm's sums follow from G and A once pre is known:
+//     Σx² = preᵀ·G·pre, Σ w·da·x = pre·A, Σ_d x·h_s = (G·pre)_s; and Σh² = trace G.
+//  2. coefficients (a thread per token): the chunk partials summed in chunk order, the coefficients recomputed with
+//     the forward's operations (mhc_apply_kernel: sigmoid, softmax, Sinkhorn), the Sinkhorn and softmax backward,
+//     the sub-layer norm's r2, c2 and dpre, then dm = dL/dm, r1 and c1 of the input norm, per token; and the
+//     32-token partials of dbase and dscale.
+//  3. apply (grid: 32-wide d tiles × token blocks; warp s owns stream s of the tile): a pass over h, da and dh that
+//     holds fn's columns in registers: dh += pre_s·dx (sub-layer norm and collapse) + r1·Σ_j dm_j·fn_j − c1·h
+//     (input norm), and the dfn and dnorm_w partials of the block's tokens, in token order.
+//  4. parameters: dfn, dnorm_w, dbase and dscale summed from the partials in block order.
+// Every parameter gradient is summed in an order fixed by T, S and D (no atomics), so it is reproducible run to run.
+// The mix (fn·h, Σh²) is summed in another order than the forward's projection, so it differs from the forward's by
+// rounding, as the projection of the previous version did; the coefficients are then computed from it with the
+// forward's operations in the forward's order.
+//
+// mhc_post_backward: a block a token, float4 streams through dout, h, y and dy, dh (read-modify-write).
+#include <algorithm>
+
 #include "cuda/backward_kernels.h"
+#include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
 
@@ -16,10 +32,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// Sums NV per-thread values over the block (blockDim.x == kThreads); out[i] (shared) holds the sums afterwards, for
-// every thread. red: kWarps·NV shared floats. Warps are summed in warp order.
-template <int NV>
+// Sums NV per-thread values over the block (blockDim.x == NT); out[i] (shared) holds the sums afterwards, for every
+// thread. red: (NT / 32)·NV shared floats. Warps are summed in warp order.
+template <int NV, int NT = kThreads>
 __device__ __forceinline__ void block_sum_to(const float (&v)[NV], float* red, float* out) {
+  constexpr int NW = NT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -27,12 +44,33 @@ __device__ __forceinline__ void block_sum_to(const float (&v)[NV], float* red, f
     if (lane == 0) red[warp * NV + i] = s;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < NV; i += kThreads) {
+  for (int i = threadIdx.x; i < NV; i += NT) {
     float s = red[i];
-    for (int w = 1; w < kWarps; ++w) s += red[w * NV + i];
+    for (int w = 1; w < NW; ++w) s += red[w * NV + i];
     out[i] = s;
   }
   __syncthreads();
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// 4-byte asynchronous copy global → shared; valid false zero-fills.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+// VEC: 16 bytes (4 floats), else 4.
+template <bool VEC>
+__device__ __forceinline__ void cp_async_f(float* dst, const float* src, bool valid) {
+  if constexpr (VEC) {
+    cp_async16(dst, src, valid);
+  } else {
+    cp_async4(dst, src, valid);
+  }
+}
+
+// Component c of v (c a compile-time constant after unrolling, so no local memory).
+__device__ __forceinline__ float comp(const float4& v, int c) {
+  return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
 }
 
 // ---- RMSNorm ----
@@ -120,470 +158,767 @@ __global__ void stream_mean_kernel(const float* h, float* out, int64_t T, int64_
 
 // ---- mHC post ----
 
+constexpr int kPostThreads = 128;
+
 // One block a token: dy += Σ_s post_s·g_s, dh_r += Σ_s comb[r, s]·g_s, and the sums over d of g_s·y (dpost) and
-// g_s·h_r (dcomb).
-template <int S>
-__global__ void __launch_bounds__(kThreads)
-    mhc_post_bwd_kernel(const float* h, const float* y, const float* post, const float* comb, const float* dout,
-                        float* dh, float* dy, float* dpost, float* dcomb, int64_t D) {
+// g_s·h_r (dcomb). VEC: 4 consecutive d a thread (D and the bases a multiple of 4 floats). dout, h and y must not
+// overlap dh or dy.
+template <int S, bool VEC>
+__global__ void __launch_bounds__(kPostThreads)
+    mhc_post_bwd_kernel(const float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ post,
+                        const float* __restrict__ comb, const float* __restrict__ dout, float* __restrict__ dh,
+                        float* __restrict__ dy, float* __restrict__ dpost, float* __restrict__ dcomb, int64_t D) {
   constexpr int NV = S + S * S;
-  __shared__ float red[kWarps * NV];
+  __shared__ float red[(kPostThreads / 32) * NV];
   __shared__ float sums[NV];
-  __shared__ float P[S], C[S * S];
   const int64_t t = blockIdx.x;
-  if (threadIdx.x < S) P[threadIdx.x] = post[t * S + threadIdx.x];
-  if (threadIdx.x < S * S) C[threadIdx.x] = comb[t * S * S + threadIdx.x];
-  __syncthreads();
+  float P[S], C[S * S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) P[s] = post[t * S + s];
+#pragma unroll
+  for (int i = 0; i < S * S; ++i) C[i] = comb[t * S * S + i];
   float acc[NV];
 #pragma unroll
   for (int i = 0; i < NV; ++i) acc[i] = 0.0f;
   const float* gt = dout + t * S * D;
   const float* ht = h + t * S * D;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    float g[S], hr[S];
+  if constexpr (VEC) {
+    const int64_t D4 = D / 4;
+#pragma unroll 2
+    for (int64_t i = threadIdx.x; i < D4; i += kPostThreads) {
+      const int64_t d = 4 * i;
+      float4 g[S], hr[S];
 #pragma unroll
-    for (int s = 0; s < S; ++s) g[s] = gt[s * D + d], hr[s] = ht[s * D + d];
-    const float yv = y[t * D + d];
-    if (dy) {
-      float v = 0.0f;
+      for (int s = 0; s < S; ++s) {
+        g[s] = *reinterpret_cast<const float4*>(gt + s * D + d);
+        hr[s] = *reinterpret_cast<const float4*>(ht + s * D + d);
+      }
+      const float4 yv = *reinterpret_cast<const float4*>(y + t * D + d);
+      if (dy) {
+        float4* p = reinterpret_cast<float4*>(dy + t * D + d);
+        float4 o = *p;
 #pragma unroll
-      for (int s = 0; s < S; ++s) v = fmaf(P[s], g[s], v);
-      dy[t * D + d] += v;
+        for (int c = 0; c < 4; ++c) {
+          float v = 0.0f;
+#pragma unroll
+          for (int s = 0; s < S; ++s) v = fmaf(P[s], comp(g[s], c), v);
+          (c == 0 ? o.x : c == 1 ? o.y : c == 2 ? o.z : o.w) += v;
+        }
+        *p = o;
+      }
+      if (dh) {
+#pragma unroll
+        for (int r = 0; r < S; ++r) {
+          float4* p = reinterpret_cast<float4*>(dh + (t * S + r) * D + d);
+          float4 o = *p;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            float v = 0.0f;
+#pragma unroll
+            for (int s = 0; s < S; ++s) v = fmaf(C[r * S + s], comp(g[s], c), v);
+            (c == 0 ? o.x : c == 1 ? o.y : c == 2 ? o.z : o.w) += v;
+          }
+          *p = o;
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          acc[s] = fmaf(comp(g[s], c), comp(yv, c), acc[s]);
+#pragma unroll
+          for (int r = 0; r < S; ++r) acc[S + r * S + s] = fmaf(comp(g[s], c), comp(hr[r], c), acc[S + r * S + s]);
+        }
     }
-    if (dh) {
+  } else {
+    for (int64_t d = threadIdx.x; d < D; d += kPostThreads) {
+      float g[S], hr[S];
 #pragma unroll
-      for (int r = 0; r < S; ++r) {
+      for (int s = 0; s < S; ++s) g[s] = gt[s * D + d], hr[s] = ht[s * D + d];
+      const float yv = y[t * D + d];
+      if (dy) {
         float v = 0.0f;
 #pragma unroll
-        for (int s = 0; s < S; ++s) v = fmaf(C[r * S + s], g[s], v);
-        dh[(t * S + r) * D + d] += v;
+        for (int s = 0; s < S; ++s) v = fmaf(P[s], g[s], v);
+        dy[t * D + d] += v;
+      }
+      if (dh) {
+#pragma unroll
+        for (int r = 0; r < S; ++r) {
+          float v = 0.0f;
+#pragma unroll
+          for (int s = 0; s < S; ++s) v = fmaf(C[r * S + s], g[s], v);
+          dh[(t * S + r) * D + d] += v;
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        acc[s] = fmaf(g[s], yv, acc[s]);
+#pragma unroll
+        for (int r = 0; r < S; ++r) acc[S + r * S + s] = fmaf(g[s], hr[r], acc[S + r * S + s]);
       }
     }
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      acc[s] = fmaf(g[s], yv, acc[s]);
-#pragma unroll
-      for (int r = 0; r < S; ++r) acc[S + r * S + s] = fmaf(g[s], hr[r], acc[S + r * S + s]);
-    }
   }
-  block_sum_to<NV>(acc, red, sums);
+  block_sum_to<NV, kPostThreads>(acc, red, sums);
   if (dpost && threadIdx.x < S) dpost[t * S + threadIdx.x] += sums[threadIdx.x];
   if (dcomb && threadIdx.x < S * S) dcomb[t * S * S + threadIdx.x] += sums[S + threadIdx.x];
 }
 
-// ---- mHC pre ----
+// ---- mHC pre, kernel 1: the token statistics ----
 
-constexpr int64_t kProjChunk = 2048;     // S·D columns a projection block sums (its partial is one split)
-constexpr int64_t kTokBlocksMax = 1024;  // blocks of the token kernel (each a contiguous token range)
-constexpr int kFnThreads = 128;          // columns a block of the fn kernel owns
-constexpr int kFnTokTile = 32;           // tokens of (dm, r1, c1) staged at a time in the fn kernel
+constexpr int kStatThreads = 128;
+constexpr int kStatWarps = kStatThreads / 32;
+constexpr int kStatDK = 4 * kStatWarps;  // d's of a tile: warp w takes d 4w … 4w+3 (one float4) of every stream
+constexpr int kStatStages = 3;
+constexpr int64_t kStatBlocks = 256;  // token tiles × d-chunks aimed at: 2 blocks an SM, one wave on an H200
 
-int64_t proj_splits(int64_t SD) { return ceil_div(SD, kProjChunk); }
-int64_t tok_per_block(int64_t T) { return ceil_div(T, std::min<int64_t>(T, kTokBlocksMax)); }
-int64_t tok_blocks(int64_t T) { return T ? ceil_div(T, tok_per_block(T)) : 0; }
-// Token blocks of the fn kernel: about 2048 blocks in all, each at least 64 tokens; its dfn partials are
-// [fn_blocks, M, S·D].
-int64_t fn_blocks(int64_t T, int64_t SD) {
-  const int64_t ncol = ceil_div(SD, kFnThreads);
-  return std::max<int64_t>(1, std::min(ceil_div(T, 64), ceil_div(2048, ncol)));
-}
-// Row width of dmr (dm [M], r1, c1), padded to 4 floats for 16-byte shared reads.
-__host__ __device__ constexpr int dmr_width(int S) { return ((2 + S) * S + 2 + 3) / 4 * 4; }
+__host__ __device__ constexpr int gram_count(int S) { return S * (S + 1) / 2; }
+// Index of G[a, b] (a ≤ b) among the upper-triangle entries, row by row.
+__host__ __device__ constexpr int gram_index(int S, int a, int b) { return a * S - a * (a - 1) / 2 + (b - a); }
+// Values a token gets from the statistics kernel: fn·h [M], G [S(S+1)/2], A [S].
+__host__ __device__ constexpr int stat_values(int S) { return (2 + S) * S + gram_count(S) + S; }
+// Tokens a lane holds: 2 (48 projection accumulators) up to S = 4, else 1.
+__host__ __device__ constexpr int stat_tq(int S) { return S <= 4 ? 2 : 1; }
 
-// Workspace layout of mhc_pre_backward (floats, in this order).
-struct PreWork {
-  int64_t part, dmr, tok, dfn, total;
-  PreWork(int64_t T, int64_t S, int64_t D) {
-    const int64_t M = (2 + S) * S, N = M + 1, SD = S * D;
-    part = 0;                                  // [splits, T, N] projection partials
-    dmr = part + proj_splits(SD) * T * N;      // [T, dmr_width] dm, r1 and c1 of each token
-    tok = dmr + T * dmr_width(static_cast<int>(S));  // [tok_blocks, D + 2M] dnorm_w, dbase, dscale·m partials
-    dfn = tok + tok_blocks(T) * (D + 2 * M);   // [fn_blocks, M, SD]
-    total = dfn + fn_blocks(T, SD) * M * SD;
-  }
+// Shared-memory tiles of the statistics kernel: BT tokens (lane l holds tokens l, l + 32, …), kStatDK d's of each
+// stream. h rows are [S][kStatDK] plus 4 floats of padding: LDH/4 is odd, so the 16-byte reads of 8 consecutive
+// lanes (8 rows) hit distinct banks; so do da's rows (LDA).
+template <int S>
+struct StatTile {
+  static constexpr int M = (2 + S) * S;
+  static constexpr int NG = gram_count(S);
+  static constexpr int NP = stat_values(S);
+  static constexpr int TQ = stat_tq(S);
+  static constexpr int BT = 32 * TQ;
+  static constexpr int LDH = S * kStatDK + 4;
+  static constexpr int LDA = kStatDK + 4;
+  static constexpr int h_floats = BT * LDH;
+  static constexpr int f_floats = M * S * kStatDK;  // fn rows (j, s): [M·S][kStatDK]
+  static constexpr int a_floats = BT * LDA;
+  static constexpr int stage_floats = h_floats + f_floats + a_floats + kStatDK;  // + norm_w [kStatDK]
+  static constexpr int red_floats = kStatWarps * BT * NP;
+  static constexpr size_t smem_bytes =
+      sizeof(float) * static_cast<size_t>(kStatStages * stage_floats > red_floats ? kStatStages * stage_floats
+                                                                                  : red_floats);
+  static_assert(LDH % 8 == 4 && LDA % 8 == 4, "odd multiples of 4 floats");
 };
 
-// The projection as a register-tiled product: a block takes kProjT tokens and all M outputs over one chunk of
-// columns, staged kProjK columns at a time (h transposed, so a lane reads its 4 tokens as one float4); warp w owns
-// outputs [w·OPT, (w+1)·OPT) and lane l tokens 4l … 4l+3, warp 0 also Σh². The next tile's loads are in flight
-// while the current one is multiplied. part[sp, t] = (fn·h[t], Σh²) over chunk sp's columns, summed in column
-// order.
-constexpr int kProjT = 128;
-constexpr int kProjK = 32;
-static_assert(kProjT == 4 * 32 && kProjChunk % kProjK == 0, "a lane holds 4 tokens; chunks are whole tiles");
+// Token tiles and d-chunks of the statistics kernel (chunk: d's a block sums, a multiple of kStatDK).
+struct StatPlan {
+  int64_t tiles, splits, chunk;
+};
+StatPlan stat_plan(int64_t T, int64_t S, int64_t D) {
+  const int64_t tiles = ceil_div(T, 32 * stat_tq(static_cast<int>(S))), dtiles = ceil_div(D, kStatDK);
+  const int64_t want = std::clamp<int64_t>(ceil_div(kStatBlocks, std::max<int64_t>(tiles, 1)), 1, dtiles);
+  const int64_t chunk = ceil_div(dtiles, want) * kStatDK;
+  return {tiles, ceil_div(D, chunk), chunk};
+}
 
-template <int S>
-__global__ void __launch_bounds__(kThreads)
-    mhc_bwd_project_kernel(const float* __restrict__ h, const float* __restrict__ fn, float* __restrict__ part,
-                           int64_t T, int64_t SD) {
-  constexpr int M = (2 + S) * S, N = M + 1, OPT = (M + kWarps - 1) / kWarps, MP = OPT * kWarps;
-  constexpr int HL = kProjT * kProjK / kThreads;                         // h values a thread loads per tile
-  constexpr int FL = (MP * kProjK + kThreads - 1) / kThreads;            // fn values a thread loads per tile
-  __shared__ __align__(16) float hs[kProjK][kProjT + 4];
-  __shared__ float fs[kProjK][MP + 1];
+// Grid (token tiles, d-chunks). part [splits, NP, T]: over chunk sp's d's (all S streams), token t's fn·h [M]
+// (fn·h over those columns), G [NG] and A [S] (zero without da). Each value is one fma chain per warp over its d's
+// (tiles in order, streams, then d), the warps' chains summed in warp order. VEC: 16-byte copies (D and the bases
+// a multiple of 4 floats).
+template <int S, bool VEC>
+__global__ void __launch_bounds__(kStatThreads)
+    mhc_bwd_stats_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
+                         const float* __restrict__ da, float* __restrict__ part, int64_t T, int64_t D,
+                         int64_t chunk) {
+  using P = StatTile<S>;
+  constexpr int M = P::M, NG = P::NG, NP = P::NP, TQ = P::TQ, BT = P::BT, DK = kStatDK;
+  extern __shared__ __align__(16) float smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t t0 = int64_t(blockIdx.x) * kProjT, sp = blockIdx.y;
-  const int64_t k0 = sp * kProjChunk, k1 = min(SD, k0 + kProjChunk);
-  static_assert(kThreads == 8 * kProjK, "a warp loads one column tile row: the rows of thread r are warp + 8r");
-  // Thread (warp, lane) loads column lane of token rows warp + 8r (h) and fn rows warp + 8r.
-  const float* hcol = h + (t0 + warp) * SD + lane;
-  const float* fcol = fn + int64_t(warp) * SD + lane;
-  float hp[HL], fp[FL];
-  auto load = [&](int64_t kb) {
-    const bool kin = kb + lane < k1;
-#pragma unroll
-    for (int r = 0; r < HL; ++r) hp[r] = kin && t0 + warp + 8 * r < T ? hcol[8 * r * SD + kb] : 0.0f;
-#pragma unroll
-    for (int r = 0; r < FL; ++r) fp[r] = kin && warp + 8 * r < M ? fcol[8 * r * SD + kb] : 0.0f;
+  const int64_t t0 = int64_t(blockIdx.x) * BT, sp = blockIdx.y, SD = S * D;
+  const int64_t c0 = sp * chunk, c1 = min(D, c0 + chunk);
+  const int nt = static_cast<int>((c1 - c0 + DK - 1) / DK);
+  auto hs = [&](int b) { return smem + b * P::stage_floats; };
+  auto fs = [&](int b) { return hs(b) + P::h_floats; };
+  auto as = [&](int b) { return fs(b) + P::f_floats; };
+  auto ws = [&](int b) { return as(b) + P::a_floats; };
+
+  // Tile i of the chunk into buffer b; rows past T and d's past the chunk are zero-filled (adding nothing).
+  auto load = [&](int b, int i) {
+    constexpr int W = VEC ? 4 : 1, PR = DK / W;  // copies per row segment
+    const int64_t dd = c0 + int64_t(i) * DK;
+    float* hb = hs(b);
+    for (int idx = threadIdx.x; idx < BT * S * PR; idx += kStatThreads) {
+      const int r = idx / (S * PR), s = (idx / PR) % S, c = (idx % PR) * W;
+      const int64_t t = t0 + r, d = dd + c;
+      const bool ok = t < T && d < c1;
+      cp_async_f<VEC>(hb + r * P::LDH + s * DK + c, ok ? h + (t * S + s) * D + d : h, ok);
+    }
+    float* fb = fs(b);
+    for (int idx = threadIdx.x; idx < M * S * PR; idx += kStatThreads) {
+      const int row = idx / PR, c = (idx % PR) * W;  // row = j·S + s
+      const int64_t d = dd + c;
+      const bool ok = d < c1;
+      cp_async_f<VEC>(fb + row * DK + c, ok ? fn + (row / S) * SD + (row % S) * D + d : h, ok);
+    }
+    float* ab = as(b);
+    for (int idx = threadIdx.x; idx < BT * PR; idx += kStatThreads) {
+      const int r = idx / PR, c = (idx % PR) * W;
+      const int64_t t = t0 + r, d = dd + c;
+      const bool ok = da && t < T && d < c1;
+      cp_async_f<VEC>(ab + r * P::LDA + c, ok ? da + t * D + d : h, ok);
+    }
+    if (threadIdx.x < PR) {
+      const int c = threadIdx.x * W;
+      const int64_t d = dd + c;
+      const bool ok = da && d < c1;
+      cp_async_f<VEC>(ws(b) + c, ok ? norm_w + d : h, ok);
+    }
   };
-  float acc[4][OPT], ss[4];
+
+  float acc[TQ][M], gram[TQ][NG], aa[TQ][S];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    ss[q] = 0.0f;
+  for (int q = 0; q < TQ; ++q) {
 #pragma unroll
-    for (int o = 0; o < OPT; ++o) acc[q][o] = 0.0f;
+    for (int j = 0; j < M; ++j) acc[q][j] = 0.0f;
+#pragma unroll
+    for (int g = 0; g < NG; ++g) gram[q][g] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) aa[q][s] = 0.0f;
   }
-  load(k0);
-  for (int64_t kb = k0; kb < k1; kb += kProjK) {
-    __syncthreads();  // everyone is done with the previous tile
+
 #pragma unroll
-    for (int r = 0; r < HL; ++r) hs[lane][warp + 8 * r] = hp[r];
+  for (int s = 0; s < kStatStages - 1; ++s) {
+    if (s < nt) load(s, s);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nt; ++i) {
+    cp_async_wait<kStatStages - 2>();  // tile i has landed (this thread's copies) …
+    __syncthreads();                   // … everyone's, and every warp is done with the buffer refilled below
+    const int nx = i + kStatStages - 1;
+    if (nx < nt) load(nx % kStatStages, nx);
+    cp_async_commit();
+    const int b = i % kStatStages;
+
+    float4 hv[TQ][S];
 #pragma unroll
-    for (int r = 0; r < FL; ++r) fs[lane][warp + 8 * r] = fp[r];
-    __syncthreads();
-    if (kb + kProjK < k1) load(kb + kProjK);
-#pragma unroll 8
-    for (int kk = 0; kk < kProjK; ++kk) {
-      const float4 x = *reinterpret_cast<const float4*>(&hs[kk][4 * lane]);
-      const float xv[4] = {x.x, x.y, x.z, x.w};
+    for (int q = 0; q < TQ; ++q)
 #pragma unroll
-      for (int o = 0; o < OPT; ++o) {
-        const float f = fs[kk][warp * OPT + o];
+      for (int s = 0; s < S; ++s)
+        hv[q][s] = *reinterpret_cast<const float4*>(hs(b) + (q * 32 + lane) * P::LDH + s * DK + 4 * warp);
+    const float* fb = fs(b) + 4 * warp;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[q][o] = fmaf(xv[q], f, acc[q][o]);
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int j = 0; j < M; ++j) {
+        const float4 f = *reinterpret_cast<const float4*>(fb + (j * S + s) * DK);  // the same for the whole warp
+#pragma unroll
+        for (int q = 0; q < TQ; ++q) {
+          float& a = acc[q][j];
+          a = fmaf(hv[q][s].x, f.x, a);
+          a = fmaf(hv[q][s].y, f.y, a);
+          a = fmaf(hv[q][s].z, f.z, a);
+          a = fmaf(hv[q][s].w, f.w, a);
+        }
       }
-      if (warp == 0)
+    const float4 w4 = *reinterpret_cast<const float4*>(ws(b) + 4 * warp);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) ss[q] = fmaf(xv[q], xv[q], ss[q]);
+    for (int q = 0; q < TQ; ++q) {
+      const float4 a4 = *reinterpret_cast<const float4*>(as(b) + (q * 32 + lane) * P::LDA + 4 * warp);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float wg = comp(w4, c) * comp(a4, c);
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          const float hsc = comp(hv[q][s], c);
+          aa[q][s] = fmaf(wg, hsc, aa[q][s]);
+#pragma unroll
+          for (int s2 = s; s2 < S; ++s2) {
+            float& g = gram[q][gram_index(S, s, s2)];
+            g = fmaf(hsc, comp(hv[q][s2], c), g);
+          }
+        }
+      }
     }
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers become red [warps, BT, NP]
+
+  float* red = smem;
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int64_t t = t0 + 4 * lane + q;
+  for (int q = 0; q < TQ; ++q) {
+    float* o = red + (warp * BT + q * 32 + lane) * NP;
+#pragma unroll
+    for (int j = 0; j < M; ++j) o[j] = acc[q][j];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) o[M + g] = gram[q][g];
+#pragma unroll
+    for (int s = 0; s < S; ++s) o[M + NG + s] = aa[q][s];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NP * BT; idx += kStatThreads) {
+    const int n = idx / BT, r = idx % BT;
+    const int64_t t = t0 + r;
     if (t >= T) continue;
-    float* out = part + (sp * T + t) * N;
+    float v = red[r * NP + n];
 #pragma unroll
-    for (int o = 0; o < OPT; ++o)
-      if (warp * OPT + o < M) out[warp * OPT + o] = acc[q][o];
-    if (warp == 0) out[M] = ss[q];
+    for (int w = 1; w < kStatWarps; ++w) v += red[(w * BT + r) * NP + n];
+    part[(sp * NP + n) * T + t] = v;
   }
 }
 
-// One Sinkhorn normalisation step of a warp's S×S matrix (lane a < S owns line a: column a when cols, else row a):
-// C /= (line sum + eps); div[a] keeps the divisor.
-template <int S>
-__device__ __forceinline__ void sinkhorn_step(float* C, float* div, bool cols, float eps, int lane) {
-  if (lane < S) {
-    float sum = 0.0f;
-    for (int b = 0; b < S; ++b) sum += cols ? C[b * S + lane] : C[lane * S + b];
-    const float dv = sum + eps;
-    div[lane] = dv;
-    for (int b = 0; b < S; ++b) {
-      float& e = cols ? C[b * S + lane] : C[lane * S + b];
-      e = e / dv;
-    }
-  }
-  __syncwarp();
-}
+// ---- mHC pre, kernel 2: the coefficients and their backward, a thread per token ----
 
-// Its backward: din = (dout − Σ_line dout⊙out)/div on G (in place); C goes back from out to in (C·div), so only
-// the divisors are kept per step.
-template <int S>
-__device__ __forceinline__ void sinkhorn_step_backward(float* C, float* G, const float* div, bool cols, int lane) {
-  if (lane < S) {
-    float dot = 0.0f;
-    for (int b = 0; b < S; ++b) {
-      const int i = cols ? b * S + lane : lane * S + b;
-      dot += G[i] * C[i];
-    }
-    const float dv = div[lane];
-    for (int b = 0; b < S; ++b) {
-      const int i = cols ? b * S + lane : lane * S + b;
-      G[i] = (G[i] - dot) / dv;
-      C[i] = C[i] * dv;
-    }
-  }
-  __syncwarp();
-}
+constexpr int kCoefThreads = 32;  // tokens a block (one warp)
+
+__host__ __device__ constexpr int round4(int n) { return (n + 3) / 4 * 4; }
+// A token's row for the apply kernel: r1, c1, r2, c2, pre [S] (padded to 4), dm [M] (padded to 4); 16-byte aligned.
+__host__ __device__ constexpr int row_dm(int S) { return 4 + round4(S); }
+__host__ __device__ constexpr int row_width(int S) { return row_dm(S) + round4((2 + S) * S); }
 
 __host__ __device__ int sinkhorn_steps(int iters) { return iters > 1 ? 2 * iters - 1 : 1; }
 
-// Shared floats a warp of the token kernel uses for its Sinkhorn: P, C, G [S, S] and the divisors [steps, S].
-__host__ __device__ int64_t sinkhorn_warp_floats(int64_t S, int iters) { return 3 * S * S + sinkhorn_steps(iters) * S; }
+// Shared floats of the coefficient kernel: the mix [NP][32], dz and dz·m [2M][33] (padded: the partial sums read
+// along a row), the Sinkhorn divisors [steps][S][32].
+int64_t coef_smem_floats(int64_t S, int iters) {
+  const int64_t M = (2 + S) * S;
+  return stat_values(static_cast<int>(S)) * kCoefThreads + 2 * M * (kCoefThreads + 1) +
+         sinkhorn_steps(iters) * S * kCoefThreads;
+}
 
-// One block a contiguous range of tokens, kWarps tokens at a time (warp g recomputes token g's coefficients and runs
-// its Sinkhorn forward and backward). Per token, with the whole block: the sub-layer RMSNorm backward (da → dx,
-// dnorm_w) and the collapse backward (dh += pre·dx; dpre_s = Σ_d dx·h_s = r2·Σ w·da·h_s − c2·Σ x·h_s, summed in the
-// same pass as the norm's sums, so h is read once). Then dz = dL/d(m·scale + base), dm = dz·scale, and
-// c1 = r1³·(dm·(fn·h))/SD for the input norm's backward (dflat·h = dm·(fn·h) comes from the projection), written to
-// dmr[t] = (dm, r1, c1) for the fn kernel; and this block's partials of dnorm_w, dbase and dscale·m.
+// Row rr of the softmax of the comb logits, with the forward's operations (mhc_apply_kernel): out = exp(z − max) /
+// Σ exp, the sum in column order.
 template <int S>
-__global__ void __launch_bounds__(kThreads)
-    mhc_bwd_token_kernel(MhcParams p, const float* h, const float* part, int64_t splits, const float* dpost,
-                         const float* dcomb, const float* da, float* dh, float* dmr, float* tokpart, int64_t tpb) {
-  constexpr int M = (2 + S) * S, N = M + 1, SS = S * S, NR = 2 + 2 * S, W = dmr_width(S);
-  extern __shared__ __align__(16) float smem[];
-  const int64_t T = p.T, D = p.D, SD = S * D;
-  const int steps = sinkhorn_steps(p.iters);
-  float* xs = smem;          // [D] the collapse x, per token
-  float* dnw = smem + D;     // [D] this block's dnorm_w
-  float* sk = smem + 2 * D;  // [kWarps, sinkhorn_warp_floats]
-  __shared__ float mix[kWarps][N];
-  __shared__ float dz[kWarps][M];
-  __shared__ float pre[kWarps][S], sg[kWarps][S];
-  __shared__ float r1[kWarps];
-  __shared__ float red[kWarps * NR];
-  __shared__ float sums[NR];
+__device__ __forceinline__ void softmax_row(const float* mx, int rr, float r, float sc2, const float* base,
+                                            float (&out)[S]) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int c = 0; c < S; ++c) {
+    out[c] = (mx[(2 * S + rr * S + c) * kCoefThreads] * r) * sc2 + base[2 * S + rr * S + c];
+    m = fmaxf(m, out[c]);
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int c = 0; c < S; ++c) sum += (out[c] = expf(out[c] - m));
+#pragma unroll
+  for (int c = 0; c < S; ++c) out[c] = out[c] / sum;
+}
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Thread = token t (lanes past T compute on token T − 1 and add nothing). part [splits, NP, T] from the statistics
+// kernel. Writes rows[t] (row_width floats: r1, c1, r2, c2, pre, dm) and tokp[block] = (Σ dz [M], Σ dz·m [M]) over
+// the block's tokens in token order. Without dcomb the comb part of dz is zero; without da the pre part (and r2,
+// c2); without dpost the post part.
+template <int S>
+__global__ void __launch_bounds__(kCoefThreads)
+    mhc_bwd_coef_kernel(MhcParams p, const float* __restrict__ part, int64_t splits, const float* __restrict__ dpost,
+                        const float* __restrict__ dcomb, bool has_da, float* __restrict__ rows,
+                        float* __restrict__ tokp) {
+  constexpr int M = (2 + S) * S, SS = S * S, NG = gram_count(S), NP = stat_values(S), W = row_width(S),
+                P0 = row_dm(S), L = kCoefThreads;
+  extern __shared__ __align__(16) float smem[];
+  const int lane = threadIdx.x;
+  const int64_t T = p.T, D = p.D, SD = S * D;
+  const int64_t t = int64_t(blockIdx.x) * L + lane, tc = t < T ? t : T - 1;
+  const bool valid = t < T;
+  const int steps = sinkhorn_steps(p.iters);
   const float eps = p.rms_eps, hc_eps = p.hc_eps;
   const float* base = p.base;
   const float* sc = p.scale;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) dnw[d] = 0.0f;
-  float acc_base = 0.0f, acc_scale = 0.0f;  // thread j < M: Σ dz[j] and Σ dz[j]·m[j] over the block's tokens
+  float* mix = smem + lane;                  // mix[n·L]
+  float* dz = smem + NP * L + lane;          // dz[j·(L+1)], dz·m at [(M + j)·(L+1)]
+  float* div = smem + NP * L + 2 * M * (L + 1) + lane;  // div[(i·S + a)·L]
 
-  const int64_t tb0 = blockIdx.x * tpb, tb1 = min(T, tb0 + tpb);
-  for (int64_t g0 = tb0; g0 < tb1; g0 += kWarps) {
-    const int ng = static_cast<int>(min(int64_t(kWarps), tb1 - g0));
-    for (int idx = threadIdx.x; idx < ng * N; idx += kThreads) {
-      const int g = idx / N, n = idx % N;
-      const int64_t t = g0 + g;
-      float v = part[t * N + n];
-      for (int64_t s = 1; s < splits; ++s) v += part[(s * T + t) * N + n];
-      mix[g][n] = v;
-    }
-    __syncthreads();
+  // The chunk partials in chunk order, up to 64 values a pass (their loads in flight together).
+  constexpr int K = NP < 64 ? NP : 64;
+#pragma unroll
+  for (int n0 = 0; n0 < NP; n0 += K) {
+    float v[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (n0 + k < NP) v[k] = part[(n0 + k) * T + tc];
+#pragma unroll 2
+    for (int64_t s = 1; s < splits; ++s)
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (n0 + k < NP) v[k] += part[(s * NP + n0 + k) * T + tc];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (n0 + k < NP) mix[(n0 + k) * L] = v[k];
+  }
+  const float* Gm = mix + M * L;       // G[gram_index(a, b)·L]
+  const float* Am = mix + (M + NG) * L;
 
-    // Warp g: token g's coefficients, the post and comb parts of dz.
-    if (warp < ng) {
-      const int g = warp;
-      const int64_t t = g0 + g;
-      const float r = rsqrtf(mix[g][M] / static_cast<float>(SD) + eps);  // fn·(h·r) = r·(fn·h)
-      float* P = sk + g * sinkhorn_warp_floats(S, p.iters);
-      float* C = P + SS;
-      float* G = C + SS;
-      float* div = G + SS;
-      if (lane == 0) r1[g] = r;
-      if (lane < S) {
-        const int s = lane;
-        const float e = 1.0f / (1.0f + expf(-((mix[g][s] * r) * sc[0] + base[s])));
-        sg[g][s] = e;
-        pre[g][s] = e + hc_eps;
-        dz[g][s] = 0.0f;  // set from dpre below when da is given
-        const float sp = 1.0f / (1.0f + expf(-((mix[g][S + s] * r) * sc[1] + base[S + s])));
-        dz[g][S + s] = dpost ? dpost[t * S + s] * 2.0f * sp * (1.0f - sp) : 0.0f;
-        // Softmax of row s of the comb logits.
-        float mx = -INFINITY;
-        for (int c = 0; c < S; ++c) {
-          P[s * S + c] = (mix[g][2 * S + s * S + c] * r) * sc[2] + base[2 * S + s * S + c];
-          mx = fmaxf(mx, P[s * S + c]);
-        }
-        float sum = 0.0f;
-        for (int c = 0; c < S; ++c) sum += (P[s * S + c] = expf(P[s * S + c] - mx));
-        for (int c = 0; c < S; ++c) {
-          P[s * S + c] /= sum;
-          C[s * S + c] = P[s * S + c] + hc_eps;
-          G[s * S + c] = dcomb ? dcomb[t * SS + s * S + c] : 0.0f;
-        }
-      }
-      __syncwarp();
-      if (dcomb) {
-        for (int i = 0; i < steps; ++i) sinkhorn_step<S>(C, div + i * S, i % 2 == 0, hc_eps, lane);
-        for (int i = steps - 1; i >= 0; --i) sinkhorn_step_backward<S>(C, G, div + i * S, i % 2 == 0, lane);
-      }
-      if (lane < S) {
-        const int rr = lane;
-        float dot = 0.0f;
-        for (int s = 0; s < S; ++s) dot += P[rr * S + s] * G[rr * S + s];
-        for (int s = 0; s < S; ++s) dz[g][2 * S + rr * S + s] = P[rr * S + s] * (G[rr * S + s] - dot);
-      }
-    }
-    __syncthreads();
+  float ssq = 0.0f;  // Σh² = trace G
+#pragma unroll
+  for (int s = 0; s < S; ++s) ssq += Gm[gram_index(S, s, s) * L];
+  const float r = rsqrtf(ssq / static_cast<float>(SD) + eps);  // fn·(h·r) = r·(fn·h)
 
-    // The sub-layer RMSNorm and the collapse, one token at a time with the whole block.
-    if (da) {
-      for (int g = 0; g < ng; ++g) {
-        const int64_t t = g0 + g;
-        const float* ht = h + t * SD;
-        const float* dat = da + t * D;
-        float v[NR];  // Σx², Σ w·da·x, Σ w·da·h_s, Σ x·h_s
+  float e[S], pre[S];
 #pragma unroll
-        for (int i = 0; i < NR; ++i) v[i] = 0.0f;
-#pragma unroll 4
-        for (int64_t d = threadIdx.x; d < D; d += kThreads) {  // unrolled: the loads of 4 columns in flight
-          float hv[S];
-          float x = 0.0f;
-#pragma unroll
-          for (int s = 0; s < S; ++s) hv[s] = ht[s * D + d], x = fmaf(pre[g][s], hv[s], x);
-          xs[d] = x;
-          const float wg = p.norm_w[d] * dat[d];
-          v[0] = fmaf(x, x, v[0]);
-          v[1] = fmaf(wg, x, v[1]);
-#pragma unroll
-          for (int s = 0; s < S; ++s) v[2 + s] = fmaf(wg, hv[s], v[2 + s]), v[2 + S + s] = fmaf(x, hv[s], v[2 + S + s]);
-        }
-        block_sum_to<NR>(v, red, sums);
-        const float r2 = rsqrtf(sums[0] / static_cast<float>(D) + eps);
-        const float c2 = (sums[1] / static_cast<float>(D)) * r2 * r2 * r2;
-        if (threadIdx.x < S) {
-          const int s = threadIdx.x;
-          const float e = sg[g][s];
-          dz[g][s] = (r2 * sums[2 + s] - c2 * sums[2 + S + s]) * e * (1.0f - e);
-        }
-        float pg[S];
-#pragma unroll
-        for (int s = 0; s < S; ++s) pg[s] = pre[g][s];
-#pragma unroll 4
-        for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-          const float x = xs[d], g_ = dat[d];
-          const float dx = r2 * p.norm_w[d] * g_ - c2 * x;
-          dnw[d] += g_ * x * r2;
-#pragma unroll
-          for (int s = 0; s < S; ++s) dh[t * SD + s * D + d] += pg[s] * dx;
-        }
-      }
-      __syncthreads();
-    }
-
-    // dm = dz·scale[part], the parameter sums in token order, and c1 = r1³·(dm·(fn·h))/SD.
-    if (threadIdx.x < M) {
-      const int j = threadIdx.x, pt = j < S ? 0 : j < 2 * S ? 1 : 2;
-      for (int g = 0; g < ng; ++g) {
-        const float z = dz[g][j];
-        acc_base += z;
-        acc_scale += z * (mix[g][j] * r1[g]);
-        dmr[(g0 + g) * W + j] = z * sc[pt];
-      }
-    }
-    if (warp < ng) {
-      const int g = warp;
-      float v = 0.0f;
-      for (int j = lane; j < M; j += 32) {
-        const int pt = j < S ? 0 : j < 2 * S ? 1 : 2;
-        v = fmaf(dz[g][j] * sc[pt], mix[g][j], v);
-      }
-      v = warp_sum(v);
-      if (lane == 0) {
-        const float r = r1[g];
-        dmr[(g0 + g) * W + M] = r;
-        dmr[(g0 + g) * W + M + 1] = (v / static_cast<float>(SD)) * r * r * r;
-      }
-    }
-    __syncthreads();  // mix, dz are refilled by the next group
+  for (int s = 0; s < S; ++s) {
+    e[s] = 1.0f / (1.0f + expf(-((mix[s * L] * r) * sc[0] + base[s])));
+    pre[s] = e[s] + hc_eps;
+    const float sp = 1.0f / (1.0f + expf(-((mix[(S + s) * L] * r) * sc[1] + base[S + s])));
+    dz[(S + s) * (L + 1)] = dpost ? dpost[tc * S + s] * 2.0f * sp * (1.0f - sp) : 0.0f;
   }
 
-  float* out = tokpart + blockIdx.x * (D + 2 * M);
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) out[d] = dnw[d];
-  if (threadIdx.x < M) {
-    out[D + threadIdx.x] = acc_base;
-    out[D + M + threadIdx.x] = acc_scale;
+  // comb = Sinkhorn(softmax_rows(z) + hc_eps): the forward's steps (columns, then rows and columns; its divisions),
+  // each divisor kept; then the steps' backward, din = (dout − Σ_line dout⊙out)/divisor (through the divisor's
+  // reciprocal), with C taken back from out to in (C·div).
+  if (dcomb) {
+    float C[SS], G[SS];
+#pragma unroll
+    for (int rr = 0; rr < S; ++rr) {
+      float pr[S];
+      softmax_row<S>(mix, rr, r, sc[2], base, pr);
+#pragma unroll
+      for (int c = 0; c < S; ++c) C[rr * S + c] = pr[c] + hc_eps;
+    }
+    for (int i = 0; i < steps; ++i) {
+      float* dv = div + i * S * L;
+      if (i % 2 == 0) {
+#pragma unroll
+        for (int a = 0; a < S; ++a) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int b = 0; b < S; ++b) sum += C[b * S + a];
+          const float q = sum + hc_eps;
+          dv[a * L] = q;
+#pragma unroll
+          for (int b = 0; b < S; ++b) C[b * S + a] = C[b * S + a] / q;
+        }
+      } else {
+#pragma unroll
+        for (int a = 0; a < S; ++a) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int b = 0; b < S; ++b) sum += C[a * S + b];
+          const float q = sum + hc_eps;
+          dv[a * L] = q;
+#pragma unroll
+          for (int b = 0; b < S; ++b) C[a * S + b] = C[a * S + b] / q;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < SS; ++i) G[i] = dcomb[tc * SS + i];
+    for (int i = steps - 1; i >= 0; --i) {
+      const float* dv = div + i * S * L;
+      if (i % 2 == 0) {
+#pragma unroll
+        for (int a = 0; a < S; ++a) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int b = 0; b < S; ++b) dot += G[b * S + a] * C[b * S + a];
+          const float q = dv[a * L], rq = 1.0f / q;
+#pragma unroll
+          for (int b = 0; b < S; ++b) {
+            G[b * S + a] = (G[b * S + a] - dot) * rq;
+            C[b * S + a] = C[b * S + a] * q;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int a = 0; a < S; ++a) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int b = 0; b < S; ++b) dot += G[a * S + b] * C[a * S + b];
+          const float q = dv[a * L], rq = 1.0f / q;
+#pragma unroll
+          for (int b = 0; b < S; ++b) {
+            G[a * S + b] = (G[a * S + b] - dot) * rq;
+            C[a * S + b] = C[a * S + b] * q;
+          }
+        }
+      }
+    }
+    // The softmax backward, row by row (P recomputed: the same operations give the same values).
+#pragma unroll
+    for (int rr = 0; rr < S; ++rr) {
+      float pr[S];
+      softmax_row<S>(mix, rr, r, sc[2], base, pr);
+      float dot = 0.0f;
+#pragma unroll
+      for (int c = 0; c < S; ++c) dot += pr[c] * G[rr * S + c];
+#pragma unroll
+      for (int c = 0; c < S; ++c) dz[(2 * S + rr * S + c) * (L + 1)] = pr[c] * (G[rr * S + c] - dot);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < SS; ++i) dz[(2 * S + i) * (L + 1)] = 0.0f;
+  }
+
+  // The sub-layer norm of x = Σ_s pre_s·h_s from G and A: Σx² = Σ_s pre_s·(G·pre)_s, Σ w·da·x = Σ_s pre_s·A_s,
+  // dpre_s = Σ_d dx·h_s = r2·A_s − c2·(G·pre)_s.
+  float r2 = 0.0f, c2 = 0.0f;
+  if (has_da) {
+    float gp[S];
+#pragma unroll
+    for (int a = 0; a < S; ++a) {
+      float v = 0.0f;
+#pragma unroll
+      for (int b = 0; b < S; ++b) v = fmaf(Gm[gram_index(S, a < b ? a : b, a < b ? b : a) * L], pre[b], v);
+      gp[a] = v;
+    }
+    float xx = 0.0f, wx = 0.0f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      xx = fmaf(pre[s], gp[s], xx);
+      wx = fmaf(pre[s], Am[s * L], wx);
+    }
+    r2 = rsqrtf(xx / static_cast<float>(D) + eps);
+    c2 = (wx / static_cast<float>(D)) * r2 * r2 * r2;
+#pragma unroll
+    for (int s = 0; s < S; ++s) dz[s * (L + 1)] = (r2 * Am[s * L] - c2 * gp[s]) * e[s] * (1.0f - e[s]);
+  } else {
+#pragma unroll
+    for (int s = 0; s < S; ++s) dz[s * (L + 1)] = 0.0f;
+  }
+
+  // dm = dz·scale[part]; c1 = r1³·(dm·(fn·h))/SD for the input norm (dflat·h = dm·(fn·h)); dz·m for dscale.
+  float* row = rows + tc * W;
+  float v = 0.0f;
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const int pt = j < S ? 0 : j < 2 * S ? 1 : 2;
+    const float z = dz[j * (L + 1)], mj = mix[j * L];
+    const float dm = z * sc[pt];
+    v = fmaf(dm, mj, v);
+    if (valid) row[P0 + j] = dm;
+    dz[(M + j) * (L + 1)] = valid ? z * (mj * r) : 0.0f;
+    if (!valid) dz[j * (L + 1)] = 0.0f;
+  }
+  if (valid) {
+    row[0] = r;
+    row[1] = (v / static_cast<float>(SD)) * r * r * r;
+    row[2] = r2;
+    row[3] = c2;
+#pragma unroll
+    for (int s = 0; s < S; ++s) row[4 + s] = pre[s];
+#pragma unroll
+    for (int i = 4 + S; i < P0; ++i) row[i] = 0.0f;
+#pragma unroll
+    for (int i = P0 + M; i < W; ++i) row[i] = 0.0f;
+  }
+  __syncthreads();
+  // The block's sums in token order.
+  const float* dzb = smem + NP * L;
+  for (int o = lane; o < 2 * M; o += L) {
+    float acc = 0.0f;
+    for (int k = 0; k < L; ++k) acc += dzb[o * (L + 1) + k];
+    tokp[blockIdx.x * int64_t(2 * M) + o] = acc;
   }
 }
 
-// The fn path of every token, grid (column blocks, token blocks); a thread owns column k of S·D with fn[:, k] in
-// registers: the input norm's backward dh[t, k] += r1·dflat − h·c1 with dflat = Σ_j dm[t, j]·fn[j, k], and the dfn
-// partial part[b, j, k] = Σ_{t of block b} dm[t, j]·(h[t, k]·r1[t]), tokens in order.
+// ---- mHC pre, kernel 3: the per-column pass over h, da and dh ----
+
+constexpr int kApplyTT = 8;              // tokens a pipeline stage
+constexpr int kApplyStages = 4;
+constexpr int64_t kApplyBlocks = 1280;   // blocks aimed at: about two waves on an H200 at S = 4
+
 template <int S>
-__global__ void __launch_bounds__(kFnThreads)
-    mhc_bwd_fn_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ dmr,
-                      float* __restrict__ dh, float* __restrict__ part, int64_t T,
-                      int64_t SD, int64_t tpb) {
-  constexpr int M = (2 + S) * S, W = dmr_width(S);
-  __shared__ __align__(16) float sdm[kFnTokTile * W];
-  const int64_t k = blockIdx.x * int64_t(kFnThreads) + threadIdx.x, b = blockIdx.y;
+struct ApplyTile {
+  static constexpr int M = (2 + S) * S;
+  static constexpr int W = row_width(S);
+  static constexpr int h_floats = kApplyTT * S * 32;  // [TT][S][32], as dh
+  static constexpr int stage_floats = 2 * h_floats + kApplyTT * 32 + kApplyTT * W;
+  static constexpr size_t smem_bytes = sizeof(float) * kApplyStages * stage_floats;
+};
+
+// Token blocks of the apply kernel (each ≥ 64 tokens), tpb tokens each.
+struct ApplyPlan {
+  int64_t dtiles, blocks, tpb;
+};
+ApplyPlan apply_plan(int64_t T, int64_t D) {
+  const int64_t dtiles = ceil_div(D, 32);
+  const int64_t want = std::clamp<int64_t>(ceil_div(kApplyBlocks, dtiles), 1, std::max<int64_t>(1, ceil_div(T, 64)));
+  const int64_t tpb = ceil_div(std::max<int64_t>(T, 1), want);
+  return {dtiles, ceil_div(std::max<int64_t>(T, 1), tpb), tpb};
+}
+
+// Grid (d tiles of 32, token blocks of tpb); warp s, lane l own column k = s·D + d (d = 32·tile + l) and hold
+// fn[:, k] in registers. Per token (rows[t] from the coefficient kernel):
+//   x = Σ_s pre_s·h_s, dx = r2·w·da − c2·x (the sub-layer norm), dh_s += pre_s·dx;
+//   dh_s += r1·Σ_j dm_j·fn[j, k] − c1·h_s (the input norm of the projection);
+// and the partials part[b] = (dfn [M, S·D]: Σ_t dm[t, j]·h[t, k]·r1[t]; dnorm_w [D]: Σ_t da·x·r2), tokens in order.
+// h, da, dh and the rows come through a cp.async pipeline of kApplyTT tokens a stage. VEC: 16-byte copies.
+template <int S, bool VEC>
+__global__ void __launch_bounds__(32 * S)
+    mhc_bwd_apply_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
+                         const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh,
+                         float* __restrict__ part, int64_t T, int64_t D, int64_t tpb) {
+  using P = ApplyTile<S>;
+  constexpr int M = P::M, W = P::W, P0 = row_dm(S), TT = kApplyTT, NT = 32 * S;
+  extern __shared__ __align__(16) float smem[];
+  const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
+  const int64_t SD = S * D, d0 = int64_t(blockIdx.x) * 32, d = d0 + lane, b = blockIdx.y;
   const int64_t t0 = b * tpb, t1 = min(T, t0 + tpb);
-  const bool ok = k < SD;
+  const bool ok = d < D, has_da = da != nullptr;
+  const int nst = t1 > t0 ? static_cast<int>((t1 - t0 + TT - 1) / TT) : 0;
+  auto hs = [&](int bf) { return smem + bf * P::stage_floats; };
+  auto dhs = [&](int bf) { return hs(bf) + P::h_floats; };
+  auto das = [&](int bf) { return dhs(bf) + P::h_floats; };
+  auto rws = [&](int bf) { return das(bf) + TT * 32; };
+
+  auto load = [&](int bf, int i) {
+    constexpr int V = VEC ? 4 : 1, PR = 32 / V;
+    const int64_t tt0 = t0 + int64_t(i) * TT;
+    for (int idx = threadIdx.x; idx < TT * S * PR; idx += NT) {
+      const int r = idx / PR, c = (idx % PR) * V;  // r = token·S + stream
+      const int64_t t = tt0 + r / S, dd = d0 + c;
+      const bool in = t < t1 && dd < D;
+      const int64_t off = (tt0 * S + r) * D + dd;
+      cp_async_f<VEC>(hs(bf) + r * 32 + c, in ? h + off : h, in);
+      cp_async_f<VEC>(dhs(bf) + r * 32 + c, in && dh ? dh + off : h, in && dh);
+    }
+    for (int idx = threadIdx.x; idx < TT * PR; idx += NT) {
+      const int r = idx / PR, c = (idx % PR) * V;
+      const int64_t t = tt0 + r, dd = d0 + c;
+      const bool in = has_da && t < t1 && dd < D;
+      cp_async_f<VEC>(das(bf) + r * 32 + c, in ? da + t * D + dd : h, in);
+    }
+    for (int idx = threadIdx.x; idx < TT * (W / V); idx += NT) {
+      const int r = idx / (W / V), c = (idx % (W / V)) * V;
+      const int64_t t = tt0 + r;
+      const bool in = t < t1;
+      cp_async_f<VEC>(rws(bf) + r * W + c, in ? rows + t * W + c : h, in);
+    }
+  };
+
   float f[M], acc[M];
 #pragma unroll
-  for (int j = 0; j < M; ++j) f[j] = ok ? fn[j * SD + k] : 0.0f, acc[j] = 0.0f;
-  for (int64_t tt = t0; tt < t1; tt += kFnTokTile) {
-    const int cnt = static_cast<int>(min(int64_t(kFnTokTile), t1 - tt));
+  for (int j = 0; j < M; ++j) f[j] = ok ? fn[j * SD + s * D + d] : 0.0f, acc[j] = 0.0f;
+  const float w = ok && has_da ? norm_w[d] : 0.0f;
+  float dnw = 0.0f;
+
+#pragma unroll
+  for (int i = 0; i < kApplyStages - 1; ++i) {
+    if (i < nst) load(i, i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nst; ++i) {
+    cp_async_wait<kApplyStages - 2>();
     __syncthreads();
-    for (int idx = threadIdx.x; idx < cnt * W; idx += kFnThreads) sdm[idx] = dmr[tt * W + idx];
-    __syncthreads();
-    if (ok) {
-      // Four tokens at a time, their h and dh loads issued together.
-      auto token = [&](int i, float hv, float& dhv) {
-        const float* row = sdm + i * W;
-        const float r = row[M], c = row[M + 1];
-        const float v = hv * r;
-        float df = 0.0f;
-        if constexpr (M % 4 == 0) {  // 16-byte shared reads (rows are 16-byte aligned)
+    const int nx = i + kApplyStages - 1;
+    if (nx < nst) load(nx % kApplyStages, nx);
+    cp_async_commit();
+    const int bf = i % kApplyStages;
+    const float* hb = hs(bf);
+    const float* dhb = dhs(bf);
+    const float* ab = das(bf);
+    const float* rb = rws(bf);
+    const int64_t tt0 = t0 + int64_t(i) * TT;
+    const int cnt = static_cast<int>(min(int64_t(TT), t1 - tt0));
+    for (int tt = 0; tt < cnt; ++tt) {
+      const float* rw = rb + tt * W;
+      const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
+      const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
+      const float hv = hb[(tt * S + s) * 32 + lane];
+      float dhv = dhb[(tt * S + s) * 32 + lane];
+      if (has_da) {
+        float pr[S];
 #pragma unroll
-          for (int j = 0; j < M; j += 4) {
-            const float4 d4 = *reinterpret_cast<const float4*>(row + j);
-            const float dmj[4] = {d4.x, d4.y, d4.z, d4.w};
+        for (int s2 = 0; s2 < S; s2 += 4) {
+          const float4 p4 = *reinterpret_cast<const float4*>(rw + 4 + s2);  // pre, padded to 4
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              df = fmaf(dmj[u], f[j + u], df);
-              acc[j + u] = fmaf(dmj[u], v, acc[j + u]);
-            }
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < M; ++j) {
-            const float dmj = row[j];
-            df = fmaf(dmj, f[j], df);
-            acc[j] = fmaf(dmj, v, acc[j]);
-          }
+          for (int u = 0; u < 4; ++u)
+            if (s2 + u < S) pr[s2 + u] = comp(p4, u);
         }
-        dhv += r * df - hv * c;
-      };
-      int i = 0;
-      for (; i + 4 <= cnt; i += 4) {
-        float hv[4], dhv[4];
+        float x = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) hv[u] = h[(tt + i + u) * SD + k], dhv[u] = dh[(tt + i + u) * SD + k];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) token(i + u, hv[u], dhv[u]);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) dh[(tt + i + u) * SD + k] = dhv[u];
+        for (int s2 = 0; s2 < S; ++s2) x = fmaf(pr[s2], hb[(tt * S + s2) * 32 + lane], x);
+        const float g = ab[tt * 32 + lane];
+        const float dx = r2 * w * g - c2 * x;
+        if (s == 0) dnw += g * x * r2;
+        dhv += rw[4 + s] * dx;
       }
-      for (; i < cnt; ++i) {
-        float dhv = dh[(tt + i) * SD + k];
-        token(i, h[(tt + i) * SD + k], dhv);
-        dh[(tt + i) * SD + k] = dhv;
+      const float v = hv * r1;
+      float df = 0.0f;
+#pragma unroll
+      for (int j = 0; j < M; j += 4) {
+        const float4 d4 = *reinterpret_cast<const float4*>(rw + P0 + j);  // rows are 16-byte aligned
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (j + u < M) {
+            const float dmj = comp(d4, u);
+            df = fmaf(dmj, f[j + u], df);
+            acc[j + u] = fmaf(dmj, v, acc[j + u]);
+          }
       }
+      dhv += r1 * df - hv * c1;
+      if (ok && dh) dh[((tt0 + tt) * S + s) * D + d] = dhv;
     }
   }
-  if (ok)
+  cp_async_wait<0>();
+
+  if (!ok) return;
+  float* out = part + b * (M * SD + D);
 #pragma unroll
-    for (int j = 0; j < M; ++j) part[(b * M + j) * SD + k] = acc[j];
+  for (int j = 0; j < M; ++j) out[j * SD + s * D + d] = acc[j];
+  if (s == 0) out[M * SD + d] = dnw;
 }
 
-// dnorm_w[d] += Σ_b tok[b, d]; dbase[j] += Σ_b tok[b, D + j]; dscale[part] += Σ_b Σ_{j ∈ part} tok[b, D + M + j].
-__global__ void mhc_bwd_params_kernel(const float* tok, int64_t nb, int64_t S, int64_t D, float* dnorm_w,
-                                      float* dbase, float* dscale) {
-  const int64_t M = (2 + S) * S, W = D + 2 * M;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < D + M + 3;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    if (i < D + M) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) acc += tok[b * W + i];
-      if (i < D) {
-        dnorm_w[i] += acc;
+// ---- mHC pre, kernel 4: the parameter gradients ----
+
+// Blocks 0 … M+2: dbase[j] += Σ_b tokp[b, j] (block o = j), dscale[pt] += Σ_b Σ_{j ∈ part pt} tokp[b, M + j]
+// (block o = M + pt); each thread sums a fixed stride of the terms, then the block in warp order. The other
+// blocks: Σ_b part[b, i] in block order (part rows of pw floats) added to dfn[i] for i < msd = M·S·D, else to
+// dnorm_w[i − msd], for i < nsum (msd without da).
+__global__ void __launch_bounds__(kThreads)
+    mhc_bwd_params_kernel(const float* tokp, int64_t nbt, const float* part, int64_t nbp, int64_t pw, int64_t msd,
+                          int64_t nsum, int S, float* dfn, float* dnorm_w, float* dbase, float* dscale) {
+  const int M = (2 + S) * S;
+  const unsigned ncoef = static_cast<unsigned>(M + 3);
+  if (blockIdx.x < ncoef) {
+    __shared__ float red[kWarps];
+    __shared__ float sums[1];
+    const int o = blockIdx.x;
+    int64_t j0 = o, np = 1;
+    if (o >= M) {
+      const int pt = o - M;
+      j0 = M + (pt == 0 ? 0 : pt == 1 ? S : 2 * S);
+      np = pt == 2 ? S * S : S;
+    }
+    float acc[1] = {0.0f};
+    for (int64_t q = threadIdx.x; q < nbt * np; q += kThreads) acc[0] += tokp[(q / np) * (2 * M) + j0 + q % np];
+    block_sum_to<1>(acc, red, sums);
+    if (threadIdx.x == 0) {
+      if (o < M) {
+        dbase[o] += sums[0];
       } else {
-        dbase[i - D] += acc;
+        dscale[o - M] += sums[0];
       }
+    }
+    return;
+  }
+  const int64_t stride = int64_t(gridDim.x - ncoef) * kThreads;
+  for (int64_t i = int64_t(blockIdx.x - ncoef) * kThreads + threadIdx.x; i < nsum; i += stride) {
+    float acc = part[i];
+    for (int64_t b = 1; b < nbp; ++b) acc += part[b * pw + i];
+    if (i < msd) {
+      dfn[i] += acc;
     } else {
-      const int pt = static_cast<int>(i - D - M);
-      const int64_t j0 = pt == 0 ? 0 : pt == 1 ? S : 2 * S, j1 = pt == 0 ? S : pt == 1 ? 2 * S : M;
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t j = j0; j < j1; ++j) acc += tok[b * W + D + M + j];
-      dscale[pt] += acc;
+      dnorm_w[i - msd] += acc;
     }
   }
+}
+
+// Workspace layout of mhc_pre_backward (floats, in this order; each part 16-byte aligned).
+struct PreWork {
+  StatPlan stats;   // the statistics kernel's grid
+  ApplyPlan apply;  // the apply kernel's grid
+  int64_t coef_blocks, pw;
+  int64_t stat, rows, tokp, part, total;
+  PreWork(int64_t T, int64_t S, int64_t D) : stats(stat_plan(T, S, D)), apply(apply_plan(T, D)) {
+    const int64_t M = (2 + S) * S;
+    auto align = [](int64_t n) { return ceil_div(n, 64) * 64; };
+    coef_blocks = ceil_div(T, kCoefThreads);
+    pw = M * S * D + D;
+    stat = 0;                                                                     // [splits, NP, T]
+    rows = align(stat + stats.splits * stat_values(static_cast<int>(S)) * T);    // [T, row_width]
+    tokp = align(rows + T * row_width(static_cast<int>(S)));                     // [coef blocks, 2M]
+    part = align(tokp + coef_blocks * 2 * M);                                    // [apply blocks, pw]
+    total = part + apply.blocks * pw;
+  }
+};
+
+template <class K>
+void allow_smem(K kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(bytes)));
 }
 
 template <int S>
@@ -591,33 +926,55 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
                          float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work,
                          cudaStream_t st) {
   constexpr int M = (2 + S) * S;
-  const int64_t T = p.T, D = p.D, SD = S * D, splits = proj_splits(SD);
+  const int64_t T = p.T, D = p.D;
   const PreWork wk(T, S, D);
+  float* stat = work + wk.stat;
+  float* rows = work + wk.rows;
+  float* tokp = work + wk.tokp;
   float* part = work + wk.part;
-  float* dmr = work + wk.dmr;
-  float* tok = work + wk.tok;
-  float* dfp = work + wk.dfn;
 
-  mhc_bwd_project_kernel<S><<<dim3(static_cast<unsigned>(ceil_div(T, kProjT)), static_cast<unsigned>(splits)),
-                              kThreads, 0, st>>>(h, p.fn, part, T, SD);
+  {
+    const StatPlan& sp = wk.stats;
+    const bool vec = D % 4 == 0 && aligned16(h) && aligned16(p.fn) && aligned16(p.norm_w) && aligned16(da);
+    auto kernel = vec ? mhc_bwd_stats_kernel<S, true> : mhc_bwd_stats_kernel<S, false>;
+    const size_t smem = StatTile<S>::smem_bytes;
+    allow_smem(kernel, smem);
+    kernel<<<dim3(static_cast<unsigned>(sp.tiles), static_cast<unsigned>(sp.splits)), kStatThreads, smem, st>>>(
+        h, p.fn, p.norm_w, da, stat, T, D, sp.chunk);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  {
+    const size_t smem = sizeof(float) * static_cast<size_t>(coef_smem_floats(S, p.iters));
+    check(smem <= 227 * 1024, "CUDA mHC backward: hc_sinkhorn_iters ", p.iters, " needs ", smem,
+          " bytes of shared memory (at most 227 KiB)");
+    allow_smem(mhc_bwd_coef_kernel<S>, smem);
+    mhc_bwd_coef_kernel<S><<<static_cast<unsigned>(wk.coef_blocks), kCoefThreads, smem, st>>>(
+        p, stat, wk.stats.splits, dpost, dcomb, da != nullptr, rows, tokp);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  {
+    const ApplyPlan& ap = wk.apply;
+    const bool vec = D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows);
+    auto kernel = vec ? mhc_bwd_apply_kernel<S, true> : mhc_bwd_apply_kernel<S, false>;
+    const size_t smem = ApplyTile<S>::smem_bytes;
+    allow_smem(kernel, smem);
+    kernel<<<dim3(static_cast<unsigned>(ap.dtiles), static_cast<unsigned>(ap.blocks)), 32 * S, smem, st>>>(
+        h, p.fn, p.norm_w, da, rows, dh, part, T, D, ap.tpb);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  const int64_t msd = int64_t(M) * S * D, nsum = da ? msd + D : msd;
+  const unsigned sum_blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(nsum, kThreads), 4096));
+  mhc_bwd_params_kernel<<<M + 3 + sum_blocks, kThreads, 0, st>>>(tokp, wk.coef_blocks, part, wk.apply.blocks,
+                                                                  wk.pw, msd, nsum, S, dfn, dnorm_w, dbase, dscale);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
 
-  const int64_t tpb = tok_per_block(T), nblk = tok_blocks(T);
-  const size_t smem = sizeof(float) * static_cast<size_t>(2 * D + kWarps * sinkhorn_warp_floats(S, p.iters));
-  if (smem > 48 * 1024)
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(mhc_bwd_token_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
-  mhc_bwd_token_kernel<S><<<static_cast<unsigned>(nblk), kThreads, smem, st>>>(p, h, part, splits, dpost, dcomb, da,
-                                                                               dh, dmr, tok, tpb);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-
-  const int64_t nb = fn_blocks(T, SD), ftpb = ceil_div(T, nb);
-  mhc_bwd_fn_kernel<S><<<dim3(static_cast<unsigned>(ceil_div(SD, kFnThreads)), static_cast<unsigned>(nb)),
-                         kFnThreads, 0, st>>>(h, p.fn, dmr, dh, dfp, T, SD, ftpb);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-  sum_parts_kernel<<<grid_for(M * SD), 256, 0, st>>>(dfp, dfn, nb, M * SD);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-  mhc_bwd_params_kernel<<<grid_for(D + M + 3), 256, 0, st>>>(tok, nblk, S, D, dnorm_w, dbase, dscale);
+template <int S>
+void launch_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
+                          float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t D, cudaStream_t st) {
+  const bool vec = D % 4 == 0 && aligned16(h) && aligned16(y) && aligned16(dout) && aligned16(dh) && aligned16(dy);
+  auto kernel = vec ? mhc_post_bwd_kernel<S, true> : mhc_post_bwd_kernel<S, false>;
+  kernel<<<static_cast<unsigned>(T), kPostThreads, 0, st>>>(h, y, post, comb, dout, dh, dy, dpost, dcomb, D);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -657,12 +1014,9 @@ void mhc_post_backward(const float* h, const float* y, const float* post, const 
                        float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
                        cudaStream_t st) {
   if (!T) return;
-#define CALL(S)                                                                                                    \
-  mhc_post_bwd_kernel<S><<<static_cast<unsigned>(T), kThreads, 0, st>>>(h, y, post, comb, dout, dh, dy, dpost, \
-                                                                        dcomb, D)
+#define CALL(S) launch_post_backward<S>(h, y, post, comb, dout, dh, dy, dpost, dcomb, T, D, st)
   NEXTLM_MHC_BWD_DISPATCH(S, CALL)
 #undef CALL
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
 void stream_mean_norm_backward(const float* h, const float* w, const float* dout, float* dh, float* dw, int64_t T,

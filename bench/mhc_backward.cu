@@ -1,0 +1,127 @@
+// `mhc_bwd_T4096`: the backward of one mHC site (post then pre) at T = 4096, S = 4, D = 4096 (see mhc_backward.h).
+// A .cu (not .cpp) because cuda/backward_kernels.h and cuda/testing_buffers.h include common.cuh, whose device
+// helpers only nvcc compiles.
+#include "mhc_backward.h"
+
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "cuda/backward_kernels.h"
+#include "cuda/random_init.h"
+#include "cuda/testing_buffers.h"
+#include "device_timing.cuh"
+
+namespace nextlm::bench {
+
+namespace {
+
+using cuda_testing::detail::Buf;
+
+constexpr double kBytesPerMs = 4.14e12 / 1e3;  // ../shared/docs/performance.md
+constexpr int kWarm = 3, kIters = 20;
+
+// Elements of x that are not finite, added to *bad.
+__global__ void count_nonfinite_kernel(const float* x, int64_t n, unsigned long long* bad) {
+  unsigned long long c = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    c += !isfinite(x[i]);
+  if (c) atomicAdd(bad, c);
+}
+
+Buf floats(int64_t n) { return Buf(static_cast<size_t>(n) * sizeof(float)); }
+
+void fill(const Buf& b, int64_t n, cuda::DistSpec d, uint64_t key, cudaStream_t st) {
+  cuda::fill_random(b.p, false, n, d, key, st);
+}
+
+void zero(const Buf& b, cudaStream_t st) { NEXTLM_CUDA_CHECK(cudaMemsetAsync(b.p, 0, b.bytes, st)); }
+
+}  // namespace
+
+void mhc_backward_case(const std::string& name) {
+  const int64_t T = 4096, S = 4, D = 4096, M = (2 + S) * S, SD = S * D;
+  cudaStream_t st;
+  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
+  {
+    Buf h = floats(T * SD), y = floats(T * D), post = floats(T * S), comb = floats(T * S * S), dout = floats(T * SD),
+        da = floats(T * D), fn = floats(M * SD), base = floats(M), scale = floats(3), norm_w = floats(D);
+    Buf dh = floats(T * SD), dy = floats(T * D), dpost = floats(T * S), dcomb = floats(T * S * S),
+        dfn = floats(M * SD), dbase = floats(M), dscale = floats(3), dnorm_w = floats(D);
+    Buf work = floats(cuda::mhc_pre_backward_workspace_floats(T, S, D));
+    using cuda::Dist;
+    fill(h, T * SD, {Dist::Normal, 1.0f, 0.0f}, 1, st);
+    fill(y, T * D, {Dist::Normal, 1.0f, 0.0f}, 2, st);
+    fill(post, T * S, {Dist::Uniform, 0.0f, 2.0f}, 3, st);
+    fill(comb, T * S * S, {Dist::Uniform, 0.0f, 0.5f}, 4, st);
+    fill(dout, T * SD, {Dist::Normal, 1.0f, 0.0f}, 5, st);
+    fill(da, T * D, {Dist::Normal, 1.0f, 0.0f}, 6, st);
+    fill(fn, M * SD, {Dist::Normal, 0.02f, 0.0f}, 7, st);
+    fill(base, M, {Dist::Normal, 0.5f, 0.0f}, 8, st);
+    fill(norm_w, D, {Dist::Uniform, 0.8f, 1.2f}, 9, st);
+    const float sc[3] = {0.8f, 1.2f, 0.9f};
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scale.p, sc, sizeof sc, cudaMemcpyHostToDevice, st));
+    for (const Buf* b : {&dh, &dy, &dpost, &dcomb, &dfn, &dbase, &dscale, &dnorm_w}) zero(*b, st);
+    const cuda::MhcParams p{fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D,
+                            1e-5f, 1e-6f, 20};
+
+    auto post_bwd = [&] {
+      cuda::mhc_post_backward(h.as<float>(), y.as<float>(), post.as<float>(), comb.as<float>(), dout.as<float>(),
+                              dh.as<float>(), dy.as<float>(), dpost.as<float>(), dcomb.as<float>(), T, S, D, st);
+    };
+    auto pre_bwd = [&] {
+      cuda::mhc_pre_backward(p, h.as<float>(), dpost.as<float>(), dcomb.as<float>(), da.as<float>(), dh.as<float>(),
+                             dfn.as<float>(), dbase.as<float>(), dscale.as<float>(), dnorm_w.as<float>(),
+                             work.as<float>(), st);
+    };
+    // The gradients accumulate over the timed runs (the kernels add): they stay O(runs), far from overflow.
+    const double ours = median_ms([&] { post_bwd(), pre_bwd(); }, st, kWarm, kIters);
+    const double post_ms = median_ms(post_bwd, st, kWarm, kIters);
+    const double pre_ms = median_ms(pre_bwd, st, kWarm, kIters);
+
+    unsigned long long* bad = nullptr;
+    NEXTLM_CUDA_CHECK(cudaMalloc(&bad, sizeof *bad));
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof *bad, st));
+    for (const Buf* b : {&dh, &dy, &dpost, &dcomb, &dfn, &dbase, &dscale, &dnorm_w})
+      count_nonfinite_kernel<<<1024, 256, 0, st>>>(b->as<float>(), static_cast<int64_t>(b->bytes / sizeof(float)),
+                                                   bad);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    unsigned long long nonfinite = 0;
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(&nonfinite, bad, sizeof nonfinite, cudaMemcpyDeviceToHost, st));
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+    cudaFree(bad);
+
+    // Two runs of the pre backward from zeroed gradients: the same bits (fixed summation orders, no atomics).
+    auto pre_once = [&] {
+      for (const Buf* b : {&dh, &dfn, &dbase, &dscale, &dnorm_w}) zero(*b, st);
+      pre_bwd();
+      NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+      std::vector<float> out;
+      for (const Buf* b : {&dh, &dfn, &dbase, &dscale, &dnorm_w}) {
+        const std::vector<float> v = cuda_testing::detail::download<float>(*b);
+        out.insert(out.end(), v.begin(), v.end());
+      }
+      return out;
+    };
+    const std::vector<float> r1 = pre_once(), r2 = pre_once();
+    const bool same = r1.size() == r2.size() && std::memcmp(r1.data(), r2.data(), r1.size() * sizeof(float)) == 0;
+
+    const double post_bytes = 4.0 * (4.0 * T * SD + 3.0 * T * D);
+    const double pre_bytes = 4.0 * (4.0 * T * SD + 2.0 * T * D + 3.0 * M * SD);
+    const double floor = (post_bytes + pre_bytes) / kBytesPerMs;
+    char note[512];
+    std::snprintf(note, sizeof note,
+                  "%s one site, S=4 D=4096: post %.3f ms (floor %.3f, %.2f GB), pre %.3f ms (floor %.3f, %.2f GB: h "
+                  "and da read twice, dh read and written); %.0f%% of 4.14 TB/s; %llu non-finite outputs; pre "
+                  "rerun %s",
+                  nonfinite == 0 && same ? "ok" : "CHECK FAILED", post_ms, post_bytes / kBytesPerMs, post_bytes / 1e9,
+                  pre_ms, pre_bytes / kBytesPerMs, pre_bytes / 1e9, 100.0 * floor / ours, nonfinite,
+                  same ? "bitwise equal" : "DIFFERS");
+    std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", name.c_str(), ours,
+                floor, note);
+    std::fflush(stdout);
+  }
+  NEXTLM_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
+}  // namespace nextlm::bench

@@ -1,0 +1,15 @@
+// The backward of one mHC site (src/cuda/mhc_backward.cu) at the 4-layer slice's full width, against its byte floor.
+#pragma once
+#include <string>
+
+namespace nextlm::bench {
+
+// `mhc_bwd_T4096`: cuda::mhc_post_backward then cuda::mhc_pre_backward (fed the post backward's dpost and dcomb),
+// as the training step runs them at a site, at T = 4096, S = 4, D = 4096 on random inputs; median of CUDA-event
+// timings. One JSON line {"case", "ours_ms", "floor_ms", "note"}: the floor is the bytes both must move at 4.14 TB/s
+// (post: dout, h, y read, dy and dh read and written; pre: h and da read twice, dh read and written, fn read, dfn
+// read and written). The note has each half's median, whether every output is finite, and whether two runs of the
+// pre backward from the same gradients gave the same bits.
+void mhc_backward_case(const std::string& name);
+
+}  // namespace nextlm::bench
