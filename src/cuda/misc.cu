@@ -206,10 +206,13 @@ void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int6
                       cudaStream_t st) {
   if (!T) return;
   const size_t smem = D * sizeof(float);
-  auto kernel = D % 4 == 0 && is_aligned16(h) ? stream_mean_norm_kernel<true> : stream_mean_norm_kernel<false>;
+  const bool vec = D % 4 == 0 && is_aligned16(h);
+  auto kernel = vec ? stream_mean_norm_kernel<true> : stream_mean_norm_kernel<false>;
   if (smem > 48 * 1024)
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<T, 256, smem, st>>>(h, w, out, S, D, eps);
+  // 1024 threads a token on the vector path: at D = 4096 one 16-byte column group each, so a decoding step's single
+  // token does not walk its row in four dependent rounds.
+  kernel<<<T, vec ? 1024 : 256, smem, st>>>(h, w, out, S, D, eps);
 }
 
 void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st) {

@@ -32,54 +32,51 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
   const int lane = threadIdx.x & 31;
   if (t >= T) return;  // whole warps
   const float* lg = logits + t * E;
-  const int64_t EG = E / G;
-  float c[kRouteMaxPerLane];
+  // Expert and group indices in 32 bits (E ≤ 512, G ≤ 64): 64-bit divisions are long software sequences.
+  const int E32 = static_cast<int>(E), G32 = static_cast<int>(G), EG = E32 / G32;
+  // The sigmoid scores sg (the chosen ones become the weights; they stay in the registers of the lane that holds
+  // them and reach lane 0 through a shuffle, not a global load per choice) and the biased scores c that choose.
+  float sg[kRouteMaxPerLane], c[kRouteMaxPerLane];
+  int grp[kRouteMaxPerLane];
 #pragma unroll
   for (int j = 0; j < kRouteMaxPerLane; ++j) {
-    const int64_t e = lane + 32 * j;
-    c[j] = e < E ? 1.0f / (1.0f + expf(-lg[e])) + bias[e] : -INFINITY;
+    const int e = lane + 32 * j;
+    sg[j] = e < E32 ? 1.0f / (1.0f + expf(-lg[e])) : 0.0f;
+    c[j] = e < E32 ? sg[j] + bias[e] : -INFINITY;
+    grp[j] = e < E32 ? e / EG : -1;
   }
-  // Group scores (sum of the group's top two) and the kept groups (a bitmask over ≤ 64 groups).
-  uint64_t kept = G == 1 ? 1 : 0;
-  for (int64_t r = 0; r < TG && G > 1; ++r) {
-    int64_t best = -1;
-    float bs = -INFINITY;
-    for (int64_t g = 0; g < G; ++g) {
-      float b1 = -INFINITY, b2 = -INFINITY;
+  // Group scores (sum of the group's top two) and the kept groups (a bitmask over ≤ 64 groups); one group keeps all.
+  if (G32 > 1) {
+    uint64_t kept = 0;
+    for (int64_t r = 0; r < TG; ++r) {
+      int best = -1;
+      float bs = -INFINITY;
+      for (int g = 0; g < G32; ++g) {
+        float b1 = -INFINITY, b2 = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < kRouteMaxPerLane; ++j) {
-        const int64_t e = lane + 32 * j;
-        if (e / EG == g && e < E) {
-          if (c[j] > b1) {
-            b2 = b1;
-            b1 = c[j];
-          } else if (c[j] > b2) {
-            b2 = c[j];
+        for (int j = 0; j < kRouteMaxPerLane; ++j) {
+          if (grp[j] == g) {
+            if (c[j] > b1) {
+              b2 = b1;
+              b1 = c[j];
+            } else if (c[j] > b2) {
+              b2 = c[j];
+            }
           }
         }
-      }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {  // merge the lanes' top-two pairs (the pair of values, whatever the order)
-        const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
-        const float n1 = fmaxf(b1, o1), n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
-        b1 = n1, b2 = n2;
+        for (int o = 16; o > 0; o >>= 1) {  // merge the lanes' top-two pairs (the pair of values, whatever the order)
+          const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+          const float n1 = fmaxf(b1, o1), n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
+          b1 = n1, b2 = n2;
+        }
+        if (!(kept >> g & 1) && b1 + b2 > bs) bs = b1 + b2, best = g;
       }
-      if (!(kept >> g & 1) && b1 + b2 > bs) bs = b1 + b2, best = g;
+      if (best >= 0) kept |= 1ull << best;  // none: non-finite scores, every expert masked (then expert 0 below)
     }
-    kept |= 1ull << best;
-  }
 #pragma unroll
-  for (int j = 0; j < kRouteMaxPerLane; ++j) {
-    const int64_t e = lane + 32 * j;
-    if (e >= E || !(kept >> (e / EG) & 1)) c[j] = -INFINITY;
-  }
-  // The chosen experts' sigmoid scores stay in registers of the lane that holds them and reach lane 0 through a
-  // shuffle (a global load per choice would put k dependent memory latencies on the step's path).
-  float sg[kRouteMaxPerLane];
-#pragma unroll
-  for (int j = 0; j < kRouteMaxPerLane; ++j) {
-    const int64_t e = lane + 32 * j;
-    sg[j] = e < E ? 1.0f / (1.0f + expf(-lg[e])) : 0.0f;
+    for (int j = 0; j < kRouteMaxPerLane; ++j)
+      if (grp[j] < 0 || !(kept >> grp[j] & 1)) c[j] = -INFINITY;
   }
   float sum = 0.0f;
   for (int64_t i = 0; i < k; ++i) {
