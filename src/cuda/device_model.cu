@@ -452,7 +452,7 @@ void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(
 struct CudaDecoder::State {
   CudaModel::Impl* m;
   int64_t slots, max_len, max_pools;
-  bool tc = false;  // the KDA caches are the tensor-core steps' (boundary states and partial chunks): kda_tc_decode
+  bool tc = false;  // the KDA caches are the tensor-core path's (boundary states and partial chunks)
   // Decoding steps replayed from CUDA graphs, one per (rows, batch-invariant mode, MoE expert kernel): the first
   // step of a kind runs plainly (it sizes the arena), the second is captured, the rest replay it.
   bool graphs = true;
@@ -487,8 +487,8 @@ struct CudaDecoder::State {
     check(s >= 0 && s < slots, "decoder slot ", s, " is outside [0, ", slots, ")");
   }
   void check_kernels() const {
-    check(m->kda_tc_decode() == tc, "CudaDecoder: the model's KDA kernels (set_kda_tensor_cores) or its "
-          "batch-invariant mode changed after the decoder was made");
+    check(m->kda_tc_path() == tc, "CudaDecoder: the model's KDA kernels (set_kda_tensor_cores) changed after the "
+          "decoder was made");
   }
 };
 
@@ -500,7 +500,7 @@ CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : 
   check(max_seqs >= 1 && max_len >= 1, "CudaDecoder needs at least one slot of at least one token, got ", max_seqs,
         " × ", max_len);
   s.slots = max_seqs, s.max_len = max_len, s.max_pools = std::max<int64_t>(max_len / c.index_kpool, 1);
-  s.tc = s.m->kda_tc_decode();
+  s.tc = s.m->kda_tc_path();
   s.length.assign(max_seqs, 0);
   NEXTLM_CUDA_CHECK(cudaSetDevice(s.m->device));
   const int64_t H = c.linear_num_heads, K = c.linear_head_dim, W1 = c.linear_conv_kernel_dim - 1;
@@ -614,7 +614,7 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
   };
   const int32_t* d_slot = up(slot);
   const cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(pool_base),
-                          up(tok_slot), up(tok_pos), s.max_len, s.max_pools, s.tc};
+                          up(tok_slot), up(tok_pos), s.max_len, s.max_pools};
   // The forward fills the caches; empty selections see the keys so far, as decoding steps do.
   m.capture = &cap;
   const bool seen = m.empty_seen;
@@ -687,8 +687,7 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
   // past a row's pools return at once) instead of this step's largest row.
   const bool graph = s.graphs && !m.profiling;
   const int64_t selectable = graph ? s.max_pools : max_selectable;
-  CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, selectable, {}, nullptr, nullptr,
-                                  s.tc};
+  CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, selectable, {}, nullptr, nullptr};
   if (s.tc) {
     // Row i's partial chunk: buffer rows 64·slot … 64·slot + pos mod 64, the last one its new token's.
     std::vector<int32_t> start(B), len(B), first(B), one(B, 1), row(B);

@@ -246,9 +246,6 @@ struct Capture {
   const int32_t* tok_slot;   // [T] slot of every packed token
   const int32_t* tok_pos;    // [T] its position in its sequence
   int64_t max_len, max_pools;
-  // The decoder's KDA caches: the tensor-core forward's chunk-boundary states and partial-chunk rows, which its
-  // steps recompute (kda_tc_decode), or the state after each prompt's last token, for the fp32 recurrent step.
-  bool kda_chunk_cache;
 };
 
 // The fp32 gradients of the trainable weights on the device (src/cuda/train.cu), laid out as the weights (merged
@@ -728,13 +725,11 @@ struct CudaModel::Impl {
       void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(p.chunks.num_chunks, H, K));
       // A prefill leaves in each prompt's slot its state at its last chunk boundary and the inputs of its partial
       // chunk, which decoding recomputes (decode_kernels.h).
-      // For the decoder's fp32 recurrent steps instead, the state after each prompt's last token.
-      const KdaTcStates states =
-          cache ? KdaTcStates{nullptr, cache->state, capture->seqs.slot, capture->kda_chunk_cache} : KdaTcStates{};
+      const KdaTcStates states = cache ? KdaTcStates{nullptr, cache->state, capture->seqs.slot, true} : KdaTcStates{};
       mark_begin("kda core");
       kda_chunked_tc(q, k, v, g, beta, w.dt_bias, w.A_log, bound, o, p.chunks,
                      kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, states, stream);
-      if (cache && capture->kda_chunk_cache)
+      if (cache)
         kda_store_chunk_rows(q, k, v, g, beta, capture->seqs, cache->chunk_q, cache->chunk_k, cache->chunk_v,
                              cache->chunk_g, cache->chunk_beta, H, K, stream);
       mark_end("kda core");
@@ -1035,13 +1030,7 @@ struct CudaModel::Impl {
   // choice order.
   void moe_step(size_t layer, const cuda::bf16* a, int64_t B, float* y) { moe(layers[layer].moe, a, B, y, true); }
 
-  // Whether decoding steps recompute each slot's partial chunk on the tensor-core kernels, so that a step's KDA
-  // output is the forward's bit for bit: in batch-invariant mode, where the whole step is the forward's arithmetic.
-  // Otherwise the steps run the fp32 recurrence on the state after the slot's last token (one kernel a layer, ~30
-  // µs faster a layer at batch 1 and ~6× at 64 on the slice; the forward's bits are not promised in that mode).
-  bool kda_tc_decode() const { return kda_tc_path() && gemm->batch_invariant(); }
-
-  // Whether the KDA runs on the tensor-core kernels.
+  // Whether the KDA runs on the tensor-core kernels (which decide how CudaDecoder keeps its KDA caches).
   bool kda_tc_path() const {
     return kda_tensor_cores && cuda::kda_tc_supported(cfg.linear_head_dim, cfg.linear_lower_bound.has_value(),
                                                       static_cast<float>(cfg.linear_lower_bound.value_or(0.0)));
@@ -1056,7 +1045,6 @@ struct CudaModel::Impl {
     cuda::KdaChunks kda_chunks;
     const int32_t* kda_row;
     cuda::bf16* kda_o;
-    bool kda_tc;  // the decoder keeps chunk caches (kda_tc_decode), else the fp32 recurrent state
   };
 
   void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, float* y) {
@@ -1085,7 +1073,7 @@ struct CudaModel::Impl {
     sigmoid_inplace(beta, B * H, stream);
     bf16* o16 = arena.alloc<bf16>(B * HK);
     mark_begin("kda core");
-    if (r.kda_tc) {
+    if (kda_tc_path()) {
       // The new token joins its slot's partial chunk, which the forward's kernels recompute from the slot's state at
       // the chunk boundary (a complete chunk moves that state on): the forward's output for the token, bit for bit.
       kda_chunk_append(KdaChunkAppendParams{raw, w.conv, g, beta, r.slot, r.pos, c.conv_hist, c.chunk_q, c.chunk_k,
