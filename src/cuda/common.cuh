@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/error.h"
@@ -64,6 +65,22 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// The current device's SM count, cached per device (so that later launches and graph captures make no attribute
+// call).
+inline int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  NEXTLM_CUDA_CHECK(cudaGetDevice(&dev));
+  check(dev >= 0 && dev < kMaxDevices, "CUDA: device ordinal ", dev, " out of range");
+  int sms = cache[dev].load(std::memory_order_relaxed);
+  if (!sms) {
+    NEXTLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cache[dev].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
 // Whether a pointer allows 16-byte vector accesses.
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

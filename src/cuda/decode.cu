@@ -5,7 +5,6 @@
 #include "cuda/decode_kernels.h"
 
 #include <algorithm>
-#include <atomic>
 
 #include "cuda/mma.cuh"
 
@@ -1033,21 +1032,6 @@ bool mla_decode_tc(int64_t NH, int64_t KL) {
 }
 
 namespace {
-
-// The SM count of the current device, cached per device (later launches and graph captures make no attribute call).
-int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];
-  int dev = 0;
-  NEXTLM_CUDA_CHECK(cudaGetDevice(&dev));
-  check(dev >= 0 && dev < kMaxDevices, "MLA decoding: device ordinal ", dev, " out of range");
-  int sms = cache[dev].load(std::memory_order_relaxed);
-  if (!sms) {
-    NEXTLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
-}
 
 template <int KL, int kStages>
 void launch_split_tc_stages(const MlaDecodeParams& p, const dim3& grid, cudaStream_t st) {

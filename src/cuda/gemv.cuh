@@ -20,7 +20,6 @@
 // weight stream has enough bytes in flight; weight loads bypass L1 (each byte is used once) and leave it to x.
 // nvcc only (device code); internal to the kernels that include it.
 #pragma once
-#include <atomic>
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -210,20 +209,9 @@ __device__ __forceinline__ float chain_sum(const float (*red)[kTileRows][kRedLd]
   return s;
 }
 
-// Blocks of a persistent grid over `items` work items: kBlocksPerSm per SM (the SM count cached per device, so that
-// later launches and graph captures make no attribute call).
+// Blocks of a persistent grid over `items` work items: kBlocksPerSm per SM.
 inline int64_t grid_for(int64_t items) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];
-  int dev = 0;
-  NEXTLM_CUDA_CHECK(cudaGetDevice(&dev));
-  check(dev >= 0 && dev < kMaxDevices, "gemv: device ordinal ", dev, " out of range");
-  int sms = cache[dev].load(std::memory_order_relaxed);
-  if (!sms) {
-    NEXTLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev].store(sms, std::memory_order_relaxed);
-  }
-  const int64_t full = int64_t(sms) * kBlocksPerSm;
+  const int64_t full = int64_t(sm_count()) * kBlocksPerSm;
   return items < full ? items : full;
 }
 

@@ -559,16 +559,6 @@ int current_device() {
   return dev;
 }
 
-int sm_count(int dev) {
-  static std::atomic<int> cache[kMaxDevices];
-  int sms = cache[dev].load(std::memory_order_relaxed);
-  if (!sms) {
-    NEXTLM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
-}
-
 template <class C, bool kWgmma, bool KN>
 void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const bool glu = g.epilogue == GroupedEpilogue::kSwiGLU;
@@ -578,7 +568,7 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   // Each non-empty expert wastes at most one partial M tile, so the tile count is at most this.
   const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
   const int dev = current_device();
-  const int grid = static_cast<int>(std::min<int64_t>(bound, int64_t(sm_count(dev)) * C::MINB));
+  const int grid = static_cast<int>(std::min<int64_t>(bound, int64_t(sm_count()) * C::MINB));
   void (*kernel)(const bf16*, const int32_t*, const bf16* const*, void*, const int32_t*, int, int, int, int, float);
   if constexpr (kWgmma) kernel = grouped_gemm_wgmma_kernel<C, KN>;
   else kernel = grouped_gemm_kernel<C, KN>;
