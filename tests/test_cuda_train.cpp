@@ -55,6 +55,15 @@ void write_byte_jsonl(const std::string& path, const std::vector<std::string>& t
   }
 }
 
+// The LoRA CLI tests' data: three short sentences, four times each, as byte tokens.
+void write_lora_data(const std::string& path) {
+  std::vector<std::string> texts;
+  for (int rep = 0; rep < 4; ++rep)
+    for (const char* l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."})
+      texts.push_back(l);
+  write_byte_jsonl(path, texts);
+}
+
 // The loss column of a train_log.csv.
 std::vector<double> csv_losses(const std::string& csv) {
   std::ifstream in(csv);
@@ -529,11 +538,7 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
 TEST(CudaTrain, LoraTrainCliLearnsOnTheGpu) {
   const std::string model = test::golden_dir("tiny-glm5-next");
   test::TempDir tmp;
-  std::vector<std::string> texts;
-  for (int rep = 0; rep < 4; ++rep)
-    for (const char* l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."})
-      texts.push_back(l);
-  write_byte_jsonl(tmp.str("data.jsonl"), texts);
+  write_lora_data(tmp.str("data.jsonl"));
   const std::string common = "train --model " + test::shell_quote(model) + " --data " +
                              test::shell_quote(tmp.str("data.jsonl")) +
                              " --lora-rank 8 --warmup 2 --lr 1e-2 --batch-tokens 256 --seed 1 --steps 10";
@@ -625,12 +630,8 @@ std::string read_text(const std::string& path) {
 TEST(CudaTrain, LoraTrainCliKeepsTheBaseOnDisk) {
   const std::string model = test::golden_dir("tiny-glm5-next");
   test::TempDir tmp;
-  std::vector<std::string> texts;
-  for (int rep = 0; rep < 4; ++rep)
-    for (const char* l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."})
-      texts.push_back(l);
   const std::string data = tmp.str("data.jsonl");
-  write_byte_jsonl(data, texts);
+  write_lora_data(data);
   const test::CliResult disk = test::run_nextlm(
       "train --device cuda --model " + test::shell_quote(model) + " --data " + test::shell_quote(data) +
       " --lora-rank 8 --warmup 2 --lr 1e-2 --batch-tokens 64 --grad-accum 2 --seed 1 --steps 10 --out " +

@@ -467,17 +467,24 @@ std::vector<TrainExample> text_examples() {
   return out;
 }
 
+// The LoRA trainers' options of these tests: rank 4 on every projection of the tiny model, 8 steps of two 64-token
+// micro-batches.
+TrainOptions lora_train_options(LoraExperts ex) {
+  TrainOptions opt;
+  opt.steps = 8;
+  opt.warmup = 1;
+  opt.batch_tokens = 64;
+  opt.grad_accum = 2;
+  opt.adamw.lr = 2e-2;
+  opt.seed = 4;
+  opt.lora = options(4, 8, "all", ex, ex == LoraExperts::Shared);
+  opt.base_model = tiny_dir();
+  return opt;
+}
+
 TEST(LoraTrain, StepsLowerTheLossKeepTheBaseAndResumeBitForBit) {
   for (LoraExperts ex : {LoraExperts::PerExpert, LoraExperts::Shared}) {
-    TrainOptions opt;
-    opt.steps = 8;
-    opt.warmup = 1;
-    opt.batch_tokens = 64;
-    opt.grad_accum = 2;
-    opt.adamw.lr = 2e-2;
-    opt.seed = 4;
-    opt.lora = options(4, 8, "all", ex, ex == LoraExperts::Shared);
-    opt.base_model = tiny_dir();
+    const TrainOptions opt = lora_train_options(ex);
     const Model base = Model::load(tiny_dir());
     Trainer a(Model::load(tiny_dir()), text_examples(), opt);
     ASSERT_NE(a.lora(), nullptr);
@@ -513,19 +520,6 @@ TEST(LoraTrain, StepsLowerTheLossKeepTheBaseAndResumeBitForBit) {
 }
 
 // ---- LoRA with the base on disk (LoraBase::Disk) ---------------------------------------------------------------
-
-TrainOptions lora_train_options(LoraExperts ex) {
-  TrainOptions opt;
-  opt.steps = 8;
-  opt.warmup = 1;
-  opt.batch_tokens = 64;
-  opt.grad_accum = 2;
-  opt.adamw.lr = 2e-2;
-  opt.seed = 4;
-  opt.lora = options(4, 8, "all", ex, ex == LoraExperts::Shared);
-  opt.base_model = tiny_dir();
-  return opt;
-}
 
 std::string error_of(const std::function<void()>& f) {
   try {

@@ -10,7 +10,6 @@ namespace nextlm::cuda {
 
 namespace {
 
-// One thread per token (E is small enough to keep in local memory: ≤ 512).
 // One warp per token (the routing is a serial scan per token; a thread per token left decoding steps, with a few
 // tokens, waiting on one thread's 288-expert top-8 loop). Lane l holds experts l, l+32, …; every choice is the
 // largest value with ties to the lowest index, as the CPU path's scans, and the weights are summed in choice order.
