@@ -62,15 +62,16 @@ __global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_mul
   }
 }
 
-void launch(std::initializer_list<LinearSeg> segs, int64_t M, bool accumulate, cudaStream_t st) {
+void launch(const LinearSeg* segs, size_t nsegs, int64_t M, bool accumulate, cudaStream_t st) {
   check(M >= 0, "decode_linear: negative row count ", M);
-  check(segs.size() <= static_cast<size_t>(kMaxLinearSegs), "decode_linear_multi: at most ", kMaxLinearSegs,
-        " segments, got ", segs.size());
+  check(nsegs <= static_cast<size_t>(kMaxLinearSegs), "decode_linear_multi: at most ", kMaxLinearSegs,
+        " segments, got ", nsegs);
   Segs p{};
   p.M = M;
   p.accumulate = accumulate;
   bool vec = true;
-  for (const LinearSeg& s : segs) {
+  for (size_t i = 0; i < nsegs; ++i) {
+    const LinearSeg& s = segs[i];
     check(s.out >= 0 && s.in >= 0 && s.in < (int64_t{1} << 31), "decode_linear: bad shape ", M, "x", s.in, " -> ",
           s.out);
     if (!s.out) continue;
@@ -94,11 +95,12 @@ void launch(std::initializer_list<LinearSeg> segs, int64_t M, bool accumulate, c
 
 void decode_linear(const bf16* x, int64_t ldx, const bf16* W, int64_t out, int64_t in, float* y, int64_t ldy,
                    int64_t M, bool accumulate, cudaStream_t st) {
-  launch({LinearSeg{x, ldx, W, out, in, y, ldy}}, M, accumulate, st);
+  const LinearSeg seg{x, ldx, W, out, in, y, ldy};
+  launch(&seg, 1, M, accumulate, st);
 }
 
-void decode_linear_multi(std::initializer_list<LinearSeg> segs, int64_t M, cudaStream_t st) {
-  launch(segs, M, false, st);
+void decode_linear_multi(const LinearSeg* segs, size_t n, int64_t M, cudaStream_t st) {
+  launch(segs, n, M, false, st);
 }
 
 }  // namespace nextlm::cuda

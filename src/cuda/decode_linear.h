@@ -4,6 +4,7 @@
 // and one ramp for them instead of one per projection. Each output is computed exactly as decode_linear computes it
 // (the summation order of src/cuda/gemv.cuh, fixed by the segment's `in` alone): grouping changes no bit.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 
@@ -30,6 +31,9 @@ struct LinearSeg {
 constexpr int kMaxLinearSegs = 6;
 
 // Every segment for the same M rows, in one launch (at most kMaxLinearSegs segments; empty ones are skipped).
-void decode_linear_multi(std::initializer_list<LinearSeg> segs, int64_t M, cudaStream_t st);
+void decode_linear_multi(const LinearSeg* segs, size_t n, int64_t M, cudaStream_t st);
+inline void decode_linear_multi(std::initializer_list<LinearSeg> segs, int64_t M, cudaStream_t st) {
+  decode_linear_multi(segs.begin(), segs.size(), M, st);
+}
 
 }  // namespace nextlm::cuda

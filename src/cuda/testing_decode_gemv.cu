@@ -76,17 +76,7 @@ std::vector<std::vector<float>> decode_linear_multi_gemv(const std::vector<GemvS
     list.push_back({xs.back().as<cuda::bf16>() + shift, s.in, ws.back().as<cuda::bf16>(), s.out, s.in,
                     ys.back().as<float>() + kGuard, s.out});
   }
-  // decode_linear_multi takes an initializer list: spell out each count.
-  auto at = [&](size_t i) { return list[i]; };
-  switch (list.size()) {
-    case 1: cuda::decode_linear_multi({at(0)}, M, nullptr); break;
-    case 2: cuda::decode_linear_multi({at(0), at(1)}, M, nullptr); break;
-    case 3: cuda::decode_linear_multi({at(0), at(1), at(2)}, M, nullptr); break;
-    case 4: cuda::decode_linear_multi({at(0), at(1), at(2), at(3)}, M, nullptr); break;
-    case 5: cuda::decode_linear_multi({at(0), at(1), at(2), at(3), at(4)}, M, nullptr); break;
-    case 6: cuda::decode_linear_multi({at(0), at(1), at(2), at(3), at(4), at(5)}, M, nullptr); break;
-    default: break;
-  }
+  cuda::decode_linear_multi(list.data(), list.size(), M, nullptr);
   finish();
   std::vector<std::vector<float>> out;
   for (size_t i = 0; i < segs.size(); ++i)
