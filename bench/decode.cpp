@@ -24,7 +24,7 @@ namespace {
 
 constexpr double kBytesPerMs = 4.14e12 / 1e3;
 constexpr int64_t kPrompt = 4096;
-constexpr int kWarmup = 3, kSteps = 32;
+constexpr int kWarmup = 3, kSteps = 64;  // the steps cover every row of a KDA chunk once
 
 // Bytes one decoding step must read at least: every weight it touches once in bf16 (the B tokens' distinct experts
 // counted as min(E, B·k)), the mHC matrices in fp32, each slot's KDA states (read and written, fp32) and its

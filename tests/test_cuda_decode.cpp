@@ -183,6 +183,75 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeKda,
                            return "K" + std::to_string(info.param.K) + (info.param.has_bound ? "_safe" : "_softplus");
                          });
 
+// The tensor-core KDA's decoding steps (kda_tc_step, which computes only the new row of the slot's partial chunk from
+// what the chunk's earlier rows left in the row cache) against the forward (kda_chunked_tc over the whole sequences,
+// from the same random start states): every decoded row's output and the state each slot ends with, bit for bit.
+// Prompts end mid-block, on a chunk boundary, mid-chunk past a block boundary, or are empty; four sequences step
+// together across 16-row blocks and two chunk boundaries; the caches start as NaN, so a read of a row not yet made
+// shows. K from 16 to 128; a bound of −5 keeps the references unshifted, −8 shifts them (kda_tc.cu).
+struct KdaTcStepCase {
+  int64_t K;
+  float bound;
+};
+class CudaDecodeKdaTc : public ::testing::TestWithParam<KdaTcStepCase> {};
+
+TEST_P(CudaDecodeKdaTc, StepsEqualTheForwardBitwise) {
+  const int64_t H = 2, K = GetParam().K, HK = H * K;
+  const float bound = GetParam().bound;
+  const std::vector<int64_t> len{150, 131, 70, 66}, prompt{1, 64, 37, 0};
+  std::vector<int64_t> cu{0};
+  for (int64_t L : len) cu.push_back(cu.back() + L);
+  const int64_t T = cu.back(), N = static_cast<int64_t>(len.size());
+  std::vector<float> q = test::randn(T * HK, 1), k = test::randn(T * HK, 2), v = test::randn(T * HK, 3);
+  for (int64_t r = 0; r < T * H; ++r) {  // unit k, q of norm K^-1/2 (as kda_conv_norm leaves them)
+    double sq = 0, sk = 0;
+    for (int64_t d = 0; d < K; ++d) sq += q[r * K + d] * q[r * K + d], sk += k[r * K + d] * k[r * K + d];
+    for (int64_t d = 0; d < K; ++d)
+      q[r * K + d] = static_cast<float>(q[r * K + d] / std::sqrt(sq * K)),
+                k[r * K + d] = static_cast<float>(k[r * K + d] / std::sqrt(sk));
+  }
+  const std::vector<float> graw = test::randn(T * HK, 4), A_log = test::randn(H, 5, 0.5f),
+                           dt_bias = test::randn(HK, 6, 0.5f), s_in = test::randn(N * H * K * K, 7, 0.1f);
+  std::vector<float> beta = test::randn(T * H, 8);
+  for (float& b : beta) b = 1.0f / (1.0f + std::exp(-b));
+
+  std::vector<float> s_full, s_dec;
+  const std::vector<float> full =
+      cuda_testing::kda_chunked_tc(q, k, v, graw, beta, A_log, dt_bias, bound, cu, H, K, s_in, &s_full, true);
+  const std::vector<float> dec =
+      cuda_testing::kda_tc_decode(q, k, v, graw, beta, A_log, dt_bias, bound, cu, prompt, H, K, s_in, &s_dec);
+  int64_t differing = 0, nonfinite = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const std::vector<float> a(full.begin() + t * HK, full.begin() + (t + 1) * HK),
+        b(dec.begin() + t * HK, dec.begin() + (t + 1) * HK);
+    differing += !bitwise_equal(a, b);
+    for (float x : b) nonfinite += !std::isfinite(x);
+  }
+  int64_t states_differing = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    // The forward leaves the state after the last complete chunk (none: the start state stays).
+    const std::vector<float>& want = len[n] >= 64 ? s_full : s_in;
+    states_differing += std::memcmp(want.data() + n * H * K * K, s_dec.data() + n * H * K * K,
+                                    H * K * K * sizeof(float)) != 0;
+  }
+  std::printf("[cuda decode] tensor-core KDA steps K=%lld bound %g: %lld of %lld rows and %lld of %lld states differ "
+              "bitwise from the forward\n",
+              static_cast<long long>(K), bound, static_cast<long long>(differing), static_cast<long long>(T),
+              static_cast<long long>(states_differing), static_cast<long long>(N));
+  EXPECT_EQ(nonfinite, 0);
+  EXPECT_EQ(differing, 0);
+  EXPECT_EQ(states_differing, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaDecodeKdaTc,
+                         ::testing::Values(KdaTcStepCase{16, -5.0f}, KdaTcStepCase{32, -8.0f},
+                                           KdaTcStepCase{64, -5.0f}, KdaTcStepCase{128, -5.0f},
+                                           KdaTcStepCase{128, -8.0f}),
+                         [](const auto& info) {
+                           return "K" + std::to_string(info.param.K) + "_bound" +
+                                  std::to_string(static_cast<int>(-info.param.bound));
+                         });
+
 // The caches a prefill leaves: each sequence's last W−1 pre-conv projections (zeros before its start) and its final
 // recurrent state, against the CPU recurrence over the whole sequence; an unlisted slot keeps its contents.
 TEST(CudaDecode, KdaPrefillCachesMatchCpu) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "cuda/kda_decode_token.cuh"
 #include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
@@ -26,7 +27,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 // ---- KDA ----
 
-constexpr int kKdaMaxK = 128;
 constexpr int kKdaChunk = 64;  // the tensor-core KDA's chunk length
 
 // One delta-rule token on thread (j, r)'s slice s of column j (rows 32r … 32r+31) of a head's state, from q, k, v
@@ -67,47 +67,6 @@ __device__ __forceinline__ float delta_token(float (&s)[32], int j, int r, int R
     for (int rr = 0; rr < R; ++rr) o += red[rr][j];
   __syncthreads();  // red may be reused by the next call
   return o;
-}
-
-// The new token of row b, head h, in cache slot `slot`: the causal conv over [the slot's last W−1 pre-conv
-// projections; raw] (the history shifted by one), SiLU and the L2 norms of q and k (q also × K^-1/2) in the lane
-// order of kda_conv_norm, into qkv[3][K] in shared memory, rounded to bf16 when `round` (as the tensor-core forward
-// stores them): what kda_conv_norm gives the forward for this token. Every thread of the block calls it; it ends
-// with a barrier.
-__device__ __forceinline__ void conv_norm_token(const float* raw, const float* conv, float* conv_hist, int64_t b,
-                                                int64_t h, int64_t slot, int64_t H, int64_t K, int64_t W, bool round,
-                                                float (*qkv)[kKdaMaxK], float* scale) {
-  const int64_t HK = H * K, W1 = W - 1;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  for (int64_t c = tid; c < 3 * K; c += nt) {
-    const int64_t which = c / K, d = c % K, ch = which * HK + h * K + d;
-    float* hist = conv_hist + (slot * 3 + which) * W1 * HK + h * K + d;
-    const float* w = conv + ch * W;
-    const float xn = raw[b * 3 * HK + ch];
-    float acc = 0.0f;
-    for (int64_t i = 0; i < W1; ++i) acc += w[i] * hist[i * HK];
-    acc += w[W1] * xn;
-    for (int64_t i = 0; i + 1 < W1; ++i) hist[i * HK] = hist[(i + 1) * HK];
-    if (W1 > 0) hist[(W1 - 1) * HK] = xn;
-    qkv[which][d] = silu(acc);
-  }
-  __syncthreads();
-  if (tid < 32) {
-    for (int which = 0; which < 2; ++which) {
-      float ss = 0.0f;
-      for (int64_t d = tid; d < K; d += 32) ss += qkv[which][d] * qkv[which][d];
-      ss = warp_sum(ss);
-      if (tid == 0) scale[which] = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
-    }
-  }
-  __syncthreads();
-  for (int64_t c = tid; c < 3 * K; c += nt) {
-    const int64_t which = c / K, d = c % K;
-    float v = qkv[which][d] * (which < 2 ? scale[which] : 1.0f);
-    if (round) v = __bfloat162float(__float2bfloat16(v));
-    qkv[which][d] = v;
-  }
-  __syncthreads();
 }
 
 // One block per (row, head): Kp·R threads (Kp = K rounded up to 32, R = ⌈K/32⌉ groups of 32 state rows). Thread
@@ -185,24 +144,6 @@ __global__ void __launch_bounds__(512) kda_final_state_kernel(const float* q, co
     const int i = 32 * r + ii;
     if (active && i < K) S[i * K + j] = s[ii];
   }
-}
-
-// One block per (row, head): the new token's q, k, v (conv_norm_token, rounded to bf16), raw gate and β into row
-// pos mod 64 of its slot's chunk buffers.
-__global__ void __launch_bounds__(256) kda_chunk_append_kernel(KdaChunkAppendParams p) {
-  __shared__ float qkv[3][kKdaMaxK];
-  __shared__ float scale[2];
-  const int64_t b = blockIdx.x, h = blockIdx.y, K = p.K, H = p.H, HK = H * K;
-  const int64_t slot = p.slot[b], row = slot * kKdaChunk + p.pos[b] % kKdaChunk;
-  conv_norm_token(p.raw, p.conv, p.conv_hist, b, h, slot, H, K, p.W, true, qkv, scale);
-  for (int64_t d = threadIdx.x; d < K; d += blockDim.x) {
-    const int64_t c = row * HK + h * K + d;
-    p.q[c] = __float2bfloat16(qkv[0][d]);
-    p.k[c] = __float2bfloat16(qkv[1][d]);
-    p.v[c] = __float2bfloat16(qkv[2][d]);
-    p.g[c] = p.graw[b * HK + h * K + d];
-  }
-  if (threadIdx.x == 0) p.beta_out[row * H + h] = p.beta[b * H + h];
 }
 
 // Block (sequence n, row r): row r of the sequence's last, incomplete chunk (if it has row r) into its slot's chunk
@@ -1128,12 +1069,6 @@ void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
     mla_combine_kernel<<<grid, kMlaThreads, smem, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
-}
-
-void kda_chunk_append(const KdaChunkAppendParams& p, cudaStream_t st) {
-  check(p.K >= 1 && p.K <= kKdaMaxK, "CUDA KDA decoding: linear_head_dim must be at most ", kKdaMaxK, ", got ", p.K);
-  check(p.W >= 1, "CUDA KDA decoding: conv kernel size must be positive");
-  if (p.B) kda_chunk_append_kernel<<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.H)), 256, 0, st>>>(p);
 }
 
 void kda_store_chunk_rows(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,

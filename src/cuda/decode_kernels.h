@@ -8,6 +8,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/decode_linear.h"  // decode_linear, the GEMV of the steps' projections
+#include "cuda/kernels.h"        // KdaTcRowCache
 
 namespace nextlm::cuda {
 
@@ -32,25 +33,42 @@ struct KdaDecodeParams {
 };
 void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st);
 
-// The tensor-core path decodes by recomputation: each slot keeps the state at its last chunk boundary (every 64
-// tokens from the sequence's start) and the inputs of the tokens since, and each step runs the forward's chunked
-// kernels (kda_chunked_tc) on that partial chunk. A chunk's rows do not depend on the rows after them (kernels.h),
-// so a step's output is bit for bit the forward's for the same token. This appends the new token of each row:
-// the conv step of kda_decode_step (rounded to bf16), its raw gate and β, as row pos[b] mod 64 of the slot's buffers.
-struct KdaChunkAppendParams {
-  const float* raw;     // [B, 3·HK] the new q | k | v projections (before the conv)
-  const float* conv;    // [3·HK, W]
-  const float* graw;    // [B, HK] f_b output, before dt_bias
-  const float* beta;    // [B, H] after the sigmoid
-  const int32_t* slot;  // [B]
-  const int32_t* pos;   // [B] the token's position in its sequence
-  float* conv_hist;     // [slots, 3, W−1, HK]
-  bf16 *q, *k, *v;      // [slots, 64, HK] the chunk's normed q, k, v
-  float* g;             // [slots, 64, HK] raw gates
-  float* beta_out;      // [slots, 64, H]
-  int64_t B, H, K, W;
+// The tensor-core path decodes as the forward computes: each slot keeps the state at its last chunk boundary (every
+// 64 tokens from the sequence's start), the inputs of the tokens since (the chunk buffers) and what the forward's
+// kernels derive from those rows that later rows reuse (KdaTcRowCache), and each step computes the new row r =
+// pos[b] mod 64 of its partial chunk with the forward's operations (src/cuda/kda_tc_decode.cu). A chunk's rows do not
+// depend on the rows after them (kernels.h), so a step's output is bit for bit what kda_chunked_tc gives the same
+// token on rows 0 … r from the slot's state. A step first appends its token: the conv step of kda_decode_step
+// (rounded to bf16), its raw gate and β, as row r of the slot's buffers; it adds its rows to the cache, and when
+// r = 63 completes the chunk, moves the slot's state on to the next boundary. The cache's rows before r must be
+// there: from earlier steps, or from kda_chunked_tc with the cache on the rows a prefill leaves
+// (kda_store_chunk_rows) and kda_tc_state_frags.
+struct KdaTcStepParams {
+  const float* raw;       // [B, 3·HK] the new q | k | v projections before the conv; null: row r of the chunk
+                          // buffers already holds each token (the other new-token inputs are then unused)
+  const float* conv;      // [3·HK, W]
+  const float* graw;      // [B, HK] f_b output, before dt_bias
+  const float* beta_new;  // [B, H] after the sigmoid
+  float* conv_hist;       // [slots, 3, W−1, HK]
+  int64_t W;
+  bf16 *q, *k, *v;        // [slots, 64, HK] the chunk buffers: normed q, k, v
+  float* g;               // [slots, 64, HK] raw gates
+  float* beta;            // [slots, 64, H]
+  const float* dt_bias;   // [HK]
+  const float* A_log;     // [H]
+  float bound;            // the safe gate's lower bound (kda_tc_supported)
+  const int32_t* slot;    // [B] distinct
+  const int32_t* pos;     // [B] the new token's position in its sequence
+  float* state;           // [slots, H, K, K] fp32 state at each slot's last chunk boundary
+  KdaTcRowCache rows;     // per slot: t [H, 64, 64], xs [H, 64, 48], vn [H, 64, K], sb [H, K·K]
+  bf16* o;                // [B, H, K]
+  int64_t B, H, K;
 };
-void kda_chunk_append(const KdaChunkAppendParams& p, cudaStream_t st);
+void kda_tc_step(const KdaTcStepParams& p, cudaStream_t st);
+// The fragments (KdaTcRowCache::sb [slots, H, K·K]) of the states [slots, H, K, K] of the n listed slots, after a
+// prefill has left them (the steps keep them up to date from there).
+void kda_tc_state_frags(const float* state, const int32_t* slots, int64_t n, bf16* sb, int64_t H, int64_t K,
+                        cudaStream_t st);
 
 // ---- DSA indexer ----
 // The indexer's per-slot cache, for the next token of each row at sequence position pos[b] (= the tokens already in
@@ -128,7 +146,7 @@ void kda_store_conv_hist(const float* raw, const PrefillSeqs& s, float* conv_his
 // kda_conv_norm leaves them, g [T, HK] log decay, beta [T, H]; state [slots, H, K, K].
 void kda_final_state(const float* q, const float* k, const float* v, const float* g, const float* beta,
                      const PrefillSeqs& s, float* state, int64_t H, int64_t K, cudaStream_t st);
-// The tensor-core path's chunk buffers (KdaChunkAppendParams): the rows of each sequence's last, incomplete chunk
+// The tensor-core path's chunk buffers (KdaTcStepParams): the rows of each sequence's last, incomplete chunk
 // from the forward's q, k, v bf16 [T, HK], raw gates g [T, HK] and beta [T, H]. (Its boundary state comes from
 // kda_chunked_tc with KdaTcStates::boundary.)
 void kda_store_chunk_rows(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,

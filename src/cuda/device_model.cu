@@ -517,6 +517,8 @@ CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : 
         lc.chunk_v = s.alloc<cuda::bf16>(64 * H * K);
         lc.chunk_g = s.alloc<float>(64 * H * K);
         lc.chunk_beta = s.alloc<float>(64 * H);
+        lc.chunk_rows = cuda::KdaTcRowCache{s.alloc<float>(H * 64 * 64), s.alloc<float>(H * 64 * cuda::kKdaTcXsCols),
+                                            s.alloc<cuda::bf16>(H * 64 * K), s.alloc<cuda::bf16>(H * K * K)};
       }
     } else {
       lc.latent = s.alloc<cuda::bf16>(max_len * c.kv_lora_rank);
@@ -613,8 +615,25 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
     return d;
   };
   const int32_t* d_slot = up(slot);
-  const cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(pool_base),
-                          up(tok_slot), up(tok_pos), s.max_len, s.max_pools};
+  cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(pool_base),
+                    up(tok_slot), up(tok_pos), s.max_len, s.max_pools};
+  if (s.tc) {
+    // Each prompt's partial chunk (if any) as the chunk buffers hold it: rows 64·slot … 64·slot + len mod 64 − 1.
+    std::vector<int32_t> tstart, tlen, tfirst, tone, tslot;
+    for (int64_t n = 0; n < N; ++n)
+      if (len[n] % 64) {
+        tfirst.push_back(static_cast<int32_t>(tstart.size()));
+        tstart.push_back(slot[n] * 64);
+        tlen.push_back(len[n] % 64);
+        tone.push_back(1);
+        tslot.push_back(slot[n]);
+      }
+    const int64_t tails = static_cast<int64_t>(tstart.size());
+    if (tails) {
+      cap.kda_tails = cuda::KdaChunks{up(tstart), up(tlen), up(tfirst), up(tone), tails, tails};
+      cap.kda_tail_slot = up(tslot);
+    }
+  }
   // The forward fills the caches; empty selections see the keys so far, as decoding steps do.
   m.capture = &cap;
   const bool seen = m.empty_seen;
@@ -687,20 +706,7 @@ const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std:
   // past a row's pools return at once) instead of this step's largest row.
   const bool graph = s.graphs && !m.profiling;
   const int64_t selectable = graph ? s.max_pools : max_selectable;
-  CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, selectable, {}, nullptr, nullptr};
-  if (s.tc) {
-    // Row i's partial chunk: buffer rows 64·slot … 64·slot + pos mod 64, the last one its new token's.
-    std::vector<int32_t> start(B), len(B), first(B), one(B, 1), row(B);
-    for (int64_t i = 0; i < B; ++i) {
-      start[i] = slot[i] * 64;
-      len[i] = pos[i] % 64 + 1;
-      first[i] = static_cast<int32_t>(i);
-      row[i] = start[i] + len[i] - 1;
-    }
-    rows.kda_chunks = cuda::KdaChunks{up(start), up(len), up(first), up(one), B, B};
-    rows.kda_row = up(row);
-    rows.kda_o = m.arena.alloc<cuda::bf16>(s.slots * 64 * c.linear_num_heads * c.linear_head_dim);
-  }
+  const CudaModel::Impl::StepRows rows{B, up(slot), up(pos), s.max_len, s.max_pools, selectable};
   // Every allocation above and in decode_step comes from the arena in the same order for the same kind of step, so
   // a captured graph finds its buffers, and this step's uploads, where it left them.
   const float* logits = nullptr;

@@ -69,7 +69,8 @@ template <int K, class GT>
 __global__ void __launch_bounds__(kPrepThreads, 2)
     prepare_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                     const GT* __restrict__ graw, const float* __restrict__ beta, const float* __restrict__ dt_bias,
-                    const float* __restrict__ A_log, float bound, KdaChunks ch, KdaTcWork w, int H) {
+                    const float* __restrict__ A_log, float bound, KdaChunks ch, KdaTcWork w, int H,
+                    KdaTcRowCache rc) {
   using L = PrepLayout<K>;
   constexpr int KS = L::KS, IS = L::IS;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -262,6 +263,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
 #pragma unroll
         for (int mm = 0; mm < 16; ++mm) s += Bm[(16 * BI + r) * IS + 16 * M + mm] * Tm[(16 * M + mm) * IS + 16 * J + cc];
       Xs[(J * 16 + r) * 17 + cc] = s;
+      if (rc.xs) rc.xs[((t0 / kC * H + h) * kC + 16 * BI + r) * kKdaTcXsCols + 16 * J + cc] = s;
     }
     __syncthreads();
     for (int e = tid; e < BI * 256; e += kPrepThreads) {
@@ -271,6 +273,15 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
       Tm[(16 * BI + r) * IS + 16 * J + cc] = -s;
     }
     __syncthreads();
+  }
+
+  // A decoding slot's partial chunk (rc): T's blocks on and left of the diagonal (the others are zero).
+  if (rc.t) {
+    float* dst = rc.t + (t0 / kC * H + h) * kC * kC;
+    for (int e = tid; e < kC * kC; e += kPrepThreads) {
+      const int i = e / kC, j = e % kC;
+      dst[e] = j / 16 <= i / 16 ? Tm[i * IS + j] : 0.0f;
+    }
   }
 
   // W = T·KB (warps 0–3) and U = T·VT (warps 4–7), rows 16(w mod 4)..+15.
@@ -310,7 +321,7 @@ struct StateLayout {
 
 template <int K, int TV>
 __global__ void __launch_bounds__(kThreads)
-    state_kernel(KdaTcWork w, KdaChunks ch, bf16* __restrict__ o, KdaTcStates states, int H) {
+    state_kernel(KdaTcWork w, KdaChunks ch, bf16* __restrict__ o, KdaTcStates states, int H, KdaTcRowCache rc) {
   using L = StateLayout<K, TV>;
   constexpr int KS = L::KS, AS = L::AS, VS = L::VS;
   constexpr int MT = K / 16, MTW = (MT + 3) / 4, NT = TV / 8;
@@ -443,6 +454,13 @@ __global__ void __launch_bounds__(kThreads)
         store2(VN + row * VS + col, __low2float(u) - p[nt][2 * hf], __high2float(u) - p[nt][2 * hf + 1]);
       }
     __syncthreads();
+    if (rc.vn && it == count - 1) {  // a decoding slot's partial chunk: its v_new rows
+      bf16* dst = rc.vn + (t0 / kC * H + h) * kC * K + c0;
+      for (int i = tid; i < n * (TV / 8); i += kThreads) {
+        const int row = i / (TV / 8), p8 = 8 * (i % (TV / 8));
+        *reinterpret_cast<uint4*>(dst + row * K + p8) = *reinterpret_cast<const uint4*>(VN + row * VS + p8);
+      }
+    }
 
     // o += Aqk·v_new (causal: column blocks kb ≤ warp), then out.
     for (int kb = 0; kb <= warp; ++kb) {
@@ -461,7 +479,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = r0 + gq + 8 * hf;
-        if (row < n)
+        if (o && row < n)
           store2(o + (t0 + row) * HK + int64_t(h) * K + c0 + 8 * nt + 2 * tq, oc[nt][2 * hf], oc[nt][2 * hf + 1]);
       }
 
@@ -507,42 +525,42 @@ __global__ void __launch_bounds__(kThreads)
 template <int K, class GT>
 void launch_prepare(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
-                    int64_t H, cudaStream_t st) {
+                    int64_t H, cudaStream_t st, const KdaTcRowCache& rc) {
   if (!ch.num_chunks) return;
   const dim3 grid(static_cast<unsigned>(ch.num_chunks), static_cast<unsigned>(H));
   const int bytes = PrepLayout<K>::bytes;
   NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prepare_kernel<K, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   prepare_kernel<K, GT><<<grid, kPrepThreads, bytes, st>>>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w,
-                                                           static_cast<int>(H));
+                                                           static_cast<int>(H), rc);
 }
 
 template <int K, int TV>
 void launch_state_tv(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const KdaTcStates& states,
-                     cudaStream_t st) {
+                     cudaStream_t st, const KdaTcRowCache& rc) {
   if (!ch.num_seqs) return;
   const int bytes = StateLayout<K, TV>::bytes;
   NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(state_kernel<K, TV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   state_kernel<K, TV><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV), kThreads, bytes,
-                        st>>>(w, ch, o, states, static_cast<int>(H));
+                        st>>>(w, ch, o, states, static_cast<int>(H), rc);
 }
 
 // Value tiles of 64 columns (two blocks per head at K = 128: on the H200 a 32-column tile took 0.73 ms against
 // 0.45 ms at T = 8192).
 template <int K>
 void launch_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const KdaTcStates& states,
-                  cudaStream_t st) {
-  launch_state_tv<K, (K < 64 ? K : 64)>(ch, w, o, H, states, st);
+                  cudaStream_t st, const KdaTcRowCache& rc) {
+  launch_state_tv<K, (K < 64 ? K : 64)>(ch, w, o, H, states, st, rc);
 }
 
 template <class GT>
 void prepare_dispatch(const bf16* q, const bf16* k, const bf16* v, const GT* graw, const float* beta,
                       const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
-                      int64_t H, int64_t K, cudaStream_t st) {
+                      int64_t H, int64_t K, cudaStream_t st, const KdaTcRowCache& rc) {
   switch (K) {
-    case 16: return launch_prepare<16>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
-    case 32: return launch_prepare<32>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
-    case 64: return launch_prepare<64>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
-    case 128: return launch_prepare<128>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st);
+    case 16: return launch_prepare<16>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st, rc);
+    case 32: return launch_prepare<32>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st, rc);
+    case 64: return launch_prepare<64>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st, rc);
+    case 128: return launch_prepare<128>(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, st, rc);
     default: fail("CUDA KDA (tensor cores): linear_head_dim must be 16, 32, 64 or 128, got ", K);
   }
 }
@@ -581,38 +599,40 @@ KdaTcWork kda_tc_workspace(void* base, int64_t num_chunks, int64_t H, int64_t K)
 
 void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
-                    int64_t H, int64_t K, cudaStream_t st) {
-  prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
+                    int64_t H, int64_t K, cudaStream_t st, const KdaTcRowCache& rc) {
+  prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st, rc);
 }
 void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
-                    int64_t H, int64_t K, cudaStream_t st) {
-  prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
+                    int64_t H, int64_t K, cudaStream_t st, const KdaTcRowCache& rc) {
+  prepare_dispatch(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st, rc);
 }
 
 void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const KdaTcStates& states,
-                  cudaStream_t st) {
+                  cudaStream_t st, const KdaTcRowCache& rc) {
   switch (K) {
-    case 16: return launch_state<16>(ch, w, o, H, states, st);
-    case 32: return launch_state<32>(ch, w, o, H, states, st);
-    case 64: return launch_state<64>(ch, w, o, H, states, st);
-    case 128: return launch_state<128>(ch, w, o, H, states, st);
+    case 16: return launch_state<16>(ch, w, o, H, states, st, rc);
+    case 32: return launch_state<32>(ch, w, o, H, states, st, rc);
+    case 64: return launch_state<64>(ch, w, o, H, states, st, rc);
+    case 128: return launch_state<128>(ch, w, o, H, states, st, rc);
     default: fail("CUDA KDA (tensor cores): linear_head_dim must be 16, 32, 64 or 128, got ", K);
   }
 }
 
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st) {
-  kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
-  kda_tc_state(ch, w, o, H, K, states, st);
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st,
+                    const KdaTcRowCache& rc) {
+  kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st, rc);
+  kda_tc_state(ch, w, o, H, K, states, st, rc);
 }
 
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st) {
-  kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st);
-  kda_tc_state(ch, w, o, H, K, states, st);
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st,
+                    const KdaTcRowCache& rc) {
+  kda_tc_prepare(q, k, v, graw, beta, dt_bias, A_log, bound, ch, w, H, K, st, rc);
+  kda_tc_state(ch, w, o, H, K, states, st, rc);
 }
 
 }  // namespace nextlm::cuda

@@ -75,7 +75,7 @@ void kda_out_norm(const bf16* o, const float* gate, const float* w, bf16* out, i
 
 // The chunked delta rule on tensor cores (src/cuda/kda_tc.cu) for the safe gate: q, k, v bf16 [T, H, K] as
 // kda_conv_norm leaves them, graw [T, HK] the f_b output before dt_bias (fp32 or bf16), beta [T, H] after the
-// sigmoid; o bf16 [T, H, K]. The workspace holds per (chunk, head) factors: kda_tc_workspace_bytes bytes, carved by
+// sigmoid; o bf16 [T, H, K] (null: not written). The workspace holds per (chunk, head) factors: kda_tc_workspace_bytes bytes, carved by
 // kda_tc_workspace. A chunk's outputs for its rows 0 … r depend on those rows only (and the state it starts from):
 // a chunk cut short after row r gives them bit for bit (kda_tc.cu: the references), which decoding relies on.
 struct KdaTcWork {
@@ -91,24 +91,39 @@ struct KdaTcStates {
   const int32_t* row = nullptr;
   bool boundary = false;
 };
+// What decoding keeps of a slot's partial chunk besides its inputs (decode_kernels.h, kda_tc_step), per (slot, head):
+// t [64, 64] the rows of T = (I + β·strict(Akk))⁻¹ (fp32, the blocks on and left of the diagonal), xs [64, 48] the
+// products Xs that the inverse's off-diagonal blocks take for each row (fp32), vn [64, K] v_new = U − W·S (bf16),
+// and sb [K·K] the chunk's start state in bf16, laid out as the steps' MMA fragments (kda_tc_state_frags). Given to
+// kda_chunked_tc, the kernels write t, xs and vn for the chunks of the call (chunk_start = 64·slot: the chunk
+// buffers' layout), after which kda_tc_step extends them one row at a time.
+constexpr int kKdaTcXsCols = 48;
+struct KdaTcRowCache {
+  float* t = nullptr;
+  float* xs = nullptr;
+  bf16* vn = nullptr;
+  bf16* sb = nullptr;
+};
 bool kda_tc_supported(int64_t K, bool has_bound, float bound);
 size_t kda_tc_workspace_bytes(int64_t num_chunks, int64_t H, int64_t K);
 KdaTcWork kda_tc_workspace(void* base, int64_t num_chunks, int64_t H, int64_t K);
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st);
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st,
+                    const KdaTcRowCache& rows = {});
 // Its two kernels, for timing them apart.
 void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const float* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
-                    int64_t H, int64_t K, cudaStream_t st);
+                    int64_t H, int64_t K, cudaStream_t st, const KdaTcRowCache& rows = {});
 void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, const KdaChunks& ch, const KdaTcWork& w,
-                    int64_t H, int64_t K, cudaStream_t st);
+                    int64_t H, int64_t K, cudaStream_t st, const KdaTcRowCache& rows = {});
 void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const KdaTcStates& states,
-                  cudaStream_t st);
+                  cudaStream_t st, const KdaTcRowCache& rows = {});
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
-                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st);
+                    const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st,
+                    const KdaTcRowCache& rows = {});
 
 // ---- DSA ----
 void layernorm_rows(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, cudaStream_t st);

@@ -232,6 +232,7 @@ struct LayerCache {
                                   // the last complete chunk (tensor-core kernels, which recompute the partial one)
   bf16 *chunk_q = nullptr, *chunk_k = nullptr, *chunk_v = nullptr;  // tensor-core KDA: [slots, 64, HK] the partial
   float *chunk_g = nullptr, *chunk_beta = nullptr;                  // chunk's inputs ([slots, 64, H] for β)
+  KdaTcRowCache chunk_rows;       // tensor-core KDA: what the partial chunk's later rows reuse (kda_tc_step)
   bf16* latent = nullptr;         // DSA: [slots, max_len, KL] normed kv latents (bf16, as the forward feeds kv_b)
   float* pending_key = nullptr;   // full indexer: [slots, P, ID] keys of the incomplete pool
   float* pending_gate = nullptr;  // full indexer: [slots, P, ID] their gate scores
@@ -246,6 +247,9 @@ struct Capture {
   const int32_t* tok_slot;   // [T] slot of every packed token
   const int32_t* tok_pos;    // [T] its position in its sequence
   int64_t max_len, max_pools;
+  // Tensor-core KDA: the prompts' partial chunks in the chunk buffers (start 64·slot), and their slots.
+  KdaChunks kda_tails{};
+  const int32_t* kda_tail_slot = nullptr;
 };
 
 // The fp32 gradients of the trainable weights on the device (src/cuda/train.cu), laid out as the weights (merged
@@ -729,9 +733,21 @@ struct CudaModel::Impl {
       mark_begin("kda core");
       kda_chunked_tc(q, k, v, g, beta, w.dt_bias, w.A_log, bound, o, p.chunks,
                      kda_tc_workspace(work, p.chunks.num_chunks, H, K), H, K, states, stream);
-      if (cache)
+      if (cache) {
         kda_store_chunk_rows(q, k, v, g, beta, capture->seqs, cache->chunk_q, cache->chunk_k, cache->chunk_v,
                              cache->chunk_g, cache->chunk_beta, H, K, stream);
+        // What decoding steps reuse: the boundary states' fragments, and the rows of the partial chunks (the same
+        // kernels on the chunk buffers, from those states).
+        kda_tc_state_frags(cache->state, capture->seqs.slot, capture->seqs.N, cache->chunk_rows.sb, H, K, stream);
+        const KdaChunks& tails = capture->kda_tails;
+        if (tails.num_chunks) {
+          void* tw = arena.alloc<unsigned char>(kda_tc_workspace_bytes(tails.num_chunks, H, K));
+          kda_chunked_tc(cache->chunk_q, cache->chunk_k, cache->chunk_v, cache->chunk_g, cache->chunk_beta, w.dt_bias,
+                         w.A_log, bound, nullptr, tails, kda_tc_workspace(tw, tails.num_chunks, H, K), H, K,
+                         KdaTcStates{cache->state, nullptr, capture->kda_tail_slot, false}, stream,
+                         cache->chunk_rows);
+        }
+      }
       mark_end("kda core");
       kda_out_norm(o, gate, w.o_norm, o16, T, H, K, static_cast<float>(cfg.rms_norm_eps), stream);
     } else {
@@ -1040,11 +1056,6 @@ struct CudaModel::Impl {
     int64_t B;
     const int32_t *slot, *pos;  // [B]
     int64_t max_len, max_pools, max_selectable;
-    // Tensor-core KDA: each row's partial chunk in its slot's buffers (chunk b starts at row 64·slot, pos mod 64 + 1
-    // rows), the row of its new token there, and the outputs of those buffers [slots, 64, HK].
-    cuda::KdaChunks kda_chunks;
-    const int32_t* kda_row;
-    cuda::bf16* kda_o;
   };
 
   void kda_step(const cuda::DKda& w, const cuda::LayerCache& c, const cuda::bf16* a, const StepRows& r, float* y) {
@@ -1074,17 +1085,13 @@ struct CudaModel::Impl {
     bf16* o16 = arena.alloc<bf16>(B * HK);
     mark_begin("kda core");
     if (kda_tc_path()) {
-      // The new token joins its slot's partial chunk, which the forward's kernels recompute from the slot's state at
-      // the chunk boundary (a complete chunk moves that state on): the forward's output for the token, bit for bit.
-      kda_chunk_append(KdaChunkAppendParams{raw, w.conv, g, beta, r.slot, r.pos, c.conv_hist, c.chunk_q, c.chunk_k,
-                                            c.chunk_v, c.chunk_g, c.chunk_beta, B, H, K, W},
-                       stream);
-      void* work = arena.alloc<unsigned char>(kda_tc_workspace_bytes(B, H, K));
-      kda_chunked_tc(c.chunk_q, c.chunk_k, c.chunk_v, c.chunk_g, c.chunk_beta, w.dt_bias, w.A_log, bound, r.kda_o,
-                     r.kda_chunks, kda_tc_workspace(work, B, H, K), H, K, KdaTcStates{c.state, c.state, r.slot, true},
-                     stream);
+      // The new token joins its slot's partial chunk, and its row is computed as the forward's kernels compute it
+      // (a complete chunk moves the slot's state on): the forward's output for the token, bit for bit.
       bf16* ob = arena.alloc<bf16>(B * HK);
-      gather_rows(r.kda_o, r.kda_row, ob, B, HK, stream);
+      kda_tc_step(KdaTcStepParams{raw, w.conv, g, beta, c.conv_hist, W, c.chunk_q, c.chunk_k, c.chunk_v, c.chunk_g,
+                                  c.chunk_beta, w.dt_bias, w.A_log, bound, r.slot, r.pos, c.state, c.chunk_rows, ob, B,
+                                  H, K},
+                  stream);
       kda_out_norm(ob, gate, w.o_norm, o16, B, H, K, eps, stream);
     } else {
       // The fp32 recurrence on the slot's state after its last token.

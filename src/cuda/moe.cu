@@ -77,8 +77,11 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     for (int j = 0; j < kRouteMaxPerLane; ++j)
       if (grp[j] < 0 || !(kept >> grp[j] & 1)) c[j] = -INFINITY;
   }
-  float sum = 0.0f;
-  for (int64_t i = 0; i < k; ++i) {
+  // Choice i stays with lane i mod 32 (the second register for i ≥ 32) until the end, when the lanes write their
+  // choices at once; every lane adds the chosen weights in choice order for the norm.
+  float sum = 0.0f, w0 = 0.0f, w1 = 0.0f;
+  int e0 = 0, e1 = 0;
+  for (int i = 0; i < static_cast<int>(k); ++i) {
     float v = -INFINITY;
     int idx = INT_MAX;
 #pragma unroll
@@ -93,18 +96,22 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     for (int j = 0; j < kRouteMaxPerLane; ++j)
       if (lane + 32 * j == idx) c[j] = -INFINITY, chosen = sg[j];
     chosen = __shfl_sync(0xffffffffu, chosen, idx & 31);
-    if (lane == 0) {
-      experts[t * k + i] = idx;
-      weights[t * k + i] = chosen;
-      sum += chosen;
+    sum += chosen;
+    if (lane == (i & 31)) {
+      if (i < 32) {
+        w0 = chosen, e0 = idx;
+      } else {
+        w1 = chosen, e1 = idx;
+      }
     }
   }
-  if (lane == 0)
-    for (int64_t i = 0; i < k; ++i) {
-      float w = weights[t * k + i];
-      if (norm) w /= sum + 1e-20f;
-      weights[t * k + i] = w * scale;
-    }
+  auto put = [&](int i, float w, int e) {
+    if (norm) w /= sum + 1e-20f;
+    experts[t * k + i] = e;
+    weights[t * k + i] = w * scale;
+  };
+  if (lane < k) put(lane, w0, e0);
+  if (lane + 32 < k) put(lane + 32, w1, e1);
 }
 
 // Grid (rows, column blocks): a decoding step's few rows still spread over many blocks. VEC: 16-byte copies (D a

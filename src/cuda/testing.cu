@@ -260,6 +260,116 @@ std::vector<std::vector<float>> kda_decode_steps(const KdaDecodeSteps& in, std::
   return out;
 }
 
+std::vector<float> kda_tc_decode(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                                 const std::vector<float>& graw, const std::vector<float>& beta,
+                                 const std::vector<float>& A_log, const std::vector<float>& dt_bias, float bound,
+                                 const std::vector<int64_t>& cu, const std::vector<int64_t>& prompt, int64_t H,
+                                 int64_t K, const std::vector<float>& s_in, std::vector<float>* s_out) {
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1, T = cu.back(), HK = H * K;
+  check(static_cast<int64_t>(prompt.size()) == N, "kda_tc_decode: ", prompt.size(), " prompts for ", N, " sequences");
+  std::vector<float> out(T * HK, NAN);
+  // The prompts, packed.
+  std::vector<int64_t> pcu{0};
+  std::vector<float> pq, pk, pv, pg, pb;
+  std::vector<int32_t> pstart, plen, slot;
+  for (int64_t n = 0; n < N; ++n) {
+    check(prompt[n] >= 0 && prompt[n] <= cu[n + 1] - cu[n], "kda_tc_decode: prompt ", n, " out of range");
+    pstart.push_back(static_cast<int32_t>(pcu.back()));
+    plen.push_back(static_cast<int32_t>(prompt[n]));
+    slot.push_back(static_cast<int32_t>(n));
+    pcu.push_back(pcu.back() + prompt[n]);
+    auto take = [&](const std::vector<float>& x, std::vector<float>& y, int64_t w) {
+      y.insert(y.end(), x.begin() + cu[n] * w, x.begin() + (cu[n] + prompt[n]) * w);
+    };
+    take(q, pq, HK), take(k, pk, HK), take(v, pv, HK), take(graw, pg, HK), take(beta, pb, H);
+  }
+  const int64_t Tp = pcu.back();
+  Buf state = upload(s_in), dslot = upload(slot), da = upload(A_log), dd = upload(dt_bias);
+  Buf cq = poisoned<cuda::bf16>(N * 64 * HK), ck = poisoned<cuda::bf16>(N * 64 * HK),
+      cv = poisoned<cuda::bf16>(N * 64 * HK), cg = poisoned<float>(N * 64 * HK), cb = poisoned<float>(N * 64 * H);
+  Buf ct = poisoned<float>(N * H * 64 * 64), cx = poisoned<float>(N * H * 64 * cuda::kKdaTcXsCols),
+      cn = poisoned<cuda::bf16>(N * H * 64 * K), csb = poisoned<cuda::bf16>(N * H * K * K);
+  const cuda::KdaTcRowCache rows{ct.as<float>(), cx.as<float>(), cn.as<cuda::bf16>(), csb.as<cuda::bf16>()};
+  {
+    // The prefill: the forward on the prompts, leaving each slot's boundary state; the partial chunks' rows.
+    const DevKdaChunks ch(pcu);
+    Buf dq = upload(to_bf16(pq)), dk = upload(to_bf16(pk)), dv = upload(to_bf16(pv)), dg = upload(pg), db = upload(pb);
+    Buf o = poisoned<cuda::bf16>(Tp * HK), work(cuda::kda_tc_workspace_bytes(ch.num_chunks(), H, K));
+    cuda::kda_chunked_tc(dq.as<cuda::bf16>(), dk.as<cuda::bf16>(), dv.as<cuda::bf16>(), dg.as<float>(),
+                         db.as<float>(), dd.as<float>(), da.as<float>(), bound, o.as<cuda::bf16>(), ch.view,
+                         cuda::kda_tc_workspace(work.p, ch.num_chunks(), H, K), H, K,
+                         cuda::KdaTcStates{state.as<float>(), state.as<float>(), dslot.as<int32_t>(), true}, nullptr);
+    cuda::kda_tc_state_frags(state.as<float>(), dslot.as<int32_t>(), N, csb.as<cuda::bf16>(), H, K, nullptr);
+    Buf ps = upload(pstart), pl = upload(plen);
+    cuda::kda_store_chunk_rows(dq.as<cuda::bf16>(), dk.as<cuda::bf16>(), dv.as<cuda::bf16>(), dg.as<float>(),
+                               db.as<float>(), cuda::PrefillSeqs{ps.as<int32_t>(), pl.as<int32_t>(),
+                                                                 dslot.as<int32_t>(), N},
+                               cq.as<cuda::bf16>(), ck.as<cuda::bf16>(), cv.as<cuda::bf16>(), cg.as<float>(),
+                               cb.as<float>(), H, K, nullptr);
+    std::vector<int32_t> ts, tl, tf, tn, tslot;
+    for (int64_t n = 0; n < N; ++n)
+      if (prompt[n] % 64) {
+        tf.push_back(static_cast<int32_t>(ts.size()));
+        ts.push_back(static_cast<int32_t>(64 * n));
+        tl.push_back(static_cast<int32_t>(prompt[n] % 64));
+        tn.push_back(1);
+        tslot.push_back(static_cast<int32_t>(n));
+      }
+    const int64_t tails = static_cast<int64_t>(ts.size());
+    Buf dts = upload(ts), dtl = upload(tl), dtf = upload(tf), dtn = upload(tn), dtslot = upload(tslot);
+    Buf twork(cuda::kda_tc_workspace_bytes(tails, H, K));
+    cuda::kda_chunked_tc(cq.as<cuda::bf16>(), ck.as<cuda::bf16>(), cv.as<cuda::bf16>(), cg.as<float>(),
+                         cb.as<float>(), dd.as<float>(), da.as<float>(), bound, nullptr,
+                         cuda::KdaChunks{dts.as<int32_t>(), dtl.as<int32_t>(), dtf.as<int32_t>(), dtn.as<int32_t>(),
+                                         tails, tails},
+                         cuda::kda_tc_workspace(twork.p, tails, H, K), H, K,
+                         cuda::KdaTcStates{state.as<float>(), nullptr, dtslot.as<int32_t>(), false}, nullptr, rows);
+    finish();
+    const std::vector<float> po = widen(download<cuda::bf16>(o, Tp * HK));
+    for (int64_t n = 0; n < N; ++n)
+      std::copy(po.begin() + pcu[n] * HK, po.begin() + pcu[n + 1] * HK, out.begin() + cu[n] * HK);
+  }
+  // The steps: every sequence with tokens left takes its next one.
+  std::vector<int64_t> pos(prompt);
+  const std::vector<cuda::bf16> q16 = to_bf16(q), k16 = to_bf16(k), v16 = to_bf16(v);
+  Buf o = poisoned<cuda::bf16>(N * HK);
+  for (;;) {
+    std::vector<int32_t> bslot, bpos;
+    for (int64_t n = 0; n < N; ++n) {
+      if (pos[n] == cu[n + 1] - cu[n]) continue;
+      // The token into its row of the chunk buffers, as the step's append writes it.
+      const int64_t t = cu[n] + pos[n], row = 64 * n + pos[n] % 64;
+      auto put = [&](const Buf& b, const void* src, int64_t off, size_t bytes) {
+        NEXTLM_CUDA_CHECK(cudaMemcpy(static_cast<char*>(b.p) + off, src, bytes, cudaMemcpyHostToDevice));
+      };
+      put(cq, q16.data() + t * HK, row * HK * 2, HK * 2);
+      put(ck, k16.data() + t * HK, row * HK * 2, HK * 2);
+      put(cv, v16.data() + t * HK, row * HK * 2, HK * 2);
+      put(cg, graw.data() + t * HK, row * HK * 4, HK * 4);
+      put(cb, beta.data() + t * H, row * H * 4, H * 4);
+      bslot.push_back(static_cast<int32_t>(n));
+      bpos.push_back(static_cast<int32_t>(pos[n]));
+    }
+    if (bslot.empty()) break;
+    const int64_t B = static_cast<int64_t>(bslot.size());
+    Buf ds = upload(bslot), dp = upload(bpos);
+    cuda::kda_tc_step(cuda::KdaTcStepParams{nullptr, nullptr, nullptr, nullptr, nullptr, 0, cq.as<cuda::bf16>(),
+                                            ck.as<cuda::bf16>(), cv.as<cuda::bf16>(), cg.as<float>(), cb.as<float>(),
+                                            dd.as<float>(), da.as<float>(), bound, ds.as<int32_t>(), dp.as<int32_t>(),
+                                            state.as<float>(), rows, o.as<cuda::bf16>(), B, H, K},
+                      nullptr);
+    finish();
+    const std::vector<float> so = widen(download<cuda::bf16>(o, B * HK));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = bslot[b];
+      std::copy(so.begin() + b * HK, so.begin() + (b + 1) * HK, out.begin() + (cu[n] + pos[n]) * HK);
+      ++pos[n];
+    }
+  }
+  if (s_out) *s_out = download<float>(state, s_in.size());
+  return out;
+}
+
 std::vector<std::vector<std::vector<int32_t>>> indexer_decode_steps(const IndexerDecodeSteps& in) {
   const int64_t ID = in.ID, P = in.P, max_sel = in.topk + in.P - 1;
   Buf ape = upload(in.ape);

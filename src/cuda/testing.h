@@ -69,6 +69,18 @@ struct KdaDecodeSteps {
 std::vector<std::vector<float>> kda_decode_steps(const KdaDecodeSteps& in, std::vector<float>& conv_hist,
                                                  std::vector<float>& state);
 
+// The tensor-core KDA decoded as CudaDecoder does it, on the inputs kda_chunked_tc takes (sequence n of cu_seqlens
+// in slot n, starting from state s_in[n]): the first prompt[n] tokens prefilled (kda_chunked_tc leaving the boundary
+// state, kda_store_chunk_rows, the row cache filled from the chunk buffers), then one token per step for every
+// sequence with tokens left (written into the chunk buffers as the step's append leaves them, then kda_tc_step). The
+// caches start poisoned with NaN. Returns o [T, H, K] (bf16 widened; the prompts' rows from the prefill's forward);
+// s_out gets the slots' final states (at their last chunk boundary).
+std::vector<float> kda_tc_decode(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                                 const std::vector<float>& graw, const std::vector<float>& beta,
+                                 const std::vector<float>& A_log, const std::vector<float>& dt_bias, float bound,
+                                 const std::vector<int64_t>& cu_seqlens, const std::vector<int64_t>& prompt, int64_t H,
+                                 int64_t K, const std::vector<float>& s_in, std::vector<float>* s_out);
+
 // Indexer decoding steps from empty slots: step s adds one token to each slot in slots[s], with its projections
 // qi[s] [B_s, IH·ID], LayerNormed keys ki[s] [B_s, ID], gate scores gs[s] [B_s, ID] and head weights wts[s]
 // [B_s, IH] (before IH^-1/2). Returns the selection of every row of every step.
