@@ -38,8 +38,9 @@ void kda_decode_step(const KdaDecodeParams& p, cudaStream_t st);
 // kernels derive from those rows that later rows reuse (KdaTcRowCache), and each step computes the new row r =
 // pos[b] mod 64 of its partial chunk with the forward's operations (src/cuda/kda_tc_decode.cu). A chunk's rows do not
 // depend on the rows after them (kernels.h), so a step's output is bit for bit what kda_chunked_tc gives the same
-// token on rows 0 … r from the slot's state. A step first appends its token: the conv step of kda_decode_step
-// (rounded to bf16), its raw gate and β, as row r of the slot's buffers; it adds its rows to the cache, and when
+// token on rows 0 … r from the slot's state, put through kda_out_norm's gated norm. A step first appends its token:
+// the conv step of kda_decode_step (rounded to bf16), its raw gate and β, as row r of the slot's buffers; it adds its
+// rows to the cache, and when
 // r = 63 completes the chunk, moves the slot's state on to the next boundary. The cache's rows before r must be
 // there: from earlier steps, or from kda_chunked_tc with the cache on the rows a prefill leaves
 // (kda_store_chunk_rows) and kda_tc_state_frags.
@@ -48,7 +49,7 @@ struct KdaTcStepParams {
                           // buffers already holds each token (the other new-token inputs are then unused)
   const float* conv;      // [3·HK, W]
   const float* graw;      // [B, HK] f_b output, before dt_bias
-  const float* beta_new;  // [B, H] after the sigmoid
+  const float* beta_new;  // [B, H] before the sigmoid (the b projection)
   float* conv_hist;       // [slots, 3, W−1, HK]
   int64_t W;
   bf16 *q, *k, *v;        // [slots, 64, HK] the chunk buffers: normed q, k, v
@@ -61,7 +62,10 @@ struct KdaTcStepParams {
   const int32_t* pos;     // [B] the new token's position in its sequence
   float* state;           // [slots, H, K, K] fp32 state at each slot's last chunk boundary
   KdaTcRowCache rows;     // per slot: t [H, 64, 64], xs [H, 64, 48], vn [H, 64, K], sb [H, K·K]
-  bf16* o;                // [B, H, K]
+  bf16* o;                // [B, H, K]: the output after the gated norm (kda_out_norm), or before it without gate
+  const float* gate;      // [B, HK] the output gate (g_b output, before its sigmoid), or null
+  const float* o_norm;    // [K] the norm's weight
+  float eps;
   int64_t B, H, K;
 };
 void kda_tc_step(const KdaTcStepParams& p, cudaStream_t st);

@@ -138,7 +138,19 @@ __global__ void __launch_bounds__(kThreads, 2) kda_tc_step_kernel(KdaTcStepParam
     if (active && row <= r)
       graw[i] = append && row == r ? p.graw[b * HK + h * K + d] : p.g[(row0 + row) * HK + h * K + d];
   }
-  if (tid < kC) bt[tid] = tid > r ? 0.0f : append && tid == r ? p.beta_new[b * H + h] : p.beta[(row0 + tid) * H + h];
+  auto sigmoid = [](float x) { return 1.0f / (1.0f + expf(-x)); };  // as sigmoid_inplace
+  if (tid < kC)
+    bt[tid] = tid > r ? 0.0f : append && tid == r ? sigmoid(p.beta_new[b * H + h]) : p.beta[(row0 + tid) * H + h];
+  // The gated norm's inputs of warp 0's channels lane + 32j.
+  constexpr int kNorm = (K + 31) / 32;
+  float gate_in[kNorm], norm_w[kNorm];
+  if (p.gate && warp == 0)
+#pragma unroll
+    for (int j = 0; j < kNorm; ++j) {
+      const int dd = lane + 32 * j;
+      gate_in[j] = dd < K ? p.gate[b * HK + h * K + dd] : 0.0f;
+      norm_w[j] = dd < K ? p.o_norm[dd] : 0.0f;
+    }
   const int np = warp;  // the value columns 16·np … of the products with S
   uint4 sf[NP];
 #pragma unroll
@@ -160,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_tc_step_kernel(KdaTcStepParam
       p.v[c] = __float2bfloat16(qkv[2][dd]);
       p.g[c] = p.graw[b * HK + h * K + dd];
     }
-    if (tid == 0) p.beta[(row0 + r) * H + h] = p.beta_new[b * H + h];
+    if (tid == 0) p.beta[(row0 + r) * H + h] = sigmoid(p.beta_new[b * H + h]);
   }
 
   // The gate and its cumulative sum over rows 0 … r (the rows after r count as zero gates), as prepare_kernel.
@@ -349,7 +361,28 @@ __global__ void __launch_bounds__(kThreads, 2) kda_tc_step_kernel(KdaTcStepParam
     if (my_row)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        store2(p.o + b * HK + h * K + 16 * np + 8 * nt + 2 * tq, row_of(oc[nt], hh, 0), row_of(oc[nt], hh, 1));
+        store2((p.gate ? Ur : p.o + b * HK + h * K) + 16 * np + 8 * nt + 2 * tq, row_of(oc[nt], hh, 0),
+               row_of(oc[nt], hh, 1));
+  }
+  // The gated norm of kda_out_norm (its warp's order): RMSNorm over K with weight, times sigmoid(gate), to bf16.
+  if (p.gate) {
+    __syncthreads();  // the output row is in Ur
+    if (warp == 0) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kNorm; ++j) {
+        const int dd = lane + 32 * j;
+        if (dd < K) ss += __bfloat162float(Ur[dd]) * __bfloat162float(Ur[dd]);
+      }
+      const float rn = rsqrtf(warp_sum(ss) / static_cast<float>(K) + p.eps);
+#pragma unroll
+      for (int j = 0; j < kNorm; ++j) {
+        const int dd = lane + 32 * j;
+        if (dd < K)
+          p.o[b * HK + h * K + dd] =
+              __float2bfloat16(norm_w[j] * (__bfloat162float(Ur[dd]) * rn) * (1.0f / (1.0f + expf(-gate_in[j]))));
+      }
+    }
   }
 
   // The chunk's last row: S ← e^gl∘S + kdᵀ·v_new (fp32, the state kernel's tiles and order), in place, and the new

@@ -1081,20 +1081,19 @@ struct CudaModel::Impl {
     float* g = arena.alloc<float>(B * HK);
     float* gate = arena.alloc<float>(B * HK);
     lin_multi({{fga16, K, w.f_b.w, HK, K, g, HK}, {fga16 + B * K, K, w.g_b.w, HK, K, gate, HK}}, B);
-    sigmoid_inplace(beta, B * H, stream);
     bf16* o16 = arena.alloc<bf16>(B * HK);
     mark_begin("kda core");
     if (kda_tc_path()) {
       // The new token joins its slot's partial chunk, and its row is computed as the forward's kernels compute it
-      // (a complete chunk moves the slot's state on): the forward's output for the token, bit for bit.
-      bf16* ob = arena.alloc<bf16>(B * HK);
+      // (a complete chunk moves the slot's state on), β's sigmoid and the gated norm included: the forward's output
+      // for the token, bit for bit.
       kda_tc_step(KdaTcStepParams{raw, w.conv, g, beta, c.conv_hist, W, c.chunk_q, c.chunk_k, c.chunk_v, c.chunk_g,
-                                  c.chunk_beta, w.dt_bias, w.A_log, bound, r.slot, r.pos, c.state, c.chunk_rows, ob, B,
-                                  H, K},
+                                  c.chunk_beta, w.dt_bias, w.A_log, bound, r.slot, r.pos, c.state, c.chunk_rows, o16,
+                                  gate, w.o_norm, eps, B, H, K},
                   stream);
-      kda_out_norm(ob, gate, w.o_norm, o16, B, H, K, eps, stream);
     } else {
       // The fp32 recurrence on the slot's state after its last token.
+      sigmoid_inplace(beta, B * H, stream);
       float* o = arena.alloc<float>(B * HK);
       kda_decode_step(KdaDecodeParams{raw, w.conv, g, w.dt_bias, w.A_log, beta, r.slot, c.conv_hist, c.state, o, B,
                                       H, K, W, has_bound, bound},

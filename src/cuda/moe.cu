@@ -13,7 +13,7 @@ namespace {
 // One warp per token (the routing is a serial scan per token; a thread per token left decoding steps, with a few
 // tokens, waiting on one thread's 288-expert top-8 loop). Lane l holds experts l, l+32, …; every choice is the
 // largest value with ties to the lowest index, as the CPU path's scans, and the weights are summed in choice order.
-constexpr int kRouteMaxPerLane = 16;  // E ≤ 512
+constexpr int kRouteMaxPerLane = 16;  // E ≤ 512 (scores a lane holds; PL below, the fewest that cover E)
 
 // The larger of two (value, index) pairs, ties to the lower index, across the warp.
 __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
@@ -25,6 +25,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
   }
 }
 
+template <int PL>
 __global__ void route_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
                              int64_t E, int64_t G, int64_t TG, int64_t k, bool norm, float scale) {
   const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
@@ -35,10 +36,10 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
   const int E32 = static_cast<int>(E), G32 = static_cast<int>(G), EG = E32 / G32;
   // The sigmoid scores sg (the chosen ones become the weights; they stay in the registers of the lane that holds
   // them and reach lane 0 through a shuffle, not a global load per choice) and the biased scores c that choose.
-  float sg[kRouteMaxPerLane], c[kRouteMaxPerLane];
-  int grp[kRouteMaxPerLane];
+  float sg[PL], c[PL];
+  int grp[PL];
 #pragma unroll
-  for (int j = 0; j < kRouteMaxPerLane; ++j) {
+  for (int j = 0; j < PL; ++j) {
     const int e = lane + 32 * j;
     sg[j] = e < E32 ? 1.0f / (1.0f + expf(-lg[e])) : 0.0f;
     c[j] = e < E32 ? sg[j] + bias[e] : -INFINITY;
@@ -53,7 +54,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
       for (int g = 0; g < G32; ++g) {
         float b1 = -INFINITY, b2 = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < kRouteMaxPerLane; ++j) {
+        for (int j = 0; j < PL; ++j) {
           if (grp[j] == g) {
             if (c[j] > b1) {
               b2 = b1;
@@ -74,7 +75,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
       if (best >= 0) kept |= 1ull << best;  // none: non-finite scores, every expert masked (then expert 0 below)
     }
 #pragma unroll
-    for (int j = 0; j < kRouteMaxPerLane; ++j)
+    for (int j = 0; j < PL; ++j)
       if (grp[j] < 0 || !(kept >> grp[j] & 1)) c[j] = -INFINITY;
   }
   // Choice i stays with lane i mod 32 (the second register for i ≥ 32) until the end, when the lanes write their
@@ -85,7 +86,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     float v = -INFINITY;
     int idx = INT_MAX;
 #pragma unroll
-    for (int j = 0; j < kRouteMaxPerLane; ++j)
+    for (int j = 0; j < PL; ++j)
       if (c[j] > v) v = c[j], idx = lane + 32 * j;
     warp_argmax(v, idx);
     // No candidate left (non-finite scores, from non-finite activations): expert 0, so that the permutation and the
@@ -93,7 +94,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
     if (idx == INT_MAX) idx = 0;
     float chosen = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kRouteMaxPerLane; ++j)
+    for (int j = 0; j < PL; ++j)
       if (lane + 32 * j == idx) c[j] = -INFINITY, chosen = sg[j];
     chosen = __shfl_sync(0xffffffffu, chosen, idx & 31);
     sum += chosen;
@@ -258,8 +259,15 @@ void moe_route(const float* logits, const float* bias, int32_t* experts, float* 
                int64_t G, int64_t topk_group, int64_t k, bool norm, float scale, cudaStream_t st) {
   check(G <= 64 && k <= 64 && E <= 32 * kRouteMaxPerLane,
         "CUDA MoE: at most 64 groups, 64 experts per token and 512 experts");
-  if (T) route_kernel<<<ceil_div(T * 32, 256), 256, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k,
-                                                            norm, scale);
+  if (!T) return;
+  const unsigned grid = static_cast<unsigned>(ceil_div(T * 32, 256));
+  // A lane's scores in registers: as few as cover E (288 experts: 9), the same choices whatever the count.
+  if (E <= 32 * 9) {
+    route_kernel<9><<<grid, 256, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k, norm, scale);
+  } else {
+    route_kernel<kRouteMaxPerLane><<<grid, 256, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k, norm,
+                                                         scale);
+  }
 }
 
 void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st) {

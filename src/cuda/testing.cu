@@ -356,7 +356,8 @@ std::vector<float> kda_tc_decode(const std::vector<float>& q, const std::vector<
     cuda::kda_tc_step(cuda::KdaTcStepParams{nullptr, nullptr, nullptr, nullptr, nullptr, 0, cq.as<cuda::bf16>(),
                                             ck.as<cuda::bf16>(), cv.as<cuda::bf16>(), cg.as<float>(), cb.as<float>(),
                                             dd.as<float>(), da.as<float>(), bound, ds.as<int32_t>(), dp.as<int32_t>(),
-                                            state.as<float>(), rows, o.as<cuda::bf16>(), B, H, K},
+                                            state.as<float>(), rows, o.as<cuda::bf16>(), nullptr, nullptr,
+                                            0.0f, B, H, K},
                       nullptr);
     finish();
     const std::vector<float> so = widen(download<cuda::bf16>(o, B * HK));
