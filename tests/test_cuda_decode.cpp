@@ -13,6 +13,7 @@
 #include "cpu/linear.h"
 #include "cuda/device_model.h"
 #include "cuda/testing.h"
+#include "model/config.h"
 #include "model/dsa.h"
 #include "model/kda.h"
 #include "model/model.h"
@@ -861,6 +862,57 @@ TEST_P(CudaDecodeGolden, BatchInvariantStepsEqualForwardBitwise) {
               "%.3g\n",
               GetParam().c_str(), static_cast<long long>(count), gsum / count);
   EXPECT_LE(gsum / count, tc ? 1e-6 : decode_bound(GetParam()));
+}
+
+// (e) The bitwise agreement of (d) at GLM-5.3's head size (128; the goldens have 16), on random weights, with the
+// new tokens' conv, β's sigmoid and the gated output norm inside the KDA step: a compile-time 1/√K (folded correctly
+// rounded) once differed there from the forward's run-time rsqrtf by an ulp, which 16 (a power of 4) cannot show.
+// Prompts end on a chunk boundary and mid-chunk; the steps cross a chunk boundary.
+TEST(CudaDecodeWide, BatchInvariantStepsEqualForwardBitwiseAtHeadSize128) {
+  ModelConfig c = load_config(test::golden_dir("bf16_stable") + "/config.json");
+  c.linear_head_dim = 128;
+  c.linear_num_heads = 2;
+  auto gpu = CudaModel::random(c, 7);
+  gpu->set_empty_selection(EmptySelection::SeenKeys);
+  gpu->set_batch_invariant(true);
+  ASSERT_TRUE(gpu->kda_on_tensor_cores());
+  const std::vector<int64_t> prompt_len{64, 70}, full_len{140, 100};
+  std::vector<std::vector<int32_t>> seqs;
+  PackedBatch whole;
+  for (size_t n = 0; n < prompt_len.size(); ++n) {
+    seqs.push_back(golden_tokens(full_len[n], c.vocab_size, static_cast<int64_t>(n) + 60));
+    whole.add(seqs.back());
+  }
+  const Tensor ref = gpu->forward(whole);
+  const int64_t V = c.vocab_size;
+  CudaDecoder dec(*gpu, 2, 160);
+  const std::vector<int64_t> slots{1, 0};
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t n = 0; n < seqs.size(); ++n) prompts.emplace_back(seqs[n].begin(), seqs[n].begin() + prompt_len[n]);
+  const std::vector<std::vector<float>> first = dec.prefill(slots, prompts);
+  int64_t positions = 0, differing = 0;
+  auto record = [&](size_t n, int64_t t, const std::vector<float>& logits) {  // logits after x[..t]
+    ASSERT_EQ(static_cast<int64_t>(logits.size()), V);
+    differing += std::memcmp(logits.data(), ref.ptr() + (whole.cu_seqlens[n] + t) * V, V * sizeof(float)) != 0;
+    ++positions;
+  };
+  for (size_t n = 0; n < seqs.size(); ++n) record(n, prompt_len[n] - 1, first[n]);
+  for (int64_t t = 0;; ++t) {
+    std::vector<int64_t> sl;
+    std::vector<int32_t> tok;
+    std::vector<size_t> which;
+    for (size_t n = 0; n < seqs.size(); ++n) {
+      const int64_t pos = prompt_len[n] + t;
+      if (pos + 1 < full_len[n]) sl.push_back(slots[n]), tok.push_back(seqs[n][pos]), which.push_back(n);
+    }
+    if (sl.empty()) break;
+    const std::vector<std::vector<float>> out = dec.step(sl, tok);
+    for (size_t i = 0; i < which.size(); ++i) record(which[i], prompt_len[which[i]] + t, out[i]);
+  }
+  std::printf("[cuda decode] head size 128, batch-invariant: %lld of %lld decoded positions differ bitwise from the "
+              "forward\n",
+              static_cast<long long>(differing), static_cast<long long>(positions));
+  EXPECT_EQ(differing, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeGolden, ::testing::ValuesIn(test::golden_cases()),

@@ -162,9 +162,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_tc_step_kernel(KdaTcStepParam
     for (int i = tid; i < (kC - 1 - r) * kp; i += kThreads)
       *reinterpret_cast<uint4*>(KB + (r + 1 + i / kp) * KS + 8 * (i % kp)) = make_uint4(0, 0, 0, 0);
   }
-  // The new token: its conv step into qkv, and into row r of the chunk buffers for the steps after this one.
+  // The new token: its conv step into qkv, and into row r of the chunk buffers for the steps after this one. The
+  // head size goes in as the run-time value, as kda_conv_norm has it: with the template constant, rsqrtf(K) (q's
+  // scale) would be folded at compile time, correctly rounded, where the forward's run-time rsqrtf may differ by an
+  // ulp (exact at K = 16, not at 128).
   if (append) {
-    conv_norm_token(p.raw, p.conv, p.conv_hist, b, h, slot, H, K, p.W, true, qkv, scale);
+    conv_norm_token(p.raw, p.conv, p.conv_hist, b, h, slot, H, p.K, p.W, true, qkv, scale);
     for (int dd = tid; dd < K; dd += kThreads) {
       const int64_t c = (row0 + r) * HK + h * K + dd;
       p.q[c] = __float2bfloat16(qkv[0][dd]);
