@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 
@@ -602,6 +603,31 @@ double decode_bound(const std::string& golden) {
   return tie_free ? 4e-3 : 5e-2;
 }
 
+// Prefills the first prompt_len[n] tokens of each seqs[n] into slots[n], then steps every sequence that has a next
+// token to predict, all of them together, to its end; record(n, t, logits) gets the logits after x[..t] of every
+// position from the prompt's last on. Stops early after a fatal failure in record.
+void decode_sequences(CudaDecoder& dec, const std::vector<std::vector<int32_t>>& seqs,
+                      const std::vector<int64_t>& prompt_len, const std::vector<int64_t>& slots,
+                      const std::function<void(size_t, int64_t, const std::vector<float>&)>& record) {
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t n = 0; n < seqs.size(); ++n) prompts.emplace_back(seqs[n].begin(), seqs[n].begin() + prompt_len[n]);
+  const std::vector<std::vector<float>> first = dec.prefill(slots, prompts);
+  for (size_t n = 0; n < seqs.size(); ++n) record(n, prompt_len[n] - 1, first[n]);
+  for (int64_t t = 0;; ++t) {
+    std::vector<int64_t> sl;
+    std::vector<int32_t> tok;
+    std::vector<size_t> which;
+    for (size_t n = 0; n < seqs.size(); ++n) {
+      const int64_t pos = prompt_len[n] + t;  // the token fed now
+      if (pos + 1 < static_cast<int64_t>(seqs[n].size()))
+        sl.push_back(slots[n]), tok.push_back(seqs[n][pos]), which.push_back(n);
+    }
+    if (sl.empty() || ::testing::Test::HasFatalFailure()) return;
+    const std::vector<std::vector<float>> out = dec.step(sl, tok);
+    for (size_t i = 0; i < which.size(); ++i) record(which[i], prompt_len[which[i]] + t, out[i]);
+  }
+}
+
 // (a) Prefill, then one token at a time, three sequences stepping together (prompts of 1, 7 and 66 tokens, decoded
 // to 150 or 140 tokens: across KDA chunks of 64, pool boundaries and past index_topk), each step's log-prob of the
 // next token against the CUDA full forward of the whole sequence (next_token_logprobs, same bf16 weights, empty
@@ -628,9 +654,6 @@ TEST_P(CudaDecodeGolden, StepsMatchFullForward) {
     const std::vector<std::vector<double>> ref = gpu.next_token_logprobs(whole);
     CudaDecoder dec(gpu, 4, 160);
     const std::vector<int64_t> slots{3, 0, 2};  // slot 1 stays empty
-    std::vector<std::vector<int32_t>> prompts;
-    for (size_t n = 0; n < seqs.size(); ++n) prompts.emplace_back(seqs[n].begin(), seqs[n].begin() + prompt_len[n]);
-    const std::vector<std::vector<float>> first = dec.prefill(slots, prompts);
     double sum = 0, worst = 0;
     int64_t count = 0;
     auto record = [&](size_t n, int64_t t, const std::vector<float>& logits) {  // logits after x[..t]
@@ -639,20 +662,8 @@ TEST_P(CudaDecodeGolden, StepsMatchFullForward) {
       const double d = std::fabs(logprob_of(logits, seqs[n][t + 1]) - ref[n][t]);
       sum += d, worst = std::max(worst, d), ++count;
     };
-    for (size_t n = 0; n < seqs.size(); ++n) record(n, prompt_len[n] - 1, first[n]);
-    for (int64_t t = 0;; ++t) {
-      std::vector<int64_t> sl;
-      std::vector<int32_t> tok;
-      std::vector<size_t> which;
-      for (size_t n = 0; n < seqs.size(); ++n) {
-        const int64_t pos = prompt_len[n] + t;  // the token fed now
-        if (pos + 1 < full_len[n]) sl.push_back(slots[n]), tok.push_back(seqs[n][pos]), which.push_back(n);
-      }
-      if (sl.empty()) break;
-      const std::vector<std::vector<float>> out = dec.step(sl, tok);
-      for (size_t i = 0; i < which.size(); ++i) record(which[i], prompt_len[which[i]] + t, out[i]);
-      if (HasFatalFailure()) return;
-    }
+    decode_sequences(dec, seqs, prompt_len, slots, record);
+    if (HasFatalFailure()) return;
     for (size_t n = 0; n < seqs.size(); ++n) EXPECT_EQ(dec.length(slots[n]), full_len[n] - 1);
     EXPECT_EQ(dec.length(1), 0);
     const double mean = sum / count;
@@ -804,10 +815,6 @@ TEST_P(CudaDecodeGolden, BatchInvariantStepsEqualForwardBitwise) {
   const Tensor ref = gpu.forward(whole);
   const int64_t V = c.vocab_size;
   CudaDecoder dec(gpu, 3, 160);
-  const std::vector<int64_t> slots{2, 0, 1};
-  std::vector<std::vector<int32_t>> prompts;
-  for (size_t n = 0; n < seqs.size(); ++n) prompts.emplace_back(seqs[n].begin(), seqs[n].begin() + prompt_len[n]);
-  const std::vector<std::vector<float>> first = dec.prefill(slots, prompts);
   int64_t positions = 0, differing = 0;
   double sum = 0;
   auto record = [&](size_t n, int64_t t, const std::vector<float>& logits) {  // logits after x[..t]
@@ -817,19 +824,7 @@ TEST_P(CudaDecodeGolden, BatchInvariantStepsEqualForwardBitwise) {
                      logprob_of(std::vector<float>(want, want + V), seqs[n][t + 1]));
     ++positions;
   };
-  for (size_t n = 0; n < seqs.size(); ++n) record(n, prompt_len[n] - 1, first[n]);
-  for (int64_t t = 0;; ++t) {
-    std::vector<int64_t> sl;
-    std::vector<int32_t> tok;
-    std::vector<size_t> which;
-    for (size_t n = 0; n < seqs.size(); ++n) {
-      const int64_t pos = prompt_len[n] + t;
-      if (pos + 1 < full_len[n]) sl.push_back(slots[n]), tok.push_back(seqs[n][pos]), which.push_back(n);
-    }
-    if (sl.empty()) break;
-    const std::vector<std::vector<float>> out = dec.step(sl, tok);
-    for (size_t i = 0; i < which.size(); ++i) record(which[i], prompt_len[which[i]] + t, out[i]);
-  }
+  decode_sequences(dec, seqs, prompt_len, {2, 0, 1}, record);
   std::printf("[cuda decode] %s batch-invariant (%s KDA): %lld of %lld decoded positions differ bitwise from the "
               "forward; mean |dlogprob| = %.3g\n",
               GetParam().c_str(), tc ? "tensor-core" : "fp32", static_cast<long long>(differing),
@@ -886,29 +881,13 @@ TEST(CudaDecodeWide, BatchInvariantStepsEqualForwardBitwiseAtHeadSize128) {
   const Tensor ref = gpu->forward(whole);
   const int64_t V = c.vocab_size;
   CudaDecoder dec(*gpu, 2, 160);
-  const std::vector<int64_t> slots{1, 0};
-  std::vector<std::vector<int32_t>> prompts;
-  for (size_t n = 0; n < seqs.size(); ++n) prompts.emplace_back(seqs[n].begin(), seqs[n].begin() + prompt_len[n]);
-  const std::vector<std::vector<float>> first = dec.prefill(slots, prompts);
   int64_t positions = 0, differing = 0;
   auto record = [&](size_t n, int64_t t, const std::vector<float>& logits) {  // logits after x[..t]
     ASSERT_EQ(static_cast<int64_t>(logits.size()), V);
     differing += std::memcmp(logits.data(), ref.ptr() + (whole.cu_seqlens[n] + t) * V, V * sizeof(float)) != 0;
     ++positions;
   };
-  for (size_t n = 0; n < seqs.size(); ++n) record(n, prompt_len[n] - 1, first[n]);
-  for (int64_t t = 0;; ++t) {
-    std::vector<int64_t> sl;
-    std::vector<int32_t> tok;
-    std::vector<size_t> which;
-    for (size_t n = 0; n < seqs.size(); ++n) {
-      const int64_t pos = prompt_len[n] + t;
-      if (pos + 1 < full_len[n]) sl.push_back(slots[n]), tok.push_back(seqs[n][pos]), which.push_back(n);
-    }
-    if (sl.empty()) break;
-    const std::vector<std::vector<float>> out = dec.step(sl, tok);
-    for (size_t i = 0; i < which.size(); ++i) record(which[i], prompt_len[which[i]] + t, out[i]);
-  }
+  decode_sequences(dec, seqs, prompt_len, {1, 0}, record);
   std::printf("[cuda decode] head size 128, batch-invariant: %lld of %lld decoded positions differ bitwise from the "
               "forward\n",
               static_cast<long long>(differing), static_cast<long long>(positions));
