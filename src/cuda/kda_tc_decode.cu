@@ -3,12 +3,17 @@
 //
 // Row r of a chunk depends on the rows before it only through values that do not change as rows are added: the
 // rows of T = (I + β·strict(Akk))⁻¹ (lower triangular, so row r needs T's rows before it), the products Xs of T's
-// off-diagonal blocks and v_new = U − W·S, the chunk's start state S being fixed. The slot keeps those
-// (KdaTcRowCache); a step computes row r's share of every quantity with the forward's operations in the forward's
-// order: the cumulative gate and block references m_I from the chunk's gates, row r's scores against rows 0 … r on
-// tensor cores (the same m16n8k16 tiles, row r at its place in its 16-row block), row r of T by the forward's
-// substitution from the cached rows, W and U for row r, v_new = U − W·S and o = qg·S + Aqk·v_new. The row completing
-// the chunk (r = 63) also moves the state on, S ← e^gl∘S + kdᵀ·v_new, as the forward's state kernel does.
+// off-diagonal blocks and v_new = U − W·S, the chunk's start state S being fixed. The slot keeps those and S in bf16
+// as the MMAs' B fragments (KdaTcRowCache). One block per (row, head) first appends the new token (its conv step as
+// the forward's kda_conv_norm computes it, β's sigmoid), then computes row r's share of every quantity with the
+// forward's operations in the forward's order: the cumulative gate and block references m_I from the chunk's gates,
+// row r's scores against rows 0 … r on tensor cores (the same m16n8k16 tiles, row r at its place in its 16-row
+// block), row r of T by the forward's substitution from the cached rows, W and U for row r, v_new = U − W·S and
+// o = qg·S + Aqk·v_new, then kda_out_norm's gated norm. The row completing the chunk (r = 63) also moves the state
+// on, S ← e^gl∘S + kdᵀ·v_new, as the forward's state kernel does, with its fragments for the next chunk.
+//
+// Anything the forward computes from a run-time value must stay run-time here: a constant folded by the compiler
+// (rsqrtf of the head size) is correctly rounded, the GPU's run-time one need not be.
 #include "cuda/decode_kernels.h"
 #include "cuda/kda_decode_token.cuh"
 #include "cuda/kernels.h"
@@ -46,7 +51,7 @@ struct StepLayout {
   static constexpr int qg_off = qt_off + 16 * KS;
   static constexpr int w_off = qg_off + 16 * KS;
   static constexpr int a_off = w_off + 16 * KS;
-  static constexpr int u_off = a_off + 16 * AS;  // U row r [K]
+  static constexpr int u_off = a_off + 16 * AS;  // U row r [K], then the output row before the gated norm
   static constexpr int bf16_elems = u_off + K;
   // fp32: Tm [64][IS] (T's rows), Xs [16][kXs] (block I's rows), Bm row r [64], β [64], m_I [4][K], gl [K], the
   // cumulative gate of rows 0–31 [K].
