@@ -75,9 +75,10 @@ void kda_out_norm(const bf16* o, const float* gate, const float* w, bf16* out, i
 
 // The chunked delta rule on tensor cores (src/cuda/kda_tc.cu) for the safe gate: q, k, v bf16 [T, H, K] as
 // kda_conv_norm leaves them, graw [T, HK] the f_b output before dt_bias (fp32 or bf16), beta [T, H] after the
-// sigmoid; o bf16 [T, H, K] (null: not written). The workspace holds per (chunk, head) factors: kda_tc_workspace_bytes bytes, carved by
-// kda_tc_workspace. A chunk's outputs for its rows 0 … r depend on those rows only (and the state it starts from):
-// a chunk cut short after row r gives them bit for bit (kda_tc.cu: the references), which decoding relies on.
+// sigmoid; o bf16 [T, H, K] (null: not written). The workspace holds per (chunk, head) factors:
+// kda_tc_workspace_bytes bytes, carved by kda_tc_workspace. A chunk's outputs for its rows 0 … r depend on those rows
+// only (and the state it starts from): a chunk cut short after row r gives them bit for bit (kda_tc.cu: the
+// references), which decoding relies on.
 struct KdaTcWork {
   bf16 *w, *u, *qg, *kd, *aqk;
   float* gl;
