@@ -5,6 +5,7 @@
 // bitwise the same whatever else is in its batch (batch invariance). All pointers are device pointers.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/decode_linear.h"  // decode_linear, the GEMV of the steps' projections
@@ -73,6 +74,23 @@ void kda_tc_step(const KdaTcStepParams& p, cudaStream_t st);
 // prefill has left them (the steps keep them up to date from there).
 void kda_tc_state_frags(const float* state, const int32_t* slots, int64_t n, bf16* sb, int64_t H, int64_t K,
                         cudaStream_t st);
+// The chunk lists (KdaChunks' arrays, host side) of the prompts' partial chunks as the chunk buffers hold them after a
+// prefill: prompt n of len[n] tokens in slot slot[n] has rows 64·slot … 64·slot + len mod 64 − 1 (none when len is a
+// multiple of 64); `slot` lists each chunk's slot (KdaTcStates::row for the state it starts from).
+struct KdaTailLists {
+  std::vector<int32_t> start, len, first, count, slot;
+  KdaTailLists(const std::vector<int32_t>& lens, const std::vector<int32_t>& slots) {
+    for (size_t n = 0; n < lens.size(); ++n)
+      if (lens[n] % 64) {
+        first.push_back(static_cast<int32_t>(start.size()));
+        start.push_back(slots[n] * 64);
+        len.push_back(lens[n] % 64);
+        count.push_back(1);
+        slot.push_back(slots[n]);
+      }
+  }
+  int64_t size() const { return static_cast<int64_t>(start.size()); }
+};
 
 // ---- DSA indexer ----
 // The indexer's per-slot cache, for the next token of each row at sequence position pos[b] (= the tokens already in

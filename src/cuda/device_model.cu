@@ -618,20 +618,11 @@ std::vector<std::vector<float>> CudaDecoder::prefill(const std::vector<int64_t>&
   cuda::Capture cap{s.caches.data(), cuda::PrefillSeqs{up(start), up(len), d_slot, N}, up(pool_base),
                     up(tok_slot), up(tok_pos), s.max_len, s.max_pools};
   if (s.tc) {
-    // Each prompt's partial chunk (if any) as the chunk buffers hold it: rows 64·slot … 64·slot + len mod 64 − 1.
-    std::vector<int32_t> tstart, tlen, tfirst, tone, tslot;
-    for (int64_t n = 0; n < N; ++n)
-      if (len[n] % 64) {
-        tfirst.push_back(static_cast<int32_t>(tstart.size()));
-        tstart.push_back(slot[n] * 64);
-        tlen.push_back(len[n] % 64);
-        tone.push_back(1);
-        tslot.push_back(slot[n]);
-      }
-    const int64_t tails = static_cast<int64_t>(tstart.size());
-    if (tails) {
-      cap.kda_tails = cuda::KdaChunks{up(tstart), up(tlen), up(tfirst), up(tone), tails, tails};
-      cap.kda_tail_slot = up(tslot);
+    // Each prompt's partial chunk (if any) as the chunk buffers hold it.
+    const cuda::KdaTailLists t(len, slot);
+    if (t.size()) {
+      cap.kda_tails = cuda::KdaChunks{up(t.start), up(t.len), up(t.first), up(t.count), t.size(), t.size()};
+      cap.kda_tail_slot = up(t.slot);
     }
   }
   // The forward fills the caches; empty selections see the keys so far, as decoding steps do.

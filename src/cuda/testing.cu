@@ -306,17 +306,10 @@ std::vector<float> kda_tc_decode(const std::vector<float>& q, const std::vector<
                                                                  dslot.as<int32_t>(), N},
                                cq.as<cuda::bf16>(), ck.as<cuda::bf16>(), cv.as<cuda::bf16>(), cg.as<float>(),
                                cb.as<float>(), H, K, nullptr);
-    std::vector<int32_t> ts, tl, tf, tn, tslot;
-    for (int64_t n = 0; n < N; ++n)
-      if (prompt[n] % 64) {
-        tf.push_back(static_cast<int32_t>(ts.size()));
-        ts.push_back(static_cast<int32_t>(64 * n));
-        tl.push_back(static_cast<int32_t>(prompt[n] % 64));
-        tn.push_back(1);
-        tslot.push_back(static_cast<int32_t>(n));
-      }
-    const int64_t tails = static_cast<int64_t>(ts.size());
-    Buf dts = upload(ts), dtl = upload(tl), dtf = upload(tf), dtn = upload(tn), dtslot = upload(tslot);
+    const cuda::KdaTailLists t(plen, slot);
+    const int64_t tails = t.size();
+    Buf dts = upload(t.start), dtl = upload(t.len), dtf = upload(t.first), dtn = upload(t.count),
+        dtslot = upload(t.slot);
     Buf twork(cuda::kda_tc_workspace_bytes(tails, H, K));
     cuda::kda_chunked_tc(cq.as<cuda::bf16>(), ck.as<cuda::bf16>(), cv.as<cuda::bf16>(), cg.as<float>(),
                          cb.as<float>(), dd.as<float>(), da.as<float>(), bound, nullptr,
