@@ -1021,15 +1021,20 @@ void launch_combine_vec(const MlaDecodeParams& p, cudaStream_t st) {
 
 }  // namespace
 
-void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
+namespace {
+
+// The vector path depends on the shapes and the buffers' alignment only, never on B. Rows share the weight loads of
+// qa and the combine in groups of 8 from B = 4 on (each row's sums unchanged).
+bool mla_vec(const MlaDecodeParams& p) {
+  return p.KL > 0 && p.KL % 8 == 0 && p.KL / 8 <= kMlaThreads && aligned16(p.kv_b) && aligned16(p.latent);
+}
+
+}  // namespace
+
+void mla_decode_absorb(const MlaDecodeParams& p, cudaStream_t st) {
   if (!p.B || !p.NH || !p.dv) return;
-  // The vector path depends on the shapes and the buffers' alignment only, never on B. Rows share the weight loads
-  // of qa and the combine in groups of 8 from B = 4 on (each row's sums unchanged).
-  const bool vec = p.KL > 0 && p.KL % 8 == 0 && p.KL / 8 <= kMlaThreads && aligned16(p.kv_b) && aligned16(p.latent);
-  const bool grouped = p.B >= 4;
-  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH));
-  if (vec) {
-    if (grouped) {
+  if (mla_vec(p)) {
+    if (p.B >= 4) {
       launch_qa_vec<8>(p, st);
     } else {
       launch_qa_vec<1>(p, st);
@@ -1037,9 +1042,21 @@ void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
   } else {
     const size_t smem = p.dqk * sizeof(float);
     set_smem(reinterpret_cast<const void*>(mla_qa_kernel), smem);
-    mla_qa_kernel<<<grid, kMlaThreads, smem, st>>>(p);
+    mla_qa_kernel<<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH)), kMlaThreads, smem, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st) {
+  mla_decode_absorb(p, st);
+  mla_decode_attend(p, st);
+}
+
+void mla_decode_attend(const MlaDecodeParams& p, cudaStream_t st) {
+  if (!p.B || !p.NH || !p.dv) return;
+  const bool vec = mla_vec(p);
+  const bool grouped = p.B >= 4;
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.NH));
   if (mla_decode_tc(p.NH, p.KL) && aligned16(p.latent)) {
     switch (p.KL) {
       case 32: launch_split_tc<32>(p, st); break;

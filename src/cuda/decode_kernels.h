@@ -145,6 +145,10 @@ struct MlaDecodeParams {
 };
 int64_t mla_decode_workspace_floats(int64_t B, int64_t NH, int64_t KL);
 void mla_decode_attention(const MlaDecodeParams& p, cudaStream_t st);
+// Its two halves, for a caller that overlaps the first with other work: absorb reads q and kv_b only (the queries
+// taken into the latent space, in work); attend then needs absorb's work, the latents and the selection.
+void mla_decode_absorb(const MlaDecodeParams& p, cudaStream_t st);
+void mla_decode_attend(const MlaDecodeParams& p, cudaStream_t st);
 // Whether mla_decode_attention scores and sums the keys on tensor cores (16 heads of a row at once; qa and the
 // softmax weights as bf16 pairs, fp32 accumulation): NH ≤ 64 and KL one of 32, 64, 128, 256, 512 (and 16-byte aligned
 // latents). Otherwise on CUDA cores in fp32 (one block per row, head and split). Either way the choice and every

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -369,6 +370,13 @@ struct CudaModel::Impl {
   int64_t expert_begin = 0, local_experts = 0;        // routed experts held here
   int device;
   cudaStream_t stream = nullptr;
+  // Decoding runs independent chains of small, latency-bound kernels (the memory mostly idle meanwhile) side by side:
+  // fork() makes `side` wait for the work issued so far on `stream`, join(i) makes `stream` wait for what was issued
+  // on `side` so far, and on_side(f) issues f's work there. Captured into a step's graph these become parallel
+  // branches. Only outside batch-invariant mode (overlap()), whose GEMMs run on the Gemm's own stream; no result
+  // changes either way, each kernel computes what it computed in line.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork_ev = nullptr, join_ev[2] = {nullptr, nullptr};
   cuda::Store store;
   cuda::Arena arena;
   std::unique_ptr<cuda::Gemm> gemm;
@@ -400,6 +408,9 @@ struct CudaModel::Impl {
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
     NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
     NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
+    for (cudaEvent_t& e : join_ev) NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_begin));
     NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_end));
     gemm = std::make_unique<cuda::Gemm>(stream);
@@ -408,7 +419,38 @@ struct CudaModel::Impl {
     for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
     if (fwd_begin) cudaEventDestroy(fwd_begin);
     if (fwd_end) cudaEventDestroy(fwd_end);
+    if (fork_ev) cudaEventDestroy(fork_ev);
+    for (cudaEvent_t e : join_ev)
+      if (e) cudaEventDestroy(e);
+    if (side) cudaStreamDestroy(side);
     if (stream) cudaStreamDestroy(stream);
+  }
+
+  // NEXTLM_DECODE_OVERLAP=0 in the environment keeps every kernel on `stream` (for comparisons).
+  bool overlap() const {
+    static const bool allowed = [] {
+      const char* v = std::getenv("NEXTLM_DECODE_OVERLAP");
+      return !(v && std::string(v) == "0");
+    }();
+    return allowed && !gemm->batch_invariant();
+  }
+  void fork() {
+    NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
+    NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));
+  }
+  // Marks what has been issued on `side` so far as join point i (0 or 1); join(i) waits for it on `stream`.
+  void side_done(int i) { NEXTLM_CUDA_CHECK(cudaEventRecord(join_ev[i], side)); }
+  void join(int i) { NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0)); }
+  template <class F>
+  void on_side(F&& f) {
+    std::swap(stream, side);
+    try {
+      f();
+    } catch (...) {
+      std::swap(stream, side);
+      throw;
+    }
+    std::swap(stream, side);
   }
 
   // Every tensor build() filled, in order: set_weights() fills the same places again from another source.
@@ -856,7 +898,15 @@ struct CudaModel::Impl {
                   I = cfg.moe_intermediate_size, n = T * k;
     float* logits = arena.alloc<float>(T * E);
     float* shared_gu = nullptr;  // decoding: the shared expert's gate|up, projected with the router in one launch
-    if (step && w.has_shared) {
+    // Decoding outside batch-invariant mode: the shared expert runs beside the routing and the experts (joined before
+    // the combine, which adds the experts into y).
+    const bool shared_beside = step && w.has_shared && overlap();
+    if (shared_beside) {
+      lin(a, D, w.router.w, E, D, logits, E, T);
+      fork();
+      on_side([&] { mlp_step(w.shared, a, T, y); });
+      side_done(0);
+    } else if (step && w.has_shared) {
       const int64_t Is = w.shared.I;
       shared_gu = arena.alloc<float>(T * 2 * Is);
       lin_multi({{a, D, w.router.w, E, D, logits, E}, {a, D, w.shared.gate_up.w, 2 * Is, D, shared_gu, 2 * Is}}, T);
@@ -912,7 +962,9 @@ struct CudaModel::Impl {
       }
     }
     mark_end("experts");
-    if (w.has_shared && step) {
+    if (shared_beside) {
+      join(0);
+    } else if (w.has_shared && step) {
       mlp_step_down(w.shared, shared_gu, T, y);
     } else if (w.has_shared) {
       mlp(w.shared, a, T, y);
@@ -1132,30 +1184,55 @@ struct CudaModel::Impl {
     } else {
       lin_multi({{a, D, w.q_a.w, QL, D, qa, QL}, {a, D, w.kv_a.w, KL, D, lat, KL}}, B);
     }
+    float* scores = w.has_indexer ? arena.alloc<float>(B * r.max_pools) : nullptr;
+    const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate, c.pool_key,
+                                 scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools, r.max_selectable,
+                                 cfg.index_kpool_always_select_tail};
+    bf16* o = arena.alloc<bf16>(B * NH * dv);
+    const MlaDecodeParams mp{q, w.kv_b.w, c.latent, r.slot, r.pos, sel, count, o, B, NH, dqk, dv, KL, r.max_len,
+                             max_sel, arena.alloc<float>(mla_decode_workspace_floats(B, NH, KL))};
+    // The latent's and the indexer key's appends need only the first projections: with overlap() they run beside
+    // q's norm and projection, and the queries' absorption into the latent space beside the indexer's selection.
+    const bool beside = overlap();
+    const auto appends = [&] {
+      rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, B, KL, eps, stream);
+      mla_decode_append(lat16, r.slot, r.pos, c.latent, B, KL, r.max_len, stream);
+      if (w.has_indexer) {
+        layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, B, ID, 1e-6f, stream);
+        indexer_decode_append(ip, stream);
+      }
+    };
+    if (beside) {
+      fork();
+      on_side(appends);
+      side_done(0);
+    }
     rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
     if (w.has_indexer) {
       lin_multi({{qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk}, {qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID}}, B);
     } else {
       lin(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B);
     }
-    rmsnorm_rows(lat, KL, w.kv_a_norm, lat16, nullptr, B, KL, eps, stream);
-    mla_decode_append(lat16, r.slot, r.pos, c.latent, B, KL, r.max_len, stream);
+    if (beside) {
+      fork();
+      on_side([&] { mla_decode_absorb(mp, stream); });
+      side_done(1);
+      join(0);
+    } else {
+      appends();
+    }
     if (w.has_indexer) {
-      float* scores = arena.alloc<float>(B * r.max_pools);
-      layernorm_rows(ki, w.idx.k_norm_w, w.idx.k_norm_b, B, ID, 1e-6f, stream);
-      const IndexerDecodeParams ip{qi, ki, gs, wts, w.idx.ape, r.slot, r.pos, c.pending_key, c.pending_gate,
-                                   c.pool_key, scores, B, IH, ID, cfg.index_kpool, cfg.index_topk, r.max_pools,
-                                   r.max_selectable, cfg.index_kpool_always_select_tail};
       mark_begin("indexer select");
-      indexer_decode_append(ip, stream);
       indexer_decode_select(ip, sel, count, max_sel, stream);
       mark_end("indexer select");
     }
-    bf16* o = arena.alloc<bf16>(B * NH * dv);
-    const MlaDecodeParams mp{q, w.kv_b.w, c.latent, r.slot, r.pos, sel, count, o, B, NH, dqk, dv, KL, r.max_len,
-                             max_sel, arena.alloc<float>(mla_decode_workspace_floats(B, NH, KL))};
     mark_begin("mla attention");
-    mla_decode_attention(mp, stream);
+    if (beside) {
+      join(1);
+    } else {
+      mla_decode_absorb(mp, stream);
+    }
+    mla_decode_attend(mp, stream);
     mark_end("mla attention");
     lin(o, NH * dv, w.o.w, D, NH * dv, y, D, B);
   }
