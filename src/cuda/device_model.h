@@ -117,6 +117,11 @@ class CudaModel {
   // Whether the forward's MLA attention runs the absorbed decoding kernels (over the normed latents) instead of
   // expanding every key and value through kv_b; batch-invariant mode always does. Off by default.
   void set_mla_absorbed(bool on);
+  // Whether decoding steps outside batch-invariant mode run independent chains of kernels side by side on a second
+  // stream (parallel branches of the step's graph): the MoE's shared expert beside the routing and the routed
+  // experts, the DSA layer's appends and query absorption beside its projections and selection. The same kernels
+  // on the same data either way, so the same bits. On by default; NEXTLM_DECODE_OVERLAP=0 makes the default off.
+  void set_decode_overlap(bool on);
   // Whether the KDA runs on the tensor-core kernels now (set so, and the config's gate and head dim have them).
   bool kda_on_tensor_cores() const;
   // Batch-invariant mode (off by default): every dense projection on our own GEMM instead of cuBLASLt (cuda/gemm.h),

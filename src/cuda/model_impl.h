@@ -426,14 +426,12 @@ struct CudaModel::Impl {
     if (stream) cudaStreamDestroy(stream);
   }
 
-  // NEXTLM_DECODE_OVERLAP=0 in the environment keeps every kernel on `stream` (for comparisons).
-  bool overlap() const {
-    static const bool allowed = [] {
-      const char* v = std::getenv("NEXTLM_DECODE_OVERLAP");
-      return !(v && std::string(v) == "0");
-    }();
-    return allowed && !gemm->batch_invariant();
-  }
+  // CudaModel::set_decode_overlap; NEXTLM_DECODE_OVERLAP=0 in the environment turns it off by default.
+  bool decode_overlap = [] {
+    const char* v = std::getenv("NEXTLM_DECODE_OVERLAP");
+    return !(v && std::string(v) == "0");
+  }();
+  bool overlap() const { return decode_overlap && !gemm->batch_invariant(); }
   void fork() {
     NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
     NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));
