@@ -13,6 +13,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include "cuda/testing_moe_backward.h"
 #include "model/backward.h"
@@ -331,6 +332,40 @@ TEST(CudaBackwardMoe, EmptyInputsAreNoOps) {
   std::vector<float> dl;
   cuda_testing::softmax_xent_backward({}, {}, {}, 0, 1000, loss, dl);
   EXPECT_TRUE(loss.empty() && dl.empty());
+}
+
+// A decoding step's routing in one launch (moe_route_permute_small) equals moe_route + moe_permute + gather_rows bit
+// for bit: choices, weights, the permutation, the expert offsets and the gathered rows; with many tied scores (the
+// logits on a coarse grid: ties go to the lower expert either way), grouped top-k, and the gather both inside the
+// block (few rows) and as the separate kernel (many).
+TEST(CudaMoeRouting, FusedSmallRoutingEqualsThreeKernels) {
+  struct Case {
+    int64_t T, E, G, TG, k, D;
+  };
+  for (const Case& c : {Case{1, 288, 1, 1, 8, 4096}, Case{3, 288, 1, 1, 8, 64}, Case{32, 64, 8, 4, 6, 40},
+                        Case{32, 288, 1, 1, 8, 4096}, Case{5, 300, 4, 2, 9, 16}}) {
+    std::vector<float> logits = test::randn(c.T * c.E, 7 + c.T), bias = test::randn(c.E, 8);
+    for (float& v : logits) v = std::round(v * 4.0f) / 4.0f;
+    for (float& v : bias) v = std::round(v * 8.0f) / 64.0f;
+    const std::vector<float> x = test::randn(c.T * c.D, 9);
+    const auto three = cuda_testing::moe_route_permute(logits, bias, x, c.T, c.E, c.G, c.TG, c.k, c.D, true, 2.5f,
+                                                       false);
+    const auto one = cuda_testing::moe_route_permute(logits, bias, x, c.T, c.E, c.G, c.TG, c.k, c.D, true, 2.5f, true);
+    const std::string what = "T " + std::to_string(c.T) + " E " + std::to_string(c.E);
+    EXPECT_EQ(one.experts, three.experts) << what;
+    EXPECT_EQ(one.keys, three.keys) << what;
+    EXPECT_EQ(one.slots, three.slots) << what;
+    EXPECT_EQ(one.token_of, three.token_of) << what;
+    EXPECT_EQ(one.slot_of, three.slot_of) << what;
+    EXPECT_EQ(one.offsets, three.offsets) << what;
+    ASSERT_EQ(one.weights.size(), three.weights.size()) << what;
+    EXPECT_EQ(std::memcmp(one.weights.data(), three.weights.data(), one.weights.size() * sizeof(float)), 0) << what;
+    ASSERT_EQ(one.xp.size(), three.xp.size()) << what;
+    EXPECT_EQ(std::memcmp(one.xp.data(), three.xp.data(), one.xp.size() * sizeof(float)), 0) << what;
+    // Every routing slot is placed, and the gathered rows are written (no NaN left from the poison).
+    for (float v : one.xp) ASSERT_FALSE(std::isnan(v)) << what;
+    EXPECT_EQ(one.offsets.back(), c.T * c.k) << what;
+  }
 }
 
 }  // namespace

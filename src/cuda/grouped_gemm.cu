@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 
 #include <cub/block/block_scan.cuh>
 
@@ -559,12 +560,20 @@ int current_device() {
   return dev;
 }
 
+// The N tiles of a row block (the schedule's other input besides the offsets and C::BM).
+template <class C>
+int n_tiles_of(const GroupedGemm& g) {
+  return g.epilogue == GroupedEpilogue::kSwiGLU ? static_cast<int>(ceil_div(g.N / 2, C::BN / 2))
+                                                : static_cast<int>(ceil_div(g.N, C::BN));
+}
+
 template <class C, bool kWgmma, bool KN>
 void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
-  const bool glu = g.epilogue == GroupedEpilogue::kSwiGLU;
-  const int n_tiles = glu ? static_cast<int>(ceil_div(g.N / 2, C::BN / 2)) : static_cast<int>(ceil_div(g.N, C::BN));
-  schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, start);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  const int n_tiles = n_tiles_of<C>(g);
+  if (!g.schedule_ready) {
+    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, start);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
   // Each non-empty expert wastes at most one partial M tile, so the tile count is at most this.
   const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
   const int dev = current_device();
@@ -609,6 +618,26 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel k) {
 }
 
 int64_t grouped_gemm_workspace_ints(int E) { return int64_t(E) + 1; }
+
+namespace {
+
+// (BM, N tiles) of g's schedule.
+std::pair<int, int> schedule_shape(const GroupedGemm& g) {
+  switch (g.kernel) {
+    case GroupedGemmKernel::kMma128x128x32: return {Cfg0::BM, n_tiles_of<Cfg0>(g)};
+    case GroupedGemmKernel::kMma128x128x64: return {Cfg1::BM, n_tiles_of<Cfg1>(g)};
+    case GroupedGemmKernel::kMma128x256x32: return {Cfg2::BM, n_tiles_of<Cfg2>(g)};
+    case GroupedGemmKernel::kWgmma128x128: return {WgCfg0::BM, n_tiles_of<WgCfg0>(g)};
+    case GroupedGemmKernel::kWgmma128x256: return {WgCfg1::BM, n_tiles_of<WgCfg1>(g)};
+  }
+  fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
+}
+
+}  // namespace
+
+bool grouped_gemm_same_schedule(const GroupedGemm& a, const GroupedGemm& b) {
+  return a.offsets == b.offsets && a.E == b.E && schedule_shape(a) == schedule_shape(b);
+}
 
 void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
   check(g.K % 8 == 0 && g.K > 0, "grouped_gemm: K must be a positive multiple of 8, got ", g.K);

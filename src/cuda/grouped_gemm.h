@@ -84,7 +84,14 @@ struct GroupedGemm {
   GroupedGemmKernel kernel = GroupedGemmKernel::kMma128x128x32;
   bool w_kn = false;  // true: each W[e] is bf16 [K, N] row-major and C = A·W_e (the input gradient dy·W of a linear);
                       // kF32, kF32Add and kBf16 only (not kSwiGLU)
+  // true: `workspace` already holds this GEMM's schedule, made by the previous grouped_gemm on it, for which
+  // grouped_gemm_same_schedule(previous, this) held (then only the GEMM is enqueued).
+  bool schedule_ready = false;
 };
+
+// Whether b's tile schedule is a's (the same offsets, experts, kernel variant and tiles per row block): b may then
+// set schedule_ready and run on a's workspace after a.
+bool grouped_gemm_same_schedule(const GroupedGemm& a, const GroupedGemm& b);
 
 // int32 elements of device workspace grouped_gemm needs (the per-expert tile prefix sum); E + 1.
 int64_t grouped_gemm_workspace_ints(int E);

@@ -178,6 +178,12 @@ size_t moe_permute_temp_bytes(int64_t n);
 void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_t* keys_sorted, int32_t* slots_in,
                  int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of, int32_t* offsets, void* temp,
                  size_t temp_bytes, cudaStream_t st);
+// moe_route, moe_permute (over E buckets) and gather_rows of a decoding step's few tokens (T ≤ 32, T·k ≤ 1024) in
+// one launch, the same results; returns false, doing nothing, for larger T (then call the three).
+bool moe_route_permute_small(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
+                             int64_t E, int64_t G, int64_t topk_group, int64_t k, bool norm, float scale,
+                             int32_t* keys_sorted, int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of,
+                             int32_t* offsets, const bf16* x, bf16* xp, int64_t D, cudaStream_t st);
 // y[t] (already the shared expert's output, or zero) += Σ_i w[t, i]·out[slot_of[t, i]] in i order. With
 // rows_held (a device int, expert parallelism) only the rows out[0 … *rows_held − 1] exist: the choices of experts
 // held elsewhere (moe_localize put them after those rows) add nothing.

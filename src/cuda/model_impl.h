@@ -915,20 +915,28 @@ struct CudaModel::Impl {
     }
     int32_t* experts = arena.alloc<int32_t>(n);
     float* weights = arena.alloc<float>(n);
-    moe_route(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob,
-              static_cast<float>(cfg.routed_scaling_factor), stream);
     // Expert parallelism: this rank runs its El experts on the tokens that chose them; the other choices go to a
     // last bucket after their rows, which the combine skips (the other ranks add them).
     const int64_t El = local_experts, buckets = El == E ? E : El + 1;
-    if (El != E) moe_localize(experts, n, expert_begin, El, stream);
     int32_t *keys = arena.alloc<int32_t>(n), *slots_in = arena.alloc<int32_t>(n), *slots = arena.alloc<int32_t>(n),
             *token_of = arena.alloc<int32_t>(n), *slot_of = arena.alloc<int32_t>(n),
             *offsets = arena.alloc<int32_t>(buckets + 1);
     const size_t temp_bytes = moe_permute_temp_bytes(n);
     void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
-    moe_permute(experts, T, k, buckets, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes, stream);
     bf16* xp = arena.alloc<bf16>(n * D);
-    gather_rows(a, token_of, xp, n, D, stream);
+    // A decoding step's few tokens: routing, sorting and gathering in one launch (the same results).
+    const float scale = static_cast<float>(cfg.routed_scaling_factor);
+    if (!(step && El == E &&
+          moe_route_permute_small(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k,
+                                  cfg.norm_topk_prob, scale, keys, slots, token_of, slot_of, offsets, a, xp, D,
+                                  stream))) {
+      moe_route(logits, w.bias, experts, weights, T, E, cfg.n_group, cfg.topk_group, k, cfg.norm_topk_prob, scale,
+                stream);
+      if (El != E) moe_localize(experts, n, expert_begin, El, stream);
+      moe_permute(experts, T, k, buckets, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes,
+                  stream);
+      gather_rows(a, token_of, xp, n, D, stream);
+    }
     bf16* act = arena.alloc<bf16>(n * I);
     float* out = arena.alloc<float>(n * D);
     mark_begin("experts");
@@ -941,6 +949,7 @@ struct CudaModel::Impl {
       grouped_gemm(gu, ws, stream);
       GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
                      static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
+      dn.schedule_ready = grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
       grouped_gemm(dn, ws, stream);
     } else {
       // One cuBLASLt GEMM per expert, after a device-to-host copy of the expert boundaries.

@@ -25,12 +25,12 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
   }
 }
 
+// Token t's routing by the calling warp (all its lanes).
 template <int PL>
-__global__ void route_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
-                             int64_t E, int64_t G, int64_t TG, int64_t k, bool norm, float scale) {
-  const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+__device__ __forceinline__ void route_token(const float* logits, const float* bias, int32_t* experts, float* weights,
+                                            int64_t t, int64_t E, int64_t G, int64_t TG, int64_t k, bool norm,
+                                            float scale) {
   const int lane = threadIdx.x & 31;
-  if (t >= T) return;  // whole warps
   const float* lg = logits + t * E;
   // Expert and group indices in 32 bits (E ≤ 512, G ≤ 64): 64-bit divisions are long software sequences.
   const int E32 = static_cast<int>(E), G32 = static_cast<int>(G), EG = E32 / G32;
@@ -113,6 +113,14 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
   };
   if (lane < k) put(lane, w0, e0);
   if (lane + 32 < k) put(lane + 32, w1, e1);
+}
+
+template <int PL>
+__global__ void route_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
+                             int64_t E, int64_t G, int64_t TG, int64_t k, bool norm, float scale) {
+  const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  if (t >= T) return;  // whole warps
+  route_token<PL>(logits, bias, experts, weights, t, E, G, TG, k, norm, scale);
 }
 
 // Grid (rows, column blocks): a decoding step's few rows still spread over many blocks. VEC: 16-byte copies (D a
@@ -199,14 +207,17 @@ __global__ void permute_finish_kernel(const int32_t* keys, const int32_t* slots,
 // Up to this many routing slots (a decoding step's B·k), moe_permute runs as one block instead of iota, a radix
 // sort and permute_finish.
 constexpr int64_t kSmallPermute = 1024;
+// moe_route_permute_small: at most this many tokens (a warp each of one block's 32), and rows copied in the same
+// block up to this many bytes.
+constexpr int64_t kRouteSmallTokens = 32, kRouteSmallGatherBytes = 128 * 1024;
 
-// One block: the stable sort by rank. Row p of slot i is #{j : key_j < key_i} + #{j < i : key_j = key_i}, exactly
-// where the stable radix sort puts it, and offsets[e] = #{j : key_j < e}.
-__global__ void __launch_bounds__(1024) small_permute_kernel(const int32_t* experts, int64_t n, int64_t k, int64_t E,
-                                                             int32_t* keys_sorted, int32_t* slots_sorted,
-                                                             int32_t* token_of_slot, int32_t* slot_of,
-                                                             int32_t* offsets) {
-  __shared__ int32_t key[kSmallPermute];
+// The stable sort by rank of n ≤ kSmallPermute slots by the whole block (1024 threads; key: shared scratch of
+// kSmallPermute). Row p of slot i is #{j : key_j < key_i} + #{j < i : key_j = key_i}, exactly where the stable radix
+// sort puts it, and offsets[e] = #{j : key_j < e}.
+__device__ __forceinline__ void small_permute_block(const int32_t* experts, int64_t n, int64_t k, int64_t E,
+                                                    int32_t* keys_sorted, int32_t* slots_sorted,
+                                                    int32_t* token_of_slot, int32_t* slot_of, int32_t* offsets,
+                                                    int32_t* key) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) key[i] = experts[i];
   __syncthreads();
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -222,6 +233,38 @@ __global__ void __launch_bounds__(1024) small_permute_kernel(const int32_t* expe
     int32_t below = 0;
     for (int64_t j = 0; j < n; ++j) below += key[j] < e;
     offsets[e] = below;
+  }
+}
+
+__global__ void __launch_bounds__(1024) small_permute_kernel(const int32_t* experts, int64_t n, int64_t k, int64_t E,
+                                                             int32_t* keys_sorted, int32_t* slots_sorted,
+                                                             int32_t* token_of_slot, int32_t* slot_of,
+                                                             int32_t* offsets) {
+  __shared__ int32_t key[kSmallPermute];
+  small_permute_block(experts, n, k, E, keys_sorted, slots_sorted, token_of_slot, slot_of, offsets, key);
+}
+
+// A decoding step's few tokens in one block (1024 threads): each warp routes tokens (route_token), then the block
+// sorts the slots (small_permute_block) and, with xp, gathers the permuted rows (16-byte copies); the same device
+// code as route_kernel, small_permute_kernel and gather_kernel, so the same bits, in one launch instead of three.
+template <int PL>
+__global__ void __launch_bounds__(1024)
+    route_permute_small_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
+                               int64_t E, int64_t G, int64_t TG, int64_t k, bool norm, float scale,
+                               int32_t* keys_sorted, int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of,
+                               int32_t* offsets, const bf16* x, bf16* xp, int64_t D) {
+  __shared__ int32_t key[kSmallPermute];
+  for (int64_t t = threadIdx.x >> 5; t < T; t += blockDim.x >> 5)
+    route_token<PL>(logits, bias, experts, weights, t, E, G, TG, k, norm, scale);
+  __syncthreads();  // experts (global) written by the block's warps, now read by all of it
+  small_permute_block(experts, T * k, k, E, keys_sorted, slots_sorted, token_of_slot, slot_of, offsets, key);
+  if (!xp) return;
+  __syncthreads();  // token_of_slot likewise
+  const int64_t per_row = D / 8;
+  for (int64_t i = threadIdx.x; i < T * k * per_row; i += blockDim.x) {
+    const int64_t r = i / per_row, c = i % per_row;
+    reinterpret_cast<uint4*>(xp + r * D)[c] =
+        __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(token_of_slot[r]) * D) + c);
   }
 }
 
@@ -268,6 +311,31 @@ void moe_route(const float* logits, const float* bias, int32_t* experts, float* 
     route_kernel<kRouteMaxPerLane><<<grid, 256, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k, norm,
                                                          scale);
   }
+}
+
+bool moe_route_permute_small(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
+                             int64_t E, int64_t G, int64_t topk_group, int64_t k, bool norm, float scale,
+                             int32_t* keys_sorted, int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of,
+                             int32_t* offsets, const bf16* x, bf16* xp, int64_t D, cudaStream_t st) {
+  check(G <= 64 && k <= 64 && E <= 32 * kRouteMaxPerLane,
+        "CUDA MoE: at most 64 groups, 64 experts per token and 512 experts");
+  const int64_t n = T * k;
+  if (!T || T > kRouteSmallTokens || n > kSmallPermute) return false;
+  // The rows are copied by this one block only while they are few (a separate gather spreads them over many).
+  const bool gather = n * D * int64_t(sizeof(bf16)) <= kRouteSmallGatherBytes && D % 8 == 0 && is_aligned16(x) &&
+                      is_aligned16(xp);
+  if (E <= 32 * 9) {
+    route_permute_small_kernel<9><<<1, 1024, 0, st>>>(logits, bias, experts, weights, T, E, G, topk_group, k, norm,
+                                                      scale, keys_sorted, slots_sorted, token_of_slot, slot_of,
+                                                      offsets, x, gather ? xp : nullptr, D);
+  } else {
+    route_permute_small_kernel<kRouteMaxPerLane><<<1, 1024, 0, st>>>(
+        logits, bias, experts, weights, T, E, G, topk_group, k, norm, scale, keys_sorted, slots_sorted, token_of_slot,
+        slot_of, offsets, x, gather ? xp : nullptr, D);
+  }
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (!gather) gather_rows(x, token_of_slot, xp, n, D, st);
+  return true;
 }
 
 void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st) {

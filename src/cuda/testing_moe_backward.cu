@@ -2,6 +2,7 @@
 #include "cuda/testing_moe_backward.h"
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kernels.h"
 #include "cuda/testing_buffers.h"
 
 namespace nextlm::cuda_testing {
@@ -11,6 +12,7 @@ using detail::download;
 using detail::finish;
 using detail::poisoned;
 using detail::upload;
+using detail::to_bf16;
 using detail::widen;
 
 void softmax_xent_backward(const std::vector<float>& logits, const std::vector<int32_t>& target,
@@ -78,6 +80,36 @@ std::vector<float> moe_route_backward(const std::vector<float>& logits, const st
                            nullptr);
   finish();
   return download<float>(out);
+}
+
+MoeRouting moe_route_permute(const std::vector<float>& logits, const std::vector<float>& bias,
+                             const std::vector<float>& x, int64_t T, int64_t E, int64_t G, int64_t topk_group,
+                             int64_t k, int64_t D, bool norm, float scale, bool fused) {
+  const int64_t n = T * k;
+  Buf dl = upload(logits), db = upload(bias), dx = upload(to_bf16(x));
+  Buf experts = poisoned<int32_t>(n), weights = poisoned<float>(n), keys = poisoned<int32_t>(n),
+      slots_in = poisoned<int32_t>(n), slots = poisoned<int32_t>(n), token_of = poisoned<int32_t>(n),
+      slot_of = poisoned<int32_t>(n), offsets = poisoned<int32_t>(E + 1), xp = poisoned<cuda::bf16>(n * D);
+  if (fused) {
+    check(cuda::moe_route_permute_small(dl.as<float>(), db.as<float>(), experts.as<int32_t>(), weights.as<float>(), T,
+                                        E, G, topk_group, k, norm, scale, keys.as<int32_t>(), slots.as<int32_t>(),
+                                        token_of.as<int32_t>(), slot_of.as<int32_t>(), offsets.as<int32_t>(),
+                                        dx.as<cuda::bf16>(), xp.as<cuda::bf16>(), D, nullptr),
+          "moe_route_permute_small declined T = ", T);
+  } else {
+    cuda::moe_route(dl.as<float>(), db.as<float>(), experts.as<int32_t>(), weights.as<float>(), T, E, G, topk_group, k,
+                    norm, scale, nullptr);
+    const size_t temp_bytes = cuda::moe_permute_temp_bytes(n);
+    Buf temp(temp_bytes);
+    cuda::moe_permute(experts.as<int32_t>(), T, k, E, keys.as<int32_t>(), slots_in.as<int32_t>(), slots.as<int32_t>(),
+                      token_of.as<int32_t>(), slot_of.as<int32_t>(), offsets.as<int32_t>(), temp.p, temp_bytes,
+                      nullptr);
+    cuda::gather_rows(dx.as<cuda::bf16>(), token_of.as<int32_t>(), xp.as<cuda::bf16>(), n, D, nullptr);
+  }
+  finish();
+  return MoeRouting{download<int32_t>(experts), download<int32_t>(keys),     download<int32_t>(slots),
+                    download<int32_t>(token_of), download<int32_t>(slot_of), download<int32_t>(offsets),
+                    download<float>(weights),    widen(download<cuda::bf16>(xp))};
 }
 
 }  // namespace nextlm::cuda_testing

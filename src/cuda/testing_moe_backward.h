@@ -35,4 +35,15 @@ std::vector<float> moe_route_backward(const std::vector<float>& logits, const st
                                       const std::vector<float>& dweights, int64_t T, int64_t E, int64_t k, bool norm,
                                       float scale);
 
+// The MoE routing of a decoding step: moe_route, moe_permute and gather_rows in three launches (fused = false) or
+// moe_route_permute_small's one (fused = true; it must accept T) on logits [T, E], bias [E] and rows x [T, D]
+// (rounded to bf16). Outputs poisoned first; xp widened.
+struct MoeRouting {
+  std::vector<int32_t> experts, keys, slots, token_of, slot_of, offsets;
+  std::vector<float> weights, xp;
+};
+MoeRouting moe_route_permute(const std::vector<float>& logits, const std::vector<float>& bias,
+                             const std::vector<float>& x, int64_t T, int64_t E, int64_t G, int64_t topk_group,
+                             int64_t k, int64_t D, bool norm, float scale, bool fused);
+
 }  // namespace nextlm::cuda_testing
