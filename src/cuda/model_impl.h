@@ -371,8 +371,8 @@ struct CudaModel::Impl {
   int device;
   cudaStream_t stream = nullptr;
   // Decoding runs independent chains of small, latency-bound kernels (the memory mostly idle meanwhile) side by side:
-  // fork() makes `side` wait for the work issued so far on `stream`, join(i) makes `stream` wait for what was issued
-  // on `side` so far, and on_side(f) issues f's work there. Captured into a step's graph these become parallel
+  // fork() makes `side` wait for the work issued so far on `stream`, on_side(f) issues f's work there, side_done(i)
+  // marks the side's work so far as join point i and join(i) makes `stream` wait for it. Captured into a step's graph these become parallel
   // branches. Only outside batch-invariant mode (overlap()), whose GEMMs run on the Gemm's own stream; no result
   // changes either way, each kernel computes what it computed in line.
   cudaStream_t side = nullptr;
@@ -895,7 +895,8 @@ struct CudaModel::Impl {
     const int64_t D = cfg.hidden_size, E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                   I = cfg.moe_intermediate_size, n = T * k;
     float* logits = arena.alloc<float>(T * E);
-    float* shared_gu = nullptr;  // decoding: the shared expert's gate|up, projected with the router in one launch
+    // Decoding in line: the shared expert's gate|up, projected with the router in one launch.
+    float* shared_gu = nullptr;
     // Decoding outside batch-invariant mode: the shared expert runs beside the routing and the experts (joined before
     // the combine, which adds the experts into y).
     const bool shared_beside = step && w.has_shared && overlap();
