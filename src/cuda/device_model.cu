@@ -445,7 +445,6 @@ void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e ==
 void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
 bool CudaModel::kda_on_tensor_cores() const { return impl_->kda_tc_path(); }
 void CudaModel::set_mla_absorbed(bool on) { impl_->mla_absorbed = on; }
-
 void CudaModel::set_decode_overlap(bool on) { impl_->decode_overlap = on; }
 void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 

@@ -211,6 +211,12 @@ constexpr int64_t kSmallPermute = 1024;
 // block up to this many bytes.
 constexpr int64_t kRouteSmallTokens = 32, kRouteSmallGatherBytes = 128 * 1024;
 
+// The shapes route_token handles (a lane's scores in registers, group and choice masks in 64 bits).
+void check_routing(int64_t E, int64_t G, int64_t k) {
+  check(G <= 64 && k <= 64 && E <= 32 * kRouteMaxPerLane,
+        "CUDA MoE: at most 64 groups, 64 experts per token and 512 experts");
+}
+
 // The stable sort by rank of n ≤ kSmallPermute slots by the whole block (1024 threads; key: shared scratch of
 // kSmallPermute). Row p of slot i is #{j : key_j < key_i} + #{j < i : key_j = key_i}, exactly where the stable radix
 // sort puts it, and offsets[e] = #{j : key_j < e}.
@@ -300,8 +306,7 @@ void moe_permute(const int32_t* experts, int64_t T, int64_t k, int64_t E, int32_
 
 void moe_route(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T, int64_t E,
                int64_t G, int64_t topk_group, int64_t k, bool norm, float scale, cudaStream_t st) {
-  check(G <= 64 && k <= 64 && E <= 32 * kRouteMaxPerLane,
-        "CUDA MoE: at most 64 groups, 64 experts per token and 512 experts");
+  check_routing(E, G, k);
   if (!T) return;
   const unsigned grid = static_cast<unsigned>(ceil_div(T * 32, 256));
   // A lane's scores in registers: as few as cover E (288 experts: 9), the same choices whatever the count.
@@ -317,8 +322,7 @@ bool moe_route_permute_small(const float* logits, const float* bias, int32_t* ex
                              int64_t E, int64_t G, int64_t topk_group, int64_t k, bool norm, float scale,
                              int32_t* keys_sorted, int32_t* slots_sorted, int32_t* token_of_slot, int32_t* slot_of,
                              int32_t* offsets, const bf16* x, bf16* xp, int64_t D, cudaStream_t st) {
-  check(G <= 64 && k <= 64 && E <= 32 * kRouteMaxPerLane,
-        "CUDA MoE: at most 64 groups, 64 experts per token and 512 experts");
+  check_routing(E, G, k);
   const int64_t n = T * k;
   if (!T || T > kRouteSmallTokens || n > kSmallPermute) return false;
   // The rows are copied by this one block only while they are few (a separate gather spreads them over many).
