@@ -23,7 +23,8 @@ int64_t items_of(const LinearSeg& s, int64_t M) {
   return ceil_div(ceil_div(s.out, gemv::kTileRows), sp.tiles) * ceil_div(M, gemv::kPassRows);
 }
 
-template <bool kVec>
+// The element-load path (inputs off 16-byte alignment): each warp loads and multiplies its units of an item in
+// turn (gemv::chain_tile).
 __global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_multi_kernel(Segs p) {
   __shared__ float red[gemv::kWarps][gemv::kTileRows][gemv::kRedLd];
   const int64_t mtiles = (p.M + gemv::kPassRows - 1) / gemv::kPassRows;
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_mul
     if (tb < sp.tiles && tile < ntiles) {
       // Rows past `out` read as zeros (their pointers clamped to the last row, never dereferenced).
       const int64_t n_lo = tile * gemv::kTileRows + g, n_hi = n_lo + 8;
-      gemv::warp_pass<kVec>(s.W + min(n_lo, s.out - 1) * s.in, n_lo < s.out, s.W + min(n_hi, s.out - 1) * s.in,
+      gemv::warp_pass(s.W + min(n_lo, s.out - 1) * s.in, n_lo < s.out, s.W + min(n_hi, s.out - 1) * s.in,
                             n_hi < s.out, s.x + m0 * s.ldx, s.ldx, rows, static_cast<int>(s.in), sp, chain, red[warp]);
     }
     __syncthreads();
@@ -60,6 +61,110 @@ __global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_mul
     }
     __syncthreads();  // red is rewritten by the next item
   }
+}
+
+// ---- The streaming path (gemv.cuh's ring): 16-byte aligned inputs ----
+
+// A warp's view of a work item: the item's segment, split and x pass, and the warp's chain, W rows and units in it.
+struct Where {
+  LinearSeg s;
+  gemv::Split sp;
+  int tb, chain, rows, units;  // units: this warp's in the item, 0 when it has no tile there
+  int64_t rg, m0;
+  const bf16 *w_lo, *w_hi;  // the lane's W rows (clamped to the last row: read only where lo_ok / hi_ok)
+  bool lo_ok, hi_ok;
+};
+
+__device__ __forceinline__ Where locate(const Segs& p, int64_t item, int64_t mtiles, int warp) {
+  Where w;
+  w.s = p.seg[0];
+  int64_t first = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxLinearSegs; ++i)  // static indices only (see linear_multi_kernel)
+    if (i < p.n && item >= p.first[i]) w.s = p.seg[i], first = p.first[i];
+  w.sp = gemv::split_of(w.s.in);
+  w.tb = warp / w.sp.nchain, w.chain = warp % w.sp.nchain;
+  const int64_t local = item - first;
+  w.rg = local / mtiles, w.m0 = local % mtiles * gemv::kPassRows;
+  w.rows = static_cast<int>(p.M - w.m0 < gemv::kPassRows ? p.M - w.m0 : gemv::kPassRows);
+  const int64_t ntiles = (w.s.out + gemv::kTileRows - 1) / gemv::kTileRows, tile = w.rg * w.sp.tiles + w.tb;
+  const bool active = w.tb < w.sp.tiles && tile < ntiles;
+  w.units = active ? (w.sp.nseg - w.chain + w.sp.nchain - 1) / w.sp.nchain * w.sp.sb : 0;
+  const int64_t n_lo = tile * gemv::kTileRows + ((threadIdx.x & 31) >> 2), n_hi = n_lo + 8;
+  w.lo_ok = n_lo < w.s.out, w.hi_ok = n_hi < w.s.out;
+  w.w_lo = w.s.W + min(n_lo, w.s.out - 1) * w.s.in, w.w_hi = w.s.W + min(n_hi, w.s.out - 1) * w.s.in;
+  return w;
+}
+
+// Every warp runs two cursors over its units of the grid-stride items: the feed copies units into the ring
+// gemv::kStages ahead of the MMAs, crossing items; the MMAs meet in shared memory per item as linear_multi_kernel's.
+// NT n8 tiles of x rows a pass (1, 2 or 4 by M: how many rows share an MMA changes no bit).
+template <int NT>
+__global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_stream_kernel(Segs p) {
+  constexpr int D = gemv::kStages;
+  __shared__ float red[gemv::kWarps][gemv::kTileRows][gemv::kRedLd];
+  extern __shared__ uint4 ring_smem[];  // a gemv::Ring a warp
+  const int warp = threadIdx.x >> 5;
+  gemv::Ring& ring = reinterpret_cast<gemv::Ring*>(ring_smem)[warp];
+  const int64_t mtiles = (p.M + gemv::kPassRows - 1) / gemv::kPassRows, items = p.first[p.n];
+
+  // The feed: its item and the next of the warp's units there.
+  int64_t f_item = blockIdx.x;
+  Where f = locate(p, f_item, mtiles, warp);
+  int f_unit = 0, f_slot = 0;
+  auto feed = [&] {
+    while (f_unit >= f.units && f_item + gridDim.x < items) {
+      f_item += gridDim.x;
+      f = locate(p, f_item, mtiles, warp);
+      f_unit = 0;
+    }
+    if (f_unit < f.units) {
+      gemv::copy_unit(ring.v[f_slot], f.w_lo, f.lo_ok, f.w_hi, f.hi_ok, static_cast<int>(f.s.in), f.sp, f.chain,
+                      f_unit);
+      ++f_unit;
+      f_slot = f_slot + 1 == D ? 0 : f_slot + 1;
+    }
+    gemv::cp_commit();  // one group a call, empty past the last unit: the consumer's wait counts on it
+  };
+#pragma unroll 1
+  for (int i = 0; i < D; ++i) feed();
+
+  int slot = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const Where w = locate(p, item, mtiles, warp);
+    if (w.units) {
+      float acc[NT][4] = {};
+      const bf16* x = w.s.x + w.m0 * w.s.ldx;
+      for (int u = 0; u < w.units; ++u) {
+        gemv::consume_unit<NT>(ring.v[slot], x, w.s.ldx, w.rows, static_cast<int>(w.s.in), w.sp, w.chain, u, acc);
+        slot = slot + 1 == D ? 0 : slot + 1;
+        feed();  // into the slot just read (its values are in the MMAs' registers)
+      }
+      gemv::store_partial<NT>(red[warp], acc);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < w.sp.tiles * gemv::kTileRows * w.rows; idx += blockDim.x) {
+      const int r = idx % gemv::kTileRows, m = idx / gemv::kTileRows % w.rows, t = idx / gemv::kTileRows / w.rows;
+      const int64_t n = (w.rg * w.sp.tiles + t) * gemv::kTileRows + r;
+      if (n < w.s.out) {
+        const float v = gemv::chain_sum(red, w.sp, t, r, m);
+        float* dst = w.s.y + (w.m0 + m) * w.s.ldy + n;
+        *dst = p.accumulate ? *dst + v : v;
+      }
+    }
+    __syncthreads();  // red is rewritten by the next item
+  }
+}
+
+template <int NT>
+void launch_stream(const Segs& p, unsigned grid, cudaStream_t st) {
+  static const bool sized = [] {  // the ring is over the 48 KB a launch gets unasked
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(linear_stream_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(gemv::kRingBytes)));
+    return true;
+  }();
+  (void)sized;
+  linear_stream_kernel<NT><<<grid, gemv::kThreads, gemv::kRingBytes, st>>>(p);
 }
 
 void launch(const LinearSeg* segs, size_t nsegs, int64_t M, bool accumulate, cudaStream_t st) {
@@ -83,10 +188,14 @@ void launch(const LinearSeg* segs, size_t nsegs, int64_t M, bool accumulate, cud
   if (!M || !p.n) return;
   const unsigned grid = static_cast<unsigned>(gemv::grid_for(p.first[p.n]));
   // 16-byte loads or element loads: the same values into the same MMAs, so the choice changes no bit.
+  // The ring or element loads: the same values into the same MMAs, so the choice changes no bit.
   if (vec) {
-    linear_multi_kernel<true><<<grid, gemv::kThreads, 0, st>>>(p);
+    const int64_t rows = M < gemv::kPassRows ? M : gemv::kPassRows;
+    if (rows <= 8) launch_stream<1>(p, grid, st);
+    else if (rows <= 16) launch_stream<2>(p, grid, st);
+    else launch_stream<4>(p, grid, st);
   } else {
-    linear_multi_kernel<false><<<grid, gemv::kThreads, 0, st>>>(p);
+    linear_multi_kernel<<<grid, gemv::kThreads, 0, st>>>(p);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }

@@ -312,7 +312,7 @@ struct LoraState {
   std::vector<LayerLora> layers;
   std::vector<DAdapter*> order;  // in the host adapter's module order
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;  // (kind, layer, expert, rank) of each, that order
-  std::vector<std::pair<float*, int64_t>> grads;                 // the gradient buffers, for zeroing
+  size_t grads_at = 0, grads_bytes = 0;  // every gradient buffer lies in base's bytes [grads_at, + grads_bytes)
   // The device optimizer (CudaModel::start_lora_optimizer), when started: per tensor of the host adapter's params()
   // order (each module's A, then B) its fp32 value, moments and descriptor (cuda/optim.h), in one allocation.
   struct Optimizer {

@@ -1031,8 +1031,9 @@ void CudaModel::zero_grads() {
   Impl& m = *impl_;
   if (m.grads)
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
-  if (m.lora)
-    for (const auto& [p, n] : m.lora->grads) NEXTLM_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), m.stream));
+  if (m.lora && m.lora->grads_bytes)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + m.lora->grads_at, 0, m.lora->grads_bytes,
+                                      m.stream));
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
@@ -1213,7 +1214,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       bytes += (n + 255) & ~size_t{255};
       return at;
     };
-    std::vector<std::array<size_t, 4>> at;
+    std::vector<std::array<size_t, 4>> at;  // per module: the offsets of A, B, dA, dB (dA, dB: first their sizes)
     for (const LoraModule& mod : mods) {
       check(mod.layer >= 0 && mod.layer < static_cast<int64_t>(m.layers.size()), "LoRA module on layer ", mod.layer,
             ", the model has ", m.layers.size());
@@ -1250,9 +1251,15 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       d.out = tgt.out, d.in = tgt.W->in, d.r = mod.rank, d.col0 = tgt.col0;
       d.scale = static_cast<float>(mod.scale);
       const int64_t na = d.r * d.in, nb = d.out * d.r;
-      at.push_back({take(na * 2), take(nb * 2), take(na * 4), take(nb * 4)});
+      at.push_back({take(na * 2), take(nb * 2), static_cast<size_t>(na), static_cast<size_t>(nb)});
       st->order.push_back(&d);
     }
+    // The gradients after every A and B, in one range: zero_grads clears them with one memset however many
+    // adapters there are (2636 of them with one adapter per expert on the slice).
+    st->grads_at = bytes;
+    for (size_t i = 0; i < st->order.size(); ++i)
+      if (st->order[i]) at[i][2] = take(at[i][2] * 4), at[i][3] = take(at[i][3] * 4);
+    st->grads_bytes = bytes - st->grads_at;
     for (const cuda::LayerLora& ll : st->layers)
       for (const auto& v : ll.kinds)
         for (const cuda::DAdapter& d : v) check(d.r > 0, "LoRA: per-expert adapters must cover every expert");
@@ -1266,8 +1273,6 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       d.B = reinterpret_cast<cuda::bf16*>(base + at[i][1]);
       d.dA = reinterpret_cast<float*>(base + at[i][2]);
       d.dB = reinterpret_cast<float*>(base + at[i][3]);
-      st->grads.emplace_back(d.dA, d.r * d.in);
-      st->grads.emplace_back(d.dB, d.out * d.r);
     }
     NEXTLM_CUDA_CHECK(cudaMemset(st->base, 0, std::max<size_t>(bytes, 1)));
     group_expert_adapters(c, *st);
