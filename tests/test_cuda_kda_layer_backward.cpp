@@ -100,11 +100,12 @@ void conv_norm_backward_ref(const std::vector<float>& raw, const std::vector<flo
 struct ConvCase {
   std::vector<int64_t> lens;
   int64_t K;
+  int64_t W = 4;  // conv taps (the kernel is compiled per tap count)
 };
 class CudaBackwardKdaLayerConv : public ::testing::TestWithParam<ConvCase> {};
 
 TEST_P(CudaBackwardKdaLayerConv, ConvNormMatchesCpu) {
-  const int64_t H = 3, K = GetParam().K, W = 4, HK = H * K, C3 = 3 * HK;
+  const int64_t H = 3, K = GetParam().K, W = GetParam().W, HK = H * K, C3 = 3 * HK;
   const std::vector<int64_t> cu = cu_of(GetParam().lens);
   const int64_t T = cu.back();
   const std::vector<float> raw = test::randn(T * C3, 1), conv = test::randn(C3 * W, 2, 0.5f);
@@ -127,10 +128,13 @@ TEST_P(CudaBackwardKdaLayerConv, ConvNormMatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerConv,
                          ::testing::Values(ConvCase{{1, 3, 17, 100}, 16}, ConvCase{{1, 3, 17, 100}, 128},
-                                           ConvCase{{5, 2000, 1, 63}, 128}),
+                                           ConvCase{{5, 2000, 1, 63}, 128}, ConvCase{{1, 3, 17, 100}, 16, 1},
+                                           ConvCase{{1, 3, 17, 100}, 16, 2}, ConvCase{{2, 3, 170, 1}, 32, 3},
+                                           ConvCase{{1, 3, 17, 100}, 16, 8}),
                          [](const auto& info) {
                            return "K" + std::to_string(info.param.K) + "_T" +
-                                  std::to_string(cu_of(info.param.lens).back());
+                                  std::to_string(cu_of(info.param.lens).back()) + "_W" +
+                                  std::to_string(info.param.W);
                          });
 
 TEST(CudaBackwardKdaLayer, ConvNormEmptyIsNoOp) {

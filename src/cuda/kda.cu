@@ -23,12 +23,13 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
   if (warp_id >= T * H * 3) return;
   const int64_t which = warp_id % 3, h = (warp_id / 3) % H, t = warp_id / (3 * H);
   const int64_t HK = H * K, C3 = 3 * HK, s0 = seq_start[t];
-  float vals[8];  // K ≤ 256
+  float vals[8];  // K ≤ 256; the loops below unroll over all 8 so that it stays in registers
   float ss = 0.0f;
   const int per = static_cast<int>((K + 31) / 32);
-  for (int i = 0; i < per; ++i) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
     vals[i] = 0.0f;
-    if (lane + 32 * i >= K) continue;
+    if (i >= per || lane + 32 * i >= K) continue;
     const int64_t ch = which * HK + h * K + lane + 32 * i;
     float acc = 0.0f;
     for (int64_t w = 0; w < W; ++w) {
@@ -45,8 +46,9 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
     ss = warp_sum(ss);
     scale = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
   }
-  for (int i = 0; i < per; ++i)
-    if (lane + 32 * i < K) put(out + (t * H + h) * K + lane + 32 * i, vals[i] * scale);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (i < per && lane + 32 * i < K) put(out + (t * H + h) * K + lane + 32 * i, vals[i] * scale);
 }
 
 __global__ void gate_kernel(float* g, const float* dt_bias, const float* A_log, int64_t n, int64_t H, int64_t K,

@@ -3,6 +3,7 @@
 // kda_layer_backward (src/model/kda_backward.cpp) and rmsnorm_backward (src/model/norm_backward.cpp); the inverses of
 // kda_conv_norm, kda_gate and kda_out_norm (src/cuda/kda.cu), whose data layouts they share.
 #include <algorithm>
+#include <cstdint>
 
 #include "cuda/backward_kernels.h"
 
@@ -45,12 +46,14 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
     const int64_t which = wid % 3, h = (wid / 3) % H, t = wid / (3 * H);
     const int64_t s0 = seq_start[t];
     const float* dy = (which == 0 ? dq : (which == 1 ? dk : dv)) + (t * H + h) * K;
+    // The per-lane arrays stay in registers: every loop over them unrolls over kMaxPer with `per` as a guard.
     float pre[kMaxPer], act[kMaxPer], g[kMaxPer];
     float ss = 0.0f, dot = 0.0f;
-    for (int i = 0; i < per; ++i) {
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) {
       pre[i] = act[i] = g[i] = 0.0f;
       const int64_t d = lane + 32 * i;
-      if (d >= K) continue;
+      if (i >= per || d >= K) continue;
       const int64_t ch = which * HK + h * K + d;
       float acc = 0.0f;
       for (int64_t w = 0; w < W; ++w) {
@@ -72,9 +75,10 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
       c = dot / (n * n * n);
       scale = which == 0 ? qscale : 1.0f;
     }
-    for (int i = 0; i < per; ++i) {
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) {
       const int64_t d = lane + 32 * i;
-      if (d >= K) continue;
+      if (i >= per || d >= K) continue;
       const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
       dpre[t * C3 + which * HK + h * K + d] = dact * silu_grad(pre[i]);
     }
@@ -85,29 +89,48 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
 // over taps inside t's sequence, so
 //   dx[s] += Σ_i w[i]·dpre[s+(W−1)−i]   (the later token in s's sequence, i.e. seq_start of it ≤ s),
 //   dw[i] += Σ_t dpre[t]·x[t+i−(W−1)]   (per-range partials [parts, C3, W] in part, summed by conv_dw_reduce_kernel).
-__global__ void conv_backward_kernel(const float* raw, const float* conv, const int32_t* seq_start, const float* dpre,
-                                     float* draw, float* part, int64_t T, int64_t C3, int64_t W, int64_t span) {
+// The W rows of x before t and of dpre (with their seq_start) from t on slide along in registers, so each token
+// reads one new row of each.
+template <int W>
+__global__ void conv_backward_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+                                     const int32_t* __restrict__ seq_start, const float* __restrict__ dpre,
+                                     float* __restrict__ draw, float* __restrict__ part, int64_t T, int64_t C3,
+                                     int64_t span) {
   const int64_t ch = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (ch >= C3) return;
   const int64_t t_begin = blockIdx.y * span, t_end = t_begin + span < T ? t_begin + span : T;
-  float w[kMaxW], acc[kMaxW];
-  for (int i = 0; i < kMaxW; ++i) {
-    w[i] = i < W ? conv[ch * W + i] : 0.0f;
+  // At token t: xr[i] = x[t+i−(W−1)] (0 before the start), dp[j] = dpre[t+j] and sd[j] = seq_start[t+j] (0 and
+  // INT32_MAX past the end).
+  float w[W], acc[W], xr[W], dp[W];
+  int32_t sd[W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    w[i] = conv[ch * W + i];
     acc[i] = 0.0f;
+    const int64_t src = t_begin + i - (W - 1), dst = t_begin + i;
+    xr[i] = i < W - 1 && src >= 0 ? raw[src * C3 + ch] : 0.0f;
+    dp[i] = i < W - 1 && dst < T ? dpre[dst * C3 + ch] : 0.0f;
+    sd[i] = i < W - 1 && dst < T ? seq_start[dst] : INT32_MAX;
   }
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const float d = dpre[t * C3 + ch];
-    const int64_t s0 = seq_start[t];
+    const int64_t last = t + W - 1;
+    xr[W - 1] = raw[t * C3 + ch];
+    dp[W - 1] = last < T ? dpre[last * C3 + ch] : 0.0f;
+    sd[W - 1] = last < T ? seq_start[last] : INT32_MAX;
+    const float d = dp[0];
+    const int64_t s0 = sd[0];
     float dx = 0.0f;
+#pragma unroll
     for (int i = 0; i < W; ++i) {
-      const int64_t src = t + i - (W - 1);
-      if (src >= s0) acc[i] += d * raw[src * C3 + ch];
-      const int64_t dst = t + (W - 1) - i;  // the token whose tap i reads t
-      if (dst < T && seq_start[dst] <= t) dx += w[i] * dpre[dst * C3 + ch];
+      if (t + i - (W - 1) >= s0) acc[i] += d * xr[i];
+      if (t + (W - 1) - i < T && sd[W - 1 - i] <= t) dx += w[i] * dp[W - 1 - i];  // the token whose tap i reads t
     }
     draw[t * C3 + ch] += dx;
+#pragma unroll
+    for (int i = 0; i + 1 < W; ++i) xr[i] = xr[i + 1], dp[i] = dp[i + 1], sd[i] = sd[i + 1];
   }
   float* out = part + (blockIdx.y * C3 + ch) * W;
+#pragma unroll
   for (int i = 0; i < W; ++i) out[i] = acc[i];
 }
 
@@ -191,20 +214,23 @@ __global__ void out_norm_backward_kernel(const float* o, const float* gate, cons
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per = static_cast<int>((K + 31) / 32);
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  // The per-lane arrays stay in registers: every loop over them unrolls over kMaxPer with `per` as a guard.
   float wv[kMaxPer], dwacc[kMaxPer];
-  for (int i = 0; i < per; ++i) {
+#pragma unroll
+  for (int i = 0; i < kMaxPer; ++i) {
     const int64_t d = lane + 32 * i;
-    wv[i] = d < K ? w[d] : 0.0f;
+    wv[i] = i < per && d < K ? w[d] : 0.0f;
     dwacc[i] = 0.0f;
   }
   for (int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; row < rows; row += nwarps) {
     const float* orow = o + row * K;
     float x[kMaxPer], dn[kMaxPer], sg[kMaxPer], dr[kMaxPer];
     float ss = 0.0f, dot = 0.0f;
-    for (int i = 0; i < per; ++i) {
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) {
       x[i] = dn[i] = sg[i] = dr[i] = 0.0f;
       const int64_t d = lane + 32 * i;
-      if (d >= K) continue;
+      if (i >= per || d >= K) continue;
       x[i] = orow[d];
       sg[i] = sigm(gate[row * K + d]);
       dr[i] = don[row * K + d];
@@ -216,16 +242,19 @@ __global__ void out_norm_backward_kernel(const float* o, const float* gate, cons
     dot = warp_sum(dot);
     const float r = 1.0f / sqrtf(ss / K + eps);
     const float c = dot / K * r * r * r;
-    for (int i = 0; i < per; ++i) {
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) {
       const int64_t d = lane + 32 * i;
-      if (d >= K) continue;
+      if (i >= per || d >= K) continue;
       const float xr = x[i] * r;
       dgate[row * K + d] = dr[i] * (wv[i] * xr) * sg[i] * (1.0f - sg[i]);
       do_[row * K + d] += r * wv[i] * dn[i] - c * x[i];
       dwacc[i] += dn[i] * xr;
     }
   }
-  for (int i = 0; i < per; ++i) red[warp][lane + 32 * i] = dwacc[i];
+#pragma unroll
+  for (int i = 0; i < kMaxPer; ++i)
+    if (i < per) red[warp][lane + 32 * i] = dwacc[i];
   __syncthreads();
   const int nw = blockDim.x >> 5;
   for (int64_t d = threadIdx.x; d < K; d += blockDim.x) {
@@ -265,8 +294,18 @@ void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* 
   conv_norm_dpre_kernel<<<warp_grid(T * H * 3), 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, W,
                                                                rsqrtf(static_cast<float>(K)));
   NEXTLM_CUDA_CHECK(cudaGetLastError());
-  conv_backward_kernel<<<dim3(static_cast<unsigned>(ceil_div(C3, kChanThreads)), static_cast<unsigned>(parts)),
-                         kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3, W, span);
+  const dim3 grid(static_cast<unsigned>(ceil_div(C3, kChanThreads)), static_cast<unsigned>(parts));
+  auto conv_bwd = [&](auto kernel) { kernel<<<grid, kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3, span); };
+  switch (W) {  // the taps as a compile-time count (1 … kMaxW, checked above)
+    case 1: conv_bwd(conv_backward_kernel<1>); break;
+    case 2: conv_bwd(conv_backward_kernel<2>); break;
+    case 3: conv_bwd(conv_backward_kernel<3>); break;
+    case 4: conv_bwd(conv_backward_kernel<4>); break;
+    case 5: conv_bwd(conv_backward_kernel<5>); break;
+    case 6: conv_bwd(conv_backward_kernel<6>); break;
+    case 7: conv_bwd(conv_backward_kernel<7>); break;
+    default: conv_bwd(conv_backward_kernel<8>); break;
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const int64_t n = C3 * W;
   conv_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, st>>>(part, dconv, n, parts);
