@@ -85,6 +85,81 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
   }
 }
 
+// The same for W = 4 taps and up to 32·PER channels a head (compile-time): a warp runs one (head, which) over
+// kConvRowTokens consecutive tokens with the conv weights and the last W rows of raw in registers (as kda.cu's
+// conv_norm_rows_kernel), so each token reads one new row instead of W and no weights; every element's arithmetic
+// and lanes are conv_norm_dpre_kernel's, so the same bits.
+constexpr int kConvRowTokens = 16;
+
+template <int W, int PER>
+__global__ void conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+                                           const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
+                                           const float* __restrict__ dk, const float* __restrict__ dv,
+                                           float* __restrict__ dpre, int64_t T, int64_t H, int64_t K, float qscale) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = (T + kConvRowTokens - 1) / kConvRowTokens * H * 3;
+  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < rows; wid += nwarps) {
+    const int64_t which = wid % 3, h = (wid / 3) % H, t0 = wid / (3 * H) * kConvRowTokens;
+    const int64_t t1 = t0 + kConvRowTokens < T ? t0 + kConvRowTokens : T;
+    const int64_t HK = H * K, C3 = 3 * HK;
+    const float* dsrc = which == 0 ? dq : (which == 1 ? dk : dv);
+    float cw[PER][W], win[PER][W];  // as conv_norm_rows_kernel's
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const bool on = lane + 32 * i < K;
+      const int64_t ch = which * HK + h * K + lane + 32 * i;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        cw[i][w] = on ? conv[ch * W + w] : 0.0f;
+        const int64_t src = t0 + w - (W - 1);
+        win[i][w] = on && w < W - 1 && src >= 0 ? raw[src * C3 + ch] : 0.0f;
+      }
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s0 = seq_start[t];
+      const float* dy = dsrc + (t * H + h) * K;
+      float pre[PER], act[PER], g[PER];
+      float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        pre[i] = act[i] = g[i] = 0.0f;
+        const int64_t d = lane + 32 * i;
+        if (d >= K) continue;
+        win[i][W - 1] = raw[t * C3 + which * HK + h * K + d];
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w)
+          if (t + w - (W - 1) >= s0) acc += cw[i][w] * win[i][w];
+        pre[i] = acc;
+        act[i] = acc * sigm(acc);
+        g[i] = dy[d];
+        ss += act[i] * act[i];
+        dot += g[i] * act[i];
+      }
+      float scale = 1.0f, inv_n = 1.0f, c = 0.0f;
+      if (which < 2) {
+        ss = warp_sum(ss);
+        dot = warp_sum(dot);
+        const float n = sqrtf(ss + 1e-6f);
+        inv_n = 1.0f / n;
+        c = dot / (n * n * n);
+        scale = which == 0 ? qscale : 1.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int64_t d = lane + 32 * i;
+        if (d < K) {
+          const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
+          dpre[t * C3 + which * HK + h * K + d] = dact * silu_grad(pre[i]);
+        }
+#pragma unroll
+        for (int w = 0; w + 1 < W; ++w) win[i][w] = win[i][w + 1];
+      }
+    }
+  }
+}
+
 // Grid (channel blocks, token ranges); a thread owns one channel of one token range. pre[t] = Σ_i w[i]·x[t+i−(W−1)]
 // over taps inside t's sequence, so
 //   dx[s] += Σ_i w[i]·dpre[s+(W−1)−i]   (the later token in s's sequence, i.e. seq_start of it ≤ s),
@@ -291,11 +366,26 @@ void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* 
   const int64_t C3 = 3 * H * K, parts = num_parts(T), span = ceil_div(T, parts);
   float* dpre = work;                  // [T, C3]
   float* part = work + T * C3;         // [parts, C3, W]
-  conv_norm_dpre_kernel<<<warp_grid(T * H * 3), 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, W,
-                                                               rsqrtf(static_cast<float>(K)));
+  const float qscale = rsqrtf(static_cast<float>(K));
+  if (W == 4) {  // the config's tap count (linear_conv_kernel_dim); others take the one-token-a-warp kernel
+    const unsigned g = warp_grid(ceil_div(T, kConvRowTokens) * H * 3);
+    if (K <= 32)
+      conv_norm_dpre_rows_kernel<4, 1><<<g, 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, qscale);
+    else if (K <= 64)
+      conv_norm_dpre_rows_kernel<4, 2><<<g, 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, qscale);
+    else if (K <= 128)
+      conv_norm_dpre_rows_kernel<4, 4><<<g, 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, qscale);
+    else
+      conv_norm_dpre_rows_kernel<4, 8><<<g, 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, qscale);
+  } else {
+    conv_norm_dpre_kernel<<<warp_grid(T * H * 3), 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, W,
+                                                                qscale);
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const dim3 grid(static_cast<unsigned>(ceil_div(C3, kChanThreads)), static_cast<unsigned>(parts));
-  auto conv_bwd = [&](auto kernel) { kernel<<<grid, kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3, span); };
+  auto conv_bwd = [&](auto kernel) {
+    kernel<<<grid, kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3, span);
+  };
   switch (W) {  // the taps as a compile-time count (1 … kMaxW, checked above)
     case 1: conv_bwd(conv_backward_kernel<1>); break;
     case 2: conv_bwd(conv_backward_kernel<2>); break;
