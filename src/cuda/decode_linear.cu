@@ -158,12 +158,10 @@ __global__ void __launch_bounds__(gemv::kThreads, gemv::kBlocksPerSm) linear_str
 
 template <int NT>
 void launch_stream(const Segs& p, unsigned grid, cudaStream_t st) {
-  static const bool sized = [] {  // the ring is over the 48 KB a launch gets unasked
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(linear_stream_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(gemv::kRingBytes)));
-    return true;
-  }();
-  (void)sized;
+  // The ring is over the 48 KB a launch gets unasked. Set at every launch, as the other kernels here do: the
+  // attribute belongs to the current device's context, and a process may drive several GPUs.
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(linear_stream_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(gemv::kRingBytes)));
   linear_stream_kernel<NT><<<grid, gemv::kThreads, gemv::kRingBytes, st>>>(p);
 }
 

@@ -19,7 +19,7 @@
 // bypass L1 (each byte is used once) and leave it to x. Two ways to load them:
 //   - 16-byte aligned inputs (every decoding projection): a warp's weights stream through a ring of kStages units
 //     in shared memory (cp.async), kStages units ahead of its MMAs and across work items, so that the stream never
-//     drains (the streaming path below; 87 → 100 % of 4.14 TB/s on lm_head at one row);
+//     drains (the streaming path below; 87 → 98 % of 4.14 TB/s on lm_head at one row);
 //   - otherwise element by element into registers, a segment at a time (chain_tile).
 // nvcc only (device code); internal to the kernels that include it.
 #pragma once
