@@ -3,6 +3,7 @@
 // state, split over value columns), and the gated output norm. Matches src/model/kda.cpp (chunk 64).
 #include <algorithm>
 
+#include "cuda/kda_conv.cuh"
 #include "cuda/kernels.h"
 
 namespace nextlm::cuda {
@@ -54,37 +55,21 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
 }
 
 // The same for the common shape (W taps and up to 32·PER channels a head, both compile-time): a warp runs one
-// (head, which) over kConvRowTokens consecutive tokens, with the conv weights and the last W rows of raw in registers,
-// so each token reads one new row instead of W and no weights. Every element's arithmetic is conv_norm_kernel's,
-// with the same lanes, so the same bits.
-constexpr int kConvRowTokens = 16;
-
+// (head, which) over kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers
+// (kda_conv.cuh). Every element's arithmetic is conv_norm_kernel's, with the same lanes, so the same bits.
 template <class OutT, int W, int PER>
 __global__ void conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                                       const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T,
                                       int64_t H, int64_t K) {
   const int lane = threadIdx.x & 31;
-  const int64_t rows = (T + kConvRowTokens - 1) / kConvRowTokens * H * 3;
-  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < rows; wid += nwarps) {
-    const int64_t which = wid % 3, h = (wid / 3) % H, t0 = wid / (3 * H) * kConvRowTokens;
-    const int64_t t1 = t0 + kConvRowTokens < T ? t0 + kConvRowTokens : T;
-    const int64_t HK = H * K, C3 = 3 * HK;
-    OutT* out = which == 0 ? q : (which == 1 ? k : v);
-    // cw[i][w]: channel lane + 32i's taps; win[i][w] = raw[t + w − (W−1)] of that channel at token t (0 before 0).
-    float cw[PER][W], win[PER][W];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const bool on = lane + 32 * i < K;
-      const int64_t ch = which * HK + h * K + lane + 32 * i;
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        cw[i][w] = on ? conv[ch * W + w] : 0.0f;
-        const int64_t src = t0 + w - (W - 1);
-        win[i][w] = on && w < W - 1 && src >= 0 ? raw[src * C3 + ch] : 0.0f;
-      }
-    }
-    for (int64_t t = t0; t < t1; ++t) {
+  const int64_t C3 = 3 * H * K, nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs(T, H);
+       wid += nwarps) {
+    const kda_conv::Run r = kda_conv::run_of(wid, T, H);
+    OutT* out = r.which == 0 ? q : (r.which == 1 ? k : v);
+    kda_conv::Window<W, PER> win;
+    win.load(raw, conv, r, H, K);
+    for (int64_t t = r.t0; t < r.t1; ++t) {
       const int64_t s0 = seq_start[t];
       float vals[PER];
       float ss = 0.0f;
@@ -92,26 +77,19 @@ __global__ void conv_norm_rows_kernel(const float* __restrict__ raw, const float
       for (int i = 0; i < PER; ++i) {
         vals[i] = 0.0f;
         if (lane + 32 * i >= K) continue;
-        win[i][W - 1] = raw[t * C3 + which * HK + h * K + lane + 32 * i];
-        float acc = 0.0f;
-#pragma unroll
-        for (int w = 0; w < W; ++w)
-          if (t + w - (W - 1) >= s0) acc += cw[i][w] * win[i][w];
-        acc = silu(acc);
+        const float acc = silu(win.conv_at(raw, C3, t, s0, i));
         vals[i] = acc;
         ss += acc * acc;
       }
       float scale = 1.0f;
-      if (which < 2) {
+      if (r.which < 2) {
         ss = warp_sum(ss);
-        scale = rsqrtf(ss + 1e-6f) * (which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
+        scale = rsqrtf(ss + 1e-6f) * (r.which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
       }
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        if (lane + 32 * i < K) put(out + (t * H + h) * K + lane + 32 * i, vals[i] * scale);
-#pragma unroll
-        for (int w = 0; w + 1 < W; ++w) win[i][w] = win[i][w + 1];
-      }
+      for (int i = 0; i < PER; ++i)
+        if (lane + 32 * i < K) put(out + (t * H + r.h) * K + lane + 32 * i, vals[i] * scale);
+      win.shift();
     }
   }
 }
@@ -307,7 +285,7 @@ void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, Ou
   check(K <= 256, "CUDA KDA: linear_head_dim must be at most 256, got ", K);
   if (T <= 0 || H * K == 0) return;
   if (W == 4) {  // the config's (linear_conv_kernel_dim); other tap counts take the one-token-a-warp kernel
-    const int64_t warps = ceil_div(T, kConvRowTokens) * H * 3;
+    const int64_t warps = ceil_div(T, kda_conv::kRunTokens) * H * 3;
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(warps * 32, 256), 1 << 20));  // strides
     if (K <= 32)
       conv_norm_rows_kernel<OutT, 4, 1><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kda_conv.cuh"
 
 namespace nextlm::cuda {
 
@@ -32,9 +33,45 @@ __device__ __forceinline__ float silu_grad(float x) {
 
 // ---- conv + SiLU + L2 norm ----
 
-// One warp per (token, head, which of q/k/v), as conv_norm_kernel: recompute pre = conv(raw) and act = SiLU(pre) of
-// its K channels, then dpre [T, 3·HK] (written) = SiLU'(pre)·(L2-norm backward of the output gradient), with
-// y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no norm.
+// One row (token, head, which of q/k/v) of dpre [T, 3·HK] from its pre-activations: pre[i] is channel lane + 32i's
+// (i < per, channel < K), dy the row's output gradient; dpre = SiLU'(pre)·(L2-norm backward of dy), with act =
+// SiLU(pre), y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no norm.
+template <int N>
+__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float* dy, int64_t which, float qscale,
+                                         int64_t K, float* out) {
+  const int lane = threadIdx.x & 31;
+  float act[N], g[N];
+  float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    act[i] = g[i] = 0.0f;
+    const int64_t d = lane + 32 * i;
+    if (i >= per || d >= K) continue;
+    act[i] = pre[i] * sigm(pre[i]);
+    g[i] = dy[d];
+    ss += act[i] * act[i];
+    dot += g[i] * act[i];
+  }
+  float scale = 1.0f, inv_n = 1.0f, c = 0.0f;
+  if (which < 2) {
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    const float n = sqrtf(ss + 1e-6f);
+    inv_n = 1.0f / n;
+    c = dot / (n * n * n);
+    scale = which == 0 ? qscale : 1.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int64_t d = lane + 32 * i;
+    if (i >= per || d >= K) continue;
+    const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
+    out[d] = dact * silu_grad(pre[i]);
+  }
+}
+
+// One warp per (token, head, which), as conv_norm_kernel: recompute pre = conv(raw) of its K channels, then its dpre
+// row. The per-lane arrays stay in registers: every loop over them unrolls over kMaxPer with `per` as a guard.
 __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                                       const float* dk, const float* dv, float* dpre, int64_t T, int64_t H, int64_t K,
                                       int64_t W, float qscale) {
@@ -45,13 +82,10 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
   for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < rows; wid += nwarps) {
     const int64_t which = wid % 3, h = (wid / 3) % H, t = wid / (3 * H);
     const int64_t s0 = seq_start[t];
-    const float* dy = (which == 0 ? dq : (which == 1 ? dk : dv)) + (t * H + h) * K;
-    // The per-lane arrays stay in registers: every loop over them unrolls over kMaxPer with `per` as a guard.
-    float pre[kMaxPer], act[kMaxPer], g[kMaxPer];
-    float ss = 0.0f, dot = 0.0f;
+    float pre[kMaxPer];
 #pragma unroll
     for (int i = 0; i < kMaxPer; ++i) {
-      pre[i] = act[i] = g[i] = 0.0f;
+      pre[i] = 0.0f;
       const int64_t d = lane + 32 * i;
       if (i >= per || d >= K) continue;
       const int64_t ch = which * HK + h * K + d;
@@ -61,101 +95,35 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
         if (src >= s0) acc += conv[ch * W + w] * raw[src * C3 + ch];
       }
       pre[i] = acc;
-      act[i] = acc * sigm(acc);
-      g[i] = dy[d];
-      ss += act[i] * act[i];
-      dot += g[i] * act[i];
     }
-    float scale = 1.0f, inv_n = 1.0f, c = 0.0f;
-    if (which < 2) {
-      ss = warp_sum(ss);
-      dot = warp_sum(dot);
-      const float n = sqrtf(ss + 1e-6f);
-      inv_n = 1.0f / n;
-      c = dot / (n * n * n);
-      scale = which == 0 ? qscale : 1.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < kMaxPer; ++i) {
-      const int64_t d = lane + 32 * i;
-      if (i >= per || d >= K) continue;
-      const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
-      dpre[t * C3 + which * HK + h * K + d] = dact * silu_grad(pre[i]);
-    }
+    const float* dy = (which == 0 ? dq : (which == 1 ? dk : dv)) + (t * H + h) * K;
+    dpre_row(pre, per, dy, which, qscale, K, dpre + t * C3 + which * HK + h * K);
   }
 }
 
-// The same for W = 4 taps and up to 32·PER channels a head (compile-time): a warp runs one (head, which) over
-// kConvRowTokens consecutive tokens with the conv weights and the last W rows of raw in registers (as kda.cu's
-// conv_norm_rows_kernel), so each token reads one new row instead of W and no weights; every element's arithmetic
-// and lanes are conv_norm_dpre_kernel's, so the same bits.
-constexpr int kConvRowTokens = 16;
-
+// The same for W taps and up to 32·PER channels a head (compile-time): a warp runs one (head, which) over
+// kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers (kda_conv.cuh), as
+// kda.cu's conv_norm_rows_kernel; every element's arithmetic and lanes are conv_norm_dpre_kernel's, so the same bits.
 template <int W, int PER>
 __global__ void conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                                            const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
                                            const float* __restrict__ dk, const float* __restrict__ dv,
                                            float* __restrict__ dpre, int64_t T, int64_t H, int64_t K, float qscale) {
   const int lane = threadIdx.x & 31;
-  const int64_t rows = (T + kConvRowTokens - 1) / kConvRowTokens * H * 3;
-  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < rows; wid += nwarps) {
-    const int64_t which = wid % 3, h = (wid / 3) % H, t0 = wid / (3 * H) * kConvRowTokens;
-    const int64_t t1 = t0 + kConvRowTokens < T ? t0 + kConvRowTokens : T;
-    const int64_t HK = H * K, C3 = 3 * HK;
-    const float* dsrc = which == 0 ? dq : (which == 1 ? dk : dv);
-    float cw[PER][W], win[PER][W];  // as conv_norm_rows_kernel's
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const bool on = lane + 32 * i < K;
-      const int64_t ch = which * HK + h * K + lane + 32 * i;
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        cw[i][w] = on ? conv[ch * W + w] : 0.0f;
-        const int64_t src = t0 + w - (W - 1);
-        win[i][w] = on && w < W - 1 && src >= 0 ? raw[src * C3 + ch] : 0.0f;
-      }
-    }
-    for (int64_t t = t0; t < t1; ++t) {
+  const int64_t HK = H * K, C3 = 3 * HK, nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs(T, H);
+       wid += nwarps) {
+    const kda_conv::Run r = kda_conv::run_of(wid, T, H);
+    const float* dsrc = r.which == 0 ? dq : (r.which == 1 ? dk : dv);
+    kda_conv::Window<W, PER> win;
+    win.load(raw, conv, r, H, K);
+    for (int64_t t = r.t0; t < r.t1; ++t) {
       const int64_t s0 = seq_start[t];
-      const float* dy = dsrc + (t * H + h) * K;
-      float pre[PER], act[PER], g[PER];
-      float ss = 0.0f, dot = 0.0f;
+      float pre[PER];
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        pre[i] = act[i] = g[i] = 0.0f;
-        const int64_t d = lane + 32 * i;
-        if (d >= K) continue;
-        win[i][W - 1] = raw[t * C3 + which * HK + h * K + d];
-        float acc = 0.0f;
-#pragma unroll
-        for (int w = 0; w < W; ++w)
-          if (t + w - (W - 1) >= s0) acc += cw[i][w] * win[i][w];
-        pre[i] = acc;
-        act[i] = acc * sigm(acc);
-        g[i] = dy[d];
-        ss += act[i] * act[i];
-        dot += g[i] * act[i];
-      }
-      float scale = 1.0f, inv_n = 1.0f, c = 0.0f;
-      if (which < 2) {
-        ss = warp_sum(ss);
-        dot = warp_sum(dot);
-        const float n = sqrtf(ss + 1e-6f);
-        inv_n = 1.0f / n;
-        c = dot / (n * n * n);
-        scale = which == 0 ? qscale : 1.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int64_t d = lane + 32 * i;
-        if (d < K) {
-          const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
-          dpre[t * C3 + which * HK + h * K + d] = dact * silu_grad(pre[i]);
-        }
-#pragma unroll
-        for (int w = 0; w + 1 < W; ++w) win[i][w] = win[i][w + 1];
-      }
+      for (int i = 0; i < PER; ++i) pre[i] = lane + 32 * i < K ? win.conv_at(raw, C3, t, s0, i) : 0.0f;
+      dpre_row(pre, PER, dsrc + (t * H + r.h) * K, r.which, qscale, K, dpre + t * C3 + r.which * HK + r.h * K);
+      win.shift();
     }
   }
 }
@@ -368,7 +336,7 @@ void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* 
   float* part = work + T * C3;         // [parts, C3, W]
   const float qscale = rsqrtf(static_cast<float>(K));
   if (W == 4) {  // the config's tap count (linear_conv_kernel_dim); others take the one-token-a-warp kernel
-    const unsigned g = warp_grid(ceil_div(T, kConvRowTokens) * H * 3);
+    const unsigned g = warp_grid(ceil_div(T, kda_conv::kRunTokens) * H * 3);
     if (K <= 32)
       conv_norm_dpre_rows_kernel<4, 1><<<g, 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, qscale);
     else if (K <= 64)
