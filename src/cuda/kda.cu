@@ -284,7 +284,7 @@ void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, Ou
                int64_t H, int64_t K, int64_t W, cudaStream_t st) {
   check(K <= 256, "CUDA KDA: linear_head_dim must be at most 256, got ", K);
   if (T <= 0 || H * K == 0) return;
-  if (W == 4) {  // the config's (linear_conv_kernel_dim); other tap counts take the one-token-a-warp kernel
+  if (W == 4) {  // the config's linear_conv_kernel_dim; other tap counts take the one-token-a-warp kernel
     const int64_t warps = ceil_div(T, kda_conv::kRunTokens) * H * 3;
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(warps * 32, 256), 1 << 20));  // strides
     if (K <= 32)
