@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -28,6 +29,13 @@ float bf16r(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// How many of two runs' step outputs differ bitwise, in order (an output one run lacks counts as differing).
+int64_t differing_steps(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  int64_t n = std::abs(static_cast<int64_t>(a.size()) - static_cast<int64_t>(b.size()));
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) n += !bitwise_equal(a[i], b[i]);
+  return n;
 }
 
 // ---- GEMV ----
@@ -712,8 +720,7 @@ TEST_P(CudaDecodeGolden, StepsAreBatchInvariant) {
     }
     together.push_back(dec.step(sl, tok)[mine]);
   }
-  int64_t differing = 0;
-  for (size_t i = 0; i < alone.size(); ++i) differing += !bitwise_equal(alone[i], together[i]);
+  const int64_t differing = differing_steps(alone, together);
   std::printf("[cuda decode] %s: %lld of %zu steps differ bitwise between alone and batched\n", GetParam().c_str(),
               static_cast<long long>(differing), alone.size());
   EXPECT_EQ(differing, 0);
@@ -744,8 +751,7 @@ TEST_P(CudaDecodeGolden, GraphStepsEqualPlainSteps) {
       }
     }
     ASSERT_EQ(out[0].size(), out[1].size());
-    int64_t differing = 0;
-    for (size_t i = 0; i < out[0].size(); ++i) differing += !bitwise_equal(out[0][i], out[1][i]);
+    const int64_t differing = differing_steps(out[0], out[1]);
     std::printf("[cuda decode] %s%s: %lld of %zu step outputs differ between graph replays and plain steps\n",
                 GetParam().c_str(), invariant ? " (batch-invariant)" : "", static_cast<long long>(differing),
                 out[0].size());
@@ -780,8 +786,7 @@ TEST_P(CudaDecodeGolden, OverlappedStepsEqualInLineSteps) {
   gpu.set_decode_overlap(true);
   for (int run = 1; run < 4; ++run) {
     ASSERT_EQ(out[run].size(), out[0].size());
-    int64_t differing = 0;
-    for (size_t i = 0; i < out[0].size(); ++i) differing += !bitwise_equal(out[0][i], out[run][i]);
+    const int64_t differing = differing_steps(out[0], out[run]);
     std::printf("[cuda decode] %s: %lld of %zu step outputs differ from in-line plain steps (%s, %s)\n",
                 GetParam().c_str(), static_cast<long long>(differing), out[0].size(),
                 run >= 2 ? "overlapped" : "in line", run % 2 ? "graphs" : "plain");
