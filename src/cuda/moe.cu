@@ -252,7 +252,8 @@ __global__ void __launch_bounds__(1024) small_permute_kernel(const int32_t* expe
 
 // A decoding step's few tokens in one block (1024 threads): each warp routes tokens (route_token), then the block
 // sorts the slots (small_permute_block) and, with xp, gathers the permuted rows (16-byte copies); the same device
-// code as route_kernel, small_permute_kernel and gather_kernel, so the same bits, in one launch instead of three.
+// code as route_kernel and small_permute_kernel and gather_kernel's 16-byte copies, so the same bits, in one launch
+// instead of three.
 template <int PL>
 __global__ void __launch_bounds__(1024)
     route_permute_small_kernel(const float* logits, const float* bias, int32_t* experts, float* weights, int64_t T,
