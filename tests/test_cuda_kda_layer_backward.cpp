@@ -249,7 +249,7 @@ TEST_P(CudaBackwardKdaLayerOutNorm, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerOutNorm,
                          ::testing::Values(OutNormCase{1, 16}, OutNormCase{121, 16}, OutNormCase{121, 128},
-                                           OutNormCase{3001, 128}),
+                                           OutNormCase{3001, 128}, OutNormCase{77, 48}, OutNormCase{77, 200}),
                          [](const auto& info) {
                            return "T" + std::to_string(info.param.T) + "_K" + std::to_string(info.param.K);
                          });

@@ -58,7 +58,7 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
 // (head, which) over kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers
 // (kda_conv.cuh). Every element's arithmetic is conv_norm_kernel's, with the same lanes, so the same bits.
 template <class OutT, int W, int PER>
-__global__ void conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+__global__ void __launch_bounds__(256, 2) conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                                       const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T,
                                       int64_t H, int64_t K) {
   const int lane = threadIdx.x & 31;
@@ -69,27 +69,35 @@ __global__ void conv_norm_rows_kernel(const float* __restrict__ raw, const float
     OutT* out = r.which == 0 ? q : (r.which == 1 ? k : v);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
-    for (int64_t t = r.t0; t < r.t1; ++t) {
-      const int64_t s0 = seq_start[t];
-      float vals[PER];
-      float ss = 0.0f;
+    for (int64_t t0 = r.t0; t0 < r.t1; t0 += kda_conv::kGroup) {
+      kda_conv::Group<PER> x;
+      kda_conv::GroupStarts starts;
+      win.fetch(x, raw, C3, K, t0, r.t1);
+      starts.load(seq_start, t0, r.t1);
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        vals[i] = 0.0f;
-        if (lane + 32 * i >= K) continue;
-        const float acc = silu(win.conv_at(raw, C3, t, s0, i));
-        vals[i] = acc;
-        ss += acc * acc;
-      }
-      float scale = 1.0f;
-      if (r.which < 2) {
-        ss = warp_sum(ss);
-        scale = rsqrtf(ss + 1e-6f) * (r.which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
-      }
+      for (int u = 0; u < kda_conv::kGroup; ++u) {
+        const int64_t t = t0 + u;
+        if (t >= r.t1) break;
+        float vals[PER];
+        float ss = 0.0f;
 #pragma unroll
-      for (int i = 0; i < PER; ++i)
-        if (lane + 32 * i < K) put(out + (t * H + r.h) * K + lane + 32 * i, vals[i] * scale);
-      win.shift();
+        for (int i = 0; i < PER; ++i) {
+          vals[i] = 0.0f;
+          if (lane + 32 * i >= K) continue;
+          const float acc = silu(win.conv_at(x.x[u][i], t, starts.s0[u], i));
+          vals[i] = acc;
+          ss += acc * acc;
+        }
+        float scale = 1.0f;
+        if (r.which < 2) {
+          ss = warp_sum(ss);
+          scale = rsqrtf(ss + 1e-6f) * (r.which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+          if (lane + 32 * i < K) put(out + (t * H + r.h) * K + lane + 32 * i, vals[i] * scale);
+        win.shift();
+      }
     }
   }
 }

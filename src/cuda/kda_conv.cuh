@@ -2,7 +2,9 @@
 // (kda.cu) and the backward's dpre pass (kda_layer_backward.cu): lane l holds channels l + 32i (i < PER) of one
 // (head, q/k/v) block of raw [T, 3·H·K], their W taps and the last W rows of raw, so each token reads one new row of
 // raw and no weights. The conv of a channel at token t is Σ_w taps[w]·raw[t + w − (W−1)] over the taps inside t's
-// sequence, in w order, as the one-token-a-warp kernels compute it. nvcc only; internal to those two files.
+// sequence, in w order, as the one-token-a-warp kernels compute it. The new rows come kGroup tokens at a time, all
+// their loads issued before the first is used (Group): one token's loads alone leave too few bytes in flight for
+// these memory-bound kernels. nvcc only; internal to those two files.
 #pragma once
 #include <cstdint>
 
@@ -11,6 +13,8 @@
 namespace nextlm::cuda::kda_conv {
 
 constexpr int kRunTokens = 16;  // tokens a warp runs
+constexpr int kGroup = 4;       // tokens whose loads are issued together (divides kRunTokens)
+static_assert(kRunTokens % kGroup == 0);
 
 // Warp `wid`'s run: the block (q, k or v) and head, and tokens [t0, t1).
 struct Run {
@@ -23,6 +27,30 @@ __device__ __forceinline__ Run run_of(int64_t wid, int64_t T, int64_t H) {
   r.t1 = r.t0 + kRunTokens < T ? r.t0 + kRunTokens : T;
   return r;
 }
+
+// Per-lane values of kGroup consecutive tokens from t0, PER channels each (zero for tokens ≥ t1 or channels ≥ K), all
+// loads issued before any is used. at(t, i): the element of token t (row stride ld) and of the lane's channel i.
+template <int PER>
+struct Group {
+  float x[kGroup][PER];
+  template <class At>
+  __device__ __forceinline__ void load(int64_t t0, int64_t t1, int64_t K, At at) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u)
+#pragma unroll
+      for (int i = 0; i < PER; ++i) x[u][i] = t0 + u < t1 && lane + 32 * i < K ? at(t0 + u, i) : 0.0f;
+  }
+};
+
+// The sequence starts of those tokens (0 past t1).
+struct GroupStarts {
+  int64_t s0[kGroup];
+  __device__ __forceinline__ void load(const int32_t* seq_start, int64_t t0, int64_t t1) {
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) s0[u] = t0 + u < t1 ? seq_start[t0 + u] : 0;
+  }
+};
 
 template <int W, int PER>
 struct Window {
@@ -46,9 +74,15 @@ struct Window {
       }
     }
   }
-  // Channel i's conv at token t, whose sequence starts at s0 (reads raw[t] into the window first; channel < K).
-  __device__ __forceinline__ float conv_at(const float* raw, int64_t C3, int64_t t, int64_t s0, int i) {
-    rows[i][W - 1] = raw[t * C3 + col + 32 * i];
+  // The rows of raw of the lane's channels for kGroup tokens from t0 (those before t1).
+  __device__ __forceinline__ void fetch(Group<PER>& g, const float* raw, int64_t C3, int64_t K, int64_t t0,
+                                        int64_t t1) const {
+    g.load(t0, t1, K, [&](int64_t t, int i) { return raw[t * C3 + col + 32 * i]; });
+  }
+  // Channel i's conv at token t, whose sequence starts at s0, given x = raw[t] of the channel (then in the window;
+  // channel < K).
+  __device__ __forceinline__ float conv_at(float x, int64_t t, int64_t s0, int i) {
+    rows[i][W - 1] = x;
     float acc = 0.0f;
 #pragma unroll
     for (int w = 0; w < W; ++w)

@@ -17,6 +17,7 @@ constexpr int kMaxPer = 8;        // K/32 values per lane, K ≤ 256
 constexpr int kMaxParts = 128;    // token ranges of the deterministic parameter-gradient reductions
 constexpr int kPartTokens = 64;   // fewest tokens per range
 constexpr int kChanThreads = 128; // threads (= channels) per block of the per-channel passes
+constexpr int kOutNormRows = 2;   // rows a warp of out_norm_backward_kernel loads together
 
 // Token ranges for the per-channel passes: a function of T only, so the order of every sum is fixed by the shapes.
 int64_t num_parts(int64_t T) { return std::min<int64_t>(ceil_div(T, kPartTokens), kMaxParts); }
@@ -33,12 +34,13 @@ __device__ __forceinline__ float silu_grad(float x) {
 
 // ---- conv + SiLU + L2 norm ----
 
-// One row (token, head, which of q/k/v) of dpre [T, 3·HK] from its pre-activations: pre[i] is channel lane + 32i's
-// (i < per, channel < K), dy the row's output gradient; dpre = SiLU'(pre)·(L2-norm backward of dy), with act =
-// SiLU(pre), y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no norm.
+// One row (token, head, which of q/k/v) of dpre [T, 3·HK] from its pre-activations: pre[i] and dy[i] are channel
+// lane + 32i's (i < per, channel < K) pre-activation and output gradient; dpre = SiLU'(pre)·(L2-norm backward of dy),
+// with act = SiLU(pre), y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no
+// norm.
 template <int N>
-__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float* dy, int64_t which, float qscale,
-                                         int64_t K, float* out) {
+__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
+                                         float qscale, int64_t K, float* out) {
   const int lane = threadIdx.x & 31;
   float act[N], g[N];
   float ss = 0.0f, dot = 0.0f;
@@ -48,7 +50,7 @@ __device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const f
     const int64_t d = lane + 32 * i;
     if (i >= per || d >= K) continue;
     act[i] = pre[i] * sigm(pre[i]);
-    g[i] = dy[d];
+    g[i] = dy[i];
     ss += act[i] * act[i];
     dot += g[i] * act[i];
   }
@@ -97,7 +99,10 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
       pre[i] = acc;
     }
     const float* dy = (which == 0 ? dq : (which == 1 ? dk : dv)) + (t * H + h) * K;
-    dpre_row(pre, per, dy, which, qscale, K, dpre + t * C3 + which * HK + h * K);
+    float g[kMaxPer];
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) g[i] = i < per && lane + 32 * i < K ? dy[lane + 32 * i] : 0.0f;
+    dpre_row(pre, per, g, which, qscale, K, dpre + t * C3 + which * HK + h * K);
   }
 }
 
@@ -105,7 +110,7 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
 // kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers (kda_conv.cuh), as
 // kda.cu's conv_norm_rows_kernel; every element's arithmetic and lanes are conv_norm_dpre_kernel's, so the same bits.
 template <int W, int PER>
-__global__ void conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+__global__ void __launch_bounds__(256, 2) conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                                            const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
                                            const float* __restrict__ dk, const float* __restrict__ dv,
                                            float* __restrict__ dpre, int64_t T, int64_t H, int64_t K, float qscale) {
@@ -117,13 +122,22 @@ __global__ void conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const 
     const float* dsrc = r.which == 0 ? dq : (r.which == 1 ? dk : dv);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
-    for (int64_t t = r.t0; t < r.t1; ++t) {
-      const int64_t s0 = seq_start[t];
-      float pre[PER];
+    for (int64_t t0 = r.t0; t0 < r.t1; t0 += kda_conv::kGroup) {
+      kda_conv::Group<PER> x, dy;
+      kda_conv::GroupStarts starts;
+      win.fetch(x, raw, C3, K, t0, r.t1);
+      dy.load(t0, r.t1, K, [&](int64_t t, int i) { return dsrc[(t * H + r.h) * K + lane + 32 * i]; });
+      starts.load(seq_start, t0, r.t1);
 #pragma unroll
-      for (int i = 0; i < PER; ++i) pre[i] = lane + 32 * i < K ? win.conv_at(raw, C3, t, s0, i) : 0.0f;
-      dpre_row(pre, PER, dsrc + (t * H + r.h) * K, r.which, qscale, K, dpre + t * C3 + r.which * HK + r.h * K);
-      win.shift();
+      for (int u = 0; u < kda_conv::kGroup; ++u) {
+        const int64_t t = t0 + u;
+        if (t >= r.t1) break;
+        float pre[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) pre[i] = lane + 32 * i < K ? win.conv_at(x.x[u][i], t, starts.s0[u], i) : 0.0f;
+        dpre_row(pre, PER, dy.x[u], r.which, qscale, K, dpre + t * C3 + r.which * HK + r.h * K);
+        win.shift();
+      }
     }
   }
 }
@@ -133,7 +147,7 @@ __global__ void conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const 
 //   dx[s] += Σ_i w[i]·dpre[s+(W−1)−i]   (the later token in s's sequence, i.e. seq_start of it ≤ s),
 //   dw[i] += Σ_t dpre[t]·x[t+i−(W−1)]   (per-range partials [parts, C3, W] in part, summed by conv_dw_reduce_kernel).
 // The W rows of x before t and of dpre (with their seq_start) from t on slide along in registers, so each token
-// reads one new row of each.
+// reads one new row of each; those of kda_conv::kGroup tokens are loaded together.
 template <int W>
 __global__ void conv_backward_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                                      const int32_t* __restrict__ seq_start, const float* __restrict__ dpre,
@@ -155,22 +169,36 @@ __global__ void conv_backward_kernel(const float* __restrict__ raw, const float*
     dp[i] = i < W - 1 && dst < T ? dpre[dst * C3 + ch] : 0.0f;
     sd[i] = i < W - 1 && dst < T ? seq_start[dst] : INT32_MAX;
   }
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const int64_t last = t + W - 1;
-    xr[W - 1] = raw[t * C3 + ch];
-    dp[W - 1] = last < T ? dpre[last * C3 + ch] : 0.0f;
-    sd[W - 1] = last < T ? seq_start[last] : INT32_MAX;
-    const float d = dp[0];
-    const int64_t s0 = sd[0];
-    float dx = 0.0f;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kda_conv::kGroup) {
+    // The new rows of kda_conv::kGroup tokens, all loads issued before the first is used.
+    float xg[kda_conv::kGroup], dg[kda_conv::kGroup], rg[kda_conv::kGroup];
+    int32_t sg[kda_conv::kGroup];
 #pragma unroll
-    for (int i = 0; i < W; ++i) {
-      if (t + i - (W - 1) >= s0) acc[i] += d * xr[i];
-      if (t + (W - 1) - i < T && sd[W - 1 - i] <= t) dx += w[i] * dp[W - 1 - i];  // the token whose tap i reads t
+    for (int u = 0; u < kda_conv::kGroup; ++u) {
+      const int64_t t = t0 + u, last = t + W - 1;
+      const bool in = t < t_end, tail = in && last < T;
+      xg[u] = in ? raw[t * C3 + ch] : 0.0f;
+      rg[u] = in ? draw[t * C3 + ch] : 0.0f;
+      dg[u] = tail ? dpre[last * C3 + ch] : 0.0f;
+      sg[u] = tail ? seq_start[last] : INT32_MAX;
     }
-    draw[t * C3 + ch] += dx;
 #pragma unroll
-    for (int i = 0; i + 1 < W; ++i) xr[i] = xr[i + 1], dp[i] = dp[i + 1], sd[i] = sd[i + 1];
+    for (int u = 0; u < kda_conv::kGroup; ++u) {
+      const int64_t t = t0 + u;
+      if (t >= t_end) break;
+      xr[W - 1] = xg[u], dp[W - 1] = dg[u], sd[W - 1] = sg[u];
+      const float d = dp[0];
+      const int64_t s0 = sd[0];
+      float dx = 0.0f;
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        if (t + i - (W - 1) >= s0) acc[i] += d * xr[i];
+        if (t + (W - 1) - i < T && sd[W - 1 - i] <= t) dx += w[i] * dp[W - 1 - i];  // the token whose tap i reads t
+      }
+      draw[t * C3 + ch] = rg[u] + dx;
+#pragma unroll
+      for (int i = 0; i + 1 < W; ++i) xr[i] = xr[i + 1], dp[i] = dp[i + 1], sd[i] = sd[i + 1];
+    }
   }
   float* out = part + (blockIdx.y * C3 + ch) * W;
 #pragma unroll
@@ -251,53 +279,72 @@ __global__ void sigmoid_backward_kernel(const float* y, float* d, int64_t n) {
 // Warps stride over the rows (token, head) of K. With r = rsqrt(mean(o²) + eps), σ = sigmoid(gate), dn = don·σ:
 //   dgate = don·(w⊙o·r)·σ(1−σ) (written), do += r·w⊙dn − o·r³·Σ(w⊙dn⊙o)/K, dw += Σ_rows dn⊙o·r.
 // A lane keeps its columns' dw sums over the warp's rows; the block adds its warps in order into part [blocks, K].
-__global__ void out_norm_backward_kernel(const float* o, const float* gate, const float* w, const float* don,
-                                         float* do_, float* dgate, float* part, int64_t rows, int64_t K, float eps) {
-  __shared__ float red[8][kMaxPer * 32];  // [warp, K] (K ≤ 256, 256 threads)
+template <int PER>
+__global__ void __launch_bounds__(256, 4)
+    out_norm_backward_kernel(const float* o, const float* gate, const float* w, const float* don, float* do_,
+                             float* dgate, float* part, int64_t rows, int64_t K, float eps) {
+  __shared__ float red[8][PER * 32];  // [warp, K] (K ≤ 32·PER, 256 threads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int per = static_cast<int>((K + 31) / 32);
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  // The per-lane arrays stay in registers: every loop over them unrolls over kMaxPer with `per` as a guard.
-  float wv[kMaxPer], dwacc[kMaxPer];
+  float wv[PER], dwacc[PER];
 #pragma unroll
-  for (int i = 0; i < kMaxPer; ++i) {
+  for (int i = 0; i < PER; ++i) {
     const int64_t d = lane + 32 * i;
-    wv[i] = i < per && d < K ? w[d] : 0.0f;
+    wv[i] = d < K ? w[d] : 0.0f;
     dwacc[i] = 0.0f;
   }
-  for (int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; row < rows; row += nwarps) {
-    const float* orow = o + row * K;
-    float x[kMaxPer], dn[kMaxPer], sg[kMaxPer], dr[kMaxPer];
-    float ss = 0.0f, dot = 0.0f;
+  // A warp's rows are row0, row0 + nwarps, …; kOutNormRows of them at a time, all their loads issued first.
+  for (int64_t row0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; row0 < rows;
+       row0 += kOutNormRows * nwarps) {
+    float x[kOutNormRows][PER], gt[kOutNormRows][PER], dr[kOutNormRows][PER],
+        dold[kOutNormRows][PER];
 #pragma unroll
-    for (int i = 0; i < kMaxPer; ++i) {
-      x[i] = dn[i] = sg[i] = dr[i] = 0.0f;
-      const int64_t d = lane + 32 * i;
-      if (i >= per || d >= K) continue;
-      x[i] = orow[d];
-      sg[i] = sigm(gate[row * K + d]);
-      dr[i] = don[row * K + d];
-      dn[i] = dr[i] * sg[i];
-      ss += x[i] * x[i];
-      dot += wv[i] * dn[i] * x[i];
+    for (int j = 0; j < kOutNormRows; ++j) {
+      const int64_t row = row0 + j * nwarps;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int64_t d = lane + 32 * i;
+        const bool on = row < rows && d < K;
+        x[j][i] = on ? o[row * K + d] : 0.0f;
+        gt[j][i] = on ? gate[row * K + d] : 0.0f;
+        dr[j][i] = on ? don[row * K + d] : 0.0f;
+        dold[j][i] = on ? do_[row * K + d] : 0.0f;
+      }
     }
-    ss = warp_sum(ss);
-    dot = warp_sum(dot);
-    const float r = 1.0f / sqrtf(ss / K + eps);
-    const float c = dot / K * r * r * r;
 #pragma unroll
-    for (int i = 0; i < kMaxPer; ++i) {
-      const int64_t d = lane + 32 * i;
-      if (i >= per || d >= K) continue;
-      const float xr = x[i] * r;
-      dgate[row * K + d] = dr[i] * (wv[i] * xr) * sg[i] * (1.0f - sg[i]);
-      do_[row * K + d] += r * wv[i] * dn[i] - c * x[i];
-      dwacc[i] += dn[i] * xr;
+    for (int j = 0; j < kOutNormRows; ++j) {
+      const int64_t row = row0 + j * nwarps;
+      if (row >= rows) break;
+      float dn[PER], sg[PER];
+      float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        dn[i] = sg[i] = 0.0f;
+        const int64_t d = lane + 32 * i;
+        if (d >= K) continue;
+        sg[i] = sigm(gt[j][i]);
+        dn[i] = dr[j][i] * sg[i];
+        ss += x[j][i] * x[j][i];
+        dot += wv[i] * dn[i] * x[j][i];
+      }
+      ss = warp_sum(ss);
+      dot = warp_sum(dot);
+      const float r = 1.0f / sqrtf(ss / K + eps);
+      const float c = dot / K * r * r * r;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int64_t d = lane + 32 * i;
+        if (d >= K) continue;
+        const float xr = x[j][i] * r;
+        dgate[row * K + d] = dr[j][i] * (wv[i] * xr) * sg[i] * (1.0f - sg[i]);
+        do_[row * K + d] = dold[j][i] + (r * wv[i] * dn[i] - c * x[j][i]);
+        dwacc[i] += dn[i] * xr;
+      }
     }
   }
 #pragma unroll
-  for (int i = 0; i < kMaxPer; ++i)
-    if (i < per) red[warp][lane + 32 * i] = dwacc[i];
+  for (int i = 0; i < PER; ++i)
+    red[warp][lane + 32 * i] = dwacc[i];
   __syncthreads();
   const int nw = blockDim.x >> 5;
   for (int64_t d = threadIdx.x; d < K; d += blockDim.x) {
@@ -404,8 +451,13 @@ void kda_out_norm_backward(const float* o, const float* gate, const float* w, co
   const int64_t rows = T * H;
   if (rows <= 0 || K == 0) return;
   const int64_t blocks = out_norm_blocks(rows);
-  out_norm_backward_kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, work, rows, K,
-                                                                         eps);
+  auto run = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, work, rows, K, eps);
+  };
+  if (K <= 32) run(out_norm_backward_kernel<1>);
+  else if (K <= 64) run(out_norm_backward_kernel<2>);
+  else if (K <= 128) run(out_norm_backward_kernel<4>);
+  else run(out_norm_backward_kernel<8>);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   out_norm_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(K, 256)), 256, 0, st>>>(work, dw, K, blocks);
   NEXTLM_CUDA_CHECK(cudaGetLastError());

@@ -3,6 +3,7 @@
 // and the router weights (src/model/moe_backward.cpp). The GEMMs between them are the caller's.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "cuda/backward_kernels.h"
 
@@ -11,6 +12,7 @@ namespace nextlm::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kXentThreads = 512;  // softmax_xent_kernel: a row's block (fewer, larger blocks: better-filled waves)
 
 // Blocks for a grid-stride loop over n items (every kernel below loops, so the grid only has to be big enough).
 int grid_for(int64_t n, int per_block = kThreads) {
@@ -27,12 +29,34 @@ __device__ __forceinline__ void softmax_merge(float& m, float& s, float om, floa
   m = nm;
 }
 
+// One online-softmax step: the state (m, s) takes x.
+__device__ __forceinline__ void softmax_take(float& m, float& s, float x) {
+  if (x > m) {
+    s = (m == -INFINITY ? 0.0f : s * expf(m - x)) + 1.0f;
+    m = x;
+  } else {
+    s += expf(x - m);
+  }
+}
+
+// p = exp(x − m)·inv as the gradient of the row's term, wt·(p − onehot(target)), in bf16.
+__device__ __forceinline__ bf16 xent_grad(float x, int64_t v, int32_t tg, float m, float inv, float w) {
+  const float p = expf(x - m) * inv;
+  return __float2bfloat16(w * (v == tg ? p - 1.0f : p));
+}
+
 // One block per row (grid-stride over rows): an online max / sum pass over V, then p = exp(x − max)/sum written as
-// wt·(p − onehot) in bf16. The log-sum-exp and the loss are formed in double, as the CPU's.
-__global__ void softmax_xent_kernel(const float* logits, const int32_t* target, const float* wt, double* loss,
-                                    bf16* dlogits, int64_t n, int64_t V) {
+// wt·(p − onehot) in bf16. The log-sum-exp and the loss are formed in double, as the CPU's. The rows are far larger
+// than the caches, so both passes stream from memory: with V a multiple of 4 (16-byte aligned rows) a thread reads
+// four logits at once and keeps four online states (element v mod 4 → state v mod 4), merged in state order, and
+// writes four gradients at once; otherwise one logit at a time into state 0.
+__global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(const float* logits, const int32_t* target,
+                                                                    const float* wt, double* loss, bf16* dlogits,
+                                                                    int64_t n, int64_t V) {
   __shared__ float sm[32], ss[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const bool vec = V % 4 == 0 && (reinterpret_cast<uintptr_t>(logits) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(dlogits) & 7) == 0;
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const float* row = logits + r * V;
     bf16* drow = dlogits + r * V;
@@ -43,16 +67,20 @@ __global__ void softmax_xent_kernel(const float* logits, const int32_t* target, 
       if (threadIdx.x == 0) loss[r] = 0.0;
       continue;
     }
-    float m = -INFINITY, s = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-      const float x = row[v];
-      if (x > m) {
-        s = (m == -INFINITY ? 0.0f : s * expf(m - x)) + 1.0f;
-        m = x;
-      } else {
-        s += expf(x - m);
+    float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (vec) {
+      const float4* row4 = reinterpret_cast<const float4*>(row);
+      for (int64_t v = threadIdx.x; v < V / 4; v += blockDim.x) {
+        const float4 x = row4[v];
+        softmax_take(m4[0], s4[0], x.x), softmax_take(m4[1], s4[1], x.y);
+        softmax_take(m4[2], s4[2], x.z), softmax_take(m4[3], s4[3], x.w);
       }
+    } else {
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) softmax_take(m4[0], s4[0], row[v]);
     }
+    float m = m4[0], s = s4[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) softmax_merge(m, s, m4[i], s4[i]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float om = __shfl_xor_sync(0xffffffffu, m, o), os = __shfl_xor_sync(0xffffffffu, s, o);
@@ -64,9 +92,17 @@ __global__ void softmax_xent_kernel(const float* logits, const int32_t* target, 
     m = -INFINITY, s = 0.0f;
     for (int i = 0; i < nwarps; ++i) softmax_merge(m, s, sm[i], ss[i]);  // same order in every thread
     const float inv = 1.0f / s;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-      const float p = expf(row[v] - m) * inv;
-      drow[v] = __float2bfloat16(w * (v == tg ? p - 1.0f : p));
+    if (vec) {
+      const float4* row4 = reinterpret_cast<const float4*>(row);
+      for (int64_t v = threadIdx.x; v < V / 4; v += blockDim.x) {
+        const float4 x = row4[v];
+        const int64_t c = 4 * v;
+        __align__(8) bf16 g[4] = {xent_grad(x.x, c, tg, m, inv, w), xent_grad(x.y, c + 1, tg, m, inv, w),
+                                  xent_grad(x.z, c + 2, tg, m, inv, w), xent_grad(x.w, c + 3, tg, m, inv, w)};
+        *reinterpret_cast<uint2*>(drow + c) = *reinterpret_cast<const uint2*>(g);
+      }
+    } else {
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) drow[v] = xent_grad(row[v], v, tg, m, inv, w);
     }
     if (threadIdx.x == 0) {
       const double lse = static_cast<double>(m) + log(static_cast<double>(s));
@@ -185,8 +221,8 @@ void softmax_xent_backward(const float* logits, const int32_t* target, const flo
                            int64_t n, int64_t V, cudaStream_t st) {
   if (n <= 0) return;
   check(V > 0, "softmax_xent_backward: V must be positive");
-  softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kThreads, 0, st>>>(logits, target, wt, loss,
-                                                                                          dlogits, n, V);
+  softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
+                                                                                              loss, dlogits, n, V);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
