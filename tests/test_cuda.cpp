@@ -576,6 +576,33 @@ namespace {
 // r0 … r0+96), over shapes the model has: a long reduction, a width off the 256-column tile with accumulation, a narrow output (which takes the
 // decoding GEMV); and each row of a 97-row product bitwise equal to the same row inside a 2031-row product. The
 // cuBLASLt default is held to the reference too; its batch dependence is only reported.
+// The fp32 ↔ bf16 conversions, on the four-at-a-time path with a tail and on the one-at-a-time path (misaligned):
+// round to nearest even as the host's f32_to_bf16, infinities and signed zeros included; a NaN stays a NaN (the
+// device's NaN encoding is its own).
+TEST(CudaConvert, MatchesHostRoundingOnEveryPath) {
+  std::vector<float> x = test::randn(1003, 41, 3.0f);
+  x[5] = NAN, x[6] = INFINITY, x[7] = -INFINITY, x[8] = 0.0f, x[9] = -0.0f, x[1002] = 1.00390625f;  // a tie
+  for (int64_t offset : {0, 1, 2, 4}) {
+    SCOPED_TRACE("offset " + std::to_string(offset));
+    const cuda_testing::Conversions c = cuda_testing::conversions(x, offset);
+    ASSERT_EQ(c.to_bf16.size(), x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::isnan(x[i])) {
+        EXPECT_GT(c.to_bf16[i] & 0x7fff, 0x7f80) << "to_bf16 at " << i;
+        EXPECT_GT(c.rounded_bits[i] & 0x7fff, 0x7f80) << "round_to_bf16 at " << i;
+        EXPECT_TRUE(std::isnan(c.rounded[i]) && std::isnan(c.widened[i])) << "at " << i;
+        continue;
+      }
+      const uint16_t want = f32_to_bf16(x[i]);
+      const float wide = bf16_to_f32(want);
+      ASSERT_EQ(c.to_bf16[i], want) << "to_bf16 at " << i;
+      ASSERT_EQ(c.rounded_bits[i], want) << "round_to_bf16 at " << i;
+      ASSERT_EQ(std::memcmp(&c.rounded[i], &wide, 4), 0) << "round_to_bf16's x at " << i;
+      ASSERT_EQ(std::memcmp(&c.widened[i], &wide, 4), 0) << "bf16_to_f32 at " << i;
+    }
+  }
+}
+
 TEST(CudaGemm, BatchInvariantModeMatchesHostAndIgnoresTheBatch) {
   struct Shape {
     int64_t out, in;

@@ -42,7 +42,10 @@ void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int6
 // y[r] = RMSNorm(x[r]; w) for rows of width n (x row stride ldx); writes bf16 (and fp32 if y32 is non-null).
 void rmsnorm_rows(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t rows, int64_t n, float eps,
                   cudaStream_t st);
+// Conversions of n values: y = bf16(x); round_to_bf16 also sets x to float(y); bf16_to_f32: y = float(x).
 void to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st);
+void round_to_bf16(float* x, bf16* y, int64_t n, cudaStream_t st);
+void bf16_to_f32(const bf16* x, float* y, int64_t n, cudaStream_t st);
 
 // ---- KDA ----
 // raw [T, 3·HK] (q | k | v projections) → q, k, v fp32 [T, H, K]: causal depthwise conv (per sequence; seq_start[t]

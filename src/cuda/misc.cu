@@ -2,9 +2,14 @@
 // and the log-softmax of lm_head rows.
 #include "cuda/kernels.h"
 
+#include <cstdint>
+
 namespace nextlm::cuda {
 
 namespace {
+
+// Blocks for a grid-stride loop over n items.
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, 256), 65535)); }
 
 // Grid (tokens, column blocks); VEC: 4 columns a thread (D a multiple of 4, the bases aligned for it).
 template <bool VEC>
@@ -63,9 +68,63 @@ __global__ void layernorm_kernel(float* x, const float* w, const float* b, int64
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) row[i] = (row[i] - mean) * r * w[i] + b[i];
 }
 
-__global__ void to_bf16_kernel(const float* x, bf16* y, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = __float2bfloat16(x[i]);
+// ---- fp32 ↔ bf16 conversions ----
+// Element-wise over n values, four at a time (a 16-byte fp32 and an 8-byte bf16 access) when both bases allow it,
+// the rest one at a time; every element is converted as the scalar form would (round to nearest even).
+enum class Convert { kToBf16, kRoundToBf16, kToF32 };
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+
+// kToBf16: y = bf16(x). kRoundToBf16: y = bf16(x) and x ← float(y). kToF32: x = float(y).
+template <Convert C, bool VEC>
+__global__ void convert_kernel(float* x, bf16* y, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if constexpr (VEC) {
+    float4* x4 = reinterpret_cast<float4*>(x);
+    uint2* y4 = reinterpret_cast<uint2*>(y);
+    for (; i < n / 4; i += stride) {
+      if constexpr (C == Convert::kToF32) {
+        const uint2 u = y4[i];
+        x4[i] = make_float4(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
+      } else {
+        const float4 v = x4[i];
+        const uint2 u = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+        y4[i] = u;
+        if constexpr (C == Convert::kRoundToBf16)
+          x4[i] = make_float4(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
+      }
+    }
+  } else {
+    for (; i < n; i += stride) {
+      if constexpr (C == Convert::kToF32) {
+        x[i] = __bfloat162float(y[i]);
+      } else {
+        y[i] = __float2bfloat16(x[i]);
+        if constexpr (C == Convert::kRoundToBf16) x[i] = __bfloat162float(y[i]);
+      }
+    }
+  }
+}
+
+template <Convert C>
+void convert(float* x, bf16* y, int64_t n, cudaStream_t st) {
+  if (n <= 0) return;
+  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (reinterpret_cast<uintptr_t>(y) & 7) == 0;
+  const int64_t head = vec ? n / 4 * 4 : 0;  // elements of the vector pass
+  if (head) {
+    convert_kernel<C, true><<<grid_for(head / 4), 256, 0, st>>>(x, y, head);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  if (n > head) {
+    convert_kernel<C, false><<<grid_for(n - head), 256, 0, st>>>(x + head, y + head, n - head);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 __global__ void sigmoid_kernel(float* x, int64_t n) {
@@ -160,8 +219,6 @@ __global__ void lse_finish_kernel(const float* tl, const float* gmx, const float
                            : static_cast<double>(tl[i]) - gmx[i] - log(static_cast<double>(sum[i]));
 }
 
-int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>(ceil_div(n, 256), 65535)); }
-
 }  // namespace
 
 void embed_streams(const int32_t* tok, const bf16* embed, float* h, int64_t T, int64_t S, int64_t D, cudaStream_t st) {
@@ -195,7 +252,11 @@ void layernorm_rows(float* x, const float* w, const float* b, int64_t rows, int6
 }
 
 void to_bf16(const float* x, bf16* y, int64_t n, cudaStream_t st) {
-  if (n) to_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, y, n);
+  convert<Convert::kToBf16>(const_cast<float*>(x), y, n, st);  // x is only read
+}
+void round_to_bf16(float* x, bf16* y, int64_t n, cudaStream_t st) { convert<Convert::kRoundToBf16>(x, y, n, st); }
+void bf16_to_f32(const bf16* x, float* y, int64_t n, cudaStream_t st) {
+  convert<Convert::kToF32>(y, const_cast<bf16*>(x), n, st);  // x is only read
 }
 
 void sigmoid_inplace(float* x, int64_t n, cudaStream_t st) {

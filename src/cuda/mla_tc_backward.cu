@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
@@ -209,11 +210,6 @@ __global__ void build_kernel(const int32_t* sel, const int32_t* count, const int
       atomicOr(tmapT + kt * wq + (qt >> 5), 1u << (qt & 31));
     }
   }
-}
-
-__global__ void to_bf16_kernel(const float* x, bf16* y, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = __float2bfloat16(x[i]);
 }
 
 // Query-major pass over the key tiles of one query tile and head. kStats: writes lse2 and D (online softmax); else
@@ -612,8 +608,7 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
                                                                    L.wk, tmapT, L.wq, T, max_sel);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const int64_t n = T * NH * dv;
-  to_bf16_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 4096)), 256, 0, st>>>(do_, do16, n);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  to_bf16(do_, do16, n, st);
   if (dqk == 64 && dv == 64)
     return launch<64, 64>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
   if (dqk == 128 && dv == 128)

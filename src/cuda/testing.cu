@@ -549,6 +549,26 @@ std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in) {
 
 namespace nextlm::cuda_testing {
 
+Conversions conversions(const std::vector<float>& x, int64_t offset) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<float> padded(offset, NAN);
+  padded.insert(padded.end(), x.begin(), x.end());
+  Buf dx = upload(padded), dr = upload(padded), dw = poisoned<float>(offset + n);
+  Buf db = poisoned<uint16_t>(offset + n), drb = poisoned<uint16_t>(offset + n);
+  float *px = dx.as<float>() + offset, *pr = dr.as<float>() + offset, *pw = dw.as<float>() + offset;
+  cuda::bf16 *pb = db.as<cuda::bf16>() + offset, *prb = drb.as<cuda::bf16>() + offset;
+  cuda::to_bf16(px, pb, n, nullptr);
+  cuda::round_to_bf16(pr, prb, n, nullptr);
+  cuda::bf16_to_f32(pb, pw, n, nullptr);
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+  auto tail = [&](auto v) {
+    v.erase(v.begin(), v.begin() + offset);
+    return v;
+  };
+  return Conversions{tail(download<uint16_t>(db)), tail(download<uint16_t>(drb)), tail(download<float>(dr)),
+                     tail(download<float>(dw))};
+}
+
 std::vector<float> dense_gemm(const std::vector<float>& x, const std::vector<float>& W, const std::vector<float>& y0,
                               int64_t T, int64_t out, int64_t in, bool invariant) {
   Buf dx = upload(to_bf16(x)), dw = upload(to_bf16(W));

@@ -38,6 +38,15 @@ double time_kda_forward(const std::vector<int64_t>& seqlens, int64_t H, int64_t 
 
 namespace nextlm::cuda_testing {
 
+// cuda::to_bf16, round_to_bf16 and bf16_to_f32 on x placed `offset` elements into their device buffers (offset 0:
+// four elements at a time, then the tail one at a time; an offset that is not a multiple of 4: one at a time).
+// to_bf16: its bf16 bits; rounded, rounded_bits: round_to_bf16's x and bf16 bits; widened: bf16_to_f32 of to_bf16.
+struct Conversions {
+  std::vector<uint16_t> to_bf16, rounded_bits;
+  std::vector<float> rounded, widened;
+};
+Conversions conversions(const std::vector<float>& x, int64_t offset);
+
 // MLA attention over selections on packed sequences, both kernels on the same bf16-rounded q [T, NH, dqk] and
 // kv [T, NH, dqk+dv]: the tensor-core one (mla_tc.cu) and the CUDA-core one (dsa.cu, checked against the CPU).
 // sel[t]: sorted sequence-relative keys of token t (empty: uniform over the sequence). Returns both outputs.

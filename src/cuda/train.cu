@@ -59,21 +59,6 @@ __global__ void split_xent_kernel(const float* logits, const int32_t* target, in
   }
 }
 
-// y = bf16(x), and x ← float(y).
-__global__ void round_to_bf16_kernel(float* x, bf16* y, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    y[i] = __float2bfloat16(x[i]);
-    x[i] = __bfloat162float(y[i]);
-  }
-}
-
-__global__ void bf16_to_f32_kernel(const bf16* x, float* y, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    y[i] = __bfloat162float(x[i]);
-}
-
 // The tokens in a vocabulary slice's numbering: tok − begin when held, else `skip` (the embedding backward's pad
 // id, so that it adds nothing for them).
 __global__ void local_tokens_kernel(const int32_t* tok, int32_t* out, int64_t T, int64_t begin, int64_t rows,
@@ -369,21 +354,12 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
     // q, k, v are rounded to the bf16 values it reads, so that the backward differentiates the function the forward
     // computed (the rounding passes the gradient through unchanged).
     bf16 *q16 = ar.alloc<bf16>(T * HK), *k16 = ar.alloc<bf16>(T * HK), *v16 = ar.alloc<bf16>(T * HK);
-    for (auto [f, h] : {std::pair<float*, bf16*>{x.q, q16}, {x.k, k16}, {x.v, v16}})
-      if (T > 0) {
-        round_to_bf16_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * HK, 256), 4096)), 256, 0, st>>>(
-            f, h, T * HK);
-        NEXTLM_CUDA_CHECK(cudaGetLastError());
-      }
+    for (auto [f, h] : {std::pair<float*, bf16*>{x.q, q16}, {x.k, k16}, {x.v, v16}}) round_to_bf16(f, h, T * HK, st);
     bf16* o16 = ar.alloc<bf16>(T * HK);
     void* work = ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
     kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, o16, p_.chunks,
                    kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
-    if (T > 0) {
-      bf16_to_f32_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * HK, 256), 4096)), 256, 0, st>>>(
-          o16, x.o, T * HK);
-      NEXTLM_CUDA_CHECK(cudaGetLastError());
-    }
+    bf16_to_f32(o16, x.o, T * HK, st);
   } else {
     float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
     kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
