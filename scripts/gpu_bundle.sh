@@ -11,13 +11,20 @@ scripts/setup.sh
 build=${BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNEXTLM_CUDA=ON >/dev/null
 cmake --build "$build" --target test_cuda nextlm_bench nextlm nextlm_load_test
+bins=("$build/tests/test_cuda" "$build/bench/nextlm_bench" "$build/nextlm" "$build/nextlm_load_test")
+# The timeline recorder (tools/kernel_trace.cpp) where CUPTI was found, run there as
+# CUDA_INJECTION64_PATH=$PWD/.devbuild/lib/libnextlm_trace.so NEXTLM_TRACE_OUT=trace.csv <binary>.
+if cmake --build "$build" --target help | grep -q '^nextlm_trace:'; then
+  cmake --build "$build" --target nextlm_trace
+  trace="$build/libnextlm_trace.so"
+fi
 stage=$(mktemp -d)
 mkdir -p "$stage/lib"
-bins=("$build/tests/test_cuda" "$build/bench/nextlm_bench" "$build/nextlm" "$build/nextlm_load_test")
 cp "${bins[@]}" "$stage/"
 strip "$stage/test_cuda" "$stage/nextlm_bench" "$stage/nextlm" "$stage/nextlm_load_test"
 # Libraries from Debian packages (OpenBLAS, ICU, Open MPI, ...); the C/C++ runtime and CUDA are on the GPU machine.
-ldd "${bins[@]}" | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+if [ -n "${trace:-}" ]; then cp "$trace" "$stage/lib/"; fi
+ldd "${bins[@]}" ${trace:+"$trace"} | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libstdc++.so*|libgcc_s.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*|libcudart.so*|libcublas*|libnccl*|libz.so*) ;;
     *) cp -L "$lib" "$stage/lib/" ;;

@@ -351,6 +351,31 @@ TEST_P(CudaBackwardMlaTc, MatchesCpuReferenceAndTiledKernel) {
   std::printf("[cuda] MLA tc backward %s vs tiled: dq %.2e (empty rows %.2e), dk %.2e, dv %.2e\n", c.name, et.q_sel,
               et.q_uni, et.k, et.v);
   expect_within(et, kTcTol, "tensor cores against the tiled kernel");
+
+  // With the forward's log-sum-exp and output in place of the stats pass, as training runs it. The forward takes
+  // the indexer's selections to be causal (keys after the query are never selected), so these are made causal: a
+  // row keeps its keys up to itself, or just itself if none is left.
+  Selection csel = sel;
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+      std::vector<int32_t>& keys = csel[t];
+      if (keys.empty()) continue;
+      const int32_t self = static_cast<int32_t>(t - cu[n]);
+      keys.erase(std::upper_bound(keys.begin(), keys.end(), self), keys.end());
+      if (keys.empty()) keys.push_back(self);
+    }
+  std::vector<float> cq(T * NH * dqk, 0.0f), ckv(T * NH * W, 0.0f);
+  attention_backward_reference(q, kv, dO, csel, cu, NH, dqk, dv, cq, ckv);
+  std::vector<float> fq = dq0, fkv = dkv0;
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, csel, cu, NH, dqk, dv, c.max_sel, fq, fkv, true);
+  ASSERT_TRUE(all_finite(fq));
+  ASSERT_TRUE(all_finite(fkv));
+  for (size_t i = 0; i < fq.size(); ++i) fq[i] -= dq0[i];
+  for (size_t i = 0; i < fkv.size(); ++i) fkv[i] -= dkv0[i];
+  const TcErrors ef = tc_errors(fq, fkv, cq, ckv, csel, NH, dqk, dv);
+  std::printf("[cuda] MLA tc backward %s from the forward's stats vs CPU: dq %.2e (empty rows %.2e), dk %.2e, "
+              "dv %.2e\n", c.name, ef.q_sel, ef.q_uni, ef.k, ef.v);
+  expect_within(ef, kTcTol, "tensor cores from the forward's stats against the CPU");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -403,6 +428,10 @@ TEST(CudaBackwardMlaTcEdge, AllSelectionsEmpty) {
   const TcErrors e = tc_errors(dq, dkv, rq, rkv, sel, NH, dqk, dv);
   std::printf("[cuda] MLA tc backward, all selections empty: dq %.2e, dk %.2e, dv %.2e\n", e.q_uni, e.k, e.v);
   expect_within(e, kTcTol, "all empty");
+  std::vector<float> fq(T * NH * dqk, 0.0f), fkv(T * NH * W, 0.0f);
+  cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, dqk, dv, 4, fq, fkv, true);
+  ASSERT_TRUE(all_finite(fq) && all_finite(fkv));
+  expect_within(tc_errors(fq, fkv, rq, rkv, sel, NH, dqk, dv), kTcTol, "all empty, from the forward's stats");
 }
 
 }  // namespace

@@ -169,6 +169,15 @@ TEST(CudaBackwardMhc, PostMatchesCpu) {
     EXPECT_LE(added_rel_error(dy, dy_cpu, dy0), kTol) << "dy " << at;
     EXPECT_LE(added_rel_error(dp, dp_cpu, dp0), kTol) << "dpost " << at;
     EXPECT_LE(added_rel_error(dc, dc_cpu, dc0), kTol) << "dcomb " << at;
+    // Written instead of added to (as training runs it): the CPU's sums from zero.
+    std::vector<float> zh(dh0.size(), 0.0f), zy(dy0.size(), 0.0f), zp(dp0.size(), 0.0f), zc(dc0.size(), 0.0f);
+    std::vector<float> wh = zh, wy = zy, wp = zp, wc = zc;
+    mhc_post_backward(mix, h.data(), y.data(), T, S, D, dout.data(), zh.data(), zy.data(), zp.data(), zc.data());
+    cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, wh, wy, wp, wc, false);
+    EXPECT_LE(test::norm_rel_error(wh.data(), zh.data(), zh.size()), kTol) << "written dh " << at;
+    EXPECT_LE(test::norm_rel_error(wy.data(), zy.data(), zy.size()), kTol) << "written dy " << at;
+    EXPECT_LE(test::norm_rel_error(wp.data(), zp.data(), zp.size()), kTol) << "written dpost " << at;
+    EXPECT_LE(test::norm_rel_error(wc.data(), zc.data(), zc.size()), kTol) << "written dcomb " << at;
   }
 }
 

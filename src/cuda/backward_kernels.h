@@ -34,10 +34,10 @@ void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, co
 
 // Backward of mhc_post (h_out[t, s] = post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r]) given dout [T, S, D]; h [T, S, D]
 // are the streams before the post-mix, y [T, D] the sub-layer output. dh [T, S, D], dy [T, D], dpost [T, S],
-// dcomb [T, S, S] all += ….
+// dcomb [T, S, S] all += …, or without accumulate all = … (no need to zero them first).
 void mhc_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
                        float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
-                       cudaStream_t st);
+                       cudaStream_t st, bool accumulate = true);
 
 // Backward of stream_mean_norm (out[t] = RMSNorm(mean_s h[t, s]; w)) given dout [T, D]: dh [T, S, D] += …,
 // dw [D] += …. work: rmsnorm_backward_workspace_floats(T, D) + T·D floats.
@@ -146,8 +146,10 @@ void mla_sparse_attention_backward(const float* q, const float* kv, const int32_
 // accepts (those of mla_tc_supported): q bf16 [T, NH, dqk], kv bf16 [T, NH, dqk+dv] (16-byte aligned), do_ fp32
 // [T, NH, dv]; dq, dkv fp32 += …, reproducibly (no atomics). The products run in bf16 (do, the softmax weights and
 // their gradients are rounded to bf16), the sums in fp32: a few 1e-3 of norm-relative error against the fp32
-// function (tests bound it by 1e-2). The row log-sum-exp and D = Σ p·dp are recomputed inside (a stats pass). Its
-// cost follows the (64-query, 64-key) tile pairs holding any selected pair; at most 2^21 tokens.
+// function (tests bound it by 1e-2). The row log-sum-exp and D = Σ p·dp are recomputed inside (a stats pass), or,
+// given the forward's (mla_sparse_attention_tc) lse2 [T, NH] and output o bf16 [T, NH, dv] (16-byte aligned), taken
+// from them: lse2 as it is and D = Σ do·o, the same quantity (Σ_j p_j·(do·v_j) = do·o) without a pass over the keys.
+// Its cost follows the (64-query, 64-key) tile pairs holding any selected pair; at most 2^21 tokens.
 // work: mla_sparse_attention_backward_tc_workspace_bytes(T, NH, max_len, dqk, dv) bytes, 16-byte aligned.
 bool mla_backward_tc_supported(int64_t dqk, int64_t dv);
 size_t mla_sparse_attention_backward_tc_workspace_bytes(int64_t T, int64_t NH, int64_t max_len, int64_t dqk,
@@ -155,7 +157,8 @@ size_t mla_sparse_attention_backward_tc_workspace_bytes(int64_t T, int64_t NH, i
 void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
                                       const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
                                       float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
-                                      int64_t max_len, void* work, cudaStream_t st);
+                                      int64_t max_len, void* work, cudaStream_t st, const float* lse2 = nullptr,
+                                      const bf16* o = nullptr);
 
 // The same function query-major (src/cuda/dsa_backward_scatter.cu): one block per (token, head), dk and dv added
 // with atomics (their order of additions, so their rounding, changes from run to run). Its work is proportional to

@@ -158,13 +158,15 @@ void mla_sparse_attention(const float* q, const float* kv, const int32_t* sel, c
                           int64_t dqk, int64_t dv, int64_t max_sel, cudaStream_t st);
 
 // The same on tensor cores (src/cuda/mla_tc.cu) for the head dims mla_tc_supported accepts: q bf16 [T, NH, dqk],
-// kv bf16 [T, NH, dqk+dv]; mask: T·words uint32 of workspace, words = mla_mask_words(longest sequence).
+// kv bf16 [T, NH, dqk+dv]; mask: T·words uint32 of workspace, words = mla_mask_words(longest sequence). lse2, when
+// given: fp32 [T, NH], each row's log-sum-exp of its scaled scores in the log2 domain, which the tensor-core
+// backward (backward_kernels.h) then reads instead of recomputing it.
 bool mla_tc_supported(int64_t dqk, int64_t dv);
 int64_t mla_mask_words(int64_t max_len);
 void mla_sparse_attention_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
                              const int32_t* seq_start, const int32_t* seq_len, bf16* o, uint32_t* mask,
                              int64_t words, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
-                             cudaStream_t st);
+                             cudaStream_t st, float* lse2 = nullptr);
 
 // ---- MoE ----
 // logits [T, E] → experts [T, k], weights [T, k].

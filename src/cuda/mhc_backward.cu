@@ -161,9 +161,10 @@ __global__ void stream_mean_kernel(const float* h, float* out, int64_t T, int64_
 constexpr int kPostThreads = 128;
 
 // One block a token: dy += Σ_s post_s·g_s, dh_r += Σ_s comb[r, s]·g_s, and the sums over d of g_s·y (dpost) and
-// g_s·h_r (dcomb). VEC: 4 consecutive d a thread (D and the bases a multiple of 4 floats). dout, h and y must not
-// overlap dh or dy.
-template <int S, bool VEC>
+// g_s·h_r (dcomb). VEC: 4 consecutive d a thread (D and the bases a multiple of 4 floats). ACC: add into dh, dy,
+// dpost and dcomb; else write them (every element of the token's rows has one writer), without reading them first.
+// dout, h and y must not overlap dh or dy.
+template <int S, bool VEC, bool ACC>
 __global__ void __launch_bounds__(kPostThreads)
     mhc_post_bwd_kernel(const float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ post,
                         const float* __restrict__ comb, const float* __restrict__ dout, float* __restrict__ dh,
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kPostThreads)
       const float4 yv = *reinterpret_cast<const float4*>(y + t * D + d);
       if (dy) {
         float4* p = reinterpret_cast<float4*>(dy + t * D + d);
-        float4 o = *p;
+        float4 o = ACC ? *p : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           float v = 0.0f;
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(kPostThreads)
 #pragma unroll
         for (int r = 0; r < S; ++r) {
           float4* p = reinterpret_cast<float4*>(dh + (t * S + r) * D + d);
-          float4 o = *p;
+          float4 o = ACC ? *p : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             float v = 0.0f;
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kPostThreads)
         float v = 0.0f;
 #pragma unroll
         for (int s = 0; s < S; ++s) v = fmaf(P[s], g[s], v);
-        dy[t * D + d] += v;
+        dy[t * D + d] = ACC ? dy[t * D + d] + v : v;
       }
       if (dh) {
 #pragma unroll
@@ -248,7 +249,7 @@ __global__ void __launch_bounds__(kPostThreads)
           float v = 0.0f;
 #pragma unroll
           for (int s = 0; s < S; ++s) v = fmaf(C[r * S + s], g[s], v);
-          dh[(t * S + r) * D + d] += v;
+          dh[(t * S + r) * D + d] = ACC ? dh[(t * S + r) * D + d] + v : v;
         }
       }
 #pragma unroll
@@ -260,8 +261,10 @@ __global__ void __launch_bounds__(kPostThreads)
     }
   }
   block_sum_to<NV, kPostThreads>(acc, red, sums);
-  if (dpost && threadIdx.x < S) dpost[t * S + threadIdx.x] += sums[threadIdx.x];
-  if (dcomb && threadIdx.x < S * S) dcomb[t * S * S + threadIdx.x] += sums[S + threadIdx.x];
+  if (dpost && threadIdx.x < S)
+    dpost[t * S + threadIdx.x] = (ACC ? dpost[t * S + threadIdx.x] : 0.0f) + sums[threadIdx.x];
+  if (dcomb && threadIdx.x < S * S)
+    dcomb[t * S * S + threadIdx.x] = (ACC ? dcomb[t * S * S + threadIdx.x] : 0.0f) + sums[S + threadIdx.x];
 }
 
 // ---- mHC pre, kernel 1: the token statistics ----
@@ -971,9 +974,11 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
 
 template <int S>
 void launch_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
-                          float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t D, cudaStream_t st) {
+                          float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t D, bool accumulate,
+                          cudaStream_t st) {
   const bool vec = D % 4 == 0 && aligned16(h) && aligned16(y) && aligned16(dout) && aligned16(dh) && aligned16(dy);
-  auto kernel = vec ? mhc_post_bwd_kernel<S, true> : mhc_post_bwd_kernel<S, false>;
+  auto kernel = accumulate ? (vec ? mhc_post_bwd_kernel<S, true, true> : mhc_post_bwd_kernel<S, false, true>)
+                           : (vec ? mhc_post_bwd_kernel<S, true, false> : mhc_post_bwd_kernel<S, false, false>);
   kernel<<<static_cast<unsigned>(T), kPostThreads, 0, st>>>(h, y, post, comb, dout, dh, dy, dpost, dcomb, D);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
@@ -1012,9 +1017,9 @@ void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, co
 
 void mhc_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
                        float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
-                       cudaStream_t st) {
+                       cudaStream_t st, bool accumulate) {
   if (!T) return;
-#define CALL(S) launch_post_backward<S>(h, y, post, comb, dout, dh, dy, dpost, dcomb, T, D, st)
+#define CALL(S) launch_post_backward<S>(h, y, post, comb, dout, dh, dy, dpost, dcomb, T, D, accumulate, st)
   NEXTLM_MHC_BWD_DISPATCH(S, CALL)
 #undef CALL
 }

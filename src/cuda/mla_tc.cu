@@ -51,7 +51,8 @@ template <int DQK, int DV>
 __global__ void __launch_bounds__(kThreads)
     mla_tc_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const uint32_t* __restrict__ mask,
                   int64_t words, const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
-                  const int32_t* __restrict__ seq_len, bf16* __restrict__ o, int64_t T, int NH, float scale_log2) {
+                  const int32_t* __restrict__ seq_len, bf16* __restrict__ o, float* __restrict__ lse2, int64_t T,
+                  int NH, float scale_log2) {
   using L = MlaLayout<DQK, DV>;
   constexpr int QS = L::QS, VS = L::VS, DKV = DQK + DV;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -191,6 +192,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int hf = 0; hf < 2; ++hf) {
     if (!valid[hf]) continue;
+    // The row's log-sum-exp in the log2 domain (0 for a row without keys), as the backward's stats pass forms it.
+    if (lse2 && tq == 0) lse2[row[hf] * NH + h] = m[hf] == -INFINITY ? 0.0f : m[hf] + log2f(l[hf]);
     const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
     bf16* out = o + (row[hf] * NH + h) * DV;
 #pragma unroll
@@ -202,13 +205,14 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int DQK, int DV>
 void launch(const bf16* q, const bf16* kv, const uint32_t* mask, int64_t words, const int32_t* count,
-            const int32_t* seq_start, const int32_t* seq_len, bf16* o, int64_t T, int64_t NH, cudaStream_t st) {
+            const int32_t* seq_start, const int32_t* seq_len, bf16* o, float* lse2, int64_t T, int64_t NH,
+            cudaStream_t st) {
   const int bytes = MlaLayout<DQK, DV>::bytes;
   NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(mla_tc_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(DQK));
   mla_tc_kernel<DQK, DV><<<dim3(static_cast<unsigned>(ceil_div(T, kRows)), static_cast<unsigned>(NH)), kThreads,
-                           bytes, st>>>(q, kv, mask, words, count, seq_start, seq_len, o, T, static_cast<int>(NH),
-                                        scale_log2);
+                           bytes, st>>>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T,
+                                        static_cast<int>(NH), scale_log2);
 }
 
 }  // namespace
@@ -223,14 +227,14 @@ int64_t mla_mask_words(int64_t max_len) { return ceil_div(std::max<int64_t>(max_
 void mla_sparse_attention_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
                              const int32_t* seq_start, const int32_t* seq_len, bf16* o, uint32_t* mask,
                              int64_t words, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
-                             cudaStream_t st) {
+                             cudaStream_t st, float* lse2) {
   if (!T) return;
   NEXTLM_CUDA_CHECK(cudaMemsetAsync(mask, 0, static_cast<size_t>(T * words) * sizeof(uint32_t), st));
   selection_mask_kernel<<<static_cast<unsigned>(T), 128, 0, st>>>(sel, count, mask, T, max_sel, words);
-  if (dqk == 64 && dv == 64) return launch<64, 64>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
-  if (dqk == 128 && dv == 128) return launch<128, 128>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
-  if (dqk == 192 && dv == 128) return launch<192, 128>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
-  if (dqk == 256 && dv == 256) return launch<256, 256>(q, kv, mask, words, count, seq_start, seq_len, o, T, NH, st);
+  if (dqk == 64 && dv == 64) return launch<64, 64>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
+  if (dqk == 128 && dv == 128) return launch<128, 128>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
+  if (dqk == 192 && dv == 128) return launch<192, 128>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
+  if (dqk == 256 && dv == 256) return launch<256, 256>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
   fail("MLA attention on tensor cores: unsupported head dims ", dqk, "/", dv);
 }
 

@@ -540,10 +540,33 @@ Layout layout(int64_t T, int64_t NH, int64_t max_len, int64_t dv) {
   return L;
 }
 
+// D[r] = Σ_d do[r, d]·o[r, d] over the rows r = (token, head) of width dv (a multiple of 8; 16-byte aligned rows), a
+// warp a row, eight columns a lane at a time, lane sums added in a fixed order.
+__global__ void delta_kernel(const bf16* __restrict__ do16, const bf16* __restrict__ o, float* __restrict__ D,
+                             int64_t rows, int64_t dv) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  if (r >= rows) return;
+  float acc = 0.0f;
+  for (int64_t d = 8 * lane; d < dv; d += 256) {
+    const uint4 a = *reinterpret_cast<const uint4*>(do16 + r * dv + d);
+    const uint4 b = *reinterpret_cast<const uint4*>(o + r * dv + d);
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc = fmaf(__uint_as_float(av[i] << 16), __uint_as_float(bv[i] << 16), acc);
+      acc = fmaf(__uint_as_float(av[i] & 0xffff0000u), __uint_as_float(bv[i] & 0xffff0000u), acc);
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) D[r] = acc;
+}
+
+// stats: the stats pass forms lse and D; else the caller has.
 template <int DQK, int DV>
 void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* count, const int32_t* seq_start,
             const int32_t* seq_len, const uint32_t* mask, const Layout& L, const uint32_t* tmap,
-            const uint32_t* tmapT, float* lse, float* D, float* dq, float* dkv, int64_t T, int64_t NH,
+            const uint32_t* tmapT, float* lse, float* D, float* dq, float* dkv, int64_t T, int64_t NH, bool stats,
             cudaStream_t st) {
   using Ds = Dims<DQK, DV>;
   const float scale = 1.0f / sqrtf(static_cast<float>(DQK)), scale_log2 = scale * 1.4426950408889634f;
@@ -557,9 +580,12 @@ void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* coun
       cudaFuncSetAttribute(query_kernel<DQK, DV, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, qd_bytes));
   NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(key_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_bytes));
   const dim3 grid(static_cast<unsigned>(L.nqt), static_cast<unsigned>(NH));
-  query_kernel<DQK, DV, true><<<grid, kThreads, qs_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words,
-                                                                tmap, L.wk, lse, D, dq, T, NH, scale_log2, scale);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (stats) {
+    query_kernel<DQK, DV, true><<<grid, kThreads, qs_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask,
+                                                                  L.words, tmap, L.wk, lse, D, dq, T, NH, scale_log2,
+                                                                  scale);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
   query_kernel<DQK, DV, false><<<grid, kThreads, qd_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask,
                                                                  L.words, tmap, L.wk, lse, D, dq, T, NH, scale_log2,
                                                                  scale);
@@ -585,7 +611,8 @@ size_t mla_sparse_attention_backward_tc_workspace_bytes(int64_t T, int64_t NH, i
 void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
                                       const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
                                       float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
-                                      int64_t max_len, void* work, cudaStream_t st) {
+                                      int64_t max_len, void* work, cudaStream_t st, const float* lse2,
+                                      const bf16* o) {
   if (T == 0 || NH == 0) return;
   const Layout L = layout(T, NH, max_len, dv);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
@@ -595,8 +622,11 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
             aligned(q) && aligned(kv) && aligned(work),
         "MLA attention backward on tensor cores: bad shape or unaligned buffers (T ", T, ", NH ", NH, ", max_sel ",
         max_sel, ", max_len ", max_len, ")");
+  check(!lse2 == !o && (!o || aligned(o)),
+        "MLA attention backward on tensor cores: the forward's lse2 and o come together (o 16-byte aligned)");
   auto* base = static_cast<unsigned char*>(work);
-  float* lse = reinterpret_cast<float*>(base + L.lse);
+  // The key passes only read lse (the stats pass, which writes it, does not run when the forward's is given).
+  float* lse = lse2 ? const_cast<float*>(lse2) : reinterpret_cast<float*>(base + L.lse);
   float* D = reinterpret_cast<float*>(base + L.D);
   bf16* do16 = reinterpret_cast<bf16*>(base + L.do16);
   uint32_t* mask = reinterpret_cast<uint32_t*>(base + L.mask);
@@ -609,13 +639,18 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const int64_t n = T * NH * dv;
   to_bf16(do_, do16, n, st);
-  if (dqk == 64 && dv == 64)
-    return launch<64, 64>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
-  if (dqk == 128 && dv == 128)
-    return launch<128, 128>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
-  if (dqk == 192 && dv == 128)
-    return launch<192, 128>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
-  return launch<256, 256>(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, st);
+  const bool stats = !lse2;
+  if (!stats) {
+    delta_kernel<<<static_cast<unsigned>(ceil_div(T * NH * 32, kThreads)), kThreads, 0, st>>>(do16, o, D, T * NH, dv);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  auto run = [&](auto kernel) {
+    kernel(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, stats, st);
+  };
+  if (dqk == 64 && dv == 64) return run(launch<64, 64>);
+  if (dqk == 128 && dv == 128) return run(launch<128, 128>);
+  if (dqk == 192 && dv == 128) return run(launch<192, 128>);
+  return run(launch<256, 256>);
 }
 
 }  // namespace nextlm::cuda

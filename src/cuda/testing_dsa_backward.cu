@@ -18,7 +18,7 @@ constexpr size_t kGuard = 64;
 constexpr float kGuardValue = 1234.5f;
 constexpr int32_t kFarKey = 1 << 30;  // an unused selection slot: kv row far past any buffer
 
-enum class Kernel { Tiled, Scatter, TensorCore };
+enum class Kernel { Tiled, Scatter, TensorCore, TensorCoreFromForward };
 
 // The shared body of the entry points: uploads, one run, guard checks, downloads.
 void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<float>& kv,
@@ -48,7 +48,7 @@ void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<
     g.insert(g.end(), kGuard, kGuardValue);
     return g;
   };
-  const bool tc = kernel == Kernel::TensorCore;
+  const bool tc = kernel == Kernel::TensorCore || kernel == Kernel::TensorCoreFromForward;
   // The tensor-core kernel reads bf16 q and kv, the others fp32.
   const Buf bq = tc ? upload(detail::to_bf16(q)) : upload(q), bkv = tc ? upload(detail::to_bf16(kv)) : upload(kv);
   const Buf bdo = upload(dout), bsel = upload(sel_flat), bcount = upload(count), bstart = upload(start),
@@ -69,11 +69,24 @@ void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<
                                           bdkv.as<float>(), T, NH, dqk, dv, max_sel, max_len, work.p, nullptr);
       break;
     case Kernel::TensorCore:
+    case Kernel::TensorCoreFromForward: {
+      const bool fwd = kernel == Kernel::TensorCoreFromForward;
+      const int64_t words = cuda::mla_mask_words(max_len);
+      Buf o = detail::poisoned<cuda::bf16>(fwd ? T * NH * dv : 0), lse2 = detail::poisoned<float>(fwd ? T * NH : 0),
+          mask = detail::poisoned<uint32_t>(fwd ? T * words : 0);
+      if (fwd)
+        cuda::mla_sparse_attention_tc(bq.as<cuda::bf16>(), bkv.as<cuda::bf16>(), bsel.as<int32_t>(),
+                                      bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
+                                      o.as<cuda::bf16>(), mask.as<uint32_t>(), words, T, NH, dqk, dv, max_sel, nullptr,
+                                      lse2.as<float>());
       cuda::mla_sparse_attention_backward_tc(bq.as<cuda::bf16>(), bkv.as<cuda::bf16>(), bsel.as<int32_t>(),
                                              bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
                                              bdo.as<float>(), bdq.as<float>(), bdkv.as<float>(), T, NH, dqk, dv,
-                                             max_sel, max_len, work.p, nullptr);
+                                             max_sel, max_len, work.p, nullptr, fwd ? lse2.as<float>() : nullptr,
+                                             fwd ? o.as<cuda::bf16>() : nullptr);
+      NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // before o, lse2 and mask are freed
       break;
+    }
   }
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> gq = download<float>(bdq), gkv = download<float>(bdkv);
@@ -96,8 +109,10 @@ void mla_sparse_attention_backward(const std::vector<float>& q, const std::vecto
 void mla_sparse_attention_backward_tc(const std::vector<float>& q, const std::vector<float>& kv,
                                       const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                                       const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv,
-                                      int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv) {
-  run_backward(Kernel::TensorCore, q, kv, dout, sel, cu, NH, dqk, dv, max_sel, dq, dkv);
+                                      int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
+                                      bool from_forward) {
+  run_backward(from_forward ? Kernel::TensorCoreFromForward : Kernel::TensorCore, q, kv, dout, sel, cu, NH, dqk, dv,
+               max_sel, dq, dkv);
 }
 
 }  // namespace nextlm::cuda_testing

@@ -43,11 +43,12 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
 void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
                        const std::vector<float>& comb, const std::vector<float>& dout, int64_t T, int64_t S, int64_t D,
                        std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,
-                       std::vector<float>& dcomb) {
-  Buf gh = upload(h), gy = upload(y), gpost = upload(post), gcomb = upload(comb), gdout = upload(dout),
-      gdh = upload(dh), gdy = upload(dy), gdpost = upload(dpost), gdcomb = upload(dcomb);
+                       std::vector<float>& dcomb, bool accumulate) {
+  auto out = [&](const std::vector<float>& v) { return accumulate ? upload(v) : detail::poisoned<float>(v.size()); };
+  Buf gh = upload(h), gy = upload(y), gpost = upload(post), gcomb = upload(comb), gdout = upload(dout), gdh = out(dh),
+      gdy = out(dy), gdpost = out(dpost), gdcomb = out(dcomb);
   cuda::mhc_post_backward(ptr(gh), ptr(gy), ptr(gpost), ptr(gcomb), ptr(gdout), ptr(gdh), ptr(gdy), ptr(gdpost),
-                          ptr(gdcomb), T, S, D, nullptr);
+                          ptr(gdcomb), T, S, D, nullptr, accumulate);
   finish();
   dh = download<float>(gdh);
   dy = download<float>(gdy);

@@ -17,11 +17,12 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
                       std::vector<float>& dfn, std::vector<float>& dbase, std::vector<float>& dscale,
                       std::vector<float>& dnorm_w);
 
-// cuda::mhc_post_backward: dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] are added to.
+// cuda::mhc_post_backward: dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] are added to, or without
+// accumulate written (their device buffers then start as NaN, so an element left unwritten shows).
 void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
                        const std::vector<float>& comb, const std::vector<float>& dout, int64_t T, int64_t S, int64_t D,
                        std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,
-                       std::vector<float>& dcomb);
+                       std::vector<float>& dcomb, bool accumulate = true);
 
 // cuda::rmsnorm_backward on x [rows, ldx] (the first n columns of each row are the norm's input), w [n] (empty:
 // unweighted), dy [rows, n]: dx [rows, n] and dw [n] (unused when w is empty) are added to.

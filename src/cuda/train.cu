@@ -79,6 +79,7 @@ struct DsaActs {
   float *qa, *q, *lat, *kv;
   bf16 *qr, *lat16, *o;
   bf16 *q16 = nullptr, *kv16 = nullptr;  // the tensor-core attention's bf16 q and kv (both passes read them)
+  float* lse2 = nullptr;                  // and its rows' log-sum-exp [T, NH], for the backward
 };
 struct MlpActs {
   float* gu;
@@ -113,12 +114,12 @@ class Step {
     to_bf16(x, y, n, m_.stream);
     return y;
   }
-  // For y = x·Wᵀ (x bf16 [T, W.in], row stride ldx) given dy (bf16 [T, W.out]): dx += dy·W (when dx), and
-  // dW += dyᵀ·x (when dW).
+  // For y = x·Wᵀ (x bf16 [T, W.in], row stride ldx) given dy (bf16 [T, W.out]): dx += dy·W (when dx; = with
+  // set_dx, which then need not be zeroed), and dW += dyᵀ·x (when dW).
   void linear_backward(const DLinear& W, const bf16* x, int64_t ldx, const bf16* dy, int64_t rows, float* dx,
-                       float* dW) {
+                       float* dW, bool set_dx = false) {
     if (dW) m_.gemm->run_dw(dy, W.out, x, ldx, W.out, W.in, rows, dW, true);
-    if (dx) m_.gemm->run_dx(dy, W.out, W.w, W.out, W.in, dx, W.in, rows, true);
+    if (dx) m_.gemm->run_dx(dy, W.out, W.w, W.out, W.in, dx, W.in, rows, !set_dx);
   }
 
   // ---- LoRA (CudaModel::set_lora) ----
@@ -169,8 +170,8 @@ class Step {
       if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, x, ldx, T(), y, W.out);
   }
   void linear_backward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
-                       const bf16* dy, float* dx, float* dW) {
-    linear_backward(W, x, ldx, dy, T(), dx, dW);
+                       const bf16* dy, float* dx, float* dW, bool set_dx = false) {
+    linear_backward(W, x, ldx, dy, T(), dx, dW, set_dx);
     for (LoraKind k : kinds)
       if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, x, ldx, dy, W.out, T(), dx);
   }
@@ -379,8 +380,8 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
   // y = o_proj(on); on = RMSNorm_K(o)·sigmoid(gate); gate = g_b(g_a(a))
-  float* don = zeros(T * HK);
-  linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, half(dy, T * D), don, gw.o);
+  float* don = ar.alloc<float>(T * HK);
+  linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, half(dy, T * D), don, gw.o, true);
   float* dO = zeros(T * HK);
   float* dgate = ar.alloc<float>(T * HK);
   kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps,
@@ -443,12 +444,13 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   x.o = ar.alloc<bf16>(T * NH * dv);
   const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
   if (mla_tc_supported(dqk, dv)) {
-    // The forward's tensor-core kernel on bf16 copies (the backward recomputes the softmax in fp32).
+    // The forward's tensor-core kernel on bf16 copies, keeping its rows' log-sum-exp for the tensor-core backward.
     const int64_t words = mla_mask_words(p_.max_len);
     x.q16 = half(x.q, T * NH * dqk);
     x.kv16 = half(x.kv, T * NH * (dqk + dv));
+    x.lse2 = ar.alloc<float>(T * NH);
     mla_sparse_attention_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, x.o, ar.alloc<uint32_t>(T * words), words,
-                            T, NH, dqk, dv, max_sel(), st);
+                            T, NH, dqk, dv, max_sel(), st, x.lse2);
   } else {
     mla_sparse_attention(x.q, x.kv, sel, count, p_.seq_start, lens, x.o, T, NH, dqk, dv, max_sel(), st);
   }
@@ -462,8 +464,8 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   const float eps = static_cast<float>(c_.rms_norm_eps);
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
-  float* dO = zeros(T * NH * dv);
-  linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, half(dy, T * D), dO, gw.o);
+  float* dO = ar.alloc<float>(T * NH * dv);
+  linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, half(dy, T * D), dO, gw.o, true);
   float *dq = zeros(T * NH * dqk), *dkv = zeros(T * NH * (dqk + dv));
   // The tensor-core kernel where the forward ran on tensor cores (its bf16 q and kv), else the fp32 tiled one; both
   // deterministic, their cost following the causal triangle's tiles. When the selections are so sparse in the
@@ -483,7 +485,7 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(mla_sparse_attention_backward_tc_workspace_bytes(T, NH, p_.max_len, dqk, dv)));
     mla_sparse_attention_backward_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
-                                     max_sel(), p_.max_len, work, st);
+                                     max_sel(), p_.max_len, work, st, x.lse2, x.o);
   } else if (!tiled_dims || mla_backward_use_scatter(selected, causal)) {
     mla_sparse_attention_backward_scatter(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
                                           max_sel(), st);
@@ -856,9 +858,10 @@ double Step::run(const float* row_weight) {
         m_.mark_end("train: recompute " + kind);
       }
       m_.mark_begin("train: backward mhc");
-      NEXTLM_CUDA_CHECK(cudaMemsetAsync(dh_prev, 0, TSD * sizeof(float), st));
-      float *dy = zeros(T * D), *dpost = zeros(T * S), *dcomb = zeros(T * S * S), *da = zeros(T * D);
-      mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st);
+      // The post-mix backward writes dh_prev, dy, dpost and dcomb whole (no zeroing first).
+      float *dy = ar.alloc<float>(T * D), *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S),
+            *da = zeros(T * D);
+      mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st, false);
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
       sub_backward(i, ffn, s.a, s.x, dy, da);
