@@ -14,6 +14,7 @@
 #include "cpu/linear.h"
 #include "cpu/linear_backward.h"
 #include "cuda/testing_kda_layer_backward.h"
+#include "io/safetensors.h"
 #include "model/backward.h"
 #include "model/kda.h"
 #include "model/norm.h"
@@ -124,6 +125,16 @@ TEST_P(CudaBackwardKdaLayerConv, ConvNormMatchesCpu) {
   std::vector<float> winc(dconv.size()), winc_ref(dconv.size());
   for (size_t i = 0; i < winc.size(); ++i) winc[i] = dconv[i] - dconv0[i], winc_ref[i] = dconv_ref[i] - dconv0[i];
   EXPECT_LE(test::norm_rel_error(winc.data(), winc_ref.data(), winc.size()), kTol);
+  // draw written in bf16 (as training runs it): the fp32 form's gradient from zero, rounded; dconv as before.
+  std::vector<float> from0(T * C3, 0.0f), dconv_a = dconv0, dconv_b = dconv0;
+  cuda_testing::kda_conv_norm_backward(raw, conv, cu, dq, dk, dv, from0, dconv_a, H, K, W);
+  const std::vector<uint16_t> d16 = cuda_testing::kda_conv_norm_backward_bf16(raw, conv, cu, dq, dk, dv, dconv_b, H,
+                                                                              K, W);
+  ASSERT_EQ(d16.size(), from0.size());
+  int64_t differ = 0;
+  for (size_t i = 0; i < d16.size(); ++i) differ += bf16_to_f32(d16[i]) != bf16_to_f32(f32_to_bf16(from0[i]));
+  EXPECT_EQ(differ, 0) << "bf16 draw elements that are not the rounded fp32 gradient";
+  EXPECT_EQ(dconv_a, dconv_b);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerConv,

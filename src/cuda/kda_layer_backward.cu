@@ -4,6 +4,7 @@
 // kda_conv_norm, kda_gate and kda_out_norm (src/cuda/kda.cu), whose data layouts they share.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/backward_kernels.h"
 #include "cuda/kda_conv.cuh"
@@ -148,11 +149,13 @@ __global__ void __launch_bounds__(256, 2) conv_norm_dpre_rows_kernel(const float
 //   dw[i] += Σ_t dpre[t]·x[t+i−(W−1)]   (per-range partials [parts, C3, W] in part, summed by conv_dw_reduce_kernel).
 // The W rows of x before t and of dpre (with their seq_start) from t on slide along in registers, so each token
 // reads one new row of each; those of kda_conv::kGroup tokens are loaded together.
-template <int W>
+// OutT float: draw += dx; bf16: draw = bf16(dx) (every element of the token range has one writer).
+template <int W, class OutT>
 __global__ void conv_backward_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                                      const int32_t* __restrict__ seq_start, const float* __restrict__ dpre,
-                                     float* __restrict__ draw, float* __restrict__ part, int64_t T, int64_t C3,
+                                     OutT* __restrict__ draw, float* __restrict__ part, int64_t T, int64_t C3,
                                      int64_t span) {
+  constexpr bool kAdd = std::is_same_v<OutT, float>;
   const int64_t ch = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (ch >= C3) return;
   const int64_t t_begin = blockIdx.y * span, t_end = t_begin + span < T ? t_begin + span : T;
@@ -178,7 +181,7 @@ __global__ void conv_backward_kernel(const float* __restrict__ raw, const float*
       const int64_t t = t0 + u, last = t + W - 1;
       const bool in = t < t_end, tail = in && last < T;
       xg[u] = in ? raw[t * C3 + ch] : 0.0f;
-      rg[u] = in ? draw[t * C3 + ch] : 0.0f;
+      if constexpr (kAdd) rg[u] = in ? draw[t * C3 + ch] : 0.0f;
       dg[u] = tail ? dpre[last * C3 + ch] : 0.0f;
       sg[u] = tail ? seq_start[last] : INT32_MAX;
     }
@@ -195,7 +198,8 @@ __global__ void conv_backward_kernel(const float* __restrict__ raw, const float*
         if (t + i - (W - 1) >= s0) acc[i] += d * xr[i];
         if (t + (W - 1) - i < T && sd[W - 1 - i] <= t) dx += w[i] * dp[W - 1 - i];  // the token whose tap i reads t
       }
-      draw[t * C3 + ch] = rg[u] + dx;
+      if constexpr (kAdd) draw[t * C3 + ch] = rg[u] + dx;
+      else draw[t * C3 + ch] = __float2bfloat16(dx);
 #pragma unroll
       for (int i = 0; i + 1 < W; ++i) xr[i] = xr[i + 1], dp[i] = dp[i + 1], sd[i] = sd[i + 1];
     }
@@ -374,8 +378,9 @@ int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K,
 
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
-                            int64_t K, int64_t W, float* work, cudaStream_t st) {
+                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16) {
   check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
+  check(!draw != !draw16, "CUDA KDA backward: the conv's input gradient goes to exactly one of draw and draw16");
   check(W >= 1 && W <= kMaxW, "CUDA KDA backward: conv kernel size must be 1..", kMaxW, ", got ", W);
   if (T <= 0 || H * K == 0) return;
   const int64_t C3 = 3 * H * K, parts = num_parts(T), span = ceil_div(T, parts);
@@ -398,18 +403,24 @@ void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* 
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const dim3 grid(static_cast<unsigned>(ceil_div(C3, kChanThreads)), static_cast<unsigned>(parts));
-  auto conv_bwd = [&](auto kernel) {
-    kernel<<<grid, kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3, span);
+  auto conv_bwd = [&](auto tap_count) {
+    constexpr int kW = decltype(tap_count)::value;
+    if (draw16)
+      conv_backward_kernel<kW, bf16><<<grid, kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw16, part, T, C3,
+                                                                     span);
+    else
+      conv_backward_kernel<kW, float><<<grid, kChanThreads, 0, st>>>(raw, conv, seq_start, dpre, draw, part, T, C3,
+                                                                      span);
   };
   switch (W) {  // the taps as a compile-time count (1 … kMaxW, checked above)
-    case 1: conv_bwd(conv_backward_kernel<1>); break;
-    case 2: conv_bwd(conv_backward_kernel<2>); break;
-    case 3: conv_bwd(conv_backward_kernel<3>); break;
-    case 4: conv_bwd(conv_backward_kernel<4>); break;
-    case 5: conv_bwd(conv_backward_kernel<5>); break;
-    case 6: conv_bwd(conv_backward_kernel<6>); break;
-    case 7: conv_bwd(conv_backward_kernel<7>); break;
-    default: conv_bwd(conv_backward_kernel<8>); break;
+    case 1: conv_bwd(std::integral_constant<int, 1>{}); break;
+    case 2: conv_bwd(std::integral_constant<int, 2>{}); break;
+    case 3: conv_bwd(std::integral_constant<int, 3>{}); break;
+    case 4: conv_bwd(std::integral_constant<int, 4>{}); break;
+    case 5: conv_bwd(std::integral_constant<int, 5>{}); break;
+    case 6: conv_bwd(std::integral_constant<int, 6>{}); break;
+    case 7: conv_bwd(std::integral_constant<int, 7>{}); break;
+    default: conv_bwd(std::integral_constant<int, 8>{}); break;
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const int64_t n = C3 * W;

@@ -12,24 +12,48 @@ using detail::finish;
 using detail::poisoned;
 using detail::upload;
 
-void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
-                            const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
-                            const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
-                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
+namespace {
+
+// Both forms: draw (fp32, added to) or, when draw is null, draw16 (bf16 bits, written).
+void conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
+                        const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
+                        const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>* draw,
+                        std::vector<uint16_t>* draw16, std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
   const int64_t T = cu_seqlens.back();
   std::vector<int32_t> seq_start(static_cast<size_t>(T));
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s)
     for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) seq_start[t] = static_cast<int32_t>(cu_seqlens[s]);
   Buf d_raw = upload(raw), d_conv = upload(conv), d_dq = upload(dq), d_dk = upload(dk), d_dv = upload(dv),
-      d_draw = upload(draw), d_dconv = upload(dconv);
+      d_draw = draw ? upload(*draw) : Buf(0), d_draw16 = poisoned<uint16_t>(draw ? 0 : raw.size()),
+      d_dconv = upload(dconv);
   Buf d_ss = upload(seq_start);
   Buf work = poisoned<float>(static_cast<size_t>(cuda::kda_conv_norm_backward_workspace_floats(T, H, K, W)));
   cuda::kda_conv_norm_backward(d_raw.as<float>(), d_conv.as<float>(), d_ss.as<int32_t>(), d_dq.as<float>(),
-                               d_dk.as<float>(), d_dv.as<float>(), d_draw.as<float>(), d_dconv.as<float>(), T, H, K, W,
-                               work.as<float>(), nullptr);
+                               d_dk.as<float>(), d_dv.as<float>(), draw ? d_draw.as<float>() : nullptr,
+                               d_dconv.as<float>(), T, H, K, W, work.as<float>(), nullptr,
+                               draw ? nullptr : d_draw16.as<cuda::bf16>());
   finish();
-  draw = download<float>(d_draw);
+  if (draw) *draw = download<float>(d_draw);
+  else *draw16 = download<uint16_t>(d_draw16);
   dconv = download<float>(d_dconv);
+}
+
+}  // namespace
+
+void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
+                            const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
+                            const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
+                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
+  conv_norm_backward(raw, conv, cu_seqlens, dq, dk, dv, &draw, nullptr, dconv, H, K, W);
+}
+
+std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw, const std::vector<float>& conv,
+                                                  const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
+                                                  const std::vector<float>& dk, const std::vector<float>& dv,
+                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
+  std::vector<uint16_t> draw16;
+  conv_norm_backward(raw, conv, cu_seqlens, dq, dk, dv, nullptr, &draw16, dconv, H, K, W);
+  return draw16;
 }
 
 std::vector<float> kda_gate_backward(const std::vector<float>& f, const std::vector<float>& dt_bias,

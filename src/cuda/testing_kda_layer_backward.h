@@ -13,6 +13,11 @@ void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<flo
                             const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                             const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
                             std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
+// The same with draw written in bf16 (kda_conv_norm_backward's draw16, poisoned first): returns its bits.
+std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw, const std::vector<float>& conv,
+                                                  const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
+                                                  const std::vector<float>& dk, const std::vector<float>& dv,
+                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
 
 // kda_gate_backward: f [T, HK] the f_b output, dt_bias [HK], A_log [H], dg [T, HK]. Returns df [T, HK]; ddt_bias
 // [HK] and dA_log [H] are accumulated into.

@@ -412,10 +412,10 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, half(df, T * HK), dfa, gw.f_b);
   linear_backward(i, {LoraKind::KdaFA}, w.f_a, a, D, half(dfa, T * K), da, gw.f_a);
   // q, k, v = norms(silu(conv(qkv(a))))
-  float* draw = zeros(T * 3 * HK);
-  kda_conv_norm_backward(x.raw, w.conv, p_.seq_start, dq, dk, dv, draw, gw.conv, T, H, K, W,
-                         ar.alloc<float>(kda_conv_norm_backward_workspace_floats(T, H, K, W)), st);
-  linear_backward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, half(draw, T * 3 * HK), da,
+  bf16* draw16 = ar.alloc<bf16>(T * 3 * HK);  // the projection's output gradient, written in bf16 directly
+  kda_conv_norm_backward(x.raw, w.conv, p_.seq_start, dq, dk, dv, nullptr, gw.conv, T, H, K, W,
+                         ar.alloc<float>(kda_conv_norm_backward_workspace_floats(T, H, K, W)), st, draw16);
+  linear_backward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, draw16, da,
                   gw.qkv);
 }
 
