@@ -83,6 +83,12 @@ void attention_backward_reference(const std::vector<float>& q, const std::vector
     }
 }
 
+// x −= x0 element by element: the increments of gradients that the kernels add into non-zero starting values.
+void subtract(std::vector<float>& x, const std::vector<float>& x0) {
+  ASSERT_EQ(x.size(), x0.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] -= x0[i];
+}
+
 // Random sorted selections of sequence-relative keys (not causal: the kernel must not assume it). One row in
 // `special` is empty and one has min(L, max_sel) keys; the rest have 1 … min(L, max_sel, small) keys. Every
 // sequence's first token is empty and its last one full-sized, so both kinds occur.
@@ -156,8 +162,8 @@ TEST_P(CudaBackwardDsa, MatchesCpuReference) {
     cuda_testing::mla_sparse_attention_backward(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv, scatter);
     ASSERT_TRUE(all_finite(dq));
     ASSERT_TRUE(all_finite(dkv));
-    for (size_t i = 0; i < dq.size(); ++i) dq[i] -= dq0[i];
-    for (size_t i = 0; i < dkv.size(); ++i) dkv[i] -= dkv0[i];
+    subtract(dq, dq0);
+    subtract(dkv, dkv0);
 
     auto err = [](const std::vector<float>& a, const std::vector<float>& b) {
       EXPECT_EQ(a.size(), b.size());
@@ -337,8 +343,8 @@ TEST_P(CudaBackwardMlaTc, MatchesCpuReferenceAndTiledKernel) {
   cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, dqk, dv, c.max_sel, dq, dkv);
   ASSERT_TRUE(all_finite(dq));
   ASSERT_TRUE(all_finite(dkv));
-  for (size_t i = 0; i < dq.size(); ++i) dq[i] -= dq0[i];
-  for (size_t i = 0; i < dkv.size(); ++i) dkv[i] -= dkv0[i];
+  subtract(dq, dq0);
+  subtract(dkv, dkv0);
   const TcErrors e = tc_errors(dq, dkv, rq, rkv, sel, NH, dqk, dv);
   std::printf("[cuda] MLA tc backward %s vs CPU: dq %.2e (empty rows %.2e), dk %.2e, dv %.2e\n", c.name, e.q_sel,
               e.q_uni, e.k, e.v);
@@ -370,8 +376,8 @@ TEST_P(CudaBackwardMlaTc, MatchesCpuReferenceAndTiledKernel) {
   cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, csel, cu, NH, dqk, dv, c.max_sel, fq, fkv, true);
   ASSERT_TRUE(all_finite(fq));
   ASSERT_TRUE(all_finite(fkv));
-  for (size_t i = 0; i < fq.size(); ++i) fq[i] -= dq0[i];
-  for (size_t i = 0; i < fkv.size(); ++i) fkv[i] -= dkv0[i];
+  subtract(fq, dq0);
+  subtract(fkv, dkv0);
   const TcErrors ef = tc_errors(fq, fkv, cq, ckv, csel, NH, dqk, dv);
   std::printf("[cuda] MLA tc backward %s from the forward's stats vs CPU: dq %.2e (empty rows %.2e), dk %.2e, "
               "dv %.2e\n", c.name, ef.q_sel, ef.q_uni, ef.k, ef.v);

@@ -69,36 +69,26 @@ __global__ void __launch_bounds__(256, 2) conv_norm_rows_kernel(const float* __r
     OutT* out = r.which == 0 ? q : (r.which == 1 ? k : v);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
-    for (int64_t t0 = r.t0; t0 < r.t1; t0 += kda_conv::kGroup) {
-      kda_conv::Group<PER> x;
-      kda_conv::GroupStarts starts;
-      win.fetch(x, raw, C3, K, t0, r.t1);
-      starts.load(seq_start, t0, r.t1);
+    win.walk(raw, seq_start, C3, K, r, [](int64_t) {}, [&](int, int64_t t, const float (&pre)[PER]) {
+      float vals[PER];
+      float ss = 0.0f;
 #pragma unroll
-      for (int u = 0; u < kda_conv::kGroup; ++u) {
-        const int64_t t = t0 + u;
-        if (t >= r.t1) break;
-        float vals[PER];
-        float ss = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          vals[i] = 0.0f;
-          if (lane + 32 * i >= K) continue;
-          const float acc = silu(win.conv_at(x.x[u][i], t, starts.s0[u], i));
-          vals[i] = acc;
-          ss += acc * acc;
-        }
-        float scale = 1.0f;
-        if (r.which < 2) {
-          ss = warp_sum(ss);
-          scale = rsqrtf(ss + 1e-6f) * (r.which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
-        }
-#pragma unroll
-        for (int i = 0; i < PER; ++i)
-          if (lane + 32 * i < K) put(out + (t * H + r.h) * K + lane + 32 * i, vals[i] * scale);
-        win.shift();
+      for (int i = 0; i < PER; ++i) {
+        vals[i] = 0.0f;
+        if (lane + 32 * i >= K) continue;
+        const float acc = silu(pre[i]);
+        vals[i] = acc;
+        ss += acc * acc;
       }
-    }
+      float scale = 1.0f;
+      if (r.which < 2) {
+        ss = warp_sum(ss);
+        scale = rsqrtf(ss + 1e-6f) * (r.which == 0 ? rsqrtf(static_cast<float>(K)) : 1.0f);
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        if (lane + 32 * i < K) put(out + (t * H + r.h) * K + lane + 32 * i, vals[i] * scale);
+    });
   }
 }
 

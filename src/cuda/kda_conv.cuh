@@ -96,6 +96,31 @@ struct Window {
 #pragma unroll
       for (int w = 0; w + 1 < W; ++w) rows[i][w] = rows[i][w + 1];
   }
+  // Walks the run's tokens kGroup at a time: their rows of raw and sequence starts are loaded together, with what
+  // load(t0) adds, then body(u, t, pre) runs for each token t = t0 + u in order, pre[i] the conv of the lane's
+  // channel i (0 for channels ≥ K).
+  template <class Load, class Body>
+  __device__ __forceinline__ void walk(const float* raw, const int32_t* seq_start, int64_t C3, int64_t K,
+                                       const Run& r, Load load, Body body) {
+    const int lane = threadIdx.x & 31;
+    for (int64_t t0 = r.t0; t0 < r.t1; t0 += kGroup) {
+      Group<PER> x;
+      GroupStarts starts;
+      fetch(x, raw, C3, K, t0, r.t1);
+      starts.load(seq_start, t0, r.t1);
+      load(t0);
+#pragma unroll
+      for (int u = 0; u < kGroup; ++u) {
+        const int64_t t = t0 + u;
+        if (t >= r.t1) break;
+        float pre[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) pre[i] = lane + 32 * i < K ? conv_at(x.x[u][i], t, starts.s0[u], i) : 0.0f;
+        body(u, t, pre);
+        shift();
+      }
+    }
+  }
 };
 
 }  // namespace nextlm::cuda::kda_conv

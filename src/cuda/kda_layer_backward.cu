@@ -123,23 +123,15 @@ __global__ void __launch_bounds__(256, 2) conv_norm_dpre_rows_kernel(const float
     const float* dsrc = r.which == 0 ? dq : (r.which == 1 ? dk : dv);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
-    for (int64_t t0 = r.t0; t0 < r.t1; t0 += kda_conv::kGroup) {
-      kda_conv::Group<PER> x, dy;
-      kda_conv::GroupStarts starts;
-      win.fetch(x, raw, C3, K, t0, r.t1);
-      dy.load(t0, r.t1, K, [&](int64_t t, int i) { return dsrc[(t * H + r.h) * K + lane + 32 * i]; });
-      starts.load(seq_start, t0, r.t1);
-#pragma unroll
-      for (int u = 0; u < kda_conv::kGroup; ++u) {
-        const int64_t t = t0 + u;
-        if (t >= r.t1) break;
-        float pre[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i) pre[i] = lane + 32 * i < K ? win.conv_at(x.x[u][i], t, starts.s0[u], i) : 0.0f;
-        dpre_row(pre, PER, dy.x[u], r.which, qscale, K, dpre + t * C3 + r.which * HK + r.h * K);
-        win.shift();
-      }
-    }
+    kda_conv::Group<PER> dy;  // the output gradients of the group's tokens, loaded with their rows of raw
+    win.walk(
+        raw, seq_start, C3, K, r,
+        [&](int64_t t0) {
+          dy.load(t0, r.t1, K, [&](int64_t t, int i) { return dsrc[(t * H + r.h) * K + lane + 32 * i]; });
+        },
+        [&](int u, int64_t t, const float (&pre)[PER]) {
+          dpre_row(pre, PER, dy.x[u], r.which, qscale, K, dpre + t * C3 + r.which * HK + r.h * K);
+        });
   }
 }
 
