@@ -58,9 +58,10 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
 // (head, which) over kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers
 // (kda_conv.cuh). Every element's arithmetic is conv_norm_kernel's, with the same lanes, so the same bits.
 template <class OutT, int W, int PER>
-__global__ void __launch_bounds__(256, 2) conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
-                                      const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T,
-                                      int64_t H, int64_t K) {
+__global__ void __launch_bounds__(256, 2)
+    conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+                          const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T, int64_t H,
+                          int64_t K) {
   const int lane = threadIdx.x & 31;
   const int64_t C3 = 3 * H * K, nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs(T, H);

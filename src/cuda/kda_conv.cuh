@@ -29,7 +29,7 @@ __device__ __forceinline__ Run run_of(int64_t wid, int64_t T, int64_t H) {
 }
 
 // Per-lane values of kGroup consecutive tokens from t0, PER channels each (zero for tokens ≥ t1 or channels ≥ K), all
-// loads issued before any is used. at(t, i): the element of token t (row stride ld) and of the lane's channel i.
+// loads issued before any is used. at(t, i): the value of token t for the lane's channel i.
 template <int PER>
 struct Group {
   float x[kGroup][PER];

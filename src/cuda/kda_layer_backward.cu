@@ -111,10 +111,11 @@ __global__ void conv_norm_dpre_kernel(const float* raw, const float* conv, const
 // kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers (kda_conv.cuh), as
 // kda.cu's conv_norm_rows_kernel; every element's arithmetic and lanes are conv_norm_dpre_kernel's, so the same bits.
 template <int W, int PER>
-__global__ void __launch_bounds__(256, 2) conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
-                                           const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
-                                           const float* __restrict__ dk, const float* __restrict__ dv,
-                                           float* __restrict__ dpre, int64_t T, int64_t H, int64_t K, float qscale) {
+__global__ void __launch_bounds__(256, 2)
+    conv_norm_dpre_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+                               const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
+                               const float* __restrict__ dk, const float* __restrict__ dv, float* __restrict__ dpre,
+                               int64_t T, int64_t H, int64_t K, float qscale) {
   const int lane = threadIdx.x & 31;
   const int64_t HK = H * K, C3 = 3 * HK, nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs(T, H);
