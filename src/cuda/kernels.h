@@ -158,7 +158,9 @@ void mla_sparse_attention(const float* q, const float* kv, const int32_t* sel, c
                           int64_t dqk, int64_t dv, int64_t max_sel, cudaStream_t st);
 
 // The same on tensor cores (src/cuda/mla_tc.cu) for the head dims mla_tc_supported accepts: q bf16 [T, NH, dqk],
-// kv bf16 [T, NH, dqk+dv]; mask: T·words uint32 of workspace, words = mla_mask_words(longest sequence). lse2, when
+// kv bf16 [T, NH, dqk+dv]; mask: T·words uint32 of workspace, words = mla_mask_words(longest sequence). The
+// selections must be causal (sel(t) ⊆ [0, t], as the indexer makes them): a block visits a query's keys only up to
+// the query itself, so a selected later key would count only when another row of the block reaches it. lse2, when
 // given: fp32 [T, NH], each row's log-sum-exp of its scaled scores in the log2 domain, which the tensor-core
 // backward (backward_kernels.h) then reads instead of recomputing it.
 bool mla_tc_supported(int64_t dqk, int64_t dv);
