@@ -293,8 +293,7 @@ __global__ void __launch_bounds__(256, 4)
   // A warp's rows are row0, row0 + nwarps, …; kOutNormRows of them at a time, all their loads issued first.
   for (int64_t row0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; row0 < rows;
        row0 += kOutNormRows * nwarps) {
-    float x[kOutNormRows][PER], gt[kOutNormRows][PER], dr[kOutNormRows][PER],
-        dold[kOutNormRows][PER];
+    float x[kOutNormRows][PER], gt[kOutNormRows][PER], dr[kOutNormRows][PER], dold[kOutNormRows][PER];
 #pragma unroll
     for (int j = 0; j < kOutNormRows; ++j) {
       const int64_t row = row0 + j * nwarps;
