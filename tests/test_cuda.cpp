@@ -218,7 +218,9 @@ TEST_P(CudaMlaTc, MatchesSparseKernel) {
   EXPECT_LE(e, 1e-2);  // bf16 probabilities and values with fp32 accumulation
 }
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaMlaTc,
-                         ::testing::Values(std::pair<int64_t, int64_t>{64, 64}, std::pair<int64_t, int64_t>{256, 256}));
+                         ::testing::Values(std::pair<int64_t, int64_t>{64, 64}, std::pair<int64_t, int64_t>{128, 128},
+                                           std::pair<int64_t, int64_t>{192, 128},
+                                           std::pair<int64_t, int64_t>{256, 256}));
 
 class CudaGolden : public ::testing::TestWithParam<std::string> {};
 

@@ -3,10 +3,13 @@
 // masks every (query, key) pair by the query's selection, kept as a bitmask over its sequence's positions. Key
 // blocks that no query of the block selects are skipped. A query whose selection is empty attends with equal weights
 // to every key of its sequence (transformers' eager softmax of an all-masked row), as attention_kernel in dsa.cu.
+// Head dims whose key width is a multiple of 64 and value width 128 or 256 (the model's 256/256 among them) run on
+// Hopper's warpgroup MMAs (mla_wgmma_kernel); 64/64 on mma.sync (mla_tc_kernel).
 #include <algorithm>
 
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace nextlm::cuda {
 
@@ -203,6 +206,219 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- Hopper (sm_90a): the same attention on warpgroup MMAs ----
+// Each block takes 128 consecutive packed tokens (two warpgroups of 64 rows) and one head. Q stays in shared memory
+// for the whole walk; K and V blocks of 64 keys go through a two-stage cp.async pipeline, the next selected block
+// loading while the current one is used. S = Q·Kᵀ is wgmma m64n64k16 from shared memory (Q and K both K-major);
+// P, rounded to bf16, goes from the score accumulators straight into the A registers of O += P·V (m64n{DV}k16, V read
+// N-major). Masking, the online softmax and the outputs are those of mla_tc_kernel, row for row.
+// Shared memory, every matrix in the 128-byte-swizzle layout of cuda/wgmma.cuh: Q as DQK/64 slabs of [128 rows][64],
+// then per stage K as DQK/64 slabs of [64 keys][64] and V as DV/64 blocks of [64 keys][64 value columns].
+constexpr int kWgRows = 128, kWgThreads = 256;
+
+template <int DQK, int DV>
+struct WgLayout {
+  static constexpr int q_bytes = kWgRows * DQK * 2, k_bytes = kKeys * DQK * 2, v_bytes = kKeys * DV * 2;
+  static constexpr int stage_bytes = k_bytes + v_bytes;
+  static constexpr int bytes = q_bytes + 2 * stage_bytes + 1024;  // + slack to align the tiles to 1024 bytes
+  static_assert(DQK % 64 == 0 && (DV == 128 || DV == 256));
+};
+
+// Byte offset of 16-byte chunk c (elements 8c … 8c + 7) of row r in a tile of `rows` rows stored as 64-wide slabs.
+__device__ __forceinline__ int sw128_offset(int r, int c, int rows) {
+  return (c >> 3) * (rows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+template <int DQK, int DV>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    mla_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const uint32_t* __restrict__ mask,
+                     int64_t words, const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
+                     const int32_t* __restrict__ seq_len, bf16* __restrict__ o, float* __restrict__ lse2, int64_t T,
+                     int NH, float scale_log2) {
+  using L = WgLayout<DQK, DV>;
+  constexpr int DKV = DQK + DV, NO = DV / 2;  // NO: output accumulators per thread
+  extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
+  const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
+  unsigned char* smem = wg_smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  __shared__ int64_t key_lo, key_hi;
+
+  const int64_t r0 = int64_t(blockIdx.x) * kWgRows;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  if (tid == 0) key_lo = INT64_MAX, key_hi = 0;
+
+  for (int i = tid; i < kWgRows * (DQK / 8); i += kWgThreads) {
+    const int r = i / (DQK / 8), c = i % (DQK / 8);
+    const bool in = r0 + r < T;
+    cp_async16(smem + sw128_offset(r, c, kWgRows), q + ((in ? r0 + r : 0) * NH + h) * DQK + c * 8, in);
+  }
+  auto load_kv = [&](int64_t j0, int stage) {
+    unsigned char* ks = smem + L::q_bytes + stage * L::stage_bytes;
+    unsigned char* vs = ks + L::k_bytes;
+    for (int i = tid; i < kKeys * (DQK / 8); i += kWgThreads) {
+      const int r = i / (DQK / 8), c = i % (DQK / 8);
+      const bool in = j0 + r < T;
+      cp_async16(ks + sw128_offset(r, c, kKeys), kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8, in);
+    }
+    for (int i = tid; i < kKeys * (DV / 8); i += kWgThreads) {
+      const int r = i / (DV / 8), c = i % (DV / 8);
+      const bool in = j0 + r < T;
+      cp_async16(vs + sw128_offset(r, c, kKeys), kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + c * 8, in);
+    }
+  };
+
+  // This thread's two rows (g and g + 8 of its warp's 16).
+  int64_t row[2], s0[2], len[2];
+  bool valid[2], uniform[2];
+  for (int hf = 0; hf < 2; ++hf) {
+    row[hf] = r0 + 64 * wg + 16 * wq + gq + 8 * hf;
+    valid[hf] = row[hf] < T;
+    const int64_t t = valid[hf] ? row[hf] : 0;
+    s0[hf] = seq_start[t];
+    len[hf] = seq_len[t];
+    uniform[hf] = valid[hf] && count[t] == 0;
+  }
+  __syncthreads();  // key_lo / key_hi initialised
+  for (int hf = 0; hf < 2; ++hf)
+    if (valid[hf]) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&key_lo), static_cast<unsigned long long>(s0[hf]));
+      const int64_t end = uniform[hf] ? s0[hf] + len[hf] : row[hf] + 1;
+      atomicMax(reinterpret_cast<unsigned long long*>(&key_hi), static_cast<unsigned long long>(end));
+    }
+  __syncthreads();
+  const int64_t klo = key_lo, khi = key_hi;
+
+  auto row_bits = [&](int64_t j0, uint64_t bits[2]) {
+    for (int hf = 0; hf < 2; ++hf) {
+      if (!valid[hf]) bits[hf] = 0;
+      else if (uniform[hf]) bits[hf] = range64(j0 - s0[hf], len[hf]);
+      else bits[hf] = window64(mask + row[hf] * words, words, j0 - s0[hf]);
+    }
+  };
+  // The first key block from j0 on that some row of the block selects (khi if none), with this thread's rows' bits
+  // for it. Block-wide: a barrier per block looked at, at least one.
+  auto next_selected = [&](int64_t j0, uint64_t bits[2]) {
+    for (;; j0 += kKeys) {
+      bool any = false;
+      if (j0 < khi) {
+        row_bits(j0, bits);
+        any = (bits[0] | bits[1]) != 0;
+      }
+      if (__syncthreads_or(any) || j0 >= khi) return j0 < khi ? j0 : khi;
+    }
+  };
+
+  float oc[NO];
+#pragma unroll
+  for (int i = 0; i < NO; ++i) oc[i] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  uint64_t bits[2], next_bits[2];
+  int64_t j0 = next_selected(klo, bits);
+  if (j0 < khi) load_kv(j0, 0);
+  cp_async_commit();  // with the Q tile
+  for (int stage = 0; j0 < khi; stage ^= 1) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    // Its barrier makes this stage visible to every thread and finds every warpgroup done with the other stage.
+    const int64_t j1 = next_selected(j0 + kKeys, next_bits);
+    if (j1 < khi) load_kv(j1, stage ^ 1);
+    cp_async_commit();
+
+    const uint32_t qs = smem_s + wg * 64 * 128;
+    const uint32_t ks = smem_s + L::q_bytes + stage * L::stage_bytes, vs = ks + L::k_bytes;
+    // Scores of the warpgroup's 64 rows against the 64 keys: s[4nt + 2hf + e] = (row hf, key 8nt + 2tq + e).
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+    fence_regs<32>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk)
+      wgmma_m64n64k16<0>(s, sw128_desc(qs + (kk >> 2) * (kWgRows * 128) + (kk & 3) * 32),
+                         sw128_desc(ks + (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<32>(s);
+    // Mask, scale (log2 domain), online softmax per row.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 8 * nt + 2 * tq + e;
+          float& x = s[4 * nt + 2 * hf + e];
+          x = (bits[hf] >> j) & 1 ? (uniform[hf] ? 0.0f : x * scale_log2) : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[hf], mx);
+      const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m[hf] - mnew);  // m = −inf → 0
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * nt + 2 * hf + e];
+          x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
+          sum += x;
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l[hf] = l[hf] * alpha + sum;
+      m[hf] = mnew;
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) oc[4 * nt + 2 * hf] *= alpha, oc[4 * nt + 2 * hf + 1] *= alpha;
+    }
+    // o += P·V, P's A fragments (16 keys each) packed from the score accumulators of the same thread.
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    fence_regs<NO>(oc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if constexpr (DV == 256) wgmma_m64n256k16_rs<1>(oc, pa[kk], sw128_mn_desc(vs + kk * 2048, kKeys * 128));
+      else wgmma_m64n128k16_rs<1>(oc, pa[kk], sw128_mn_desc(vs + kk * 2048, kKeys * 128));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<NO>(oc);
+    fence_regs<16>(&pa[0][0]);
+    j0 = j1;
+    bits[0] = next_bits[0], bits[1] = next_bits[1];
+  }
+  cp_async_wait<0>();
+  for (int hf = 0; hf < 2; ++hf) {
+    if (!valid[hf]) continue;
+    if (lse2 && tq == 0) lse2[row[hf] * NH + h] = m[hf] == -INFINITY ? 0.0f : m[hf] + log2f(l[hf]);
+    const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
+    bf16* out = o + (row[hf] * NH + h) * DV;
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt)
+      *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt + 2 * tq) =
+          __floats2bfloat162_rn(oc[4 * nt + 2 * hf] * inv, oc[4 * nt + 2 * hf + 1] * inv);
+  }
+}
+
+template <int DQK, int DV>
+void launch_wgmma(const bf16* q, const bf16* kv, const uint32_t* mask, int64_t words, const int32_t* count,
+                  const int32_t* seq_start, const int32_t* seq_len, bf16* o, float* lse2, int64_t T, int64_t NH,
+                  cudaStream_t st) {
+  const int bytes = WgLayout<DQK, DV>::bytes;
+  NEXTLM_CUDA_CHECK(
+      cudaFuncSetAttribute(mla_wgmma_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(DQK));
+  mla_wgmma_kernel<DQK, DV><<<dim3(static_cast<unsigned>(ceil_div(T, kWgRows)), static_cast<unsigned>(NH)),
+                              kWgThreads, bytes, st>>>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T,
+                                                       static_cast<int>(NH), scale_log2);
+}
+
 template <int DQK, int DV>
 void launch(const bf16* q, const bf16* kv, const uint32_t* mask, int64_t words, const int32_t* count,
             const int32_t* seq_start, const int32_t* seq_len, bf16* o, float* lse2, int64_t T, int64_t NH,
@@ -232,9 +448,12 @@ void mla_sparse_attention_tc(const bf16* q, const bf16* kv, const int32_t* sel, 
   NEXTLM_CUDA_CHECK(cudaMemsetAsync(mask, 0, static_cast<size_t>(T * words) * sizeof(uint32_t), st));
   selection_mask_kernel<<<static_cast<unsigned>(T), 128, 0, st>>>(sel, count, mask, T, max_sel, words);
   if (dqk == 64 && dv == 64) return launch<64, 64>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
-  if (dqk == 128 && dv == 128) return launch<128, 128>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
-  if (dqk == 192 && dv == 128) return launch<192, 128>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
-  if (dqk == 256 && dv == 256) return launch<256, 256>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
+  if (dqk == 128 && dv == 128)
+    return launch_wgmma<128, 128>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
+  if (dqk == 192 && dv == 128)
+    return launch_wgmma<192, 128>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
+  if (dqk == 256 && dv == 256)
+    return launch_wgmma<256, 256>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T, NH, st);
   fail("MLA attention on tensor cores: unsupported head dims ", dqk, "/", dv);
 }
 
