@@ -224,11 +224,6 @@ struct WgLayout {
   static_assert(DQK % 64 == 0 && (DV == 128 || DV == 256));
 };
 
-// Byte offset of 16-byte chunk c (elements 8c … 8c + 7) of row r in a tile of `rows` rows stored as 64-wide slabs.
-__device__ __forceinline__ int sw128_offset(int r, int c, int rows) {
-  return (c >> 3) * (rows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
-
 template <int DQK, int DV>
 __global__ void __launch_bounds__(kWgThreads, 1)
     mla_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const uint32_t* __restrict__ mask,
@@ -382,10 +377,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     fence_regs<NO>(oc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      if constexpr (DV == 256) wgmma_m64n256k16_rs<1>(oc, pa[kk], sw128_mn_desc(vs + kk * 2048, kKeys * 128));
-      else wgmma_m64n128k16_rs<1>(oc, pa[kk], sw128_mn_desc(vs + kk * 2048, kKeys * 128));
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<DV, 1>(oc, pa[kk], sw128_mn_desc(vs + kk * 2048, kKeys * 128));
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<NO>(oc);

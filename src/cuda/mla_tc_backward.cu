@@ -20,6 +20,7 @@
 #include "cuda/backward_kernels.h"
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace nextlm::cuda {
 
@@ -516,6 +517,178 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- Hopper (sm_90a): the dq pass on warpgroup MMAs ----
+// One block per pair of query tiles (128 rows; warpgroup w takes tile 2·pair + w) and head, walking the key tiles
+// that either tile touches (the union of their tmap rows) in order. q and do stay in shared memory; k tiles are
+// double-buffered (the next one loads during the current one's work) and the v tile is single (the next one loads
+// once both warpgroups have their dp). Per key tile and warpgroup: s = q·kᵀ and dp = do·vᵀ (wgmma m64n64k16 from
+// shared memory, both K-major), then p and ds in the accumulators as p_ds forms them, then dq += ds·k (ds repacked
+// into wgmma's A registers, k read N-major). Every matrix in shared memory is in the 128-byte-swizzle layout of
+// cuda/wgmma.cuh. dq is added to once per element after the walk, as query_kernel does.
+constexpr int kWgRows = 128;
+
+template <int DQK, int DV>
+struct DqWg {
+  static constexpr int q_bytes = kWgRows * DQK * 2, o_bytes = kWgRows * DV * 2, k_bytes = kTile * DQK * 2,
+                       v_bytes = kTile * DV * 2;
+  static constexpr int k_at = q_bytes + o_bytes, v_at = k_at + 2 * k_bytes;
+  static constexpr int bytes = v_at + v_bytes + 1024;  // + slack to align the tiles to 1024 bytes
+  static_assert(DV % 64 == 0 && (DQK == 128 || DQK == 192 || DQK == 256));
+};
+
+template <int DQK, int DV>
+__global__ void __launch_bounds__(kThreads, 1)
+    dq_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const bf16* __restrict__ do16,
+                    const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
+                    const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
+                    const uint32_t* __restrict__ tmap, int64_t wk, int64_t nqt, const float* __restrict__ lse_g,
+                    const float* __restrict__ D_g, float* __restrict__ dq, int64_t T, int64_t NH, float scale_log2,
+                    float scale) {
+  using L = DqWg<DQK, DV>;
+  constexpr int DKV = DQK + DV, NQ = DQK / 2;  // NQ: dq accumulators per thread
+  extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
+  const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
+  unsigned char* smem = wg_smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+
+  // Pairs in reverse order, as query_kernel's tiles: the late ones have the most key tiles.
+  const int64_t pair = int64_t(gridDim.x) - 1 - blockIdx.x, r0 = pair * kWgRows, h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  const uint32_t* trow = tmap + 2 * pair * wk;
+  const bool second = 2 * pair + 1 < nqt;
+  auto next = [&](int64_t from) {
+    const int64_t a = next_tile(trow, wk, from), b = second ? next_tile(trow + wk, wk, from) : -1;
+    return a < 0 ? b : b < 0 ? a : min(a, b);
+  };
+
+  for (int i = tid; i < kWgRows * (DQK / 8); i += kThreads) {
+    const int r = i / (DQK / 8), c = i % (DQK / 8);
+    const bool in = r0 + r < T;
+    cp_async16(smem + sw128_offset(r, c, kWgRows), q + ((in ? r0 + r : 0) * NH + h) * DQK + c * 8, in);
+  }
+  for (int i = tid; i < kWgRows * (DV / 8); i += kThreads) {
+    const int r = i / (DV / 8), c = i % (DV / 8);
+    const bool in = r0 + r < T;
+    cp_async16(smem + L::q_bytes + sw128_offset(r, c, kWgRows), do16 + ((in ? r0 + r : 0) * NH + h) * DV + c * 8,
+               in);
+  }
+  auto load_k = [&](int64_t kt, int b) {
+    const int64_t j0 = kt * kTile;
+    for (int i = tid; i < kTile * (DQK / 8); i += kThreads) {
+      const int r = i / (DQK / 8), c = i % (DQK / 8);
+      const bool in = j0 + r < T;
+      cp_async16(smem + L::k_at + b * L::k_bytes + sw128_offset(r, c, kTile),
+                 kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8, in);
+    }
+  };
+  auto load_v = [&](int64_t kt) {
+    const int64_t j0 = kt * kTile;
+    for (int i = tid; i < kTile * (DV / 8); i += kThreads) {
+      const int r = i / (DV / 8), c = i % (DV / 8);
+      const bool in = j0 + r < T;
+      cp_async16(smem + L::v_at + sw128_offset(r, c, kTile), kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + c * 8,
+                 in);
+    }
+  };
+
+  // This thread's two rows (g and g + 8 of its warp's 16): the forward's statistics, and the score scale (0 for an
+  // empty selection: uniform weights).
+  QueryInfo qi[2];
+  float lse2[2], Dr[2], sl[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    qi[hf].load(r0 + 64 * wg + 16 * wq + gq + 8 * hf, T, count, seq_start, seq_len);
+    const int64_t ih = qi[hf].valid ? qi[hf].t * NH + h : 0;
+    lse2[hf] = qi[hf].valid ? lse_g[ih] : 0.0f;
+    Dr[hf] = qi[hf].valid ? D_g[ih] : 0.0f;
+    sl[hf] = qi[hf].uniform ? 0.0f : scale_log2;
+  }
+
+  float acc[NQ];
+#pragma unroll
+  for (int i = 0; i < NQ; ++i) acc[i] = 0.0f;
+  int64_t kt = next(0);
+  if (kt >= 0) load_k(kt, 0), load_v(kt);
+  cp_async_commit();  // with q and do
+  for (int b = 0; kt >= 0; b ^= 1) {
+    MaskWindow mw[2];  // the tile's mask words: in flight during the wait and the products
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) qi[hf].start(mw[hf], kt * kTile, mask, words);
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // k tile b and the v tile visible; every warpgroup is done with k tile b ^ 1
+    const int64_t nkt = next(kt + 1);
+    if (nkt >= 0) load_k(nkt, b ^ 1);
+    cp_async_commit();
+
+    const uint32_t qs = smem_s + wg * 64 * 128, os = smem_s + L::q_bytes + wg * 64 * 128;
+    const uint32_t ks = smem_s + L::k_at + b * L::k_bytes, vs = smem_s + L::v_at;
+    // s[4nt + 2hf + e], dp[…] = (row hf, key 8nt + 2tq + e) of the tile.
+    float s[32], dp[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
+    fence_regs<32>(s);
+    fence_regs<32>(dp);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk)
+      wgmma_m64n64k16<0>(s, sw128_desc(qs + (kk >> 2) * (kWgRows * 128) + (kk & 3) * 32),
+                         sw128_desc(ks + (kk >> 2) * (kTile * 128) + (kk & 3) * 32));
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk)
+      wgmma_m64n64k16<0>(dp, sw128_desc(os + (kk >> 2) * (kWgRows * 128) + (kk & 3) * 32),
+                         sw128_desc(vs + (kk >> 2) * (kTile * 128) + (kk & 3) * 32));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<32>(s);
+    fence_regs<32>(dp);
+    __syncthreads();  // every warpgroup is done with the v tile
+    if (nkt >= 0) load_v(nkt);
+    cp_async_commit();
+
+    // ds = p·(dp − D)·scale with p = 2^(s·sl − lse2) on the selected keys, in place of s.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const uint64_t bits = qi[hf].finish(mw[hf], kt * kTile);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 4 * nt + 2 * hf + e;
+          const float p = (bits >> (8 * nt + 2 * tq + e)) & 1 ? exp2f(s[i] * sl[hf] - lse2[hf]) : 0.0f;
+          s[i] = p * (dp[i] - Dr[hf]) * scale;
+        }
+    }
+    uint32_t da[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) da[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    fence_regs<NQ>(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<DQK, 1>(acc, da[kk], sw128_mn_desc(ks + kk * 2048, kTile * 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<NQ>(acc);
+    fence_regs<16>(&da[0][0]);
+    kt = nkt;
+  }
+  cp_async_wait<0>();  // no tile: q and do copies still in flight
+
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    if (!qi[hf].valid) continue;
+    float* out = dq + (qi[hf].t * NH + h) * DQK + 2 * tq;
+#pragma unroll
+    for (int nt = 0; nt < DQK / 8; ++nt) {
+      out[8 * nt] += acc[4 * nt + 2 * hf];
+      out[8 * nt + 1] += acc[4 * nt + 2 * hf + 1];
+    }
+  }
+}
+
 struct Layout {
   int64_t words, nqt, wk, wq;
   size_t lse, D, do16, mask, tmapT, tmap, end;  // byte offsets; mask … tmapT are zeroed before the build
@@ -576,8 +749,6 @@ void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* coun
             k_bytes = Ds::key_bytes + row_bytes;
   NEXTLM_CUDA_CHECK(
       cudaFuncSetAttribute(query_kernel<DQK, DV, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, qs_bytes));
-  NEXTLM_CUDA_CHECK(
-      cudaFuncSetAttribute(query_kernel<DQK, DV, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, qd_bytes));
   NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(key_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_bytes));
   const dim3 grid(static_cast<unsigned>(L.nqt), static_cast<unsigned>(NH));
   if (stats) {
@@ -586,9 +757,20 @@ void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* coun
                                                                   scale);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
-  query_kernel<DQK, DV, false><<<grid, kThreads, qd_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask,
-                                                                 L.words, tmap, L.wk, lse, D, dq, T, NH, scale_log2,
-                                                                 scale);
+  if constexpr (DQK == 64) {
+    NEXTLM_CUDA_CHECK(
+        cudaFuncSetAttribute(query_kernel<DQK, DV, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, qd_bytes));
+    query_kernel<DQK, DV, false><<<grid, kThreads, qd_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask,
+                                                                   L.words, tmap, L.wk, lse, D, dq, T, NH,
+                                                                   scale_log2, scale);
+  } else {
+    constexpr int bytes = DqWg<DQK, DV>::bytes;
+    NEXTLM_CUDA_CHECK(
+        cudaFuncSetAttribute(dq_wgmma_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    const dim3 pairs(static_cast<unsigned>(ceil_div(L.nqt, 2)), static_cast<unsigned>(NH));
+    dq_wgmma_kernel<DQK, DV><<<pairs, kThreads, bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words,
+                                                            tmap, L.wk, L.nqt, lse, D, dq, T, NH, scale_log2, scale);
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   key_kernel<DQK, DV><<<grid, kThreads, k_bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words, tmapT,
                                                        L.wq, lse, D, dkv, T, NH, scale_log2, scale);
