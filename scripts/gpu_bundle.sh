@@ -14,7 +14,8 @@ cmake --build "$build" --target test_cuda nextlm_bench nextlm nextlm_load_test
 bins=("$build/tests/test_cuda" "$build/bench/nextlm_bench" "$build/nextlm" "$build/nextlm_load_test")
 # The timeline recorder (tools/kernel_trace.cpp) where CUPTI was found, run there as
 # CUDA_INJECTION64_PATH=$PWD/.devbuild/lib/libnextlm_trace.so NEXTLM_TRACE_OUT=trace.csv <binary>.
-if cmake --build "$build" --target help | grep -q '^nextlm_trace:'; then
+# (grep reads the whole list: with -q it could exit first and fail the pipeline through SIGPIPE under pipefail.)
+if cmake --build "$build" --target help | grep '^nextlm_trace:' >/dev/null; then
   cmake --build "$build" --target nextlm_trace
   trace="$build/libnextlm_trace.so"
 fi

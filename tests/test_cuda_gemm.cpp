@@ -8,14 +8,15 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
 #include "cuda/grouped_gemm.h"
-#include "io/safetensors.h"
 #include "cuda_test_buffer.h"
+#include "io/safetensors.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -96,10 +97,52 @@ std::vector<float> transpose_experts(const std::vector<float>& W, int E, int N, 
 
 constexpr size_t kGuardBytes = 4096;
 
+// A low-rank term (GroupedGemm::low_rank) on the host: part p has rank r[p], U_p [n, r_p] and per expert V_p,e,
+// [width_p, r_p] added to columns c0_p … c0_p + width_p (or, with w_kn, [r_p, N] added to every column); values
+// bf16-rounded.
+struct LowRankHost {
+  int parts = 0;
+  int r[2] = {}, c0[2] = {}, width[2] = {};
+  std::vector<float> U[2], V[2];
+};
+
+LowRankHost make_low_rank(const Problem& p, std::vector<int> ranks, std::vector<int> c0, std::vector<int> width,
+                          bool w_kn, unsigned seed) {
+  LowRankHost lr;
+  lr.parts = static_cast<int>(ranks.size());
+  for (int q = 0; q < lr.parts; ++q) {
+    lr.r[q] = ranks[q];
+    lr.c0[q] = w_kn ? 0 : c0[q];
+    lr.width[q] = w_kn ? p.N : width[q];
+    lr.U[q] = widen(to_bf16(test::randn(p.n * ranks[q], seed + 2 * q)));
+    lr.V[q] = widen(to_bf16(test::randn(int64_t(p.E) * lr.width[q] * ranks[q], seed + 2 * q + 1)));
+  }
+  return lr;
+}
+
+// C += the low-rank term, in double per element.
+void add_low_rank(std::vector<float>& C, const Problem& p, const LowRankHost& lr, bool w_kn) {
+  for (int q = 0; q < lr.parts; ++q) {
+    const int r = lr.r[q];
+    for (int e = 0; e < p.E; ++e)
+      for (int64_t row = p.offsets[e]; row < p.offsets[e + 1]; ++row)
+        for (int o = 0; o < lr.width[q]; ++o) {
+          double s = 0;
+          for (int j = 0; j < r; ++j) {
+            const float v =
+                w_kn ? lr.V[q][(int64_t(e) * r + j) * p.N + o] : lr.V[q][(int64_t(e) * lr.width[q] + o) * r + j];
+            s += double(lr.U[q][row * r + j]) * v;
+          }
+          C[row * p.N + lr.c0[q] + o] += static_cast<float>(s);
+        }
+  }
+}
+
 // How run_gpu calls grouped_gemm beyond the problem and the epilogue.
 struct RunOptions {
   bool w_kn = false;                         // upload each W_e transposed ([K, N]) and set GroupedGemm::w_kn
   const std::vector<float>* base = nullptr;  // C before the call (fp32 [n, N], for kF32Add); else poisoned
+  const LowRankHost* low_rank = nullptr;     // uploaded and set as GroupedGemm::low_rank
 };
 
 // Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
@@ -132,9 +175,39 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
   }
   EXPECT_EQ(cudaMemset(dWs.p, 0xFF, cuda::grouped_gemm_workspace_ints(p.E) * 4), cudaSuccess);
 
-  cuda::GroupedGemm g{dA.as<cuda::bf16>(), dOff.as<int32_t>(), dPtr.as<const cuda::bf16*>(), dC.p, p.n, p.E, p.N,
-                      p.K, epi, limit, kernel};
+  cuda::GroupedGemm g{dA.as<cuda::bf16>(),
+                      dOff.as<int32_t>(),
+                      dPtr.as<const cuda::bf16*>(),
+                      dC.p,
+                      p.n,
+                      p.E,
+                      p.N,
+                      p.K,
+                      epi,
+                      limit,
+                      kernel};
   g.w_kn = opt.w_kn;
+  std::deque<DevBuf> lr_bufs;  // per part: U, V, V's expert pointers
+  if (const LowRankHost* lr = opt.low_rank) {
+    g.low_rank.parts = lr->parts;
+    for (int q = 0; q < lr->parts; ++q) {
+      const std::vector<uint16_t> U16 = to_bf16(lr->U[q]), V16 = to_bf16(lr->V[q]);
+      DevBuf& dU = lr_bufs.emplace_back(U16.size() * 2);
+      DevBuf& dV = lr_bufs.emplace_back(V16.size() * 2);
+      DevBuf& dVp = lr_bufs.emplace_back(p.E * sizeof(void*));
+      const int64_t per = int64_t(lr->width[q]) * lr->r[q];
+      std::vector<const cuda::bf16*> vp(p.E);
+      for (int e = 0; e < p.E; ++e) vp[e] = dV.as<cuda::bf16>() + e * per;
+      EXPECT_EQ(cudaMemcpy(dU.p, U16.data(), U16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(dV.p, V16.data(), V16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(dVp.p, vp.data(), p.E * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
+      g.low_rank.U[q] = dU.as<cuda::bf16>();
+      g.low_rank.ldu[q] = g.low_rank.r[q] = lr->r[q];
+      g.low_rank.V[q] = dVp.as<const cuda::bf16*>();
+      g.low_rank.c0[q] = lr->c0[q];
+      g.low_rank.width[q] = lr->width[q];
+    }
+  }
   cuda::grouped_gemm(g, dWs.as<int32_t>(), nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -175,9 +248,8 @@ TEST_P(CudaGroupedGemm, F32EpilogueMatchesHostReference) {
   ASSERT_EQ(got.size(), size_t(p.n) * p.N);
   const std::vector<float> want = reference(p);
   const double err = test::norm_rel_error(got.data(), want.data(), want.size());
-  std::printf("[grouped_gemm %s] fp32: norm rel err %.3g, max rel err %.3g\n",
-              cuda::grouped_gemm_kernel_name(kernel()), err,
-              test::max_rel_error(got.data(), want.data(), want.size()));
+  std::printf("[grouped_gemm %s] fp32: norm rel err %.3g, max rel err %.3g\n", cuda::grouped_gemm_kernel_name(kernel()),
+              err, test::max_rel_error(got.data(), want.data(), want.size()));
   EXPECT_LE(err, 1e-4);
   EXPECT_LE(test::max_rel_error(got.data(), want.data(), want.size()), 1e-3);
 }
@@ -260,8 +332,8 @@ TEST_P(CudaGroupedGemm, CapturedGraphFollowsNewOffsets) {
   ASSERT_EQ(q.offsets.back(), p.n);
   const std::vector<uint16_t> A16 = to_bf16(p.A), W16 = to_bf16(p.W);
   const size_t out_bytes = size_t(p.n) * p.N * 4;
-  DevBuf dA(A16.size() * 2), dW(W16.size() * 2), dOff(p.offsets.size() * 4), dPtr(p.E * sizeof(void*)),
-      dC(out_bytes), dWs(cuda::grouped_gemm_workspace_ints(p.E) * 4);
+  DevBuf dA(A16.size() * 2), dW(W16.size() * 2), dOff(p.offsets.size() * 4), dPtr(p.E * sizeof(void*)), dC(out_bytes),
+      dWs(cuda::grouped_gemm_workspace_ints(p.E) * 4);
   ASSERT_TRUE(dA.p && dW.p && dOff.p && dPtr.p && dC.p && dWs.p);
   std::vector<const cuda::bf16*> ptrs(p.E);
   for (int e = 0; e < p.E; ++e) ptrs[e] = dW.as<cuda::bf16>() + int64_t(e) * p.N * p.K;
@@ -270,8 +342,17 @@ TEST_P(CudaGroupedGemm, CapturedGraphFollowsNewOffsets) {
   ASSERT_EQ(cudaMemcpy(dPtr.p, ptrs.data(), p.E * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
-  const cuda::GroupedGemm g{dA.as<cuda::bf16>(), dOff.as<int32_t>(), dPtr.as<const cuda::bf16*>(), dC.p, p.n, p.E,
-                            p.N, p.K, GroupedEpilogue::kF32, 0.0f, kernel()};
+  const cuda::GroupedGemm g{dA.as<cuda::bf16>(),
+                            dOff.as<int32_t>(),
+                            dPtr.as<const cuda::bf16*>(),
+                            dC.p,
+                            p.n,
+                            p.E,
+                            p.N,
+                            p.K,
+                            GroupedEpilogue::kF32,
+                            0.0f,
+                            kernel()};
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), cudaSuccess);
   cuda::grouped_gemm(g, dWs.as<int32_t>(), st);
@@ -327,8 +408,7 @@ TEST_P(CudaGroupedGemm, WknF32MatchesHostReference) {
 TEST_P(CudaGroupedGemm, WknF32AddAccumulatesOntoC) {
   const Problem p = make_problem(kRows, 200, 264, 1.0f, 55);
   const std::vector<float> base = test::randn(size_t(p.n) * p.N, 57);
-  const std::vector<float> got =
-      run_gpu(p, GroupedEpilogue::kF32Add, kernel(), 0.0f, {.w_kn = true, .base = &base});
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32Add, kernel(), 0.0f, {.w_kn = true, .base = &base});
   ASSERT_EQ(got.size(), size_t(p.n) * p.N);
   std::vector<float> want = reference(p);
   for (size_t i = 0; i < want.size(); ++i) want[i] += base[i];
@@ -392,6 +472,57 @@ TEST_P(CudaGroupedGemm, WknNoRowsIsANoOp) {
   const Problem p = make_problem({0, 0, 0}, 64, 64, 1.0f, 83);
   const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.w_kn = true});
   EXPECT_TRUE(got.empty());
+}
+
+// The low-rank term (the routed experts' LoRA folded into their GEMMs) on the wgmma kernels, against the host's
+// product plus Σ_p U_p·V_p,e: gate and up parts (ranks 16 and 32) on their column halves, through the fp32 and the
+// SwiGLU epilogue; one rank-64 part on a column range that starts and ends inside tiles; the w_kn form (dx += gs·A_e)
+// with two parts. The other kernels refuse it on the host.
+TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
+  const bool wgmma = kernel() == GroupedGemmKernel::kWgmma128x128 || kernel() == GroupedGemmKernel::kWgmma128x256;
+  const int I = 200;
+  Problem p = make_problem(kRows, 2 * I, 264, 1.0f, 71);
+  const LowRankHost gate_up = make_low_rank(p, {16, 32}, {0, I}, {I, I}, false, 73);
+  if (!wgmma) {
+    cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kF32, 0.0f, kernel()};
+    g.low_rank.parts = 1;
+    EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+    return;
+  }
+  auto check = [&](const std::vector<float>& got, const std::vector<float>& want, double tol, const char* what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+    std::printf("[grouped_gemm %s] low rank, %s: norm rel err %.3g, max rel err %.3g\n",
+                cuda::grouped_gemm_kernel_name(kernel()), what, err,
+                test::max_rel_error(got.data(), want.data(), want.size()));
+    EXPECT_LE(err, tol) << what;
+  };
+  std::vector<float> want = reference(p);
+  add_low_rank(want, p, gate_up, false);
+  check(run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.low_rank = &gate_up}), want, 1e-4, "gate|up fp32");
+  check(run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), 7.0f, {.low_rank = &gate_up}),
+        swiglu_reference(want, p.n, I, 7.0f), 1e-2, "gate|up swiglu");
+
+  const LowRankHost one = make_low_rank(p, {64}, {8}, {2 * I - 24}, false, 77);
+  want = reference(p);
+  add_low_rank(want, p, one, false);
+  check(run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.low_rank = &one}), want, 1e-4, "rank 64, columns 8 … 383");
+
+  const LowRankHost dx = make_low_rank(p, {16, 24}, {}, {}, true, 79);
+  want = reference(p);
+  add_low_rank(want, p, dx, true);
+  check(run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.w_kn = true, .low_rank = &dx}), want, 1e-4, "w_kn");
+
+  // Bad parts are refused: a rank past the slot, one not a multiple of 8, columns past N.
+  cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kF32, 0.0f, kernel()};
+  const cuda::bf16* const* vp = reinterpret_cast<const cuda::bf16* const*>(16);
+  const cuda::bf16* up = reinterpret_cast<const cuda::bf16*>(16);
+  g.low_rank = cuda::GroupedLowRank{2, {up, up}, {40, 40}, {40, 16}, {vp, vp}, {0, 128}, {128, 128}};
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.low_rank.r[0] = 12, g.low_rank.ldu[0] = 16;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.low_rank.r[0] = 16, g.low_rank.width[1] = 136;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
 }
 
 // The SwiGLU epilogue needs W as [N, K]; with w_kn it is refused on the host, before anything is enqueued.

@@ -496,8 +496,11 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
   const std::string dir = test::golden_dir("bf16_stable");
   const Model base = test::bf16_weights_reference(dir);
   const PackedBatch batch = golden_batch(dir);
-  for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
-    LoraAdapter cpu_lora = test::random_lora(base.config(), experts);
+  // Rank 16 per expert: the routed experts' adapters ride in their grouped GEMMs (GroupedGemm::low_rank); rank 4
+  // runs them through the grouped LoRA kernels after the GEMMs.
+  for (const auto& [experts, rank] : {std::pair{LoraExperts::PerExpert, 4}, std::pair{LoraExperts::PerExpert, 16},
+                                     std::pair{LoraExperts::Shared, 4}}) {
+    LoraAdapter cpu_lora = test::random_lora(base.config(), experts, rank);
     // The CPU: the merged model's full weight gradient, then the adapters' (and the same under weight noise).
     LoraAdapter noisy_lora = cpu_lora;
     const double ref_loss = test::cpu_lora_gradients(base, cpu_lora, batch);
@@ -527,8 +530,8 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
       ASSERT_GT(acc[1], 0.0) << kind << " has no gradient on the CPU";
       const double e = std::sqrt(acc[0] / acc[1]), spread = std::sqrt(acc[2] / acc[1]);
       EXPECT_LE(e, std::max(kGradTol, kNoiseRatio * spread)) << kind << " (bf16-noise spread " << spread << ")";
-      std::printf("[cuda lora grad] %s %s: %.3g (spread %.3g)\n",
-                  experts == LoraExperts::Shared ? "shared" : "per-expert", kind.c_str(), e, spread);
+      std::printf("[cuda lora grad] %s rank %d %s: %.3g (spread %.3g)\n",
+                  experts == LoraExperts::Shared ? "shared" : "per-expert", rank, kind.c_str(), e, spread);
     }
   }
 }

@@ -224,9 +224,9 @@ void round_mlp(MlpWeights& m) {
 // The CPU reference with the weights that the GPU stores in bf16 rounded to bf16 (the projections, experts,
 // embedding and lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both). For a bf16 checkpoint
 // this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
-LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts) {
+LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts, int64_t rank) {
   LoraOptions o;
-  o.rank = 4;
+  o.rank = rank;
   o.alpha = 8;
   o.experts = experts;
   LoraAdapter ad(c, o, 5);

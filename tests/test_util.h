@@ -29,9 +29,9 @@ Model bf16_weights_reference(const std::string& dir);
 // from).
 std::vector<std::vector<int32_t>> golden_sequences(const std::string& dir);
 
-// An adapter of rank 4 (alpha 8) on every projection of a model of config c, one per routed expert or one for all
+// An adapter of rank `rank` (alpha 8) on every projection of a model of config c, one per routed expert or one for all
 // of a layer's experts, with B drawn normal(0, 0.05) (not LoRA's zero init) so that its A gradients are not zero.
-LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts);
+LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts, int64_t rank = 4);
 // The CPU reference of an adapter's gradients on a batch: the merged model's full weight gradient, then the
 // adapter's (added into ad's dA and dB). Returns the loss.
 double cpu_lora_gradients(const Model& base, LoraAdapter& ad, const PackedBatch& batch);

@@ -315,7 +315,8 @@ using WgCfg1 = WgCfg<256, 4, 1, 1>;
 template <class C, bool KN>
 __global__ void __launch_bounds__(kThreads, C::MINB)
     grouped_gemm_wgmma_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
-                              void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L) {
+                              void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L,
+                              GroupedLowRank lr) {
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
   const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
   unsigned char* smem = wg_smem_raw + pad;
@@ -326,7 +327,8 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
   const int g = lane >> 2, t4 = lane & 3;
   const bool glu = !KN && epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
   const int total = start[E];
-  const int KT = (K + BK - 1) / BK;
+  const int KT = (K + BK - 1) / BK, KTT = KT + (lr.parts > 0);  // KTT: with the low-rank term's k-tile
+  const int slot = lr.parts > 1 ? BK / 2 : BK;                  // its columns per part
   const int cc = tid % C::CPR, r0 = tid / C::CPR;
   const int swz = (cc ^ (r0 & 7)) * 16;  // r0 + s·RSTEP ≡ r0 (mod 8): one swizzled chunk position per thread
   // KN: this thread's chunk column cb and first k row rb in the B tile, and the chunk's byte position there (its
@@ -363,9 +365,44 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
         b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
       }
     }
+    // The low-rank term's k-tile: column (A) or k row (KN's B) j of it is column j mod slot of part j / slot, zero
+    // past the part's rank; without KN, B row w (an output column) reads part p's V row w − c0_p inside its columns.
+    // (Parts are picked with selects, not indexed: a dynamic index would put the kernel parameter on the stack.)
+    auto load_low_rank = [&](unsigned char* As, unsigned char* Bs) {
+      const int pa = cc * 8 / slot, ja = cc * 8 % slot;
+      const int ra = pa ? lr.r[1] : lr.r[0], lda = pa ? lr.ldu[1] : lr.ldu[0];
+      const bool a_in = pa < lr.parts && ja < ra;
+      const bf16* U = pa ? lr.U[1] : lr.U[0];
+#pragma unroll
+      for (int s = 0; s < C::CA; ++s) {
+        const bool v = a_in && (a_ok >> s & 1);
+        cp_async16(As + (r0 + s * C::RSTEP) * 128 + swz, v ? U + (row0 + r0 + s * C::RSTEP) * lda + ja : A, v);
+      }
+      if constexpr (KN) {
+        const int col = nt * BN + cb * 8;
+#pragma unroll
+        for (int s = 0; s < C::CBK; ++s) {
+          const int k = rb + s * C::RSTEPB, p = k / slot, j = k % slot;
+          const bool v = col < N && p < lr.parts && j < (p ? lr.r[1] : lr.r[0]);
+          cp_async16(Bs + b_pos + s * C::RSTEPB * 128, v ? (p ? lr.V[1] : lr.V[0])[tl.e] + int64_t(j) * N + col : We,
+                     v);
+        }
+      } else {
+        const int c0 = pa ? lr.c0[1] : lr.c0[0], c1 = c0 + (pa ? lr.width[1] : lr.width[0]);
+        const bf16* Ve = a_in ? (pa ? lr.V[1] : lr.V[0])[tl.e] : We;
+#pragma unroll
+        for (int s = 0; s < C::CB; ++s) {
+          bool v;
+          const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+          v = v && a_in && w >= c0 && w < c1;
+          cp_async16(Bs + (r0 + s * C::RSTEP) * 128 + swz, v ? Ve + int64_t(w - c0) * ra + ja : We, v);
+        }
+      }
+    };
     auto load_stage = [&](int kt, int stage) {
       unsigned char* As = smem + stage * C::stage_bytes;
       unsigned char* Bs = As + C::a_bytes;
+      if (kt == KT) return load_low_rank(As, Bs);
       const int k0 = kt * BK;
       const bool kin = k0 + cc * 8 < K;
 #pragma unroll
@@ -392,11 +429,11 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 
 #pragma unroll
     for (int s = 0; s < P; ++s) {
-      if (s < KT) load_stage(s, s);
+      if (s < KTT) load_stage(s, s);
       cp_async_commit();
     }
 #pragma unroll 1
-    for (int kt = 0; kt < KT; ++kt) {
+    for (int kt = 0; kt < KTT; ++kt) {
       cp_async_wait<P - 1>();
       fence_proxy_async();
       __syncthreads();  // stage kt is complete for all; every warpgroup's MMAs on k-tile kt − 1 − KEEP are done
@@ -415,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
       }
       wgmma_commit();
       // Refill the stage of k-tile kt − 1 − KEEP while the MMAs run.
-      if (kt + P < KT) load_stage(kt + P, (kt + P) % S);
+      if (kt + P < KTT) load_stage(kt + P, (kt + P) % S);
       cp_async_commit();
       wgmma_wait<C::KEEP>();
       fence_regs<NACC>(acc);
@@ -488,17 +525,23 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
   const int dev = current_device();
   const int grid = static_cast<int>(std::min<int64_t>(bound, int64_t(sm_count()) * C::MINB));
-  void (*kernel)(const bf16*, const int32_t*, const bf16* const*, void*, const int32_t*, int, int, int, int, float);
-  if constexpr (kWgmma) kernel = grouped_gemm_wgmma_kernel<C, KN>;
-  else kernel = grouped_gemm_kernel<C, KN>;
+  const auto kernel = [] {
+    if constexpr (kWgmma) return grouped_gemm_wgmma_kernel<C, KN>;
+    else return grouped_gemm_kernel<C, KN>;
+  }();
   // Opt into the dynamic shared memory once per device and kernel (idempotent: a race only repeats the call).
   static std::atomic<uint64_t> smem_set{0};
   if (!(smem_set.load(std::memory_order_acquire) >> dev & 1)) {
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem_bytes));
     smem_set.fetch_or(uint64_t{1} << dev, std::memory_order_release);
   }
-  kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
-                                                static_cast<int>(g.epilogue), g.limit);
+  if constexpr (kWgmma) {
+    kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
+                                                  static_cast<int>(g.epilogue), g.limit, g.low_rank);
+  } else {
+    kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
+                                                  static_cast<int>(g.epilogue), g.limit);
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -556,6 +599,22 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
   check(g.E >= 1 && g.n >= 0 && g.n < (int64_t{1} << 31), "grouped_gemm: bad E ", g.E, " or n ", g.n);
   check(!g.w_kn || g.epilogue != GroupedEpilogue::kSwiGLU,
         "grouped_gemm: the SwiGLU epilogue needs W as [N, K] (w_kn = false); with w_kn use kF32, kF32Add or kBf16");
+  const GroupedLowRank& lr = g.low_rank;
+  if (lr.parts) {
+    check(lr.parts <= 2 && (g.kernel == GroupedGemmKernel::kWgmma128x128 || g.kernel == GroupedGemmKernel::kWgmma128x256),
+          "grouped_gemm: a low-rank term takes 1 or 2 parts and a wgmma kernel (got ", lr.parts, " parts, kernel ",
+          grouped_gemm_kernel_name(g.kernel), ")");
+    for (int p = 0; p < lr.parts; ++p) {
+      check(lr.U[p] && lr.V[p] && reinterpret_cast<uintptr_t>(lr.U[p]) % 16 == 0 && lr.r[p] > 0 &&
+                lr.r[p] % 8 == 0 && lr.r[p] <= 64 / lr.parts && lr.ldu[p] >= lr.r[p] && lr.ldu[p] % 8 == 0,
+            "grouped_gemm: low-rank part ", p, ": rank ", lr.r[p], " (a multiple of 8, at most ", 64 / lr.parts,
+            "), row stride ", lr.ldu[p], " (a multiple of 8 ≥ the rank) and 16-byte aligned factors");
+      check(g.w_kn || (lr.c0[p] >= 0 && lr.width[p] > 0 && lr.c0[p] % 8 == 0 && lr.width[p] % 8 == 0 &&
+                       lr.c0[p] + lr.width[p] <= g.N),
+            "grouped_gemm: low-rank part ", p, " covers columns ", lr.c0[p], " … ", lr.c0[p] + lr.width[p],
+            " of ", g.N);
+    }
+  }
   if (g.n == 0) return;
   if (g.w_kn) dispatch<true>(g, workspace, stream);
   else dispatch<false>(g, workspace, stream);

@@ -69,6 +69,22 @@ enum class GroupedGemmKernel {
 constexpr int kGroupedGemmKernels = 5;
 const char* grouped_gemm_kernel_name(GroupedGemmKernel k);
 
+// A low-rank term added in a wgmma kernel's accumulators (the routed experts' LoRA adapters, cuda/grouped_lora.h):
+// one more k-tile of 64 after the K loop, split into `parts` slots of 64 / parts columns. For the rows of expert e,
+// part p adds
+//   w_kn = false: C[:, c0_p … c0_p + width_p) += U_p·V_p,eᵀ   V_p,e bf16 [width_p, r_p] (LoRA's B_e: y += u·B_eᵀ)
+//   w_kn = true:  C += U_p·V_p,e                           V_p,e bf16 [r_p, N]       (LoRA's A_e: dx += gs·A_e)
+// with U_p bf16 [n, ldu_p] the rank-r_p factor of every permuted row (u or gs, the adapter's scale in it). The sum
+// is rounded like the GEMM's own: fp32 accumulation of bf16 products, then the epilogue (SwiGLU included).
+struct GroupedLowRank {
+  int parts = 0;                     // 0 (none), 1 or 2
+  const bf16* U[2] = {};             // [n, ldu[p]] row-major, 16-byte aligned
+  int ldu[2] = {};                   // a multiple of 8, ≥ r[p]
+  int r[2] = {};                     // a multiple of 8, at most 64 / parts
+  const bf16* const* V[2] = {};      // [E] device arrays of device pointers, 16-byte aligned
+  int c0[2] = {}, width[2] = {};     // w_kn = false: the output columns part p adds to (multiples of 8, within N)
+};
+
 struct GroupedGemm {
   const bf16* A;               // [n, K] row-major: the permuted token rows, rows of expert e contiguous
   const int32_t* offsets;      // [E+1] device: rows of expert e are offsets[e] .. offsets[e+1]-1, offsets[E] = n
@@ -84,6 +100,7 @@ struct GroupedGemm {
   GroupedGemmKernel kernel = GroupedGemmKernel::kMma128x128x32;
   bool w_kn = false;  // true: each W[e] is bf16 [K, N] row-major and C = A·W_e (the input gradient dy·W of a linear);
                       // kF32, kF32Add and kBf16 only (not kSwiGLU)
+  GroupedLowRank low_rank{};  // parts > 0: the low-rank term above (kWgmma128x128 and kWgmma128x256 only)
   // true: `workspace` already holds this GEMM's schedule, made by the previous grouped_gemm on it, for which
   // grouped_gemm_same_schedule(previous, this) held (then only the GEMM is enqueued).
   bool schedule_ready = false;

@@ -542,6 +542,18 @@ void grouped_lora_forward(const GroupedLora& g, const bf16* x, int64_t ldx, int6
   });
 }
 
+void grouped_lora_factor(const GroupedLora& g, const bf16* x, int64_t ldx, int64_t n, bf16* u, cudaStream_t stream) {
+  check_common(g, n, 0);
+  check(ldx >= g.in && ldx % 8 == 0 && aligned(x, 16), "grouped_lora_factor: x needs 16-byte aligned rows (ldx ", ldx,
+        ", in ", g.in, ")");
+  check(aligned(u, 16), "grouped_lora_factor: u must be 16-byte aligned");
+  if (n == 0 || g.E == 0) return;
+  with_rank(g.r, [&](auto rp) {
+    constexpr int RP = decltype(rp)::value;
+    launch_down<RP, false>(x, ldx, g.offsets, g.E, g.A, g.r, g.in, g.scale, u, n, stream);
+  });
+}
+
 void grouped_lora_backward(const GroupedLora& g, float* const* dA, float* const* dB, const bf16* x, int64_t ldx,
                            const bf16* u, const bf16* dy, int64_t lddy, int64_t n, bf16* gs, float* dx,
                            int64_t lddx, int64_t col0, cudaStream_t stream) {

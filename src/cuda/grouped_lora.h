@@ -69,6 +69,10 @@ inline int grouped_lora_ld(int r) { return (r + 7) / 8 * 8; }
 // Forward on the n permuted rows: u [n, ldr] = bf16(scale · x·A_eᵀ) (bf16, written), y[:, col0 : col0 + out] +=
 // u·B_eᵀ (fp32, row stride ldy). x bf16 with row stride ldx (a multiple of 8), 16-byte aligned; u 16-byte aligned;
 // y 8-byte aligned, ldy even, col0 a multiple of 8. n = 0 (or E = 0) is a no-op.
+// The forward's factor alone, u [n, ldr] = bf16(scale · x·A_eᵀ) (as grouped_lora_forward writes it), for a grouped
+// GEMM that adds u·B_eᵀ in its own accumulators (GroupedGemm::low_rank).
+void grouped_lora_factor(const GroupedLora& g, const bf16* x, int64_t ldx, int64_t n, bf16* u, cudaStream_t stream);
+
 void grouped_lora_forward(const GroupedLora& g, const bf16* x, int64_t ldx, int64_t n, bf16* u, float* y,
                           int64_t ldy, int64_t col0, cudaStream_t stream);
 

@@ -231,6 +231,66 @@ class Step {
           lora_forward(*ad, in + r0 * ld_in, ld_in, rows, out + r0 * ld_out, ld_out);
     }
   }
+  // Whether the per-expert adapters of `kinds` on layer i can ride in the grouped GEMM of their projection
+  // (GroupedGemm::low_rank): grouped adapters, a wgmma kernel, and ranks that fit its one extra k-tile.
+  bool fold_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
+    const int kernel = moe_expert_gemm();
+    if (!has_adapters(i, kinds) || !grouped_adapters(i, kinds) ||
+        (kernel != static_cast<int>(GroupedGemmKernel::kWgmma128x128) &&
+         kernel != static_cast<int>(GroupedGemmKernel::kWgmma128x256)))
+      return false;
+    int parts = 0;
+    for (LoraKind k : kinds) parts += adapter(i, k) != nullptr;
+    for (LoraKind k : kinds)
+      if (const DAdapter* ad = adapter(i, k); ad && (ad->r % 8 != 0 || ad->r > 64 / parts)) return false;
+    return true;
+  }
+  // Forward of folded adapters: each one's u = bf16(scale · in·A_eᵀ) (kept for the backward), and the low-rank
+  // parts (u, B_e) that the projection's grouped GEMM adds to its output columns.
+  GroupedLowRank expert_adapters_factor(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
+    const bool down = *kinds.begin() == LoraKind::ExpertDown;
+    const bf16* in = down ? x.act : x.xp;
+    GroupedLowRank lr;
+    for (LoraKind k : kinds) {
+      const DAdapter* ad = adapter(i, k);
+      if (!ad) continue;
+      const int ld = grouped_lora_ld(static_cast<int>(ad->r));
+      bf16* u = m_.arena.alloc<bf16>(n * ld);
+      grouped_lora_factor(grouped_lora(i, k, x.offsets), in, down ? I : D, n, u, m_.stream);
+      lora_u_[site_][{ad, in}] = u;
+      const int p = lr.parts++;
+      lr.U[p] = u, lr.ldu[p] = ld, lr.r[p] = static_cast<int>(ad->r);
+      lr.V[p] = m_.lora->layers[i].grouped[static_cast<int>(k)].B;
+      lr.c0[p] = static_cast<int>(ad->col0), lr.width[p] = static_cast<int>(ad->out);
+    }
+    return lr;
+  }
+  // Backward of folded adapters: their weight gradients, and the low-rank parts (gs = bf16(scale · dy·B_e), A_e)
+  // that the input-gradient grouped GEMM adds (dx += gs·A_e).
+  GroupedLowRank expert_adapters_backward_factor(size_t i, const MoeActs& x, std::initializer_list<LoraKind> kinds,
+                                                 const bf16* dy) {
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
+    const bool down = *kinds.begin() == LoraKind::ExpertDown;
+    const bf16* in = down ? x.act : x.xp;
+    GroupedLowRank lr;
+    for (LoraKind k : kinds) {
+      const DAdapter* ad = adapter(i, k);
+      if (!ad) continue;
+      const auto& site_u = lora_u_[site_];
+      const auto it = site_u.find({ad, in});
+      check(it != site_u.end(), "LoRA backward without its forward");
+      const LayerLora::Grouped& g = m_.lora->layers[i].grouped[static_cast<int>(k)];
+      const int ld = grouped_lora_ld(static_cast<int>(ad->r));
+      bf16* gs = m_.arena.alloc<bf16>(n * ld);
+      grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, down ? I : D, it->second, dy,
+                            down ? D : 2 * I, n, gs, nullptr, 0, ad->col0, m_.stream);
+      const int p = lr.parts++;
+      lr.U[p] = gs, lr.ldu[p] = ld, lr.r[p] = static_cast<int>(ad->r);
+      lr.V[p] = g.A;
+    }
+    return lr;
+  }
   // Their backward: dy the gradient of their output rows (bf16 dgu [n, 2I] or dout [n, D]), dx (+=) that of their
   // input rows (dxp [n, D] or dact [n, I]); off the host's expert boundaries (empty when all n rows are this rank's
   // and the adapter is shared by the experts).
@@ -573,15 +633,20 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   if (moe_expert_gemm() >= 0) {
     int32_t* ws = ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
     const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm());
-    grouped_gemm(GroupedGemm{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
-                             static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel},
-                 ws, st);
-    expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+    // Per-expert adapters ride in the GEMMs' accumulators where they can (fold_adapters), else add afterwards.
+    const bool fold_gu = fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp}),
+               fold_dn = fold_adapters(i, {LoraKind::ExpertDown});
+    GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
+                   static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
+    if (fold_gu) gu.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+    grouped_gemm(gu, ws, st);
+    if (!fold_gu) expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
-    grouped_gemm(GroupedGemm{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
-                             static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel},
-                 ws, st);
-    expert_adapters_forward(i, x, {LoraKind::ExpertDown});
+    GroupedGemm dn{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
+                   static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
+    if (fold_dn) dn.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertDown});
+    grouped_gemm(dn, ws, st);
+    if (!fold_dn) expert_adapters_forward(i, x, {LoraKind::ExpertDown});
   } else {
     const std::vector<int32_t> off = host_offsets(x.offsets);
     for (int64_t e = 0; e < El; ++e) {
@@ -643,25 +708,36 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   const std::vector<int32_t> off = per_expert ? host_offsets(x.offsets) : std::vector<int32_t>{};
   int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
   // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
-  auto dx_grouped = [&](const bf16* dy, const bf16* const* W, int64_t out_w, int64_t in_w, float* dx) {
+  auto dx_grouped = [&](const bf16* dy, const bf16* const* W, int64_t out_w, int64_t in_w, float* dx,
+                        const GroupedLowRank& lr) {
     GroupedGemm g{dy, x.offsets, W, dx, n, static_cast<int>(El), static_cast<int>(in_w), static_cast<int>(out_w),
                   GroupedEpilogue::kF32, 0.0f, static_cast<GroupedGemmKernel>(moe_expert_gemm())};
     g.w_kn = true;
+    g.low_rank = lr;
     grouped_gemm(g, ws, st);
   };
+  // Adapters folded into the forward's GEMMs fold into these too: their gradients first, then dx += gs·A_e in the
+  // input-gradient GEMM's accumulators.
+  const bool fold_dn = !per_expert && fold_adapters(i, {LoraKind::ExpertDown}),
+             fold_gu = !per_expert && fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp});
   float* dact = El == E ? ar.alloc<float>(n * I) : zeros(n * I);
-  if (grouped) dx_grouped(dout, w.down_ptrs, D, I, dact);
+  if (grouped)
+    dx_grouped(dout, w.down_ptrs, D, I, dact,
+               fold_dn ? expert_adapters_backward_factor(i, x, {LoraKind::ExpertDown}, dout) : GroupedLowRank{});
   for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
     if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
     if (!grouped) m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
   }
-  expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
+  if (!fold_dn) expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
   float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
-  if (grouped) dx_grouped(dgu, w.gate_up_ptrs, 2 * I, D, dxp);
+  if (grouped)
+    dx_grouped(dgu, w.gate_up_ptrs, 2 * I, D, dxp,
+               fold_gu ? expert_adapters_backward_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu)
+                       : GroupedLowRank{});
   for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
     if (!rows) continue;
@@ -670,7 +746,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
     if (!grouped)
       m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
   }
-  expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
+  if (!fold_gu) expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
   moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
   // The router through the chosen experts' weights.
   float* dlogits = ar.alloc<float>(T * E);

@@ -136,7 +136,24 @@ __device__ __forceinline__ void wgmma_m64n64k16(float* d, uint64_t desc_a, uint6
       : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TB));
 }
 
-// d += A (64×16, registers) · B (16×128, descriptor; TB = 1: N-major).
+// d += A (64×16, registers) · B (16×64, descriptor; TB = 1: N-major).
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const uint32_t a[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TB));
+}
+
+// d += A (64×16, registers) · B (16×128, descriptor), as wgmma_m64n64k16_rs.
 template <int TB>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const uint32_t a[4], uint64_t desc_b) {
   asm volatile(
@@ -159,7 +176,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const uint32_t a[4
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TB));
 }
 
-// d += A (64×16, registers) · B (16×192, descriptor), as wgmma_m64n128k16_rs.
+// d += A (64×16, registers) · B (16×192, descriptor), as wgmma_m64n64k16_rs.
 template <int TB>
 __device__ __forceinline__ void wgmma_m64n192k16_rs(float* d, const uint32_t a[4], uint64_t desc_b) {
   asm volatile(
@@ -188,7 +205,7 @@ __device__ __forceinline__ void wgmma_m64n192k16_rs(float* d, const uint32_t a[4
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TB));
 }
 
-// d += A (64×16, registers) · B (16×256, descriptor), as wgmma_m64n128k16_rs.
+// d += A (64×16, registers) · B (16×256, descriptor), as wgmma_m64n64k16_rs.
 template <int TB>
 __device__ __forceinline__ void wgmma_m64n256k16_rs(float* d, const uint32_t a[4], uint64_t desc_b) {
   asm volatile(
@@ -223,11 +240,12 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float* d, const uint32_t a[4
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TB));
 }
 
-// d += A (64×16, registers) · B (16×N, descriptor) for N = 128, 192 or 256.
+// d += A (64×16, registers) · B (16×N, descriptor) for N = 64, 128, 192 or 256.
 template <int N, int TB>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t a[4], uint64_t desc_b) {
-  static_assert(N == 128 || N == 192 || N == 256);
-  if constexpr (N == 128) wgmma_m64n128k16_rs<TB>(d, a, desc_b);
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256);
+  if constexpr (N == 64) wgmma_m64n64k16_rs<TB>(d, a, desc_b);
+  else if constexpr (N == 128) wgmma_m64n128k16_rs<TB>(d, a, desc_b);
   else if constexpr (N == 192) wgmma_m64n192k16_rs<TB>(d, a, desc_b);
   else wgmma_m64n256k16_rs<TB>(d, a, desc_b);
 }
