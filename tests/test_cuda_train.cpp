@@ -496,10 +496,21 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
   const std::string dir = test::golden_dir("bf16_stable");
   const Model base = test::bf16_weights_reference(dir);
   const PackedBatch batch = golden_batch(dir);
-  // Rank 16 per expert: the routed experts' adapters ride in their grouped GEMMs (GroupedGemm::low_rank); rank 4
-  // runs them through the grouped LoRA kernels after the GEMMs.
-  for (const auto& [experts, rank] : {std::pair{LoraExperts::PerExpert, 4}, std::pair{LoraExperts::PerExpert, 16},
-                                     std::pair{LoraExperts::Shared, 4}}) {
+  // Rank 16 per expert: the routed experts' adapters ride in their grouped GEMMs (GroupedGemm::low_rank), in the
+  // forward's (fold 1) or in the input gradients' as well (fold 2); rank 4 runs them through the grouped LoRA
+  // kernels after the GEMMs.
+  struct Case {
+    LoraExperts experts;
+    int rank, fold;
+  };
+  struct RestoreFold {
+    ~RestoreFold() { set_expert_lora_fold(2); }
+  } restore;
+  for (const Case& c : {Case{LoraExperts::PerExpert, 4, 1}, Case{LoraExperts::PerExpert, 16, 1},
+                        Case{LoraExperts::PerExpert, 16, 2}, Case{LoraExperts::Shared, 4, 1}}) {
+    const LoraExperts experts = c.experts;
+    const int rank = c.rank;
+    set_expert_lora_fold(c.fold);
     LoraAdapter cpu_lora = test::random_lora(base.config(), experts, rank);
     // The CPU: the merged model's full weight gradient, then the adapters' (and the same under weight noise).
     LoraAdapter noisy_lora = cpu_lora;
@@ -530,8 +541,8 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
       ASSERT_GT(acc[1], 0.0) << kind << " has no gradient on the CPU";
       const double e = std::sqrt(acc[0] / acc[1]), spread = std::sqrt(acc[2] / acc[1]);
       EXPECT_LE(e, std::max(kGradTol, kNoiseRatio * spread)) << kind << " (bf16-noise spread " << spread << ")";
-      std::printf("[cuda lora grad] %s rank %d %s: %.3g (spread %.3g)\n",
-                  experts == LoraExperts::Shared ? "shared" : "per-expert", rank, kind.c_str(), e, spread);
+      std::printf("[cuda lora grad] %s rank %d fold %d %s: %.3g (spread %.3g)\n",
+                  experts == LoraExperts::Shared ? "shared" : "per-expert", rank, c.fold, kind.c_str(), e, spread);
     }
   }
 }

@@ -35,6 +35,17 @@ void set_moe_expert_gemm(int mode) {
 }
 int moe_expert_gemm() { return g_moe_expert_gemm; }
 
+namespace {
+int g_expert_lora_fold = 2;
+}  // namespace
+
+void set_expert_lora_fold(int mode) {
+  check(mode >= 0 && mode <= 2, "expert LoRA fold: mode must be 0 (after the GEMMs), 1 (forward GEMMs) or 2 (forward "
+        "and input-gradient GEMMs), got ", mode);
+  g_expert_lora_fold = mode;
+}
+int expert_lora_fold() { return g_expert_lora_fold; }
+
 std::string cuda_device_name(int device) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n <= device) return "";

@@ -31,6 +31,14 @@ std::string cuda_device_name(int device = 0);
 void set_moe_expert_gemm(int mode);
 int moe_expert_gemm();
 
+// Where the routed experts' per-expert LoRA adapters run in training, process-wide (for benchmarks and tests), when
+// the grouped GEMM is a wgmma kernel and the ranks fit (cuda::GroupedGemm::low_rank): 0 after each GEMM (the grouped
+// LoRA kernels' read-modify-write of the output), 1 inside the forward GEMMs, 2 inside the forward GEMMs and the
+// input-gradient GEMMs. The default is 2: on the H200, the LoRA step of bench/slice4 at 4096 tokens took 141.9,
+// 140.0 and 137.4 ms with 0, 1 and 2 (two runs each, one call).
+void set_expert_lora_fold(int mode);
+int expert_lora_fold();
+
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {
   double kl = 0;            // KL(ref ‖ ours) over the vocabulary

@@ -691,17 +691,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- Hopper (sm_90a): the key-major pass on warpgroup MMAs, for dqk = dv = D (128 or 256) ----
 // One block per key tile (64 keys) and head, walking the query tiles that select any of its keys, as key_kernel.
-// k and v stay in shared memory; the query tiles (q | do) are double-buffered. Both warpgroups form the whole
-// sᵀ = k·qᵀ and dpᵀ = v·doᵀ of the tile (wgmma m64n64k16, both operands K-major), then pᵀ and dsᵀ in the
-// accumulators as p_ds forms them, and each adds into its half of the columns: dv[:, half] += pᵀ·do[:, half] and
-// dk[:, half] += dsᵀ·q[:, half] (pᵀ, dsᵀ repacked into wgmma's A registers; q and do read N-major). The scores are
-// thus formed twice (once per warpgroup), which keeps the accumulators within the register file (dk and dv halves,
-// sᵀ, dpᵀ) and the warpgroups free of any exchange. dk | dv are added to once per element after the walk.
+// k and v stay in shared memory; the query tiles (q | do) are double-buffered. The two warpgroups split the work on
+// the same 64 keys: warpgroup 0 forms sᵀ = k·qᵀ, then pᵀ, hands pᵀ (fp32) to warpgroup 1 through shared memory and
+// adds dv += pᵀ·do; warpgroup 1 forms dpᵀ = v·doᵀ meanwhile, then dsᵀ = pᵀ·(dpᵀ − D)·scale as p_ds does and adds
+// dk += dsᵀ·q. The score products are wgmma m64n64k16 with both operands K-major from shared memory, the others take
+// pᵀ and dsᵀ repacked into wgmma's A registers and q, do read N-major. dk | dv are added to once per element after
+// the walk. Every matrix in shared memory is in the 128-byte-swizzle layout of cuda/wgmma.cuh; pᵀ goes through
+// shared memory in the accumulators' own order, element i of thread x at [i][x].
 template <int D>
 struct KeyWg {
   static constexpr int k_bytes = kTile * D * 2, stage_bytes = 2 * k_bytes;  // k | v; a stage: q | do
-  static constexpr int stage_at = 2 * k_bytes;
-  static constexpr int bytes = stage_at + 2 * stage_bytes + 1024;  // + slack to align the tiles to 1024 bytes
+  static constexpr int stage_at = 2 * k_bytes, p_at = stage_at + 2 * stage_bytes;
+  static constexpr int bytes = p_at + kTile * kTile * 4 + 1024;  // + slack to align the tiles to 1024 bytes
   static_assert(D == 128 || D == 256);
 };
 
@@ -714,35 +715,43 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const float* __restrict__ D_g, float* __restrict__ dkv, int64_t T, int64_t NH, float scale_log2,
                      float scale) {
   using L = KeyWg<D>;
-  constexpr int DKV = 2 * D, H2 = D / 2, NA = D / 4;  // NA: accumulators per thread of a 64 × D/2 half
+  constexpr int DQK = D, DV = D, DKV = 2 * D, NA = D / 2;  // NA: dv or dk accumulators per thread
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
   const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
   unsigned char* smem = wg_smem_raw + pad;
   const uint32_t smem_s = raw_s + pad;
+  float* Ps = reinterpret_cast<float*>(smem + L::p_at);  // pᵀ, [32][128 threads]
   __shared__ KeyPassRows rows[2];  // per query tile buffer
   __shared__ uint64_t bits[kTile];
 
   const int64_t j0 = int64_t(blockIdx.x) * kTile, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const int wg = warp >> 2, wr = warp & 3;  // warpgroup, and warp within it (keys 16·wr …)
+  const int wg = warp >> 2, wr = warp & 3, xt = tid & 127;  // warpgroup, warp in it (keys 16·wr …), thread in it
 
-  for (int i = tid; i < kTile * (D / 8); i += kThreads) {
-    const int r = i / (D / 8), c = i % (D / 8);
+  for (int i = tid; i < kTile * (DQK / 8); i += kThreads) {
+    const int r = i / (DQK / 8), c = i % (DQK / 8);
     const bool in = j0 + r < T;
-    const bf16* src = kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8;
-    cp_async16(smem + sw128_offset(r, c, kTile), src, in);
-    cp_async16(smem + L::k_bytes + sw128_offset(r, c, kTile), src + D, in);
+    cp_async16(smem + sw128_offset(r, c, kTile), kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8, in);
+  }
+  for (int i = tid; i < kTile * (DV / 8); i += kThreads) {
+    const int r = i / (DV / 8), c = i % (DV / 8);
+    const bool in = j0 + r < T;
+    cp_async16(smem + L::k_bytes + sw128_offset(r, c, kTile), kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + c * 8,
+               in);
   }
   cp_async_commit();
   auto issue = [&](int64_t qt, int b) {
     const int64_t r0 = qt * kTile;
     unsigned char* st = smem + L::stage_at + b * L::stage_bytes;
-    for (int i = tid; i < kTile * (D / 8); i += kThreads) {
-      const int r = i / (D / 8), c = i % (D / 8);
+    for (int i = tid; i < kTile * (DQK / 8); i += kThreads) {
+      const int r = i / (DQK / 8), c = i % (DQK / 8);
       const bool in = r0 + r < T;
-      const int64_t row = ((in ? r0 + r : 0) * NH + h) * D + c * 8;
-      cp_async16(st + sw128_offset(r, c, kTile), q + row, in);
-      cp_async16(st + L::k_bytes + sw128_offset(r, c, kTile), do16 + row, in);
+      cp_async16(st + sw128_offset(r, c, kTile), q + ((in ? r0 + r : 0) * NH + h) * DQK + c * 8, in);
+    }
+    for (int i = tid; i < kTile * (DV / 8); i += kThreads) {
+      const int r = i / (DV / 8), c = i % (DV / 8);
+      const bool in = r0 + r < T;
+      cp_async16(st + L::k_bytes + sw128_offset(r, c, kTile), do16 + ((in ? r0 + r : 0) * NH + h) * DV + c * 8, in);
     }
     if (tid < kTile) {
       const int64_t t = r0 + tid;
@@ -757,85 +766,87 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_commit();
   };
 
-  float dk[NA], dv[NA];
+  float acc[NA];  // warpgroup 0: dv [64 keys × D]; warpgroup 1: dk [64 keys × D]
 #pragma unroll
-  for (int i = 0; i < NA; ++i) dk[i] = dv[i] = 0.0f;
+  for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
   const uint32_t* trow = tmapT + int64_t(blockIdx.x) * wq;
   int64_t qt = next_tile(trow, wq, 0);
   if (qt >= 0) issue(qt, 0);
   for (int b = 0; qt >= 0; b ^= 1) {
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // tile b and its rows visible; the readers of buffer b ^ 1 and of bits are done
+    __syncthreads();  // tile b and its rows visible; the readers of buffer b ^ 1, of bits and of pᵀ are done
     const int64_t nqt = next_tile(trow, wq, qt + 1);
     if (nqt >= 0) issue(nqt, b ^ 1);
-    // This tile's key bits: the mask reads are in flight during the products.
-    MaskWindow mw;
+    MaskWindow mw;  // this tile's key bits: the mask reads are in flight during the products
     const KeyPassRows& rb = rows[b];
     if (tid < kTile && rb.cnt[tid] > 0) mw.load(mask + (qt * kTile + tid) * words, words, j0 - rb.s0[tid]);
 
     const uint32_t ks = smem_s, vs = smem_s + L::k_bytes;
     const uint32_t qs = smem_s + L::stage_at + b * L::stage_bytes, os = qs + L::k_bytes;
-    // s[4nt + 2hf + e], dp[…] = (key 16wr + gq + 8hf, query 8nt + 2tq + e) of the tile pair.
-    float s[32], dp[32];
+    // x[4nt + 2hf + e] = (key 16wr + gq + 8hf, query 8nt + 2tq + e): sᵀ in warpgroup 0, dpᵀ in warpgroup 1.
+    float x[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
-    fence_regs<32>(s);
-    fence_regs<32>(dp);
+    for (int i = 0; i < 32; ++i) x[i] = 0.0f;
+    fence_regs<32>(x);
     wgmma_fence();
+    // The same instructions in both warpgroups, on their own operands (a branch around wgmma would serialise it).
+    const uint32_t xa = wg ? vs : ks, xb = wg ? os : qs;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t off = (kk >> 2) * (kTile * 128) + (kk & 3) * 32;
-      wgmma_m64n64k16<0>(s, sw128_desc(ks + off), sw128_desc(qs + off));
-      wgmma_m64n64k16<0>(dp, sw128_desc(vs + off), sw128_desc(os + off));
+      wgmma_m64n64k16<0>(x, sw128_desc(xa + off), sw128_desc(xb + off));
     }
     wgmma_commit();
     if (tid < kTile) bits[tid] = rb.cnt[tid] > 0 ? mw.bits() : range64(j0 - rb.s0[tid], rb.len[tid]);
     wgmma_wait<0>();
-    fence_regs<32>(s);
-    fence_regs<32>(dp);
+    fence_regs<32>(x);
     __syncthreads();  // bits complete
 
-    // pᵀ in s and dsᵀ in dp.
+    uint32_t a[4][4];  // pᵀ (warpgroup 0) or dsᵀ (warpgroup 1) as the A operand, 16 queries per k step
+    if (wg == 0) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * nt + 2 * tq + e;
-        const uint64_t bc = bits[c];
-        const float sl = rb.cnt[c] ? scale_log2 : 0.0f, l2 = rb.lse2[c], Dc = rb.D[c];
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * nt + 2 * tq + e;
+          const uint64_t bc = bits[c];
+          const float sl = rb.cnt[c] ? scale_log2 : 0.0f, l2 = rb.lse2[c];
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int i = 4 * nt + 2 * hf + e;
-          const float p = (bc >> (16 * wr + gq + 8 * hf)) & 1 ? exp2f(s[i] * sl - l2) : 0.0f;
-          s[i] = p;
-          dp[i] = p * (dp[i] - Dc) * scale;
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = 4 * nt + 2 * hf + e;
+            x[i] = (bc >> (16 * wr + gq + 8 * hf)) & 1 ? exp2f(x[i] * sl - l2) : 0.0f;
+            Ps[i * 128 + xt] = x[i];
+          }
         }
-      }
-    uint32_t pa[4][4], da[4][4];
+      asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // pᵀ is in for warpgroup 1
+    } else {
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float Dc = rb.D[8 * nt + 2 * tq + e];
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = 4 * nt + 2 * hf + e;
+            x[i] = Ps[i * 128 + xt] * (x[i] - Dc) * scale;
+          }
+        }
+    }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        pa[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-        da[kk][i] = pack_bf16(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
-      }
-    // This warpgroup's column half of do and of q: 64-column blocks wg·H2/64 … of the stage's tiles.
-    const uint32_t half = wg * (H2 / 64) * (kTile * 128);
-    fence_regs<NA>(dv);
-    fence_regs<NA>(dk);
+      for (int i = 0; i < 4; ++i) a[kk][i] = pack_bf16(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
+    fence_regs<NA>(acc);
     wgmma_fence();
+    const uint32_t yb = wg ? qs : os;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      wgmma_rs<H2, 1>(dv, pa[kk], sw128_mn_desc(os + half + kk * 2048, kTile * 128));
-      wgmma_rs<H2, 1>(dk, da[kk], sw128_mn_desc(qs + half + kk * 2048, kTile * 128));
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<D, 1>(acc, a[kk], sw128_mn_desc(yb + kk * 2048, kTile * 128));
     wgmma_commit();
     wgmma_wait<0>();
-    fence_regs<NA>(dv);
-    fence_regs<NA>(dk);
-    fence_regs<16>(&pa[0][0]);
-    fence_regs<16>(&da[0][0]);
+    fence_regs<NA>(acc);
+    fence_regs<16>(&a[0][0]);
     qt = nqt;
   }
   cp_async_wait<0>();  // no tile: k and v copies still in flight
@@ -844,13 +855,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int hf = 0; hf < 2; ++hf) {
     const int64_t j = j0 + 16 * wr + gq + 8 * hf;
     if (j >= T) continue;
-    float* out = dkv + (j * NH + h) * DKV + wg * H2 + 2 * tq;
+    float* out = dkv + (j * NH + h) * DKV + (wg == 0 ? DQK : 0) + 2 * tq;
 #pragma unroll
-    for (int nt = 0; nt < H2 / 8; ++nt) {
-      out[8 * nt] += dk[4 * nt + 2 * hf];
-      out[8 * nt + 1] += dk[4 * nt + 2 * hf + 1];
-      out[D + 8 * nt] += dv[4 * nt + 2 * hf];
-      out[D + 8 * nt + 1] += dv[4 * nt + 2 * hf + 1];
+    for (int nt = 0; nt < D / 8; ++nt) {
+      out[8 * nt] += acc[4 * nt + 2 * hf];
+      out[8 * nt + 1] += acc[4 * nt + 2 * hf + 1];
     }
   }
 }

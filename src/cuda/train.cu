@@ -233,9 +233,10 @@ class Step {
   }
   // Whether the per-expert adapters of `kinds` on layer i can ride in the grouped GEMM of their projection
   // (GroupedGemm::low_rank): grouped adapters, a wgmma kernel, and ranks that fit its one extra k-tile.
-  bool fold_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
+  // backward: for the input-gradient GEMMs (set_expert_lora_fold decides which folds run).
+  bool fold_adapters(size_t i, std::initializer_list<LoraKind> kinds, bool backward = false) const {
     const int kernel = moe_expert_gemm();
-    if (!has_adapters(i, kinds) || !grouped_adapters(i, kinds) ||
+    if (expert_lora_fold() < (backward ? 2 : 1) || !has_adapters(i, kinds) || !grouped_adapters(i, kinds) ||
         (kernel != static_cast<int>(GroupedGemmKernel::kWgmma128x128) &&
          kernel != static_cast<int>(GroupedGemmKernel::kWgmma128x256)))
       return false;
@@ -718,8 +719,8 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   };
   // Adapters folded into the forward's GEMMs fold into these too: their gradients first, then dx += gs·A_e in the
   // input-gradient GEMM's accumulators.
-  const bool fold_dn = !per_expert && fold_adapters(i, {LoraKind::ExpertDown}),
-             fold_gu = !per_expert && fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+  const bool fold_dn = !per_expert && fold_adapters(i, {LoraKind::ExpertDown}, true),
+             fold_gu = !per_expert && fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp}, true);
   float* dact = El == E ? ar.alloc<float>(n * I) : zeros(n * I);
   if (grouped)
     dx_grouped(dout, w.down_ptrs, D, I, dact,
