@@ -143,6 +143,7 @@ struct RunOptions {
   bool w_kn = false;                         // upload each W_e transposed ([K, N]) and set GroupedGemm::w_kn
   const std::vector<float>* base = nullptr;  // C before the call (fp32 [n, N], for kF32Add); else poisoned
   const LowRankHost* low_rank = nullptr;     // uploaded and set as GroupedGemm::low_rank
+  std::vector<float>* pre = nullptr;         // kSwiGLU: GroupedGemm::pre's output, fp32 [n, N]
 };
 
 // Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
@@ -208,8 +209,17 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
       g.low_rank.width[q] = lr->width[q];
     }
   }
+  DevBuf dPre(opt.pre ? size_t(p.n) * p.N * 4 : 0);
+  if (opt.pre) {
+    EXPECT_EQ(cudaMemset(dPre.p, 0xFF, size_t(p.n) * p.N * 4), cudaSuccess);
+    g.pre = dPre.as<float>();
+  }
   cuda::grouped_gemm(g, dWs.as<int32_t>(), nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (opt.pre) {
+    opt.pre->resize(size_t(p.n) * p.N);
+    EXPECT_EQ(cudaMemcpy(opt.pre->data(), dPre.p, opt.pre->size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 
   std::vector<unsigned char> raw(out_bytes + kGuardBytes);
@@ -487,6 +497,10 @@ TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
     cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kF32, 0.0f, kernel()};
     g.low_rank.parts = 1;
     EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+    g.low_rank.parts = 0;
+    g.epilogue = GroupedEpilogue::kSwiGLU;
+    g.pre = reinterpret_cast<float*>(16);
+    EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);  // the kept pre-activations: wgmma only
     return;
   }
   auto check = [&](const std::vector<float>& got, const std::vector<float>& want, double tol, const char* what) {
@@ -500,8 +514,10 @@ TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
   std::vector<float> want = reference(p);
   add_low_rank(want, p, gate_up, false);
   check(run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.low_rank = &gate_up}), want, 1e-4, "gate|up fp32");
-  check(run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), 7.0f, {.low_rank = &gate_up}),
+  std::vector<float> pre;
+  check(run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), 7.0f, {.low_rank = &gate_up, .pre = &pre}),
         swiglu_reference(want, p.n, I, 7.0f), 1e-2, "gate|up swiglu");
+  check(pre, want, 1e-4, "gate|up swiglu's kept pre-activations");
 
   const LowRankHost one = make_low_rank(p, {64}, {8}, {2 * I - 24}, false, 77);
   want = reference(p);

@@ -316,7 +316,7 @@ template <class C, bool KN>
 __global__ void __launch_bounds__(kThreads, C::MINB)
     grouped_gemm_wgmma_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
                               void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L,
-                              GroupedLowRank lr) {
+                              GroupedLowRank lr, float* __restrict__ pre) {
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
   const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
   unsigned char* smem = wg_smem_raw + pad;
@@ -475,9 +475,14 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 #pragma unroll
         for (int q = 0; q < BN / 16; ++q) {
           const int col = nt * (BN / 2) + q * 8 + 2 * t4;
-          if (col < I)
-            store_bf16x2(out + col, swiglu(acc[8 * q + 2 * h], acc[8 * q + 4 + 2 * h], L),
-                         swiglu(acc[8 * q + 2 * h + 1], acc[8 * q + 4 + 2 * h + 1], L));
+          if (col >= I) continue;
+          const float g0 = acc[8 * q + 2 * h], g1 = acc[8 * q + 2 * h + 1];
+          const float u0 = acc[8 * q + 4 + 2 * h], u1 = acc[8 * q + 4 + 2 * h + 1];
+          store_bf16x2(out + col, swiglu(g0, u0, L), swiglu(g1, u1, L));
+          if (pre) {
+            *reinterpret_cast<float2*>(pre + row * N + col) = make_float2(g0, g1);
+            *reinterpret_cast<float2*>(pre + row * N + I + col) = make_float2(u0, u1);
+          }
         }
       } else {
 #pragma unroll
@@ -537,7 +542,7 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   }
   if constexpr (kWgmma) {
     kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
-                                                  static_cast<int>(g.epilogue), g.limit, g.low_rank);
+                                                  static_cast<int>(g.epilogue), g.limit, g.low_rank, g.pre);
   } else {
     kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
                                                   static_cast<int>(g.epilogue), g.limit);
@@ -599,6 +604,9 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
   check(g.E >= 1 && g.n >= 0 && g.n < (int64_t{1} << 31), "grouped_gemm: bad E ", g.E, " or n ", g.n);
   check(!g.w_kn || g.epilogue != GroupedEpilogue::kSwiGLU,
         "grouped_gemm: the SwiGLU epilogue needs W as [N, K] (w_kn = false); with w_kn use kF32, kF32Add or kBf16");
+  check(!g.pre || (g.epilogue == GroupedEpilogue::kSwiGLU && (g.kernel == GroupedGemmKernel::kWgmma128x128 ||
+                                                               g.kernel == GroupedGemmKernel::kWgmma128x256)),
+        "grouped_gemm: the pre-activation output comes with the SwiGLU epilogue of a wgmma kernel");
   const GroupedLowRank& lr = g.low_rank;
   if (lr.parts) {
     check(lr.parts <= 2 && (g.kernel == GroupedGemmKernel::kWgmma128x128 || g.kernel == GroupedGemmKernel::kWgmma128x256),

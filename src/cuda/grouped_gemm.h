@@ -101,6 +101,9 @@ struct GroupedGemm {
   bool w_kn = false;  // true: each W[e] is bf16 [K, N] row-major and C = A·W_e (the input gradient dy·W of a linear);
                       // kF32, kF32Add and kBf16 only (not kSwiGLU)
   GroupedLowRank low_rank{};  // parts > 0: the low-rank term above (kWgmma128x128 and kWgmma128x256 only)
+  // kSwiGLU on a wgmma kernel: also store the pre-activations, fp32 [n, N] (gate columns, then up), as kF32 would —
+  // what training's backward keeps — beside the act.
+  float* pre = nullptr;
   // true: `workspace` already holds this GEMM's schedule, made by the previous grouped_gemm on it, for which
   // grouped_gemm_same_schedule(previous, this) held (then only the GEMM is enqueued).
   bool schedule_ready = false;

@@ -637,15 +637,24 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     // Per-expert adapters ride in the GEMMs' accumulators where they can (fold_adapters), else add afterwards.
     const bool fold_gu = fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp}),
                fold_dn = fold_adapters(i, {LoraKind::ExpertDown});
+    // The act straight from the gate|up GEMM's accumulators (its SwiGLU epilogue, as the inference forward runs it),
+    // keeping the pre-activations for the backward, unless adapters still have to add to them afterwards.
+    const bool fuse_act = (fold_gu || !has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp})) &&
+                          (kernel == GroupedGemmKernel::kWgmma128x128 || kernel == GroupedGemmKernel::kWgmma128x256);
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
+    if (fuse_act) {
+      gu.C = x.act, gu.pre = x.gu;
+      gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
+    }
     if (fold_gu) gu.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     grouped_gemm(gu, ws, st);
     if (!fold_gu) expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-    swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
+    if (!fuse_act) swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
     GroupedGemm dn{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
                    static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
     if (fold_dn) dn.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertDown});
+    dn.schedule_ready = grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
     grouped_gemm(dn, ws, st);
     if (!fold_dn) expert_adapters_forward(i, x, {LoraKind::ExpertDown});
   } else {
