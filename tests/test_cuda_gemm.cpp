@@ -489,7 +489,7 @@ TEST_P(CudaGroupedGemm, WknNoRowsIsANoOp) {
 // SwiGLU epilogue; one rank-64 part on a column range that starts and ends inside tiles; the w_kn form (dx += gs·A_e)
 // with two parts. The other kernels refuse it on the host.
 TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
-  const bool wgmma = kernel() == GroupedGemmKernel::kWgmma128x128 || kernel() == GroupedGemmKernel::kWgmma128x256;
+  const bool wgmma = cuda::grouped_gemm_is_wgmma(kernel());
   const int I = 200;
   Problem p = make_problem(kRows, 2 * I, 264, 1.0f, 71);
   const LowRankHost gate_up = make_low_rank(p, {16, 32}, {0, I}, {I, I}, false, 73);

@@ -604,12 +604,11 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
   check(g.E >= 1 && g.n >= 0 && g.n < (int64_t{1} << 31), "grouped_gemm: bad E ", g.E, " or n ", g.n);
   check(!g.w_kn || g.epilogue != GroupedEpilogue::kSwiGLU,
         "grouped_gemm: the SwiGLU epilogue needs W as [N, K] (w_kn = false); with w_kn use kF32, kF32Add or kBf16");
-  check(!g.pre || (g.epilogue == GroupedEpilogue::kSwiGLU && (g.kernel == GroupedGemmKernel::kWgmma128x128 ||
-                                                               g.kernel == GroupedGemmKernel::kWgmma128x256)),
+  check(!g.pre || (g.epilogue == GroupedEpilogue::kSwiGLU && grouped_gemm_is_wgmma(g.kernel)),
         "grouped_gemm: the pre-activation output comes with the SwiGLU epilogue of a wgmma kernel");
   const GroupedLowRank& lr = g.low_rank;
   if (lr.parts) {
-    check(lr.parts <= 2 && (g.kernel == GroupedGemmKernel::kWgmma128x128 || g.kernel == GroupedGemmKernel::kWgmma128x256),
+    check(lr.parts <= 2 && grouped_gemm_is_wgmma(g.kernel),
           "grouped_gemm: a low-rank term takes 1 or 2 parts and a wgmma kernel (got ", lr.parts, " parts, kernel ",
           grouped_gemm_kernel_name(g.kernel), ")");
     for (int p = 0; p < lr.parts; ++p) {

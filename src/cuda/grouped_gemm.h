@@ -67,6 +67,10 @@ enum class GroupedGemmKernel {
   kWgmma128x256 = 4,
 };
 constexpr int kGroupedGemmKernels = 5;
+// Whether k is a warpgroup-MMA variant (the ones that take GroupedGemm::low_rank and GroupedGemm::pre).
+inline bool grouped_gemm_is_wgmma(GroupedGemmKernel k) {
+  return k == GroupedGemmKernel::kWgmma128x128 || k == GroupedGemmKernel::kWgmma128x256;
+}
 const char* grouped_gemm_kernel_name(GroupedGemmKernel k);
 
 // A low-rank term added in a wgmma kernel's accumulators (the routed experts' LoRA adapters, cuda/grouped_lora.h):
@@ -100,7 +104,7 @@ struct GroupedGemm {
   GroupedGemmKernel kernel = GroupedGemmKernel::kMma128x128x32;
   bool w_kn = false;  // true: each W[e] is bf16 [K, N] row-major and C = A·W_e (the input gradient dy·W of a linear);
                       // kF32, kF32Add and kBf16 only (not kSwiGLU)
-  GroupedLowRank low_rank{};  // parts > 0: the low-rank term above (kWgmma128x128 and kWgmma128x256 only)
+  GroupedLowRank low_rank{};  // parts > 0: the low-rank term above (wgmma variants only)
   // kSwiGLU on a wgmma kernel: also store the pre-activations, fp32 [n, N] (gate columns, then up), as kF32 would —
   // what training's backward keeps — beside the act.
   float* pre = nullptr;

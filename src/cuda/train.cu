@@ -237,8 +237,7 @@ class Step {
   bool fold_adapters(size_t i, std::initializer_list<LoraKind> kinds, bool backward = false) const {
     const int kernel = moe_expert_gemm();
     if (expert_lora_fold() < (backward ? 2 : 1) || !has_adapters(i, kinds) || !grouped_adapters(i, kinds) ||
-        (kernel != static_cast<int>(GroupedGemmKernel::kWgmma128x128) &&
-         kernel != static_cast<int>(GroupedGemmKernel::kWgmma128x256)))
+        kernel < 0 || !grouped_gemm_is_wgmma(static_cast<GroupedGemmKernel>(kernel)))
       return false;
     int parts = 0;
     for (LoraKind k : kinds) parts += adapter(i, k) != nullptr;
@@ -640,7 +639,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     // The act straight from the gate|up GEMM's accumulators (its SwiGLU epilogue, as the inference forward runs it),
     // keeping the pre-activations for the backward, unless adapters still have to add to them afterwards.
     const bool fuse_act = (fold_gu || !has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp})) &&
-                          (kernel == GroupedGemmKernel::kWgmma128x128 || kernel == GroupedGemmKernel::kWgmma128x256);
+                          grouped_gemm_is_wgmma(kernel);
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
     if (fuse_act) {
