@@ -251,16 +251,18 @@ double lora_error(const LoraAdapter& a, const LoraAdapter& b) {
   return std::sqrt(d / r);
 }
 
-// LoRA on a split model (rank 4 on every projection, one adapter per expert or one for all): each rank keeps its
-// part of every module; the ranks' shares of the adapters' gradients, summed over the world, are as close to the
-// fp32 CPU's (from the merged model's weight gradients) as one GPU's are (within 1.25×, plus 1e-3).
+// LoRA on a split model (rank 4 on every projection, one adapter per expert or one for all; and rank 16 per
+// expert, whose routed experts' adapters ride in the grouped GEMMs): each rank keeps its part of every module; the
+// ranks' shares of the adapters' gradients, summed over the world, are as close to the fp32 CPU's (from the merged
+// model's weight gradients) as one GPU's are (within 1.25×, plus 1e-3).
 void check_lora(bool nccl) {
   const std::string dir = test::golden_dir("bf16_sharded");
   const Model base = test::bf16_weights_reference(dir);
   PackedBatch batch;
   for (const auto& s : test::golden_sequences(dir)) batch.add(s);
-  for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
-    LoraAdapter ref = test::random_lora(base.config(), experts);
+  for (const auto& [experts, rank] : {std::pair{LoraExperts::PerExpert, 4}, std::pair{LoraExperts::PerExpert, 16},
+                                     std::pair{LoraExperts::Shared, 4}}) {
+    LoraAdapter ref = test::random_lora(base.config(), experts, rank);
     const LoraAdapter start = test::without_gradients(ref);
     test::cpu_lora_gradients(base, ref, batch);
     const std::unique_ptr<CudaModel> one = CudaModel::load(dir);
@@ -283,9 +285,9 @@ void check_lora(bool nccl) {
         if (world.rank() == 0) got = std::move(mine);
       });
       const double e = lora_error(got, ref), between = lora_error(got, single);
-      std::printf("[cuda parallel%s lora] %s %s: adapters' gradients vs fp32 CPU %.3g (one GPU %.3g), vs one GPU "
-                  "%.3g\n",
-                  nccl ? " nccl" : "", experts == LoraExperts::Shared ? "shared experts" : "per expert",
+      std::printf("[cuda parallel%s lora] %s rank %d %s: adapters' gradients vs fp32 CPU %.3g (one GPU %.3g), vs "
+                  "one GPU %.3g\n",
+                  nccl ? " nccl" : "", experts == LoraExperts::Shared ? "shared experts" : "per expert", rank,
                   layout_name(l).c_str(), e, e1, between);
       EXPECT_LE(e, 1.25 * e1 + 1e-3) << layout_name(l);
     }
