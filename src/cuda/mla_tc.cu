@@ -50,6 +50,97 @@ struct MlaLayout {
   static constexpr int bytes = (kRows * QS + kKeys * QS + kKeys * VS) * 2;
 };
 
+// One thread's two query rows (g and g + 8 of its warp's 16; the first is `first`), as both kernels hold them.
+struct MlaRows {
+  int64_t row[2], s0[2], len[2];
+  bool valid[2], uniform[2];  // uniform: an empty selection (equal weights over the sequence)
+
+  __device__ void load(int64_t first, int64_t T, const int32_t* count, const int32_t* seq_start,
+                       const int32_t* seq_len) {
+    for (int hf = 0; hf < 2; ++hf) {
+      row[hf] = first + 8 * hf;
+      valid[hf] = row[hf] < T;
+      const int64_t t = valid[hf] ? row[hf] : 0;
+      s0[hf] = seq_start[t];
+      len[hf] = seq_len[t];
+      uniform[hf] = valid[hf] && count[t] == 0;
+    }
+  }
+  // Widens the block's key range [*lo, *hi) to these rows' keys (a selection is causal: keys up to the row).
+  __device__ void widen(int64_t* lo, int64_t* hi) const {
+    for (int hf = 0; hf < 2; ++hf)
+      if (valid[hf]) {
+        atomicMin(reinterpret_cast<unsigned long long*>(lo), static_cast<unsigned long long>(s0[hf]));
+        const int64_t end = uniform[hf] ? s0[hf] + len[hf] : row[hf] + 1;
+        atomicMax(reinterpret_cast<unsigned long long*>(hi), static_cast<unsigned long long>(end));
+      }
+  }
+  // The rows' selected keys among j0 … j0 + 63.
+  __device__ void bits(int64_t j0, const uint32_t* mask, int64_t words, uint64_t out[2]) const {
+    for (int hf = 0; hf < 2; ++hf) {
+      if (!valid[hf]) out[hf] = 0;
+      else if (uniform[hf]) out[hf] = range64(j0 - s0[hf], len[hf]);
+      else out[hf] = window64(mask + row[hf] * words, words, j0 - s0[hf]);
+    }
+  }
+  // o = oc / l in bf16 and, when lse2 is given, the log2-domain log-sum-exp (0 for a row without keys, as the
+  // backward's stats pass forms it). oc[4nt + 2hf + e] = (row hf, value column 8nt + 2tq + e).
+  template <int DV>
+  __device__ void store(const float* oc, const float m[2], const float l[2], bf16* o, float* lse2, int NH, int h,
+                        int tq) const {
+    for (int hf = 0; hf < 2; ++hf) {
+      if (!valid[hf]) continue;
+      if (lse2 && tq == 0) lse2[row[hf] * NH + h] = m[hf] == -INFINITY ? 0.0f : m[hf] + log2f(l[hf]);
+      const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
+      bf16* out = o + (row[hf] * NH + h) * DV;
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt + 2 * tq) =
+            __floats2bfloat162_rn(oc[4 * nt + 2 * hf] * inv, oc[4 * nt + 2 * hf + 1] * inv);
+    }
+  }
+};
+
+// One key block's step of the online softmax for a thread's two rows: s[4nt + 2hf + e] holds the scores of (row hf,
+// key 8nt + 2tq + e) and leaves as probabilities (masked by bits, scaled to the log2 domain; 0 for every key of an
+// empty selection: equal weights); m and l are the running max and sum, and the output accumulators oc (same
+// layout, DV/8 n-tiles) are rescaled to the new max.
+template <int DV>
+__device__ __forceinline__ void softmax_block(float* s, float* oc, const uint64_t bits[2], const bool uniform[2],
+                                              float m[2], float l[2], float scale_log2, int tq) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * nt + 2 * hf + e];
+        x = (bits[hf] >> (8 * nt + 2 * tq + e)) & 1 ? (uniform[hf] ? 0.0f : x * scale_log2) : -INFINITY;
+        mx = fmaxf(mx, x);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(m[hf], mx);
+    const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m[hf] - mnew);  // m = −inf → 0
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * nt + 2 * hf + e];
+        x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
+        sum += x;
+      }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    l[hf] = l[hf] * alpha + sum;
+    m[hf] = mnew;
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt) oc[4 * nt + 2 * hf] *= alpha, oc[4 * nt + 2 * hf + 1] *= alpha;
+  }
+}
+
 template <int DQK, int DV>
 __global__ void __launch_bounds__(kThreads)
     mla_tc_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const uint32_t* __restrict__ mask,
@@ -75,24 +166,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   cp_async_commit();
 
-  // This thread's two rows (g and g+8 of its warp's 16).
-  int64_t row[2], s0[2], len[2];
-  bool valid[2], uniform[2];
-  for (int hf = 0; hf < 2; ++hf) {
-    row[hf] = r0 + 16 * warp + gq + 8 * hf;
-    valid[hf] = row[hf] < T;
-    const int64_t t = valid[hf] ? row[hf] : 0;
-    s0[hf] = seq_start[t];
-    len[hf] = seq_len[t];
-    uniform[hf] = valid[hf] && count[t] == 0;
-  }
+  MlaRows rw;
+  rw.load(r0 + 16 * warp + gq, T, count, seq_start, seq_len);
   __syncthreads();  // key_lo / key_hi initialised
-  for (int hf = 0; hf < 2; ++hf)
-    if (valid[hf]) {
-      atomicMin(reinterpret_cast<unsigned long long*>(&key_lo), static_cast<unsigned long long>(s0[hf]));
-      const int64_t end = uniform[hf] ? s0[hf] + len[hf] : row[hf] + 1;
-      atomicMax(reinterpret_cast<unsigned long long*>(&key_hi), static_cast<unsigned long long>(end));
-    }
+  rw.widen(&key_lo, &key_hi);
   cp_async_wait<0>();
   __syncthreads();
   const int64_t klo = key_lo, khi = key_hi;
@@ -104,15 +181,7 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int64_t j0 = klo; j0 < khi; j0 += kKeys) {
     uint64_t bits[2];
-    for (int hf = 0; hf < 2; ++hf) {
-      if (!valid[hf]) {
-        bits[hf] = 0;
-      } else if (uniform[hf]) {
-        bits[hf] = range64(j0 - s0[hf], len[hf]);
-      } else {
-        bits[hf] = window64(mask + row[hf] * words, words, j0 - s0[hf]);
-      }
-    }
+    rw.bits(j0, mask, words, bits);
     // A barrier (the last block's K/V reads are done) that also tells whether any query selects a key here.
     if (!__syncthreads_or((bits[0] | bits[1]) != 0)) continue;
     for (int i = tid; i < kKeys * (DQK / 8); i += kThreads) {
@@ -145,39 +214,7 @@ __global__ void __launch_bounds__(kThreads)
         mma_bf16(s[2 * np + 1], a, b[2], b[3]);
       }
     }
-    // Mask, scale (log2 domain), online softmax per row.
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 8 * nt + 2 * tq + e;
-          float& x = s[nt][2 * hf + e];
-          x = (bits[hf] >> j) & 1 ? (uniform[hf] ? 0.0f : x * scale_log2) : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[hf], mx);
-      const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m[hf] - mnew);  // m = −inf → 0
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[nt][2 * hf + e];
-          x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
-          sum += x;
-        }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l[hf] = l[hf] * alpha + sum;
-      m[hf] = mnew;
-#pragma unroll
-      for (int nt = 0; nt < DV / 8; ++nt) oc[nt][2 * hf] *= alpha, oc[nt][2 * hf + 1] *= alpha;
-    }
+    softmax_block<DV>(&s[0][0], &oc[0][0], bits, rw.uniform, m, l, scale_log2, tq);
     // o += P·V, P straight from the score fragments.
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -193,17 +230,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  for (int hf = 0; hf < 2; ++hf) {
-    if (!valid[hf]) continue;
-    // The row's log-sum-exp in the log2 domain (0 for a row without keys), as the backward's stats pass forms it.
-    if (lse2 && tq == 0) lse2[row[hf] * NH + h] = m[hf] == -INFINITY ? 0.0f : m[hf] + log2f(l[hf]);
-    const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
-    bf16* out = o + (row[hf] * NH + h) * DV;
-#pragma unroll
-    for (int nt = 0; nt < DV / 8; ++nt)
-      *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt + 2 * tq) =
-          __floats2bfloat162_rn(oc[nt][2 * hf] * inv, oc[nt][2 * hf + 1] * inv);
-  }
+  rw.store<DV>(&oc[0][0], m, l, o, lse2, NH, h, tq);
 }
 
 // ---- Hopper (sm_90a): the same attention on warpgroup MMAs ----
@@ -243,61 +270,27 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int wg = warp >> 2, wq = warp & 3;
   if (tid == 0) key_lo = INT64_MAX, key_hi = 0;
 
-  for (int i = tid; i < kWgRows * (DQK / 8); i += kWgThreads) {
-    const int r = i / (DQK / 8), c = i % (DQK / 8);
-    const bool in = r0 + r < T;
-    cp_async16(smem + sw128_offset(r, c, kWgRows), q + ((in ? r0 + r : 0) * NH + h) * DQK + c * 8, in);
-  }
+  sw128_load_rows<kWgRows, DQK, kWgThreads>(smem, q, DQK, 0, r0, T, NH, h);
   auto load_kv = [&](int64_t j0, int stage) {
     unsigned char* ks = smem + L::q_bytes + stage * L::stage_bytes;
-    unsigned char* vs = ks + L::k_bytes;
-    for (int i = tid; i < kKeys * (DQK / 8); i += kWgThreads) {
-      const int r = i / (DQK / 8), c = i % (DQK / 8);
-      const bool in = j0 + r < T;
-      cp_async16(ks + sw128_offset(r, c, kKeys), kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8, in);
-    }
-    for (int i = tid; i < kKeys * (DV / 8); i += kWgThreads) {
-      const int r = i / (DV / 8), c = i % (DV / 8);
-      const bool in = j0 + r < T;
-      cp_async16(vs + sw128_offset(r, c, kKeys), kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + c * 8, in);
-    }
+    sw128_load_rows<kKeys, DQK, kWgThreads>(ks, kv, DKV, 0, j0, T, NH, h);
+    sw128_load_rows<kKeys, DV, kWgThreads>(ks + L::k_bytes, kv, DKV, DQK, j0, T, NH, h);
   };
 
-  // This thread's two rows (g and g + 8 of its warp's 16).
-  int64_t row[2], s0[2], len[2];
-  bool valid[2], uniform[2];
-  for (int hf = 0; hf < 2; ++hf) {
-    row[hf] = r0 + 64 * wg + 16 * wq + gq + 8 * hf;
-    valid[hf] = row[hf] < T;
-    const int64_t t = valid[hf] ? row[hf] : 0;
-    s0[hf] = seq_start[t];
-    len[hf] = seq_len[t];
-    uniform[hf] = valid[hf] && count[t] == 0;
-  }
+  MlaRows rw;
+  rw.load(r0 + 64 * wg + 16 * wq + gq, T, count, seq_start, seq_len);
   __syncthreads();  // key_lo / key_hi initialised
-  for (int hf = 0; hf < 2; ++hf)
-    if (valid[hf]) {
-      atomicMin(reinterpret_cast<unsigned long long*>(&key_lo), static_cast<unsigned long long>(s0[hf]));
-      const int64_t end = uniform[hf] ? s0[hf] + len[hf] : row[hf] + 1;
-      atomicMax(reinterpret_cast<unsigned long long*>(&key_hi), static_cast<unsigned long long>(end));
-    }
+  rw.widen(&key_lo, &key_hi);
   __syncthreads();
   const int64_t klo = key_lo, khi = key_hi;
 
-  auto row_bits = [&](int64_t j0, uint64_t bits[2]) {
-    for (int hf = 0; hf < 2; ++hf) {
-      if (!valid[hf]) bits[hf] = 0;
-      else if (uniform[hf]) bits[hf] = range64(j0 - s0[hf], len[hf]);
-      else bits[hf] = window64(mask + row[hf] * words, words, j0 - s0[hf]);
-    }
-  };
   // The first key block from j0 on that some row of the block selects (khi if none), with this thread's rows' bits
   // for it. Block-wide: a barrier per block looked at, at least one.
   auto next_selected = [&](int64_t j0, uint64_t bits[2]) {
     for (;; j0 += kKeys) {
       bool any = false;
       if (j0 < khi) {
-        row_bits(j0, bits);
+        rw.bits(j0, mask, words, bits);
         any = (bits[0] | bits[1]) != 0;
       }
       if (__syncthreads_or(any) || j0 >= khi) return j0 < khi ? j0 : khi;
@@ -335,39 +328,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<32>(s);
-    // Mask, scale (log2 domain), online softmax per row.
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 8 * nt + 2 * tq + e;
-          float& x = s[4 * nt + 2 * hf + e];
-          x = (bits[hf] >> j) & 1 ? (uniform[hf] ? 0.0f : x * scale_log2) : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[hf], mx);
-      const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m[hf] - mnew);  // m = −inf → 0
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * nt + 2 * hf + e];
-          x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
-          sum += x;
-        }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l[hf] = l[hf] * alpha + sum;
-      m[hf] = mnew;
-#pragma unroll
-      for (int nt = 0; nt < DV / 8; ++nt) oc[4 * nt + 2 * hf] *= alpha, oc[4 * nt + 2 * hf + 1] *= alpha;
-    }
+    softmax_block<DV>(s, oc, bits, rw.uniform, m, l, scale_log2, tq);
     // o += P·V, P's A fragments (16 keys each) packed from the score accumulators of the same thread.
     uint32_t pa[4][4];
 #pragma unroll
@@ -386,16 +347,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     bits[0] = next_bits[0], bits[1] = next_bits[1];
   }
   cp_async_wait<0>();
-  for (int hf = 0; hf < 2; ++hf) {
-    if (!valid[hf]) continue;
-    if (lse2 && tq == 0) lse2[row[hf] * NH + h] = m[hf] == -INFINITY ? 0.0f : m[hf] + log2f(l[hf]);
-    const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
-    bf16* out = o + (row[hf] * NH + h) * DV;
-#pragma unroll
-    for (int nt = 0; nt < DV / 8; ++nt)
-      *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt + 2 * tq) =
-          __floats2bfloat162_rn(oc[4 * nt + 2 * hf] * inv, oc[4 * nt + 2 * hf + 1] * inv);
-  }
+  rw.store<DV>(oc, m, l, o, lse2, NH, h, tq);
 }
 
 template <int DQK, int DV>

@@ -562,34 +562,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     return a < 0 ? b : b < 0 ? a : min(a, b);
   };
 
-  for (int i = tid; i < kWgRows * (DQK / 8); i += kThreads) {
-    const int r = i / (DQK / 8), c = i % (DQK / 8);
-    const bool in = r0 + r < T;
-    cp_async16(smem + sw128_offset(r, c, kWgRows), q + ((in ? r0 + r : 0) * NH + h) * DQK + c * 8, in);
-  }
-  for (int i = tid; i < kWgRows * (DV / 8); i += kThreads) {
-    const int r = i / (DV / 8), c = i % (DV / 8);
-    const bool in = r0 + r < T;
-    cp_async16(smem + L::q_bytes + sw128_offset(r, c, kWgRows), do16 + ((in ? r0 + r : 0) * NH + h) * DV + c * 8,
-               in);
-  }
+  sw128_load_rows<kWgRows, DQK, kThreads>(smem, q, DQK, 0, r0, T, NH, h);
+  sw128_load_rows<kWgRows, DV, kThreads>(smem + L::q_bytes, do16, DV, 0, r0, T, NH, h);
   auto load_k = [&](int64_t kt, int b) {
-    const int64_t j0 = kt * kTile;
-    for (int i = tid; i < kTile * (DQK / 8); i += kThreads) {
-      const int r = i / (DQK / 8), c = i % (DQK / 8);
-      const bool in = j0 + r < T;
-      cp_async16(smem + L::k_at + b * L::k_bytes + sw128_offset(r, c, kTile),
-                 kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8, in);
-    }
+    sw128_load_rows<kTile, DQK, kThreads>(smem + L::k_at + b * L::k_bytes, kv, DKV, 0, kt * kTile, T, NH, h);
   };
   auto load_v = [&](int64_t kt) {
-    const int64_t j0 = kt * kTile;
-    for (int i = tid; i < kTile * (DV / 8); i += kThreads) {
-      const int r = i / (DV / 8), c = i % (DV / 8);
-      const bool in = j0 + r < T;
-      cp_async16(smem + L::v_at + sw128_offset(r, c, kTile), kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + c * 8,
-                 in);
-    }
+    sw128_load_rows<kTile, DV, kThreads>(smem + L::v_at, kv, DKV, DQK, kt * kTile, T, NH, h);
   };
 
   // This thread's two rows (g and g + 8 of its warp's 16): the forward's statistics, and the score scale (0 for an
@@ -728,31 +707,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int wg = warp >> 2, wr = warp & 3, xt = tid & 127;  // warpgroup, warp in it (keys 16·wr …), thread in it
 
-  for (int i = tid; i < kTile * (DQK / 8); i += kThreads) {
-    const int r = i / (DQK / 8), c = i % (DQK / 8);
-    const bool in = j0 + r < T;
-    cp_async16(smem + sw128_offset(r, c, kTile), kv + ((in ? j0 + r : 0) * NH + h) * DKV + c * 8, in);
-  }
-  for (int i = tid; i < kTile * (DV / 8); i += kThreads) {
-    const int r = i / (DV / 8), c = i % (DV / 8);
-    const bool in = j0 + r < T;
-    cp_async16(smem + L::k_bytes + sw128_offset(r, c, kTile), kv + ((in ? j0 + r : 0) * NH + h) * DKV + DQK + c * 8,
-               in);
-  }
+  sw128_load_rows<kTile, DQK, kThreads>(smem, kv, DKV, 0, j0, T, NH, h);
+  sw128_load_rows<kTile, DV, kThreads>(smem + L::k_bytes, kv, DKV, DQK, j0, T, NH, h);
   cp_async_commit();
   auto issue = [&](int64_t qt, int b) {
     const int64_t r0 = qt * kTile;
     unsigned char* st = smem + L::stage_at + b * L::stage_bytes;
-    for (int i = tid; i < kTile * (DQK / 8); i += kThreads) {
-      const int r = i / (DQK / 8), c = i % (DQK / 8);
-      const bool in = r0 + r < T;
-      cp_async16(st + sw128_offset(r, c, kTile), q + ((in ? r0 + r : 0) * NH + h) * DQK + c * 8, in);
-    }
-    for (int i = tid; i < kTile * (DV / 8); i += kThreads) {
-      const int r = i / (DV / 8), c = i % (DV / 8);
-      const bool in = r0 + r < T;
-      cp_async16(st + L::k_bytes + sw128_offset(r, c, kTile), do16 + ((in ? r0 + r : 0) * NH + h) * DV + c * 8, in);
-    }
+    sw128_load_rows<kTile, DQK, kThreads>(st, q, DQK, 0, r0, T, NH, h);
+    sw128_load_rows<kTile, DV, kThreads>(st + L::k_bytes, do16, DV, 0, r0, T, NH, h);
     if (tid < kTile) {
       const int64_t t = r0 + tid;
       const bool in = t < T;

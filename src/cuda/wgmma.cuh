@@ -10,7 +10,11 @@
 // registers (m64k16) is mma.sync's A fragment of the warp's 16 rows (cuda/mma.cuh), so a score tile's accumulators
 // repack into the A of the next product without moving between threads.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
+
+#include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
 
@@ -41,6 +45,18 @@ __device__ __forceinline__ void fence_regs(uint32_t* a) {
 // swizzle layout as 64-element slabs (slab c / 8 at (c / 8)·rows·128).
 __device__ __forceinline__ int sw128_offset(int r, int c, int rows) {
   return (c >> 3) * (rows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// Copies rows r0 … r0 + ROWS − 1 of head h of a [T, NH, ld] bf16 tensor, COLS elements from column c0, into a tile
+// of that layout (rows past T zero-filled); asynchronous (cp.async: the caller commits and waits), NT threads.
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void sw128_load_rows(unsigned char* tile, const __nv_bfloat16* src, int64_t ld, int64_t c0,
+                                                int64_t r0, int64_t T, int64_t NH, int64_t h) {
+  for (int i = threadIdx.x; i < ROWS * (COLS / 8); i += NT) {
+    const int r = i / (COLS / 8), c = i % (COLS / 8);
+    const bool in = r0 + r < T;
+    cp_async16(tile + sw128_offset(r, c, ROWS), src + ((in ? r0 + r : 0) * NH + h) * ld + c0 + c * 8, in);
+  }
 }
 
 // Shared-memory matrix descriptor, K-major with 128-byte swizzle: start address >> 4 (bits 0–13), leading byte
