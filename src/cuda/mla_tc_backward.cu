@@ -16,7 +16,7 @@
 // The operand tile that changes along the walk (k | v in the query-major passes, q | do in the key-major one) is
 // double-buffered: the next tile's copies are in flight while the current one is used. On Hopper the dq pass (key
 // width a multiple of 64: dq_wgmma_kernel) and the key-major pass (dqk = dv = 128 or 256: key_wgmma_kernel) run on
-// warpgroup MMAs instead, with the same sums in the same order per tile; the stats pass and the 64/64 head dims stay
+// warpgroup MMAs instead (still fixed-order sums, each output element added once); the stats pass and 64/64 stay
 // on the mma.sync kernels.
 #include <algorithm>
 
