@@ -14,8 +14,8 @@
 // Each block has 8 warps. The 64 × 64 score and dp tiles are split 4 (rows) × 2 (32 keys) among them; p and ds go
 // through shared memory in bf16, and the output tile (64 rows × head dim) is split 4 (rows) × 2 (column halves).
 // The operand tile that changes along the walk (k | v in the query-major passes, q | do in the key-major one) is
-// double-buffered: the next tile's copies are in flight while the current one is used. On Hopper the dq pass (key
-// width a multiple of 64: dq_wgmma_kernel) and the key-major pass (dqk = dv = 128 or 256: key_wgmma_kernel) run on
+// double-buffered: the next tile's copies are in flight while the current one is used. On Hopper the dq pass (dqk
+// of 128, 192 or 256: dq_wgmma_kernel) and the key-major pass (dqk = dv = 128 or 256: key_wgmma_kernel) run on
 // warpgroup MMAs instead (still fixed-order sums, each output element added once); the stats pass and 64/64 stay
 // on the mma.sync kernels.
 #include <algorithm>
