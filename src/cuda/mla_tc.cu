@@ -321,28 +321,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     for (int i = 0; i < 32; ++i) s[i] = 0.0f;
     fence_regs<32>(s);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk)
-      wgmma_m64n64k16<0>(s, sw128_desc(qs + (kk >> 2) * (kWgRows * 128) + (kk & 3) * 32),
-                         sw128_desc(ks + (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
+    wgmma_scores<DQK>(s, qs, kWgRows, ks, kKeys);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<32>(s);
     softmax_block<DV>(s, oc, bits, rw.uniform, m, l, scale_log2, tq);
-    // o += P·V, P's A fragments (16 keys each) packed from the score accumulators of the same thread.
-    uint32_t pa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pa[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-    fence_regs<NO>(oc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs<DV, 1>(oc, pa[kk], sw128_mn_desc(vs + kk * 2048, kKeys * 128));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs<NO>(oc);
-    fence_regs<16>(&pa[0][0]);
+    wgmma_tile_product<DV>(oc, s, vs);  // o += P·V, P from the score accumulators of the same thread
     j0 = j1;
     bits[0] = next_bits[0], bits[1] = next_bits[1];
   }

@@ -613,14 +613,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs<32>(s);
     fence_regs<32>(dp);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk)
-      wgmma_m64n64k16<0>(s, sw128_desc(qs + (kk >> 2) * (kWgRows * 128) + (kk & 3) * 32),
-                         sw128_desc(ks + (kk >> 2) * (kTile * 128) + (kk & 3) * 32));
-#pragma unroll
-    for (int kk = 0; kk < DV / 16; ++kk)
-      wgmma_m64n64k16<0>(dp, sw128_desc(os + (kk >> 2) * (kWgRows * 128) + (kk & 3) * 32),
-                         sw128_desc(vs + (kk >> 2) * (kTile * 128) + (kk & 3) * 32));
+    wgmma_scores<DQK>(s, qs, kWgRows, ks, kTile);
+    wgmma_scores<DV>(dp, os, kWgRows, vs, kTile);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<32>(s);
@@ -642,19 +636,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           s[i] = p * (dp[i] - Dr[hf]) * scale;
         }
     }
-    uint32_t da[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) da[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-    fence_regs<NQ>(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs<DQK, 1>(acc, da[kk], sw128_mn_desc(ks + kk * 2048, kTile * 128));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs<NQ>(acc);
-    fence_regs<16>(&da[0][0]);
+    wgmma_tile_product<DQK>(acc, s, ks);  // dq += ds·k
     kt = nkt;
   }
   cp_async_wait<0>();  // no tile: q and do copies still in flight
@@ -757,18 +739,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_fence();
     // The same instructions in both warpgroups, on their own operands (a branch around wgmma would serialise it).
     const uint32_t xa = wg ? vs : ks, xb = wg ? os : qs;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t off = (kk >> 2) * (kTile * 128) + (kk & 3) * 32;
-      wgmma_m64n64k16<0>(x, sw128_desc(xa + off), sw128_desc(xb + off));
-    }
+    wgmma_scores<D>(x, xa, kTile, xb, kTile);
     wgmma_commit();
     if (tid < kTile) bits[tid] = rb.cnt[tid] > 0 ? mw.bits() : range64(j0 - rb.s0[tid], rb.len[tid]);
     wgmma_wait<0>();
     fence_regs<32>(x);
     __syncthreads();  // bits complete
 
-    uint32_t a[4][4];  // pᵀ (warpgroup 0) or dsᵀ (warpgroup 1) as the A operand, 16 queries per k step
     if (wg == 0) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -799,19 +776,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
     }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[kk][i] = pack_bf16(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
-    fence_regs<NA>(acc);
-    wgmma_fence();
-    const uint32_t yb = wg ? qs : os;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs<D, 1>(acc, a[kk], sw128_mn_desc(yb + kk * 2048, kTile * 128));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs<NA>(acc);
-    fence_regs<16>(&a[0][0]);
+    wgmma_tile_product<D>(acc, x, wg ? qs : os);  // dv += pᵀ·do or dk += dsᵀ·q, by the same instructions
     qt = nqt;
   }
   cp_async_wait<0>();  // no tile: k and v copies still in flight

@@ -266,4 +266,35 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t a[4], uint64_t
   else wgmma_m64n256k16_rs<TB>(d, a, desc_b);
 }
 
+// s (64 × 64, 32 per thread) += A·Bᵀ over K columns, A the warpgroup's 64 rows at `a` and B 64 rows at `b`, both
+// K-major tiles of the layout above (slabs of 64 columns, a_rows and b_rows rows a slab). Issued only: the caller
+// fences, commits and waits.
+template <int K>
+__device__ __forceinline__ void wgmma_scores(float* s, uint32_t a, int a_rows, uint32_t b, int b_rows) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+    wgmma_m64n64k16<0>(s, sw128_desc(a + (kk >> 2) * (a_rows * 128) + (kk & 3) * 32),
+                       sw128_desc(b + (kk >> 2) * (b_rows * 128) + (kk & 3) * 32));
+}
+
+// acc (64 × N, N/2 per thread) += X·B and waits for it: X the 64 × 64 tile held as a score product's accumulators
+// (x[4nt + 2hf + e]), rounded to bf16 into wgmma's A registers 16 columns a k step; B 64 × N read N-major at `b`
+// (k rows of 128 bytes, 64-column blocks 64·128 bytes apart).
+template <int N>
+__device__ __forceinline__ void wgmma_tile_product(float* acc, const float* x, uint32_t b) {
+  uint32_t xa[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xa[kk][i] = pack_bf16(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
+  fence_regs<N / 2>(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs<N, 1>(acc, xa[kk], sw128_mn_desc(b + kk * 2048, 64 * 128));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs<N / 2>(acc);
+  fence_regs<16>(&xa[0][0]);
+}
+
 }  // namespace nextlm::cuda
