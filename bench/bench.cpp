@@ -126,6 +126,8 @@ int main(int argc, char** argv) {
       {"mhc", nextlm::bench::mhc_share_case},
       {"moe_grouped_gemm", nextlm::bench::moe_grouped_gemm_case},  // bench/moe_gemm.cu
       {"moe_grouped_gemm_dx", nextlm::bench::moe_grouped_gemm_dx_case},  // the backward's dx pair (w_kn)
+      {"moe_grouped_gemm_skewed", nextlm::bench::moe_grouped_gemm_case},        // log-normally skewed routing
+      {"moe_grouped_gemm_dx_skewed", nextlm::bench::moe_grouped_gemm_dx_case},
   };
   // `only` may name several cases, comma-separated.
   for (const Case& c : cases)

@@ -14,6 +14,9 @@ namespace nextlm::bench {
 // must read 14.5 GB of weights (3.5 ms at 4.14 TB/s; 3.7 ms with the activations) against 1.65 TFLOP (2.26 ms at
 // 729 TFLOP/s). A dense GEMM of the same FLOPs reads one weight, so "ours / cuBLAS dense" is bounded by about
 // 2.3 / 3.7 ≈ 60–65% here, whatever the kernel; the note prints the byte floor next to the FLOP floor.
+// `moe_grouped_gemm_skewed` (and `moe_grouped_gemm_dx_skewed`): the same with log-normally skewed routing, the
+// spread of rows per expert that the randomly initialised slice routes with (many experts far below a 128-row tile,
+// a few with several).
 void moe_grouped_gemm_case(const std::string& name);
 
 // `moe_grouped_gemm_dx`: the backward's input gradients of the same experts at the same shapes and routing, in the
