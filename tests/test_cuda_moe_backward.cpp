@@ -213,6 +213,20 @@ TEST(CudaBackwardMoe, SwigluBackwardMatchesCpuMlpBackward) {
     }
   EXPECT_GE(gate_clamped, 5);
   EXPECT_GE(up_clamped, 10);
+
+  // Under expert parallelism only the first rows_held rows are this rank's: the others' gu and dact are never
+  // computed here (NaN below stands for whatever the arena holds) and their gradient is zero; the held rows' bits
+  // are unchanged.
+  std::vector<float> gu_ep = gu, dact_ep = dact;
+  const int64_t held = 40;
+  for (int64_t i = held * 2 * I; i < n * 2 * I; ++i) gu_ep[i] = NAN;
+  for (int64_t i = held * I; i < n * I; ++i) dact_ep[i] = NAN;
+  const std::vector<float> ep = cuda_testing::swiglu_backward(gu_ep, dact_ep, n, I, L, static_cast<int32_t>(held));
+  ASSERT_EQ(ep.size(), gpu.size());
+  for (int64_t i = 0; i < n * 2 * I; ++i) {
+    if (i < held * 2 * I) ASSERT_EQ(ep[i], gpu[i]) << "held row element " << i;
+    else ASSERT_EQ(ep[i], 0.0f) << "other rank's row element " << i;
+  }
   EXPECT_NE(gpu[0 * 2 * I + 0], 0.0f);
   EXPECT_NE(gpu[1 * 2 * I + 1], 0.0f);
   EXPECT_NE(gpu[2 * 2 * I + I + 2], 0.0f);

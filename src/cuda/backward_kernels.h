@@ -59,9 +59,10 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
 
 // Backward of swiglu (kernels.h) from gu [n, 2I] (gate | up, fp32) and dact [n, I] (fp32): dgu [n, 2I] written in
 // bf16 (the input of the two GEMMs that follow). Zero gradient where a clamp is active (gate > L; up outside
-// [−L, L]), passing at exactly ±L, as torch.clamp.
+// [−L, L]), passing at exactly ±L, as torch.clamp. rows_held (device, optional): rows from *rows_held on belong to
+// other ranks' experts (expert parallelism; gu and dact are not read there) and get a zero gradient.
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st);
+                     cudaStream_t st, const int32_t* rows_held = nullptr);
 
 // Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]): dout [T·k, D] written in bf16 (row
 // slot_of[t, i] = w[t, i]·dy[t]); dweights [T, k] written (= dy[t]·out[slot_of[t, i]]).

@@ -132,9 +132,15 @@ __global__ void embedding_backward_kernel(const int32_t* tok, const float* dh, f
 
 // ---- Clamped SwiGLU: act = silu(min(g, L))·clamp(u, −L, L) ----
 
-__global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float L) {
+__global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float L,
+                                       const int32_t* rows_held) {
+  const int64_t held = rows_held ? *rows_held : n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / I, c = i % I;
+    if (r >= held) {  // another rank's row: its gu was never computed here
+      dgu[r * 2 * I + c] = dgu[r * 2 * I + I + c] = __float2bfloat16(0.0f);
+      continue;
+    }
     const float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c], da = dact[i];
     const float gc = fminf(g, L), uc = fminf(fmaxf(u, -L), L);
     const float sg = 1.0f / (1.0f + expf(-gc));
@@ -235,9 +241,9 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
 }
 
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st) {
+                     cudaStream_t st, const int32_t* rows_held) {
   if (n * I <= 0) return;
-  swiglu_backward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, dact, dgu, n, I, limit);
+  swiglu_backward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -39,10 +39,11 @@ void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float
 }
 
 std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vector<float>& dact, int64_t n, int64_t I,
-                                   float limit) {
-  Buf dg = upload(gu), da = upload(dact);
+                                   float limit, int32_t rows_held) {
+  Buf dg = upload(gu), da = upload(dact), held = upload(std::vector<int32_t>{rows_held});
   Buf out = poisoned<cuda::bf16>(n * 2 * I);
-  cuda::swiglu_backward(dg.as<float>(), da.as<float>(), out.as<cuda::bf16>(), n, I, limit, nullptr);
+  cuda::swiglu_backward(dg.as<float>(), da.as<float>(), out.as<cuda::bf16>(), n, I, limit, nullptr,
+                        rows_held >= 0 ? held.as<int32_t>() : nullptr);
   finish();
   return widen(download<cuda::bf16>(out));
 }

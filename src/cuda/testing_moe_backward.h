@@ -16,9 +16,9 @@ void softmax_xent_backward(const std::vector<float>& logits, const std::vector<i
 void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float>& dh, std::vector<float>& dembed,
                         int64_t T, int64_t S, int64_t D, int64_t pad_id);
 
-// swiglu_backward: dgu [n, 2I] from gu [n, 2I] and dact [n, I].
+// swiglu_backward: dgu [n, 2I] from gu [n, 2I] and dact [n, I]; rows_held ≥ 0: only that many rows are this rank's.
 std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vector<float>& dact, int64_t n, int64_t I,
-                                   float limit);
+                                   float limit, int32_t rows_held = -1);
 
 // moe_combine_backward: dout [T·k, D] and dweights [T, k] from dy [T, D], out [T·k, D], slot_of [T, k] and
 // weights [T, k].

@@ -741,7 +741,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   }
   if (!fold_dn) expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
-  swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st);
+  swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st, x.rows_held);
   float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
   if (grouped)
     dx_grouped(dgu, w.gate_up_ptrs, 2 * I, D, dxp,
