@@ -605,6 +605,43 @@ TEST(CudaConvert, MatchesHostRoundingOnEveryPath) {
   }
 }
 
+// The training forward's fused KDA input steps give the bits of the separate ones: kda_conv_norm_rounded against
+// kda_conv_norm + round_to_bf16 (W = 4 on the rows kernel at K = 64 and 128; W = 3 on the one-token kernel), and the
+// gate out of place against in place (four at a time at H·K % 4 == 0, one at a time at K = 18, both gate forms).
+TEST(CudaKda, FusedInputStepsGiveTheSeparateStepsBits) {
+  struct Shape {
+    int64_t H, K, W;
+  };
+  const std::vector<int64_t> cu{0, 37, 38, 170};
+  for (const Shape sh : {Shape{2, 128, 4}, Shape{3, 64, 4}, Shape{2, 64, 3}, Shape{3, 18, 4}}) {
+    for (bool has_bound : {true, false}) {
+      SCOPED_TRACE("H " + std::to_string(sh.H) + " K " + std::to_string(sh.K) + " W " + std::to_string(sh.W) +
+                   (has_bound ? " safe gate" : " softplus gate"));
+      const int64_t T = cu.back(), HK = sh.H * sh.K;
+      const cuda_testing::KdaPrep r = cuda_testing::kda_prep_both(
+          test::randn(T * 3 * HK, 51, 2.0f), test::randn(3 * HK * sh.W, 52, 0.5f), cu,
+          test::randn(T * HK, 53, 3.0f), test::randn(HK, 54, 0.5f), test::randn(sh.H, 55, 0.5f), sh.H, sh.K, sh.W,
+          has_bound);
+      ASSERT_EQ(r.fused.size(), size_t(3 * T * HK));
+      size_t bad = 0, nonfinite = 0;
+      for (size_t i = 0; i < r.fused.size(); ++i) {
+        bad += std::memcmp(&r.fused[i], &r.separate[i], 4) != 0 || r.fused_bits[i] != r.separate_bits[i];
+        nonfinite += !std::isfinite(r.fused[i]);
+      }
+      EXPECT_EQ(bad, 0u) << "q, k, v elements that differ";
+      EXPECT_EQ(nonfinite, 0u);
+      for (size_t i = 0; i < r.fused.size(); ++i)
+        ASSERT_EQ(bf16_to_f32(r.fused_bits[i]), r.fused[i]) << "the fp32 output is the bf16 value, at " << i;
+      ASSERT_EQ(r.gate_out_of_place.size(), size_t(T * HK));
+      bad = 0;
+      for (size_t i = 0; i < r.gate_out_of_place.size(); ++i)
+        bad += std::memcmp(&r.gate_out_of_place[i], &r.gate_in_place[i], 4) != 0 ||
+               !std::isfinite(r.gate_out_of_place[i]);
+      EXPECT_EQ(bad, 0u) << "gate elements that differ (or are not finite)";
+    }
+  }
+}
+
 TEST(CudaGemm, BatchInvariantModeMatchesHostAndIgnoresTheBatch) {
   struct Shape {
     int64_t out, in;

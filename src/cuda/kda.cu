@@ -2,6 +2,7 @@
 // builds the WY factors in parallel over chunks and heads, then a sequential pass over chunks that carries the fp32
 // state, split over value columns), and the gated output norm. Matches src/model/kda.cpp (chunk 64).
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/kda_conv.cuh"
 #include "cuda/kernels.h"
@@ -57,17 +58,20 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
 // The same for the common shape (W taps and up to 32·PER channels a head, both compile-time): a warp runs one
 // (head, which) over kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers
 // (kda_conv.cuh). Every element's arithmetic is conv_norm_kernel's, with the same lanes, so the same bits.
+// With q16 (OutT float): each value is also stored rounded to bf16 in q16, k16, v16, and the fp32 output holds that
+// rounded value (round_to_bf16 of the fp32 outputs, in the same pass).
 template <class OutT, int W, int PER>
 __global__ void __launch_bounds__(256, 2)
     conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                           const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T, int64_t H,
-                          int64_t K) {
+                          int64_t K, bf16* q16 = nullptr, bf16* k16 = nullptr, bf16* v16 = nullptr) {
   const int lane = threadIdx.x & 31;
   const int64_t C3 = 3 * H * K, nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs(T, H);
        wid += nwarps) {
     const kda_conv::Run r = kda_conv::run_of(wid, T, H);
     OutT* out = r.which == 0 ? q : (r.which == 1 ? k : v);
+    bf16* out16 = r.which == 0 ? q16 : (r.which == 1 ? k16 : v16);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
     win.walk(raw, seq_start, C3, K, r, [](int64_t) {}, [&](int, int64_t t, const float (&pre)[PER]) {
@@ -88,18 +92,44 @@ __global__ void __launch_bounds__(256, 2)
       }
 #pragma unroll
       for (int i = 0; i < PER; ++i)
-        if (lane + 32 * i < K) put(out + (t * H + r.h) * K + lane + 32 * i, vals[i] * scale);
+        if (lane + 32 * i < K) {
+          const int64_t e = (t * H + r.h) * K + lane + 32 * i;
+          if (out16) {
+            const bf16 b = __float2bfloat16(vals[i] * scale);
+            out16[e] = b;
+            put(out + e, __bfloat162float(b));
+          } else {
+            put(out + e, vals[i] * scale);
+          }
+        }
     });
   }
 }
 
-__global__ void gate_kernel(float* g, const float* dt_bias, const float* A_log, int64_t n, int64_t H, int64_t K,
-                            bool has_bound, float bound) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % (H * K), h = c / K;
-    const float rate = expf(A_log[h]);
-    const float f = g[i] + dt_bias[c];
-    g[i] = has_bound ? bound * (1.0f / (1.0f + expf(-rate * f))) : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
+__device__ __forceinline__ float gate_of(float f_raw, const float* dt_bias, const float* A_log, int64_t c, int64_t K,
+                                         bool has_bound, float bound) {
+  const float rate = expf(A_log[c / K]);
+  const float f = f_raw + dt_bias[c];
+  return has_bound ? bound * (1.0f / (1.0f + expf(-rate * f))) : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
+}
+
+// g = gate(f) element-wise (g may be f); VEC: four at a time (HK a multiple of 4, f and g 16-byte aligned).
+template <bool VEC>
+__global__ void gate_kernel(const float* f, float* g, const float* dt_bias, const float* A_log, int64_t n, int64_t H,
+                            int64_t K, bool has_bound, float bound) {
+  const int64_t HK = H * K, stride = int64_t(gridDim.x) * blockDim.x;
+  if constexpr (VEC) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n / 4; i += stride) {
+      const float4 x = reinterpret_cast<const float4*>(f)[i];
+      const int64_t c = 4 * i % HK;
+      reinterpret_cast<float4*>(g)[i] = make_float4(gate_of(x.x, dt_bias, A_log, c, K, has_bound, bound),
+                                                    gate_of(x.y, dt_bias, A_log, c + 1, K, has_bound, bound),
+                                                    gate_of(x.z, dt_bias, A_log, c + 2, K, has_bound, bound),
+                                                    gate_of(x.w, dt_bias, A_log, c + 3, K, has_bound, bound));
+    }
+  } else {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride)
+      g[i] = gate_of(f[i], dt_bias, A_log, i % HK, K, has_bound, bound);
   }
 }
 
@@ -278,26 +308,33 @@ __global__ void out_norm_kernel(const InT* o, const float* gate, const float* w,
 
 }  // namespace
 
+// r16: bf16 copies as conv_norm_rows_kernel's q16 (OutT float only); the one-token-a-warp kernel's outputs are
+// rounded afterwards instead.
 template <class OutT>
 void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, OutT* q, OutT* k, OutT* v, int64_t T,
-               int64_t H, int64_t K, int64_t W, cudaStream_t st) {
+               int64_t H, int64_t K, int64_t W, cudaStream_t st, bf16* const* r16 = nullptr) {
   check(K <= 256, "CUDA KDA: linear_head_dim must be at most 256, got ", K);
   if (T <= 0 || H * K == 0) return;
   if (W == 4) {  // the config's linear_conv_kernel_dim; other tap counts take the one-token-a-warp kernel
     const int64_t warps = ceil_div(T, kda_conv::kRunTokens) * H * 3;
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(warps * 32, 256), 1 << 20));  // strides
+    bf16 *q16 = r16 ? r16[0] : nullptr, *k16 = r16 ? r16[1] : nullptr, *v16 = r16 ? r16[2] : nullptr;
     if (K <= 32)
-      conv_norm_rows_kernel<OutT, 4, 1><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K);
+      conv_norm_rows_kernel<OutT, 4, 1><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
     else if (K <= 64)
-      conv_norm_rows_kernel<OutT, 4, 2><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K);
+      conv_norm_rows_kernel<OutT, 4, 2><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
     else if (K <= 128)
-      conv_norm_rows_kernel<OutT, 4, 4><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K);
+      conv_norm_rows_kernel<OutT, 4, 4><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
     else
-      conv_norm_rows_kernel<OutT, 4, 8><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K);
+      conv_norm_rows_kernel<OutT, 4, 8><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
     return;
   }
   const int64_t warps = T * H * 3;
   conv_norm_kernel<<<ceil_div(warps * 32, 256), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, W);
+  if constexpr (std::is_same_v<OutT, float>) {
+    if (r16)
+      for (int i = 0; i < 3; ++i) round_to_bf16(i == 0 ? q : i == 1 ? k : v, r16[i], T * H * K, st);
+  }
 }
 
 void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k, float* v,
@@ -308,13 +345,29 @@ void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start
                    int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st) {
   conv_norm(raw, conv, seq_start, q, k, v, T, H, K, W, st);
 }
+void kda_conv_norm_rounded(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k,
+                           float* v, bf16* q16, bf16* k16, bf16* v16, int64_t T, int64_t H, int64_t K, int64_t W,
+                           cudaStream_t st) {
+  bf16* const r16[3] = {q16, k16, v16};
+  conv_norm(raw, conv, seq_start, q, k, v, T, H, K, W, st, r16);
+}
 
+void kda_gate(const float* f, float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K,
+              bool has_bound, float bound, cudaStream_t st) {
+  const int64_t n = T * H * K;
+  if (!n) return;
+  const bool vec =
+      H * K % 4 == 0 && reinterpret_cast<uintptr_t>(f) % 16 == 0 && reinterpret_cast<uintptr_t>(g) % 16 == 0;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(vec ? n / 4 : n, 256), 65535));
+  if (vec)
+    gate_kernel<true><<<grid, 256, 0, st>>>(f, g, dt_bias, A_log, n, H, K, has_bound, bound);
+  else
+    gate_kernel<false><<<grid, 256, 0, st>>>(f, g, dt_bias, A_log, n, H, K, has_bound, bound);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
 void kda_gate(float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K, bool has_bound,
               float bound, cudaStream_t st) {
-  const int64_t n = T * H * K;
-  if (n)
-    gate_kernel<<<std::min<int64_t>(ceil_div(n, 256), 65535), 256, 0, st>>>(g, dt_bias, A_log, n, H, K, has_bound,
-                                                                            bound);
+  kda_gate(g, g, dt_bias, A_log, T, H, K, has_bound, bound, st);
 }
 
 int64_t kda_workspace_floats(int64_t num_chunks, int64_t H, int64_t K) {

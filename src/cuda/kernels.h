@@ -54,9 +54,16 @@ void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start
                    int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st);
 void kda_conv_norm(const float* raw, const float* conv, const int32_t* seq_start, bf16* q, bf16* k, bf16* v,
                    int64_t T, int64_t H, int64_t K, int64_t W, cudaStream_t st);
-// g [T, HK] in place: from f_b output to the log decay (safe gate when has_bound, else softplus form).
+// The fp32 form followed by round_to_bf16 of q, k and v into q16, k16, v16, in one pass for W = 4.
+void kda_conv_norm_rounded(const float* raw, const float* conv, const int32_t* seq_start, float* q, float* k,
+                           float* v, bf16* q16, bf16* k16, bf16* v16, int64_t T, int64_t H, int64_t K, int64_t W,
+                           cudaStream_t st);
+// g [T, HK] in place: from f_b output to the log decay (safe gate when has_bound, else softplus form); or g = that
+// of f (out of place).
 void kda_gate(float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K, bool has_bound,
               float bound, cudaStream_t st);
+void kda_gate(const float* f, float* g, const float* dt_bias, const float* A_log, int64_t T, int64_t H, int64_t K,
+              bool has_bound, float bound, cudaStream_t st);
 void sigmoid_inplace(float* x, int64_t n, cudaStream_t st);
 // The chunked delta rule over packed sequences. chunk_* describe every chunk of 64 (sequence-relative): start token,
 // length; seq_* every sequence: first chunk index, chunk count. work: kda_workspace_floats(T, H, K) floats.

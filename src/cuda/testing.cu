@@ -569,6 +569,32 @@ Conversions conversions(const std::vector<float>& x, int64_t offset) {
                      tail(download<float>(dw))};
 }
 
+KdaPrep kda_prep_both(const std::vector<float>& raw, const std::vector<float>& conv, const std::vector<int64_t>& cu,
+                      const std::vector<float>& f, const std::vector<float>& dt_bias, const std::vector<float>& A_log,
+                      int64_t H, int64_t K, int64_t W, bool has_bound) {
+  const int64_t T = cu.back(), n = T * H * K;
+  std::vector<int32_t> start(T);
+  for (size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) start[t] = static_cast<int32_t>(cu[s]);
+  Buf draw = upload(raw), dconv = upload(conv), dstart = upload(start), df = upload(f), dg = upload(f);
+  Buf ddt = upload(dt_bias), dal = upload(A_log), dgo = poisoned<float>(n);
+  Buf a = poisoned<float>(3 * n), b = poisoned<float>(3 * n), a16 = poisoned<uint16_t>(3 * n),
+      b16 = poisoned<uint16_t>(3 * n);
+  float *pa = a.as<float>(), *pb = b.as<float>();
+  cuda::bf16 *pa16 = a16.as<cuda::bf16>(), *pb16 = b16.as<cuda::bf16>();
+  cuda::kda_conv_norm(draw.as<float>(), dconv.as<float>(), dstart.as<int32_t>(), pa, pa + n, pa + 2 * n, T, H, K, W,
+                      nullptr);
+  for (int i = 0; i < 3; ++i) cuda::round_to_bf16(pa + i * n, pa16 + i * n, n, nullptr);
+  cuda::kda_conv_norm_rounded(draw.as<float>(), dconv.as<float>(), dstart.as<int32_t>(), pb, pb + n, pb + 2 * n, pb16,
+                              pb16 + n, pb16 + 2 * n, T, H, K, W, nullptr);
+  cuda::kda_gate(dg.as<float>(), ddt.as<float>(), dal.as<float>(), T, H, K, has_bound, -5.0f, nullptr);
+  cuda::kda_gate(df.as<float>(), dgo.as<float>(), ddt.as<float>(), dal.as<float>(), T, H, K, has_bound, -5.0f,
+                 nullptr);
+  NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+  return KdaPrep{download<float>(a), download<float>(b), download<float>(dg), download<float>(dgo),
+                 download<uint16_t>(a16), download<uint16_t>(b16)};
+}
+
 std::vector<float> dense_gemm(const std::vector<float>& x, const std::vector<float>& W, const std::vector<float>& y0,
                               int64_t T, int64_t out, int64_t in, bool invariant) {
   Buf dx = upload(to_bf16(x)), dw = upload(to_bf16(W));

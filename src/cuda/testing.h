@@ -47,6 +47,17 @@ struct Conversions {
 };
 Conversions conversions(const std::vector<float>& x, int64_t offset);
 
+// The training forward's KDA input steps both ways on raw [T, 3·H·K], conv [3·H·K, W] and packed sequences cu:
+// kda_conv_norm then round_to_bf16 of q, k, v (separate: fp32 then bf16 bits, q | k | v), and kda_conv_norm_rounded
+// (fused); the gate of f [T, H·K] in place (a copy of f) and out of place (gate_*; has_bound with bound −5).
+struct KdaPrep {
+  std::vector<float> separate, fused, gate_in_place, gate_out_of_place;
+  std::vector<uint16_t> separate_bits, fused_bits;
+};
+KdaPrep kda_prep_both(const std::vector<float>& raw, const std::vector<float>& conv, const std::vector<int64_t>& cu,
+                      const std::vector<float>& f, const std::vector<float>& dt_bias, const std::vector<float>& A_log,
+                      int64_t H, int64_t K, int64_t W, bool has_bound);
+
 // MLA attention over selections on packed sequences, both kernels on the same bf16-rounded q [T, NH, dqk] and
 // kv [T, NH, dqk+dv]: the tensor-core one (mla_tc.cu) and the CUDA-core one (dsa.cu, checked against the CPU).
 // sel[t]: sorted sequence-relative keys of token t (empty: uniform over the sequence). Returns both outputs.

@@ -392,15 +392,24 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.raw = ar.alloc<float>(T * 3 * HK);
   linear_forward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, x.raw);
   x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
-  kda_conv_norm(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, T, H, K, W, st);
+  // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel) runs as inference runs it. The kept
+  // fp32 q, k, v are then rounded to the bf16 values it reads, so that the backward differentiates the function the
+  // forward computed (the rounding passes the gradient through unchanged).
+  const bool tc = m_.kda_tc_path();
+  bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
+  if (tc) {
+    q16 = ar.alloc<bf16>(T * HK), k16 = ar.alloc<bf16>(T * HK), v16 = ar.alloc<bf16>(T * HK);
+    kda_conv_norm_rounded(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, q16, k16, v16, T, H, K, W, st);
+  } else {
+    kda_conv_norm(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, T, H, K, W, st);
+  }
   x.fa = ar.alloc<float>(T * K);
   linear_forward(i, {LoraKind::KdaFA}, w.f_a, a, D, x.fa);
   x.fa16 = half(x.fa, T * K);
   x.f = ar.alloc<float>(T * HK);
   linear_forward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, x.f);
   x.g = ar.alloc<float>(T * HK);
-  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(x.g, x.f, T * HK * sizeof(float), cudaMemcpyDeviceToDevice, st));
-  kda_gate(x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
+  kda_gate(x.f, x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
   x.beta = ar.alloc<float>(T * H);
   linear_forward(i, {LoraKind::KdaB}, w.b, a, D, x.beta);
   sigmoid_inplace(x.beta, T * H, st);
@@ -410,12 +419,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.gate = ar.alloc<float>(T * HK);
   linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
   x.o = ar.alloc<float>(T * HK);
-  if (m_.kda_tc_path()) {
-    // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel), as inference runs it. The kept fp32
-    // q, k, v are rounded to the bf16 values it reads, so that the backward differentiates the function the forward
-    // computed (the rounding passes the gradient through unchanged).
-    bf16 *q16 = ar.alloc<bf16>(T * HK), *k16 = ar.alloc<bf16>(T * HK), *v16 = ar.alloc<bf16>(T * HK);
-    for (auto [f, h] : {std::pair<float*, bf16*>{x.q, q16}, {x.k, k16}, {x.v, v16}}) round_to_bf16(f, h, T * HK, st);
+  if (tc) {
     bf16* o16 = ar.alloc<bf16>(T * HK);
     void* work = ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
     kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, o16, p_.chunks,
