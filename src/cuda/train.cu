@@ -139,13 +139,14 @@ class Step {
     }
     return y;
   }
-  // y[:, col0 : col0 + out] (row stride ldy) += s·(x·Aᵀ)·Bᵀ for `rows` rows of x (row stride ldx); keeps
-  // u = s·x·Aᵀ (bf16) for the backward.
-  void lora_forward(const DAdapter& ad, const bf16* x, int64_t ldx, int64_t rows, float* y, int64_t ldy) {
+  // y[:, col0 : col0 + out] (row stride ldy) += s·(x·Aᵀ)·Bᵀ for `rows` rows of x (row stride ldx), or = with
+  // accumulate false; keeps u = s·x·Aᵀ (bf16) for the backward.
+  void lora_forward(const DAdapter& ad, const bf16* x, int64_t ldx, int64_t rows, float* y, int64_t ldy,
+                    bool accumulate = true) {
     float* u = m_.arena.alloc<float>(rows * ad.r);
     m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
     bf16* us = scaled_bf16(u, ad.scale, rows * ad.r);
-    m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, true);
+    m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, accumulate);
     lora_u_[site_][{&ad, x}] = us;
   }
   // Its backward given dy (bf16, row stride lddy, the adapted rows at col0): dB += dyᵀ·u, dA += s·(dy·B)ᵀ·x and
@@ -163,11 +164,32 @@ class Step {
     if (dx) m_.gemm->run_dx(gs, ad.r, ad.A, ad.r, ad.in, dx, ad.in, rows, true);
   }
   // A projection of layer i with the adapters of `kinds` on its rows: y (fp32, row stride W.out) (+)= x·Wᵀ + ….
+  // When the adapters' columns tile y's (disjoint, covering all), their rank-r products write y first and the
+  // projection's GEMM adds onto it: its epilogue reads y while it is bound by its multiply-adds, where the adapters'
+  // read-modify-write of fp32 y would be a pass of its own.
   void linear_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
                       float* y, bool accumulate = false) {
-    m_.gemm->run(x, ldx, W.w, W.out, W.in, y, W.out, T(), accumulate);
+    std::vector<const DAdapter*> ads;
     for (LoraKind k : kinds)
-      if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, x, ldx, T(), y, W.out);
+      if (const DAdapter* ad = adapter(i, k)) ads.push_back(ad);
+    if (!accumulate && adapters_tile(ads, W.out)) {
+      for (const DAdapter* ad : ads) lora_forward(*ad, x, ldx, T(), y, W.out, false);
+      m_.gemm->run(x, ldx, W.w, W.out, W.in, y, W.out, T(), true);
+      return;
+    }
+    m_.gemm->run(x, ldx, W.w, W.out, W.in, y, W.out, T(), accumulate);
+    for (const DAdapter* ad : ads) lora_forward(*ad, x, ldx, T(), y, W.out);
+  }
+  // Whether the column ranges [col0, col0 + out) of `ads` are disjoint and cover [0, width) (none: false).
+  static bool adapters_tile(std::vector<const DAdapter*> ads, int64_t width) {
+    if (ads.empty()) return false;
+    std::sort(ads.begin(), ads.end(), [](const DAdapter* a, const DAdapter* b) { return a->col0 < b->col0; });
+    int64_t next = 0;
+    for (const DAdapter* ad : ads) {
+      if (ad->col0 != next) return false;
+      next += ad->out;
+    }
+    return next == width;
   }
   void linear_backward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
                        const bf16* dy, float* dx, float* dW, bool set_dx = false) {
