@@ -224,8 +224,10 @@ TEST(CudaBackwardMoe, SwigluBackwardMatchesCpuMlpBackward) {
   const std::vector<float> ep = cuda_testing::swiglu_backward(gu_ep, dact_ep, n, I, L, static_cast<int32_t>(held));
   ASSERT_EQ(ep.size(), gpu.size());
   for (int64_t i = 0; i < n * 2 * I; ++i) {
-    if (i < held * 2 * I) ASSERT_EQ(ep[i], gpu[i]) << "held row element " << i;
-    else ASSERT_EQ(ep[i], 0.0f) << "other rank's row element " << i;
+    if (i < held * 2 * I)
+      ASSERT_EQ(ep[i], gpu[i]) << "held row element " << i;
+    else
+      ASSERT_EQ(ep[i], 0.0f) << "other rank's row element " << i;
   }
   EXPECT_NE(gpu[0 * 2 * I + 0], 0.0f);
   EXPECT_NE(gpu[1 * 2 * I + 1], 0.0f);
@@ -243,26 +245,30 @@ std::vector<int32_t> random_slots(int64_t T, int64_t k, unsigned seed) {
   return s;
 }
 
+// D = 48 and 300 take the kernel's four-at-a-time form (300: rows over several passes of a warp), 45 the scalar one.
 TEST(CudaBackwardMoe, CombineBackwardMatchesCpu) {
-  const int64_t T = 37, k = 3, D = 48;
-  const std::vector<int32_t> slot_of = random_slots(T, k, 13);
-  const std::vector<float> dy = test::randn(T * D, 14), out = test::randn(T * k * D, 15), w = test::randn(T * k, 16);
-  std::vector<float> dout, dweights;
-  cuda_testing::moe_combine_backward(dy, out, slot_of, w, T, k, D, dout, dweights);
-  // expert_backward's loops: dout[slot] = w·dy[t], dweights = dy[t]·out[slot].
-  std::vector<float> ref_dout(T * k * D), ref_dw(T * k);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t p = slot_of[t * k + i];
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        acc += dy[t * D + d] * out[p * D + d];
-        ref_dout[p * D + d] = w[t * k + i] * dy[t * D + d];
+  for (const int64_t D : {48, 300, 45}) {
+    SCOPED_TRACE("D " + std::to_string(D));
+    const int64_t T = 37, k = 3;
+    const std::vector<int32_t> slot_of = random_slots(T, k, 13);
+    const std::vector<float> dy = test::randn(T * D, 14), out = test::randn(T * k * D, 15), w = test::randn(T * k, 16);
+    std::vector<float> dout, dweights;
+    cuda_testing::moe_combine_backward(dy, out, slot_of, w, T, k, D, dout, dweights);
+    // expert_backward's loops: dout[slot] = w·dy[t], dweights = dy[t]·out[slot].
+    std::vector<float> ref_dout(T * k * D), ref_dw(T * k);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t p = slot_of[t * k + i];
+        float acc = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          acc += dy[t * D + d] * out[p * D + d];
+          ref_dout[p * D + d] = w[t * k + i] * dy[t * D + d];
+        }
+        ref_dw[t * k + i] = acc;
       }
-      ref_dw[t * k + i] = acc;
-    }
-  expect_bf16_close(dout, ref_dout, "dout");
-  EXPECT_LE(test::norm_rel_error(dweights.data(), ref_dw.data(), ref_dw.size()), 1e-5);
+    expect_bf16_close(dout, ref_dout, "dout");
+    EXPECT_LE(test::norm_rel_error(dweights.data(), ref_dw.data(), ref_dw.size()), 1e-5);
+  }
 }
 
 TEST(CudaBackwardMoe, GatherBackwardMatchesCpu) {
