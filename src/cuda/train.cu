@@ -165,8 +165,10 @@ class Step {
   }
   // A projection of layer i with the adapters of `kinds` on its rows: y (fp32, row stride W.out) (+)= x·Wᵀ + ….
   // When the adapters' columns tile y's (disjoint, covering all), their rank-r products write y first and the
-  // projection's GEMM adds onto it: its epilogue reads y while it is bound by its multiply-adds, where the adapters'
-  // read-modify-write of fp32 y would be a pass of its own.
+  // projection's GEMM adds onto it in its epilogue (the same single rounding of the two sums), in place of the
+  // adapters' read-modify-write of fp32 y afterwards. cuBLASLt's epilogue does not hide its read of y behind the
+  // multiply-adds (LoRA step: the adapters' passes 2.68 → 1.03 ms, the projections +1.07 ms), so this saves the
+  // adapters' read of y and little more.
   void linear_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
                       float* y, bool accumulate = false) {
     std::vector<const DAdapter*> ads;
