@@ -65,9 +65,17 @@ void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, i
                      cudaStream_t st, const int32_t* rows_held = nullptr);
 
 // Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]): dout [T·k, D] written in bf16 (row
-// slot_of[t, i] = w[t, i]·dy[t]); dweights [T, k] written (= dy[t]·out[slot_of[t, i]]).
+// slot_of[t, i] = w[t, i]·dy[t]); dweights [T, k] written (= dy[t]·out[slot_of[t, i]]) unless out is null.
 void moe_combine_backward(const float* dy, const float* out, const int32_t* slot_of, const float* weights,
                           bf16* dout, float* dweights, int64_t T, int64_t k, int64_t D, cudaStream_t st);
+// The routing weights' gradient without the experts' outputs: with out[p] = down(act[p]) linear in act[p] and
+// dact[p] = dout[p]·∂out/∂act = w·(dy[t]·∂out/∂act), dy[t]·out[p] = act[p]·dact[p] / w (out has no bias). dweights
+// [T, k] written from act [T·k, I] (bf16, the down projection's input) and dact [T·k, I]; zero where w is zero (a
+// zero weight is a sigmoid that underflowed, whose logit gets no gradient either way) and, under expert parallelism,
+// for rows from *rows_held on (other ranks' experts).
+void moe_weights_backward(const bf16* act, const float* dact, const int32_t* slot_of, const float* weights,
+                          float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
+                          const int32_t* rows_held = nullptr);
 
 // Backward of gather_rows for the MoE: dx[t] += Σ_i dxp[slot_of[t, i]] in i order. dxp [T·k, D].
 void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,

@@ -168,16 +168,19 @@ __global__ void moe_combine_backward_kernel(const float* dy, const float* out, c
     const int64_t t = j / k, p = slot_of[j];
     const float w = weights[j];
     const float* g = dy + t * D;
-    const float* o = out + p * D;
+    const float* o = out ? out + p * D : nullptr;
     bf16* dst = dout + p * D;
     float acc = 0.0f;
     if constexpr (VEC) {
       for (int64_t d = 4 * lane; d < D; d += 128) {
-        const float4 g4 = *reinterpret_cast<const float4*>(g + d), o4 = *reinterpret_cast<const float4*>(o + d);
-        acc = fmaf(g4.x, o4.x, acc);
-        acc = fmaf(g4.y, o4.y, acc);
-        acc = fmaf(g4.z, o4.z, acc);
-        acc = fmaf(g4.w, o4.w, acc);
+        const float4 g4 = *reinterpret_cast<const float4*>(g + d);
+        if (o) {
+          const float4 o4 = *reinterpret_cast<const float4*>(o + d);
+          acc = fmaf(g4.x, o4.x, acc);
+          acc = fmaf(g4.y, o4.y, acc);
+          acc = fmaf(g4.z, o4.z, acc);
+          acc = fmaf(g4.w, o4.w, acc);
+        }
         const __nv_bfloat162 a = __floats2bfloat162_rn(w * g4.x, w * g4.y);
         const __nv_bfloat162 b = __floats2bfloat162_rn(w * g4.z, w * g4.w);
         uint2 u;
@@ -187,12 +190,37 @@ __global__ void moe_combine_backward_kernel(const float* dy, const float* out, c
       }
     } else {
       for (int64_t d = lane; d < D; d += 32) {
-        acc += g[d] * o[d];
+        if (o) acc += g[d] * o[d];
         dst[d] = __float2bfloat16(w * g[d]);
       }
     }
+    if (!o) continue;
     acc = warp_sum(acc);
     if (lane == 0) dweights[j] = acc;
+  }
+}
+
+// One warp per (token, choice) j, slot p = slot_of[j]: dweights[j] = act[p]·dact[p] / w[j], in a fixed order (zero
+// where w[j] is zero, or where p is another rank's row: p ≥ *rows_held).
+__global__ void moe_weights_backward_kernel(const bf16* act, const float* dact, const int32_t* slot_of,
+                                            const float* weights, float* dweights, int64_t T, int64_t k, int64_t I,
+                                            const int32_t* rows_held) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const int64_t held = rows_held ? *rows_held : T * k;
+  for (int64_t j = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; j < T * k; j += warps) {
+    const int64_t p = slot_of[j];
+    const float w = weights[j];
+    if (p >= held || w == 0.0f) {
+      if (lane == 0) dweights[j] = 0.0f;
+      continue;
+    }
+    const bf16* a = act + p * I;
+    const float* g = dact + p * I;
+    float acc = 0.0f;
+    for (int64_t c = lane; c < I; c += 32) acc = fmaf(__bfloat162float(a[c]), g[c], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) dweights[j] = acc / w;
   }
 }
 
@@ -269,12 +297,21 @@ void moe_combine_backward(const float* dy, const float* out, const int32_t* slot
                           bf16* dout, float* dweights, int64_t T, int64_t k, int64_t D, cudaStream_t st) {
   if (T * k <= 0) return;
   const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0;
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0;  // null ok
   const int grid = grid_for(T * k, kThreads / 32);
   if (vec)
     moe_combine_backward_kernel<true><<<grid, kThreads, 0, st>>>(dy, out, slot_of, weights, dout, dweights, T, k, D);
   else
     moe_combine_backward_kernel<false><<<grid, kThreads, 0, st>>>(dy, out, slot_of, weights, dout, dweights, T, k, D);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_weights_backward(const bf16* act, const float* dact, const int32_t* slot_of, const float* weights,
+                          float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
+                          const int32_t* rows_held) {
+  if (T * k <= 0) return;
+  moe_weights_backward_kernel<<<grid_for(T * k, kThreads / 32), kThreads, 0, st>>>(act, dact, slot_of, weights,
+                                                                                   dweights, T, k, I, rows_held);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 

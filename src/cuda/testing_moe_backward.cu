@@ -62,6 +62,27 @@ void moe_combine_backward(const std::vector<float>& dy, const std::vector<float>
   dweights = download<float>(dwo);
 }
 
+std::vector<float> moe_combine_backward_dout(const std::vector<float>& dy, const std::vector<int32_t>& slot_of,
+                                             const std::vector<float>& weights, int64_t T, int64_t k, int64_t D) {
+  Buf ddy = upload(dy), dw = upload(weights), ds = upload(slot_of);
+  Buf dd = poisoned<cuda::bf16>(T * k * D);
+  cuda::moe_combine_backward(ddy.as<float>(), nullptr, ds.as<int32_t>(), dw.as<float>(), dd.as<cuda::bf16>(), nullptr,
+                             T, k, D, nullptr);
+  finish();
+  return widen(download<cuda::bf16>(dd));
+}
+
+std::vector<float> moe_weights_backward(const std::vector<float>& act, const std::vector<float>& dact,
+                                        const std::vector<int32_t>& slot_of, const std::vector<float>& weights,
+                                        int64_t T, int64_t k, int64_t I, int32_t rows_held) {
+  Buf da = upload(to_bf16(act)), dd = upload(dact), ds = upload(slot_of), dw = upload(weights);
+  Buf held = upload(std::vector<int32_t>{rows_held}), out = poisoned<float>(T * k);
+  cuda::moe_weights_backward(da.as<cuda::bf16>(), dd.as<float>(), ds.as<int32_t>(), dw.as<float>(), out.as<float>(),
+                             T, k, I, nullptr, rows_held >= 0 ? held.as<int32_t>() : nullptr);
+  finish();
+  return download<float>(out);
+}
+
 void moe_gather_backward(const std::vector<float>& dxp, const std::vector<int32_t>& slot_of, std::vector<float>& dx,
                          int64_t T, int64_t k, int64_t D) {
   Buf dp = upload(dxp), ddx = upload(dx);

@@ -26,6 +26,15 @@ void moe_combine_backward(const std::vector<float>& dy, const std::vector<float>
                           const std::vector<int32_t>& slot_of, const std::vector<float>& weights, int64_t T, int64_t k,
                           int64_t D, std::vector<float>& dout, std::vector<float>& dweights);
 
+// moe_combine_backward without out: dout alone.
+std::vector<float> moe_combine_backward_dout(const std::vector<float>& dy, const std::vector<int32_t>& slot_of,
+                                             const std::vector<float>& weights, int64_t T, int64_t k, int64_t D);
+// moe_weights_backward: dweights [T, k] from act [T·k, I] (rounded to bf16 on the way in), dact [T·k, I], slot_of
+// and weights [T, k]; rows_held ≥ 0: only that many rows are this rank's.
+std::vector<float> moe_weights_backward(const std::vector<float>& act, const std::vector<float>& dact,
+                                        const std::vector<int32_t>& slot_of, const std::vector<float>& weights,
+                                        int64_t T, int64_t k, int64_t I, int32_t rows_held = -1);
+
 // moe_gather_backward: dx [T, D] (uploaded, then accumulated into) from dxp [T·k, D] and slot_of [T, k].
 void moe_gather_backward(const std::vector<float>& dxp, const std::vector<int32_t>& slot_of, std::vector<float>& dx,
                          int64_t T, int64_t k, int64_t D);

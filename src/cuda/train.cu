@@ -657,7 +657,9 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   gather_rows(a, token_of, x.xp, n, D, st);
   x.gu = ar.alloc<float>(n * 2 * I);
   x.act = ar.alloc<bf16>(n * I);
-  x.out = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
+  // A recomputation runs up to the act (and the down adapters' u): the output was kept, and the backward needs no
+  // expert outputs (moe_weights_backward).
+  x.out = recompute_ ? nullptr : El == E ? ar.alloc<float>(n * D) : zeros(n * D);
   if (moe_expert_gemm() >= 0) {
     int32_t* ws = ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
     const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm());
@@ -728,9 +730,10 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
     if (m_.ep_comm && m_.shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
   }
   const int64_t El = m_.local_experts;
+  // dout = w·dy; the routing weights' gradient dy·out comes from act·dact / w once dact is known (below), so that
+  // the backward needs no expert outputs (a recomputation skips the down projection).
   bf16* dout = ar.alloc<bf16>(n * D);
-  float* dweights = ar.alloc<float>(n);
-  moe_combine_backward(dy, x.out, x.slot_of, x.weights, dout, dweights, T, k, D, st);
+  moe_combine_backward(dy, nullptr, x.slot_of, x.weights, dout, nullptr, T, k, D, st);
   // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)). The input gradients (dx = dy·W, the weights
   // untransposed) run on the grouped GEMM with no host sync, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per
   // expert; the weight gradients (full training), and per-expert adapters of shapes the grouped LoRA kernels do not
@@ -768,6 +771,8 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
     if (!grouped) m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
   }
   if (!fold_dn) expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
+  float* dweights = ar.alloc<float>(n);
+  moe_weights_backward(x.act, dact, x.slot_of, x.weights, dweights, T, k, I, st, x.rows_held);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st, x.rows_held);
   float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
