@@ -140,13 +140,13 @@ class Step {
     return y;
   }
   // y[:, col0 : col0 + out] (row stride ldy) += s·(x·Aᵀ)·Bᵀ for `rows` rows of x (row stride ldx), or = with
-  // accumulate false; keeps u = s·x·Aᵀ (bf16) for the backward.
+  // accumulate false; keeps u = s·x·Aᵀ (bf16) for the backward. With factors_only_ only u (y unused).
   void lora_forward(const DAdapter& ad, const bf16* x, int64_t ldx, int64_t rows, float* y, int64_t ldy,
                     bool accumulate = true) {
     float* u = m_.arena.alloc<float>(rows * ad.r);
     m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
     bf16* us = scaled_bf16(u, ad.scale, rows * ad.r);
-    m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, accumulate);
+    if (!factors_only_) m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, accumulate);
     lora_u_[site_][{&ad, x}] = us;
   }
   // Its backward given dy (bf16, row stride lddy, the adapted rows at col0): dB += dyᵀ·u, dA += s·(dy·B)ᵀ·x and
@@ -181,6 +181,16 @@ class Step {
     }
     m_.gemm->run(x, ldx, W.w, W.out, W.in, y, W.out, T(), accumulate);
     for (const DAdapter* ad : ads) lora_forward(*ad, x, ldx, T(), y, W.out);
+  }
+  // A sub-layer's output projection: y = x·Wᵀ with its adapters, or in a recomputation (recompute_: the site kept
+  // its output from the forward) the adapters' u alone, which their backward reads.
+  void output_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
+                      float* y) {
+    if (!recompute_) return linear_forward(i, kinds, W, x, ldx, y);
+    factors_only_ = true;
+    for (LoraKind k : kinds)
+      if (const DAdapter* ad = adapter(i, k)) lora_forward(*ad, x, ldx, T(), nullptr, W.out);
+    factors_only_ = false;
   }
   // Whether the column ranges [col0, col0 + out) of `ads` are disjoint and cover [0, width) (none: false).
   static bool adapters_tile(std::vector<const DAdapter*> ads, int64_t width) {
@@ -228,7 +238,7 @@ class Step {
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
     const bf16* in = down ? x.act : x.xp;
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
-    float* out = down ? x.out : x.gu;
+    float* out = factors_only_ ? nullptr : down ? x.out : x.gu;
     if (m_.lora->layers[i].shared_experts) {
       // On the rows of the experts held here: all n unless expert-parallel (then those before the other ranks').
       const int64_t rows = m_.local_experts == c_.n_routed_experts ? n : host_offsets(x.offsets)[m_.local_experts];
@@ -241,7 +251,10 @@ class Step {
         const DAdapter* ad = adapter(i, k);
         if (!ad) continue;
         bf16* u = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
-        grouped_lora_forward(grouped_lora(i, k, x.offsets), in, ld_in, n, u, out, ld_out, ad->col0, m_.stream);
+        if (factors_only_)
+          grouped_lora_factor(grouped_lora(i, k, x.offsets), in, ld_in, n, u, m_.stream);
+        else
+          grouped_lora_forward(grouped_lora(i, k, x.offsets), in, ld_in, n, u, out, ld_out, ad->col0, m_.stream);
         lora_u_[site_][{ad, in}] = u;
       }
       return;
@@ -252,8 +265,14 @@ class Step {
       if (!rows) continue;
       for (LoraKind k : kinds)
         if (const DAdapter* ad = adapter(i, k, e))
-          lora_forward(*ad, in + r0 * ld_in, ld_in, rows, out + r0 * ld_out, ld_out);
+          lora_forward(*ad, in + r0 * ld_in, ld_in, rows, out ? out + r0 * ld_out : nullptr, ld_out);
     }
+  }
+  // The down projection's unfolded adapters: added to x.out, or in a recomputation their u alone.
+  void down_adapters_forward(size_t i, MoeActs& x) {
+    factors_only_ = recompute_;
+    expert_adapters_forward(i, x, {LoraKind::ExpertDown});
+    factors_only_ = false;
   }
   // Whether the per-expert adapters of `kinds` on layer i can ride in the grouped GEMM of their projection
   // (GroupedGemm::low_rank): grouped adapters, a wgmma kernel, and ranks that fit its one extra k-tile.
@@ -404,6 +423,10 @@ class Step {
   // Per site (2·layer + ffn), each adapter's u = s·x·Aᵀ from the site's last forward, by (adapter, input rows).
   std::vector<std::map<std::pair<const DAdapter*, const bf16*>, bf16*>> lora_u_;
   size_t site_ = 0;  // the site being run
+  // A recomputation before the backward runs: every site kept its sub-layer's output y from the forward, so the
+  // output projection (and the MoE's down projection and combine) is skipped, its adapters computing their u alone.
+  bool recompute_ = false;
+  bool factors_only_ = false;  // adapters keep their u and add nothing (lora_forward, expert_adapters_forward)
 };
 
 void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y) {
@@ -455,7 +478,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   }
   x.o16 = ar.alloc<bf16>(T * HK);
   kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, static_cast<float>(c_.rms_norm_eps), st);
-  linear_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
+  output_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
 }
 
 void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy,
@@ -542,7 +565,7 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   } else {
     mla_sparse_attention(x.q, x.kv, sel, count, p_.seq_start, lens, x.o, T, NH, dqk, dv, max_sel(), st);
   }
-  linear_forward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, y);
+  output_forward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, y);
 }
 
 void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
@@ -607,7 +630,7 @@ void Step::mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpA
   x.act = m_.arena.alloc<bf16>(T * w.I);
   linear_forward(i, {gate, up}, w.gate_up, a, D, x.gu);
   swiglu(x.gu, x.act, T, w.I, static_cast<float>(c_.swiglu_limit), m_.stream);
-  linear_forward(i, {shared ? LoraKind::SharedDown : LoraKind::MlpDown}, w.down, x.act, w.I, y);
+  output_forward(i, {shared ? LoraKind::SharedDown : LoraKind::MlpDown}, w.down, x.act, w.I, y);
 }
 
 void Step::mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x,
@@ -684,8 +707,8 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
                    static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
     if (fold_dn) dn.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertDown});
     dn.schedule_ready = grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
-    grouped_gemm(dn, ws, st);
-    if (!fold_dn) expert_adapters_forward(i, x, {LoraKind::ExpertDown});
+    if (!recompute_) grouped_gemm(dn, ws, st);
+    if (!fold_dn) down_adapters_forward(i, x);
   } else {
     const std::vector<int32_t> off = host_offsets(x.offsets);
     for (int64_t e = 0; e < El; ++e) {
@@ -694,17 +717,18 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     }
     expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     swiglu(x.gu, x.act, off[El], I, static_cast<float>(c_.swiglu_limit), st);
-    for (int64_t e = 0; e < El; ++e) {
+    for (int64_t e = 0; e < El && !recompute_; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
     }
-    expert_adapters_forward(i, x, {LoraKind::ExpertDown});
+    down_adapters_forward(i, x);
   }
   if (w.has_shared) {
-    mlp_forward(i, true, w.shared, a, x.shared, y);
-  } else {
+    mlp_forward(i, true, w.shared, a, x.shared, y);  // in a recomputation, up to its act (output_forward)
+  } else if (!recompute_) {
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), st));
   }
+  if (recompute_) return;
   // y holds this rank's share of the shared expert; as the forward's moe (model_impl.h): with distinct TP and EP
   // groups it is summed over TP and kept by EP rank 0 alone, then the routed experts' shares are summed over EP.
   if (m_.tp_comm != m_.ep_comm) {
@@ -809,7 +833,7 @@ void Step::sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y) 
   } else {
     dsa_forward(i, L.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, y);
   }
-  m_.all_reduce(m_.tp_comm, y, T() * c_.hidden_size);
+  if (!recompute_) m_.all_reduce(m_.tp_comm, y, T() * c_.hidden_size);
 }
 
 void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, float* da) {
@@ -902,9 +926,9 @@ double Step::run(const float* row_weight) {
   float* dh_prev = ar.alloc<float>(TSD);
 
   // Forward. A site whose sub-layer the policy recomputes gives its activations back to the arena once it is done;
-  // a kept site leaves them there, with its sub-layer's output and its mHC mix (which made the sub-layer's input),
-  // in buffers of its own. Without recomputing mHC, a recomputed site keeps its mix alone. What the sites keep stacks
-  // up in site order and the backward, from the last site, pops it in turn (Arena is a stack).
+  // a kept site leaves them there, with its mHC mix (which made the sub-layer's input), in buffers of its own. Every
+  // site keeps its sub-layer's output; without recomputing mHC, a recomputed site keeps its mix too. What the sites
+  // keep stacks up in site order and the backward, from the last site, pops it in turn (Arena is a stack).
   struct Site {
     bool kept = false, mix_kept = false;
     Arena::Mark mark{};  // where its allocations began
@@ -930,9 +954,11 @@ double Step::run(const float* row_weight) {
       s.kept = keeps(L, ffn);
       s.mix_kept = s.kept || !policy.mhc;
       if (s.mix_kept) s.post = ar.alloc<float>(T * S), s.comb = ar.alloc<float>(T * S * S), s.a = ar.alloc<bf16>(T * D);
+      // Every site keeps its sub-layer's output (T × D, what the post-mix backward reads), so that a recomputation
+      // skips the output projection.
+      s.y = ar.alloc<float>(T * D);
       const Arena::Mark sub_mark = ar.mark();
-      if (s.kept) s.y = ar.alloc<float>(T * D);
-      float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.kept ? s.y : y;
+      float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.y;
       bf16* sa = s.mix_kept ? s.a : a;
       mhc_pre(m_.mhc_params(L, ffn, T), h, sp, sc, sa, mhc_work, st);
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
@@ -968,11 +994,12 @@ double Step::run(const float* row_weight) {
           mhc_pre(mp, hin, post, comb, a, mhc_work, st);
           m_.mark_end("train: recompute mhc");
         }
-        s.y = y;
         s.x = SubActs{};
         lora_u_[site_].clear();
         m_.mark_begin("train: recompute " + kind);
+        recompute_ = true;  // up to the output projection: s.y was kept
         sub_forward(i, ffn, s.a, s.x, y);
+        recompute_ = false;
         m_.mark_end("train: recompute " + kind);
       }
       m_.mark_begin("train: backward mhc");
