@@ -275,50 +275,53 @@ TEST(CudaBackwardMoe, CombineBackwardMatchesCpu) {
 // act[p]·dact[p] / w is dy[t]·out[p], what moe_combine_backward forms from the outputs. Also: a zero weight and
 // other ranks' rows (rows_held) give zero, and without out moe_combine_backward writes dout alone (the same bits).
 TEST(CudaBackwardMoe, WeightsBackwardFromTheDownInputEqualsDyDotOut) {
-  const int64_t T = 29, k = 3, I = 72, D = 40, n = T * k;
-  const std::vector<int32_t> slot_of = random_slots(T, k, 23);
-  std::vector<float> act = test::randn(n * I, 24), W = test::randn(D * I, 25, 0.2f), dy = test::randn(T * D, 26);
-  std::vector<float> w = test::randn(n, 27);
-  for (float& x : w) x = 0.1f + std::fabs(x);
-  w[5] = 0.0f;
-  for (float& x : act) x = bf16_round(x);  // the kernel reads act in bf16
-  std::vector<float> out(n * D, 0.0f), dact(n * I, 0.0f), want(n, 0.0f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t j = t * k + i, p = slot_of[j];
-      double dot = 0.0;
-      for (int64_t d = 0; d < D; ++d) {
-        double o = 0.0;
-        for (int64_t c = 0; c < I; ++c) o += double(act[p * I + c]) * W[d * I + c];
-        dot += double(dy[t * D + d]) * o;
+  for (const int64_t I : {72, 520, 70}) {  // eight a lane (one pass, three passes), one a lane
+    SCOPED_TRACE("I " + std::to_string(I));
+    const int64_t T = 29, k = 3, D = 40, n = T * k;
+    const std::vector<int32_t> slot_of = random_slots(T, k, 23);
+    std::vector<float> act = test::randn(n * I, 24), W = test::randn(D * I, 25, 0.2f), dy = test::randn(T * D, 26);
+    std::vector<float> w = test::randn(n, 27);
+    for (float& x : w) x = 0.1f + std::fabs(x);
+    w[5] = 0.0f;
+    for (float& x : act) x = bf16_round(x);  // the kernel reads act in bf16
+    std::vector<float> out(n * D, 0.0f), dact(n * I, 0.0f), want(n, 0.0f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t j = t * k + i, p = slot_of[j];
+        double dot = 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          double o = 0.0;
+          for (int64_t c = 0; c < I; ++c) o += double(act[p * I + c]) * W[d * I + c];
+          dot += double(dy[t * D + d]) * o;
+        }
+        for (int64_t c = 0; c < I; ++c) {
+          double g = 0.0;
+          for (int64_t d = 0; d < D; ++d) g += double(w[j]) * dy[t * D + d] * W[d * I + c];
+          dact[p * I + c] = static_cast<float>(g);
+        }
+        want[j] = w[j] == 0.0f ? 0.0f : static_cast<float>(dot);
       }
-      for (int64_t c = 0; c < I; ++c) {
-        double g = 0.0;
-        for (int64_t d = 0; d < D; ++d) g += double(w[j]) * dy[t * D + d] * W[d * I + c];
-        dact[p * I + c] = static_cast<float>(g);
-      }
-      want[j] = w[j] == 0.0f ? 0.0f : static_cast<float>(dot);
+    const std::vector<float> got = cuda_testing::moe_weights_backward(act, dact, slot_of, w, T, k, I);
+    ASSERT_EQ(got.size(), size_t(n));
+    EXPECT_EQ(got[5], 0.0f);
+    EXPECT_LE(test::norm_rel_error(got.data(), want.data(), want.size()), 1e-5);
+    // Rows from 40 on are another rank's: zero whatever act and dact hold there.
+    std::vector<float> act_ep = act, dact_ep = dact;
+    for (int64_t r = 40; r < n; ++r)
+      for (int64_t c = 0; c < I; ++c) act_ep[r * I + c] = NAN, dact_ep[r * I + c] = NAN;
+    const std::vector<float> ep = cuda_testing::moe_weights_backward(act_ep, dact_ep, slot_of, w, T, k, I, 40);
+    for (int64_t j = 0; j < n; ++j) {
+      if (slot_of[j] >= 40)
+        EXPECT_EQ(ep[j], 0.0f) << "choice " << j;
+      else
+        EXPECT_EQ(ep[j], got[j]) << "choice " << j;
     }
-  const std::vector<float> got = cuda_testing::moe_weights_backward(act, dact, slot_of, w, T, k, I);
-  ASSERT_EQ(got.size(), size_t(n));
-  EXPECT_EQ(got[5], 0.0f);
-  EXPECT_LE(test::norm_rel_error(got.data(), want.data(), want.size()), 1e-5);
-  // Rows from 40 on are another rank's: zero whatever act and dact hold there.
-  std::vector<float> act_ep = act, dact_ep = dact;
-  for (int64_t r = 40; r < n; ++r)
-    for (int64_t c = 0; c < I; ++c) act_ep[r * I + c] = NAN, dact_ep[r * I + c] = NAN;
-  const std::vector<float> ep = cuda_testing::moe_weights_backward(act_ep, dact_ep, slot_of, w, T, k, I, 40);
-  for (int64_t j = 0; j < n; ++j) {
-    if (slot_of[j] >= 40)
-      EXPECT_EQ(ep[j], 0.0f) << "choice " << j;
-    else
-      EXPECT_EQ(ep[j], got[j]) << "choice " << j;
+    std::vector<float> dout, dweights;
+    cuda_testing::moe_combine_backward(dy, out, slot_of, w, T, k, D, dout, dweights);
+    const std::vector<float> dout_alone = cuda_testing::moe_combine_backward_dout(dy, slot_of, w, T, k, D);
+    ASSERT_EQ(dout_alone.size(), dout.size());
+    for (size_t e = 0; e < dout.size(); ++e) ASSERT_EQ(dout_alone[e], dout[e]) << "dout element " << e;
   }
-  std::vector<float> dout, dweights;
-  cuda_testing::moe_combine_backward(dy, out, slot_of, w, T, k, D, dout, dweights);
-  const std::vector<float> dout_alone = cuda_testing::moe_combine_backward_dout(dy, slot_of, w, T, k, D);
-  ASSERT_EQ(dout_alone.size(), dout.size());
-  for (size_t e = 0; e < dout.size(); ++e) ASSERT_EQ(dout_alone[e], dout[e]) << "dout element " << e;
 }
 
 TEST(CudaBackwardMoe, GatherBackwardMatchesCpu) {
