@@ -144,9 +144,10 @@ class CudaModel {
   // L = Σ_seq Σ_t −log p(x[t+1] | x[..t]) over the batch (each term weighted by batch.target_weight[t+1] when
   // given), and dL/dθ ADDED into the model's fp32 gradients on the device (zero when the first call makes them;
   // zero_grads() zeroes them): the device counterpart of model_forward_backward (model/train.h). The forward keeps
-  // the streams entering each mHC site and the DSA selections; the backward recomputes each site's sub-layer,
-  // keeping its activations, right before walking back through it, unless set_recompute keeps that sub-layer's
-  // activations from the forward. Weights and GEMM inputs
+  // the streams entering each mHC site, each sub-layer's output and the DSA selections; the backward recomputes each
+  // site's sub-layer up to its output projection (the MoE up to its experts' act), keeping its activations, right
+  // before walking back through it, unless set_recompute keeps that sub-layer's activations from the forward.
+  // Weights and GEMM inputs
   // are bf16; the KDA (forward chunked, backward through time) runs in fp32, the MLA attention's backward too (its
   // forward on the tensor-core kernel where it applies); the experts' forward and input gradients on the grouped
   // GEMM (their weight gradients one cuBLASLt GEMM per expert). The indexer and the correction bias are frozen, as on the CPU.

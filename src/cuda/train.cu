@@ -1,7 +1,8 @@
 // The training forward and backward on one GPU: CudaModel::forward_backward, the device counterpart of
-// model_forward_backward (src/model/train.cpp). The forward keeps the streams entering each mHC site and the DSA
-// selections; the backward walks the sites from the last, recomputing each one's mHC mix and sub-layer (keeping the
-// activations its backward reads, in the arena) and then running the backward kernels (backward_kernels.h) and the
+// model_forward_backward (src/model/train.cpp). The forward keeps the streams entering each mHC site, each
+// sub-layer's output and the DSA selections; the backward walks the sites from the last, recomputing each one's mHC
+// mix and sub-layer up to its output projection (keeping the activations its backward reads, in the arena; the
+// output projection's input is its last one) and then running the backward kernels (backward_kernels.h) and the
 // GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a recompute policy that keeps a component (set_recompute), its sites
 // keep their activations from the forward instead. The forward pass and the recomputation run the same functions on
 // the same inputs, so every policy gives the same loss bit for bit, and the same gradients up to the order of the
