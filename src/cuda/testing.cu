@@ -573,10 +573,7 @@ KdaPrep kda_prep_both(const std::vector<float>& raw, const std::vector<float>& c
                       const std::vector<float>& f, const std::vector<float>& dt_bias, const std::vector<float>& A_log,
                       int64_t H, int64_t K, int64_t W, bool has_bound) {
   const int64_t T = cu.back(), n = T * H * K;
-  std::vector<int32_t> start(T);
-  for (size_t s = 0; s + 1 < cu.size(); ++s)
-    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) start[t] = static_cast<int32_t>(cu[s]);
-  Buf draw = upload(raw), dconv = upload(conv), dstart = upload(start), df = upload(f), dg = upload(f);
+  Buf draw = upload(raw), dconv = upload(conv), dstart = upload(seq_starts(cu)), df = upload(f), dg = upload(f);
   Buf ddt = upload(dt_bias), dal = upload(A_log), dgo = poisoned<float>(n);
   Buf a = poisoned<float>(3 * n), b = poisoned<float>(3 * n), a16 = poisoned<uint16_t>(3 * n),
       b16 = poisoned<uint16_t>(3 * n);

@@ -88,6 +88,14 @@ inline std::vector<float> widen(const std::vector<cuda::bf16>& x) {
   return y;
 }
 
+// The first token of each token's sequence (what the kernels take as seq_start) for packed sequences cu.
+inline std::vector<int32_t> seq_starts(const std::vector<int64_t>& cu) {
+  std::vector<int32_t> start(cu.empty() ? 0 : static_cast<size_t>(cu.back()));
+  for (size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) start[t] = static_cast<int32_t>(cu[s]);
+  return start;
+}
+
 // Launch errors, then the device's completion (and its asynchronous errors).
 inline void finish() {
   NEXTLM_CUDA_CHECK(cudaGetLastError());

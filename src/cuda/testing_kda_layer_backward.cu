@@ -20,9 +20,7 @@ void conv_norm_backward(const std::vector<float>& raw, const std::vector<float>&
                         const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>* draw,
                         std::vector<uint16_t>* draw16, std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
   const int64_t T = cu_seqlens.back();
-  std::vector<int32_t> seq_start(static_cast<size_t>(T));
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s)
-    for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) seq_start[t] = static_cast<int32_t>(cu_seqlens[s]);
+  const std::vector<int32_t> seq_start = detail::seq_starts(cu_seqlens);
   Buf d_raw = upload(raw), d_conv = upload(conv), d_dq = upload(dq), d_dk = upload(dk), d_dv = upload(dv),
       d_draw = draw ? upload(*draw) : Buf(0), d_draw16 = poisoned<uint16_t>(draw ? 0 : raw.size()),
       d_dconv = upload(dconv);
