@@ -428,6 +428,10 @@ class Step {
   // output projection (and the MoE's down projection and combine) is skipped, its adapters computing their u alone.
   bool recompute_ = false;
   bool factors_only_ = false;  // adapters keep their u and add nothing (lora_forward, expert_adapters_forward)
+  // The routed experts' outputs (n × D fp32), which only the forward's combine reads: one buffer for every kept MoE
+  // site (Step::run makes it when the policy keeps the MoE layers), else each forward takes its own from the arena
+  // and gives it back with the site's activations.
+  float* moe_out_ = nullptr;
 };
 
 void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y) {
@@ -683,7 +687,11 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   x.act = ar.alloc<bf16>(n * I);
   // A recomputation runs up to the act (and the down adapters' u): the output was kept, and the backward needs no
   // expert outputs (moe_weights_backward).
-  x.out = recompute_ ? nullptr : El == E ? ar.alloc<float>(n * D) : zeros(n * D);
+  if (!recompute_) {
+    x.out = moe_out_ ? moe_out_ : ar.alloc<float>(n * D);
+    // Under expert parallelism the other ranks' rows stay zero (moe_combine reads them).
+    if (El != E) NEXTLM_CUDA_CHECK(cudaMemsetAsync(x.out, 0, n * D * sizeof(float), st));
+  }
   if (moe_expert_gemm() >= 0) {
     int32_t* ws = ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
     const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm());
@@ -922,6 +930,9 @@ double Step::run(const float* row_weight) {
   float* comb = ar.alloc<float>(T * S * S);
   bf16* a = ar.alloc<bf16>(T * D);
   float* y = ar.alloc<float>(T * D);
+  moe_out_ = nullptr;
+  if (!m_.recompute.moe && std::any_of(m_.layers.begin(), m_.layers.end(), [](const DLayer& L) { return L.moe_layer; }))
+    moe_out_ = ar.alloc<float>(T * c_.num_experts_per_tok * D);
   float* mhc_work = ar.alloc<float>(mhc_pre_workspace_floats(T, S, D));
   float* dh = zeros(TSD);
   float* dh_prev = ar.alloc<float>(TSD);
