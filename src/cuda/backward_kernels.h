@@ -64,10 +64,11 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
                      cudaStream_t st, const int32_t* rows_held = nullptr);
 
-// Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]): dout [T·k, D] written in bf16 (row
-// slot_of[t, i] = w[t, i]·dy[t]); dweights [T, k] written (= dy[t]·out[slot_of[t, i]]) unless out is null.
-void moe_combine_backward(const float* dy, const float* out, const int32_t* slot_of, const float* weights,
-                          bf16* dout, float* dweights, int64_t T, int64_t k, int64_t D, cudaStream_t st);
+// Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]) for the experts' outputs: dout [T·k, D] written
+// in bf16 (row slot_of[t, i] = w[t, i]·dy[t]). The weights' gradient dy[t]·out[slot_of[t, i]] is
+// moe_weights_backward's, which needs no outputs.
+void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* weights, bf16* dout, int64_t T,
+                          int64_t k, int64_t D, cudaStream_t st);
 // The routing weights' gradient without the experts' outputs: with out[p] = down(act[p]) linear in act[p] and
 // dact[p] = dout[p]·∂out/∂act = w·(dy[t]·∂out/∂act), dy[t]·out[p] = act[p]·dact[p] / w (out has no bias). dweights
 // [T, k] written from act [T·k, I] (bf16, the down projection's input) and dact [T·k, I]; zero where w is zero (a

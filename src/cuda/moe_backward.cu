@@ -155,32 +155,21 @@ __global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16*
 
 // ---- MoE combine / gather ----
 
-// One warp per (token, choice): the scaled gradient of its permuted output row, and the dot product that is the
-// gradient of its routing weight (a warp reduction in a fixed order). VEC (D a multiple of 4, dy and out 16-byte
+// One warp per (token, choice): the scaled gradient of its permuted output row. VEC (D a multiple of 4, dy 16-byte
 // aligned, dout 8-byte aligned): each lane takes four consecutive elements at a time.
 template <bool VEC>
-__global__ void moe_combine_backward_kernel(const float* dy, const float* out, const int32_t* slot_of,
-                                            const float* weights, bf16* dout, float* dweights, int64_t T, int64_t k,
-                                            int64_t D) {
+__global__ void moe_combine_backward_kernel(const float* dy, const int32_t* slot_of, const float* weights, bf16* dout,
+                                            int64_t T, int64_t k, int64_t D) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t j = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; j < T * k; j += warps) {
     const int64_t t = j / k, p = slot_of[j];
     const float w = weights[j];
     const float* g = dy + t * D;
-    const float* o = out ? out + p * D : nullptr;
     bf16* dst = dout + p * D;
-    float acc = 0.0f;
     if constexpr (VEC) {
       for (int64_t d = 4 * lane; d < D; d += 128) {
         const float4 g4 = *reinterpret_cast<const float4*>(g + d);
-        if (o) {
-          const float4 o4 = *reinterpret_cast<const float4*>(o + d);
-          acc = fmaf(g4.x, o4.x, acc);
-          acc = fmaf(g4.y, o4.y, acc);
-          acc = fmaf(g4.z, o4.z, acc);
-          acc = fmaf(g4.w, o4.w, acc);
-        }
         const __nv_bfloat162 a = __floats2bfloat162_rn(w * g4.x, w * g4.y);
         const __nv_bfloat162 b = __floats2bfloat162_rn(w * g4.z, w * g4.w);
         uint2 u;
@@ -189,14 +178,8 @@ __global__ void moe_combine_backward_kernel(const float* dy, const float* out, c
         *reinterpret_cast<uint2*>(dst + d) = u;
       }
     } else {
-      for (int64_t d = lane; d < D; d += 32) {
-        if (o) acc += g[d] * o[d];
-        dst[d] = __float2bfloat16(w * g[d]);
-      }
+      for (int64_t d = lane; d < D; d += 32) dst[d] = __float2bfloat16(w * g[d]);
     }
-    if (!o) continue;
-    acc = warp_sum(acc);
-    if (lane == 0) dweights[j] = acc;
   }
 }
 
@@ -309,16 +292,15 @@ void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, i
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
-void moe_combine_backward(const float* dy, const float* out, const int32_t* slot_of, const float* weights,
-                          bf16* dout, float* dweights, int64_t T, int64_t k, int64_t D, cudaStream_t st) {
+void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* weights, bf16* dout, int64_t T,
+                          int64_t k, int64_t D, cudaStream_t st) {
   if (T * k <= 0) return;
-  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0;  // null ok
+  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 16 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0;
   const int grid = grid_for(T * k, kThreads / 32);
   if (vec)
-    moe_combine_backward_kernel<true><<<grid, kThreads, 0, st>>>(dy, out, slot_of, weights, dout, dweights, T, k, D);
+    moe_combine_backward_kernel<true><<<grid, kThreads, 0, st>>>(dy, slot_of, weights, dout, T, k, D);
   else
-    moe_combine_backward_kernel<false><<<grid, kThreads, 0, st>>>(dy, out, slot_of, weights, dout, dweights, T, k, D);
+    moe_combine_backward_kernel<false><<<grid, kThreads, 0, st>>>(dy, slot_of, weights, dout, T, k, D);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -48,26 +48,11 @@ std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vect
   return widen(download<cuda::bf16>(out));
 }
 
-void moe_combine_backward(const std::vector<float>& dy, const std::vector<float>& out,
-                          const std::vector<int32_t>& slot_of, const std::vector<float>& weights, int64_t T, int64_t k,
-                          int64_t D, std::vector<float>& dout, std::vector<float>& dweights) {
-  Buf ddy = upload(dy), dout_in = upload(out), dw = upload(weights);
-  Buf ds = upload(slot_of);
-  Buf dd = poisoned<cuda::bf16>(T * k * D);
-  Buf dwo = poisoned<float>(T * k);
-  cuda::moe_combine_backward(ddy.as<float>(), dout_in.as<float>(), ds.as<int32_t>(), dw.as<float>(),
-                             dd.as<cuda::bf16>(), dwo.as<float>(), T, k, D, nullptr);
-  finish();
-  dout = widen(download<cuda::bf16>(dd));
-  dweights = download<float>(dwo);
-}
-
-std::vector<float> moe_combine_backward_dout(const std::vector<float>& dy, const std::vector<int32_t>& slot_of,
-                                             const std::vector<float>& weights, int64_t T, int64_t k, int64_t D) {
+std::vector<float> moe_combine_backward(const std::vector<float>& dy, const std::vector<int32_t>& slot_of,
+                                        const std::vector<float>& weights, int64_t T, int64_t k, int64_t D) {
   Buf ddy = upload(dy), dw = upload(weights), ds = upload(slot_of);
   Buf dd = poisoned<cuda::bf16>(T * k * D);
-  cuda::moe_combine_backward(ddy.as<float>(), nullptr, ds.as<int32_t>(), dw.as<float>(), dd.as<cuda::bf16>(), nullptr,
-                             T, k, D, nullptr);
+  cuda::moe_combine_backward(ddy.as<float>(), ds.as<int32_t>(), dw.as<float>(), dd.as<cuda::bf16>(), T, k, D, nullptr);
   finish();
   return widen(download<cuda::bf16>(dd));
 }

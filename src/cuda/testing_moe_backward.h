@@ -20,15 +20,9 @@ void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float
 std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vector<float>& dact, int64_t n, int64_t I,
                                    float limit, int32_t rows_held = -1);
 
-// moe_combine_backward: dout [T·k, D] and dweights [T, k] from dy [T, D], out [T·k, D], slot_of [T, k] and
-// weights [T, k].
-void moe_combine_backward(const std::vector<float>& dy, const std::vector<float>& out,
-                          const std::vector<int32_t>& slot_of, const std::vector<float>& weights, int64_t T, int64_t k,
-                          int64_t D, std::vector<float>& dout, std::vector<float>& dweights);
-
-// moe_combine_backward without out: dout alone.
-std::vector<float> moe_combine_backward_dout(const std::vector<float>& dy, const std::vector<int32_t>& slot_of,
-                                             const std::vector<float>& weights, int64_t T, int64_t k, int64_t D);
+// moe_combine_backward: dout [T·k, D] from dy [T, D], slot_of [T, k] and weights [T, k].
+std::vector<float> moe_combine_backward(const std::vector<float>& dy, const std::vector<int32_t>& slot_of,
+                                        const std::vector<float>& weights, int64_t T, int64_t k, int64_t D);
 // moe_weights_backward: dweights [T, k] from act [T·k, I] (rounded to bf16 on the way in), dact [T·k, I], slot_of
 // and weights [T, k]; rows_held ≥ 0: only that many rows are this rank's.
 std::vector<float> moe_weights_backward(const std::vector<float>& act, const std::vector<float>& dact,

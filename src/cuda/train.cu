@@ -766,7 +766,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // dout = w·dy; the routing weights' gradient dy·out comes from act·dact / w once dact is known (below), so that
   // the backward needs no expert outputs (a recomputation skips the down projection).
   bf16* dout = ar.alloc<bf16>(n * D);
-  moe_combine_backward(dy, nullptr, x.slot_of, x.weights, dout, nullptr, T, k, D, st);
+  moe_combine_backward(dy, x.slot_of, x.weights, dout, T, k, D, st);
   // Each expert on its rows: out = down(act), act = swiglu(gate_up(xp)). The input gradients (dx = dy·W, the weights
   // untransposed) run on the grouped GEMM with no host sync, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per
   // expert; the weight gradients (full training), and per-expert adapters of shapes the grouped LoRA kernels do not
@@ -929,7 +929,6 @@ double Step::run(const float* row_weight) {
   float* post = ar.alloc<float>(T * S);
   float* comb = ar.alloc<float>(T * S * S);
   bf16* a = ar.alloc<bf16>(T * D);
-  float* y = ar.alloc<float>(T * D);
   moe_out_ = nullptr;
   if (!m_.recompute.moe && std::any_of(m_.layers.begin(), m_.layers.end(), [](const DLayer& L) { return L.moe_layer; }))
     moe_out_ = ar.alloc<float>(T * c_.num_experts_per_tok * D);
@@ -1009,8 +1008,8 @@ double Step::run(const float* row_weight) {
         s.x = SubActs{};
         lora_u_[site_].clear();
         m_.mark_begin("train: recompute " + kind);
-        recompute_ = true;  // up to the output projection: s.y was kept
-        sub_forward(i, ffn, s.a, s.x, y);
+        recompute_ = true;  // up to the output projection, which writes nothing: s.y was kept
+        sub_forward(i, ffn, s.a, s.x, nullptr);
         recompute_ = false;
         m_.mark_end("train: recompute " + kind);
       }
