@@ -295,7 +295,8 @@ void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, i
 void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* weights, bf16* dout, int64_t T,
                           int64_t k, int64_t D, cudaStream_t st) {
   if (T * k <= 0) return;
-  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 16 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0;
+  const bool vec =
+      D % 4 == 0 && reinterpret_cast<uintptr_t>(dy) % 16 == 0 && reinterpret_cast<uintptr_t>(dout) % 8 == 0;
   const int grid = grid_for(T * k, kThreads / 32);
   if (vec)
     moe_combine_backward_kernel<true><<<grid, kThreads, 0, st>>>(dy, slot_of, weights, dout, T, k, D);
