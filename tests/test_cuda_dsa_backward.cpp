@@ -20,6 +20,7 @@
 #include <numeric>
 #include <random>
 
+#include "core/error.h"
 #include "cpu/linear_backward.h"
 #include "cuda/testing_dsa_backward.h"
 #include "model/backward.h"
@@ -411,6 +412,39 @@ TEST(CudaBackwardMlaTcEdge, Deterministic) {
   EXPECT_TRUE(all_finite(dq1) && all_finite(dkv1));
   EXPECT_EQ(std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(dkv1.data(), dkv2.data(), dkv1.size() * sizeof(float)), 0);
+}
+
+// The bf16 outputs (what training's projections take) are the fp32 gradients rounded once, bit for bit: at both head
+// dims that have them, from the backward's own stats and from the forward's. The other head dims refuse them.
+TEST(CudaBackwardMlaTcEdge, Bf16OutputsAreTheFp32OnesRounded) {
+  const std::vector<int64_t> cu = cu_of({7, 300});
+  const int64_t T = cu.back(), NH = 2, max_sel = 260;
+  const Selection sel = random_selection(cu, max_sel, 48, 64, 5);
+  for (const int64_t d : {256, 128}) {
+    const int64_t W = 2 * d;
+    const std::vector<float> q = round_bf16(test::randn(T * NH * d, 11)), kv = round_bf16(test::randn(T * NH * W, 12)),
+                             dO = test::randn(T * NH * d, 13);
+    for (const bool fwd : {false, true}) {
+      SCOPED_TRACE("head dim " + std::to_string(d) + (fwd ? ", the forward's stats" : ", own stats"));
+      std::vector<float> dq(T * NH * d, 0.0f), dkv(T * NH * W, 0.0f), hq(T * NH * d), hkv(T * NH * W);
+      cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, d, d, max_sel, dq, dkv, fwd);
+      cuda_testing::mla_sparse_attention_backward_tc(q, kv, dO, sel, cu, NH, d, d, max_sel, hq, hkv, fwd, true);
+      const std::vector<float> rq = round_bf16(dq), rkv = round_bf16(dkv);
+      ASSERT_TRUE(all_finite(rq) && all_finite(rkv));
+      EXPECT_EQ(std::memcmp(hq.data(), rq.data(), rq.size() * sizeof(float)), 0) << "dq";
+      EXPECT_EQ(std::memcmp(hkv.data(), rkv.data(), rkv.size() * sizeof(float)), 0) << "dkv";
+    }
+  }
+  EXPECT_TRUE(cuda_testing::mla_backward_tc_bf16_outputs(256, 256) &&
+              cuda_testing::mla_backward_tc_bf16_outputs(128, 128));
+  EXPECT_FALSE(cuda_testing::mla_backward_tc_bf16_outputs(192, 128) ||
+               cuda_testing::mla_backward_tc_bf16_outputs(64, 64));
+  const std::vector<int64_t> small = cu_of({20});
+  std::vector<float> dq(20 * 64, 0.0f), dkv(20 * 128, 0.0f);
+  EXPECT_THROW(cuda_testing::mla_sparse_attention_backward_tc(test::randn(20 * 64, 1), test::randn(20 * 128, 2),
+                                                              test::randn(20 * 64, 3), Selection(20), small, 1, 64, 64,
+                                                              4, dq, dkv, false, true),
+               Error);
 }
 
 TEST(CudaBackwardMlaTcEdge, EmptyBatchIsANoOp) {

@@ -162,14 +162,18 @@ void mla_sparse_attention_backward(const float* q, const float* kv, const int32_
 // from them: lse2 as it is and D = Σ do·o, the same quantity (Σ_j p_j·(do·v_j) = do·o) without a pass over the keys.
 // Its cost follows the (64-query, 64-key) tile pairs holding any selected pair; at most 2^21 tokens.
 // work: mla_sparse_attention_backward_tc_workspace_bytes(T, NH, max_len, dqk, dv) bytes, 16-byte aligned.
+// With dq16 and dkv16 (bf16, 16-byte aligned; head dims where mla_backward_tc_bf16_outputs holds) the gradients
+// are written there in bf16, each element its fp32 sum rounded once, instead of being added to dq and dkv (then not
+// read): what the projections' backward takes, without fp32 arrays to zero, add into and convert.
 bool mla_backward_tc_supported(int64_t dqk, int64_t dv);
+bool mla_backward_tc_bf16_outputs(int64_t dqk, int64_t dv);
 size_t mla_sparse_attention_backward_tc_workspace_bytes(int64_t T, int64_t NH, int64_t max_len, int64_t dqk,
                                                          int64_t dv);
 void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32_t* sel, const int32_t* count,
                                       const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
                                       float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
                                       int64_t max_len, void* work, cudaStream_t st, const float* lse2 = nullptr,
-                                      const bf16* o = nullptr);
+                                      const bf16* o = nullptr, bf16* dq16 = nullptr, bf16* dkv16 = nullptr);
 
 // The same function query-major (src/cuda/dsa_backward_scatter.cu): one block per (token, head), dk and dv added
 // with atomics (their order of additions, so their rounding, changes from run to run). Its work is proportional to

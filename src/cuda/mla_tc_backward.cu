@@ -545,8 +545,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
                     const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
                     const uint32_t* __restrict__ tmap, int64_t wk, int64_t nqt, const float* __restrict__ lse_g,
-                    const float* __restrict__ D_g, float* __restrict__ dq, int64_t T, int64_t NH, float scale_log2,
-                    float scale) {
+                    const float* __restrict__ D_g, float* __restrict__ dq, bf16* __restrict__ dq16, int64_t T,
+                    int64_t NH, float scale_log2, float scale) {
   using L = DqWg<DQK, DV>;
   constexpr int DKV = DQK + DV, NQ = DQK / 2;  // NQ: dq accumulators per thread
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
@@ -644,7 +644,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     if (!qi[hf].valid) continue;
-    float* out = dq + (qi[hf].t * NH + h) * DQK + 2 * tq;
+    const int64_t at = (qi[hf].t * NH + h) * DQK + 2 * tq;
+    if (dq16) {
+#pragma unroll
+      for (int nt = 0; nt < DQK / 8; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(dq16 + at + 8 * nt) =
+            __floats2bfloat162_rn(acc[4 * nt + 2 * hf], acc[4 * nt + 2 * hf + 1]);
+      continue;
+    }
+    float* out = dq + at;
 #pragma unroll
     for (int nt = 0; nt < DQK / 8; ++nt) {
       out[8 * nt] += acc[4 * nt + 2 * hf];
@@ -676,8 +684,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
                      const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
                      const uint32_t* __restrict__ tmapT, int64_t wq, const float* __restrict__ lse_g,
-                     const float* __restrict__ D_g, float* __restrict__ dkv, int64_t T, int64_t NH, float scale_log2,
-                     float scale) {
+                     const float* __restrict__ D_g, float* __restrict__ dkv, bf16* __restrict__ dkv16, int64_t T,
+                     int64_t NH, float scale_log2, float scale) {
   using L = KeyWg<D>;
   constexpr int DQK = D, DV = D, DKV = 2 * D, NA = D / 2;  // NA: dv or dk accumulators per thread
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
@@ -785,7 +793,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int hf = 0; hf < 2; ++hf) {
     const int64_t j = j0 + 16 * wr + gq + 8 * hf;
     if (j >= T) continue;
-    float* out = dkv + (j * NH + h) * DKV + (wg == 0 ? DQK : 0) + 2 * tq;
+    const int64_t at = (j * NH + h) * DKV + (wg == 0 ? DQK : 0) + 2 * tq;
+    if (dkv16) {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(dkv16 + at + 8 * nt) =
+            __floats2bfloat162_rn(acc[4 * nt + 2 * hf], acc[4 * nt + 2 * hf + 1]);
+      continue;
+    }
+    float* out = dkv + at;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
       out[8 * nt] += acc[4 * nt + 2 * hf];
@@ -844,8 +860,8 @@ __global__ void delta_kernel(const bf16* __restrict__ do16, const bf16* __restri
 template <int DQK, int DV>
 void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* count, const int32_t* seq_start,
             const int32_t* seq_len, const uint32_t* mask, const Layout& L, const uint32_t* tmap,
-            const uint32_t* tmapT, float* lse, float* D, float* dq, float* dkv, int64_t T, int64_t NH, bool stats,
-            cudaStream_t st) {
+            const uint32_t* tmapT, float* lse, float* D, float* dq, float* dkv, bf16* dq16, bf16* dkv16, int64_t T,
+            int64_t NH, bool stats, cudaStream_t st) {
   using Ds = Dims<DQK, DV>;
   const float scale = 1.0f / sqrtf(static_cast<float>(DQK)), scale_log2 = scale * 1.4426950408889634f;
   // The operand tiles, then the block's row of the tile map (wk = wq words).
@@ -873,14 +889,15 @@ void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* coun
         cudaFuncSetAttribute(dq_wgmma_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     const dim3 pairs(static_cast<unsigned>(ceil_div(L.nqt, 2)), static_cast<unsigned>(NH));
     dq_wgmma_kernel<DQK, DV><<<pairs, kThreads, bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words,
-                                                            tmap, L.wk, L.nqt, lse, D, dq, T, NH, scale_log2, scale);
+                                                            tmap, L.wk, L.nqt, lse, D, dq, dq16, T, NH, scale_log2,
+                                                            scale);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if constexpr (DQK == DV && (DQK == 128 || DQK == 256)) {
     constexpr int bytes = KeyWg<DQK>::bytes;
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(key_wgmma_kernel<DQK>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     key_wgmma_kernel<DQK><<<grid, kThreads, bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words, tmapT,
-                                                         L.wq, lse, D, dkv, T, NH, scale_log2, scale);
+                                                         L.wq, lse, D, dkv, dkv16, T, NH, scale_log2, scale);
   } else {
     NEXTLM_CUDA_CHECK(
         cudaFuncSetAttribute(key_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_bytes));
@@ -891,6 +908,8 @@ void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* coun
 }
 
 }  // namespace
+
+bool mla_backward_tc_bf16_outputs(int64_t dqk, int64_t dv) { return dqk == dv && (dqk == 128 || dqk == 256); }
 
 bool mla_backward_tc_supported(int64_t dqk, int64_t dv) {
   return (dqk == 64 && dv == 64) || (dqk == 128 && dv == 128) || (dqk == 192 && dv == 128) ||
@@ -907,7 +926,7 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
                                       const int32_t* seq_start, const int32_t* seq_len, const float* do_, float* dq,
                                       float* dkv, int64_t T, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
                                       int64_t max_len, void* work, cudaStream_t st, const float* lse2,
-                                      const bf16* o) {
+                                      const bf16* o, bf16* dq16, bf16* dkv16) {
   if (T == 0 || NH == 0) return;
   const Layout L = layout(T, NH, max_len, dv);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
@@ -919,6 +938,9 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
         max_sel, ", max_len ", max_len, ")");
   check(!lse2 == !o && (!o || aligned(o)),
         "MLA attention backward on tensor cores: the forward's lse2 and o come together (o 16-byte aligned)");
+  check(!dq16 == !dkv16 && (!dq16 || (mla_backward_tc_bf16_outputs(dqk, dv) && aligned(dq16) && aligned(dkv16))),
+        "MLA attention backward on tensor cores: bf16 dq and dkv come together, 16-byte aligned, for head dims 128 or "
+        "256 alike (got ", dqk, "/", dv, ")");
   auto* base = static_cast<unsigned char*>(work);
   // The key passes only read lse (the stats pass, which writes it, does not run when the forward's is given).
   float* lse = lse2 ? const_cast<float*>(lse2) : reinterpret_cast<float*>(base + L.lse);
@@ -940,7 +962,8 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   auto run = [&](auto kernel) {
-    kernel(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, T, NH, stats, st);
+    kernel(q, kv, do16, count, seq_start, seq_len, mask, L, tmap, tmapT, lse, D, dq, dkv, dq16, dkv16, T, NH, stats,
+           st);
   };
   if (dqk == 64 && dv == 64) return run(launch<64, 64>);
   if (dqk == 128 && dv == 128) return run(launch<128, 128>);

@@ -2,6 +2,7 @@
 #include "cuda/testing_dsa_backward.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "cuda/backward_kernels.h"
 #include "cuda/testing_buffers.h"
@@ -24,7 +25,7 @@ enum class Kernel { Tiled, Scatter, TensorCore, TensorCoreFromForward };
 void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<float>& kv,
                   const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                   const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv, int64_t max_sel,
-                  std::vector<float>& dq, std::vector<float>& dkv) {
+                  std::vector<float>& dq, std::vector<float>& dkv, bool bf16_out = false) {
   const int64_t T = cu.back(), W = dqk + dv;
   check(static_cast<int64_t>(sel.size()) == T && static_cast<int64_t>(q.size()) == T * NH * dqk &&
             static_cast<int64_t>(kv.size()) == T * NH * W && static_cast<int64_t>(dout.size()) == T * NH * dv &&
@@ -54,6 +55,9 @@ void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<
   const Buf bdo = upload(dout), bsel = upload(sel_flat), bcount = upload(count), bstart = upload(start),
             blen = upload(len);
   Buf bdq = upload(guarded(dq)), bdkv = upload(guarded(dkv));
+  // bf16 outputs: poisoned (0xff bytes, a NaN) past their ends too, and no fp32 arrays at all.
+  Buf bdq16 = detail::poisoned<cuda::bf16>(bf16_out ? dq.size() + kGuard : 0),
+      bdkv16 = detail::poisoned<cuda::bf16>(bf16_out ? dkv.size() + kGuard : 0);
   Buf work = detail::poisoned(tc ? cuda::mla_sparse_attention_backward_tc_workspace_bytes(T, NH, max_len, dqk, dv)
                                  : cuda::mla_sparse_attention_backward_workspace_bytes(T, NH, max_len));
   switch (kernel) {
@@ -81,14 +85,27 @@ void run_backward(Kernel kernel, const std::vector<float>& q, const std::vector<
                                       lse2.as<float>());
       cuda::mla_sparse_attention_backward_tc(bq.as<cuda::bf16>(), bkv.as<cuda::bf16>(), bsel.as<int32_t>(),
                                              bcount.as<int32_t>(), bstart.as<int32_t>(), blen.as<int32_t>(),
-                                             bdo.as<float>(), bdq.as<float>(), bdkv.as<float>(), T, NH, dqk, dv,
-                                             max_sel, max_len, work.p, nullptr, fwd ? lse2.as<float>() : nullptr,
-                                             fwd ? o.as<cuda::bf16>() : nullptr);
+                                             bdo.as<float>(), bf16_out ? nullptr : bdq.as<float>(),
+                                             bf16_out ? nullptr : bdkv.as<float>(), T, NH, dqk, dv, max_sel, max_len,
+                                             work.p, nullptr, fwd ? lse2.as<float>() : nullptr,
+                                             fwd ? o.as<cuda::bf16>() : nullptr,
+                                             bf16_out ? bdq16.as<cuda::bf16>() : nullptr,
+                                             bf16_out ? bdkv16.as<cuda::bf16>() : nullptr);
       NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // before o, lse2 and mask are freed
       break;
     }
   }
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+  if (bf16_out) {
+    const std::vector<float> gq = detail::widen(download<cuda::bf16>(bdq16)),
+                             gkv = detail::widen(download<cuda::bf16>(bdkv16));
+    for (size_t i = 0; i < kGuard; ++i)
+      check(std::isnan(gq[dq.size() + i]) && std::isnan(gkv[dkv.size() + i]),
+            "mla_sparse_attention_backward_tc wrote past the end of its bf16 dq or dkv");
+    std::copy(gq.begin(), gq.begin() + dq.size(), dq.begin());
+    std::copy(gkv.begin(), gkv.begin() + dkv.size(), dkv.begin());
+    return;
+  }
   const std::vector<float> gq = download<float>(bdq), gkv = download<float>(bdkv);
   for (size_t i = 0; i < kGuard; ++i)
     check(gq[dq.size() + i] == kGuardValue && gkv[dkv.size() + i] == kGuardValue,
@@ -110,9 +127,11 @@ void mla_sparse_attention_backward_tc(const std::vector<float>& q, const std::ve
                                       const std::vector<float>& dout, const std::vector<std::vector<int32_t>>& sel,
                                       const std::vector<int64_t>& cu, int64_t NH, int64_t dqk, int64_t dv,
                                       int64_t max_sel, std::vector<float>& dq, std::vector<float>& dkv,
-                                      bool from_forward) {
+                                      bool from_forward, bool bf16_out) {
   run_backward(from_forward ? Kernel::TensorCoreFromForward : Kernel::TensorCore, q, kv, dout, sel, cu, NH, dqk, dv,
-               max_sel, dq, dkv);
+               max_sel, dq, dkv, bf16_out);
 }
+
+bool mla_backward_tc_bf16_outputs(int64_t dqk, int64_t dv) { return cuda::mla_backward_tc_bf16_outputs(dqk, dv); }
 
 }  // namespace nextlm::cuda_testing

@@ -582,7 +582,10 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   cudaStream_t st = m_.stream;
   float* dO = ar.alloc<float>(T * NH * dv);
   linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, half(dy, T * D), dO, gw.o, true);
-  float *dq = zeros(T * NH * dqk), *dkv = zeros(T * NH * (dqk + dv));
+  // The projections below take dq and dkv in bf16: the tensor-core kernel writes them so where it can (bf16_grads),
+  // else they are fp32 sums, converted.
+  float *dq = nullptr, *dkv = nullptr;
+  bf16 *dq16 = nullptr, *dkv16 = nullptr;
   // The tensor-core kernel where the forward ran on tensor cores (its bf16 q and kv), else the fp32 tiled one; both
   // deterministic, their cost following the causal triangle's tiles. When the selections are so sparse in the
   // triangle that the scatter kernel's cost, following the selected pairs, is lower (or the head dims exceed the
@@ -597,11 +600,18 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
   const bool tiled_dims = (dqk + 3) / 4 * 4 <= 256 && (dqk + 3) / 4 * 4 + (dv + 3) / 4 * 4 <= 512;
   const bool tc = x.q16 && mla_backward_tc_supported(dqk, dv) && T <= (int64_t{1} << 21);
-  if (tc && selected * 41.0 >= causal * 1.6) {
+  const bool use_tc = tc && selected * 41.0 >= causal * 1.6,
+             bf16_grads = use_tc && mla_backward_tc_bf16_outputs(dqk, dv);
+  if (bf16_grads) {
+    dq16 = ar.alloc<bf16>(T * NH * dqk), dkv16 = ar.alloc<bf16>(T * NH * (dqk + dv));
+  } else {
+    dq = zeros(T * NH * dqk), dkv = zeros(T * NH * (dqk + dv));
+  }
+  if (use_tc) {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(mla_sparse_attention_backward_tc_workspace_bytes(T, NH, p_.max_len, dqk, dv)));
     mla_sparse_attention_backward_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
-                                     max_sel(), p_.max_len, work, st, x.lse2, x.o);
+                                     max_sel(), p_.max_len, work, st, x.lse2, x.o, dq16, dkv16);
   } else if (!tiled_dims || mla_backward_use_scatter(selected, causal)) {
     mla_sparse_attention_backward_scatter(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
                                           max_sel(), st);
@@ -613,14 +623,15 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   }
   // kv = kv_b(RMSNorm(kv_a(a)))
   float* dlat = zeros(T * KL);
-  linear_backward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, half(dkv, T * NH * (dqk + dv)), dlat, gw.kv_b);
+  linear_backward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, dkv16 ? dkv16 : half(dkv, T * NH * (dqk + dv)), dlat,
+                  gw.kv_b);
   float* dlat_raw = zeros(T * KL);
   rmsnorm_backward(x.lat, KL, w.kv_a_norm, dlat, dlat_raw, gw.kv_a_norm, T, KL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, KL)), st);
   linear_backward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, half(dlat_raw, T * KL), da, gw.kv_a);
   // q = q_b(RMSNorm(q_a(a)))
   float* dqr = zeros(T * QL);
-  linear_backward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, half(dq, T * NH * dqk), dqr, gw.q_b);
+  linear_backward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, dq16 ? dq16 : half(dq, T * NH * dqk), dqr, gw.q_b);
   float* dqa = zeros(T * QL);
   rmsnorm_backward(x.qa, QL, w.q_a_norm, dqr, dqa, gw.q_a_norm, T, QL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, QL)), st);
