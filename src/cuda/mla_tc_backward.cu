@@ -530,6 +530,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 // cuda/wgmma.cuh. dq is added to once per element after the walk, as query_kernel does.
 constexpr int kWgRows = 128;
 
+// The output of a 64 × N warpgroup product, row hf of this thread's two (accumulators acc[4nt + 2hf + e], columns
+// 8nt + 2tq + e), from out = the row's column 2tq: added to fp32 (add_row) or stored as bf16, each sum rounded once.
+template <int N>
+__device__ __forceinline__ void add_row(float* out, const float* acc, int hf) {
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+    out[8 * nt] += acc[4 * nt + 2 * hf];
+    out[8 * nt + 1] += acc[4 * nt + 2 * hf + 1];
+  }
+}
+template <int N>
+__device__ __forceinline__ void store_row_bf16(bf16* out, const float* acc, int hf) {
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt)
+    *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt) =
+        __floats2bfloat162_rn(acc[4 * nt + 2 * hf], acc[4 * nt + 2 * hf + 1]);
+}
+
 template <int DQK, int DV>
 struct DqWg {
   static constexpr int q_bytes = kWgRows * DQK * 2, o_bytes = kWgRows * DV * 2, k_bytes = kTile * DQK * 2,
@@ -645,19 +663,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int hf = 0; hf < 2; ++hf) {
     if (!qi[hf].valid) continue;
     const int64_t at = (qi[hf].t * NH + h) * DQK + 2 * tq;
-    if (dq16) {
-#pragma unroll
-      for (int nt = 0; nt < DQK / 8; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(dq16 + at + 8 * nt) =
-            __floats2bfloat162_rn(acc[4 * nt + 2 * hf], acc[4 * nt + 2 * hf + 1]);
-      continue;
-    }
-    float* out = dq + at;
-#pragma unroll
-    for (int nt = 0; nt < DQK / 8; ++nt) {
-      out[8 * nt] += acc[4 * nt + 2 * hf];
-      out[8 * nt + 1] += acc[4 * nt + 2 * hf + 1];
-    }
+    if (dq16) store_row_bf16<DQK>(dq16 + at, acc, hf);
+    else add_row<DQK>(dq + at, acc, hf);
   }
 }
 
@@ -794,19 +801,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t j = j0 + 16 * wr + gq + 8 * hf;
     if (j >= T) continue;
     const int64_t at = (j * NH + h) * DKV + (wg == 0 ? DQK : 0) + 2 * tq;
-    if (dkv16) {
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(dkv16 + at + 8 * nt) =
-            __floats2bfloat162_rn(acc[4 * nt + 2 * hf], acc[4 * nt + 2 * hf + 1]);
-      continue;
-    }
-    float* out = dkv + at;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      out[8 * nt] += acc[4 * nt + 2 * hf];
-      out[8 * nt + 1] += acc[4 * nt + 2 * hf + 1];
-    }
+    if (dkv16) store_row_bf16<D>(dkv16 + at, acc, hf);
+    else add_row<D>(dkv + at, acc, hf);
   }
 }
 
