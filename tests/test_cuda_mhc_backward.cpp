@@ -181,6 +181,28 @@ TEST(CudaBackwardMhc, PostMatchesCpu) {
   }
 }
 
+// The forward's post-mix, in place (inference) and into the next site's buffer (training): the CPU's streams, the
+// two forms bitwise alike, the input left alone by the second; vectorised (D % 4 == 0) and scalar widths.
+TEST(CudaMhc, PostOutOfPlaceMatchesInPlaceAndCpu) {
+  unsigned seed = 8100;
+  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {300, 4, 333}, {5, 4, 4096},
+                                {45, 3, 100}}) {
+    HcMix mix;
+    mix.post = test::randn(T * S, ++seed);
+    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
+    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    std::vector<float> cpu(h.size());
+    mhc_post_forward(mix, h.data(), y.data(), T, S, D, cpu.data());
+    std::vector<float> h_in_place, h_kept;
+    const std::vector<float> a = cuda_testing::mhc_post(h, y, mix.post, mix.comb, T, S, D, true, h_in_place);
+    const std::vector<float> b = cuda_testing::mhc_post(h, y, mix.post, mix.comb, T, S, D, false, h_kept);
+    const std::string at = "T=" + std::to_string(T) + " S=" + std::to_string(S) + " D=" + std::to_string(D);
+    EXPECT_LE(test::norm_rel_error(a.data(), cpu.data(), cpu.size()), 1e-6) << at;
+    EXPECT_EQ(a, b) << at;
+    EXPECT_EQ(h_kept, h) << at;
+  }
+}
+
 // Weighted and unweighted, rows read with a stride ldx > n, row counts across the 256-row dw blocks.
 TEST(CudaBackwardMhc, RmsNormMatchesCpu) {
   unsigned seed = 9000;

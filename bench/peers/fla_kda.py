@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Peer timing: fla's chunk_kda (Triton) forward on the same shapes as nextlm's kda_fwd cases, with the safe gate
-computed in the kernel (use_gate_in_kernel, lower_bound -5) and the q/k L2 norm in the kernel, bf16 inputs.
-Needs fla's source on PYTHONPATH (a folder git ignores). Prints one JSON line per case."""
+computed in the kernel (use_gate_in_kernel, lower_bound -5) and the q/k L2 norm in the kernel, bf16 inputs; and its
+backward on the shape of kda_bwd_T4096_H64 (the delta rule alone, as nextlm's case times it: the log-decay g given,
+no gate or L2 norm in the kernel). Needs fla's source on PYTHONPATH (a folder git ignores). Prints one JSON line per
+case."""
 import json
 import sys
 
@@ -47,6 +49,30 @@ def case(name, lens, iters):
     print(json.dumps({"case": name, "peer": "fla chunk_kda", "peer_ms": round(ms, 4)}), flush=True)
 
 
+def backward_case(name, T, iters):
+    """fla's chunk_kda backward alone: the forward runs once, then out.backward(dO) is timed (retain_graph)."""
+    H, K = 64, 128
+    dev = "cuda"
+    torch.manual_seed(0)
+    mk = lambda: torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = mk(), mk(), mk()
+    # log-decays in (-5, 0), as the lower-bounded gate gives them; unit-norm q and k as the L2 norm gives them
+    g = (-5 * torch.rand(1, T, H, K, device=dev)).to(torch.bfloat16).requires_grad_()
+    with torch.no_grad():
+        q.copy_(torch.nn.functional.normalize(q.float(), dim=-1))
+        k.copy_(torch.nn.functional.normalize(k.float(), dim=-1))
+    beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16).requires_grad_()
+    o = chunk_kda(q, k, v, g, beta)
+    o = o[0] if isinstance(o, tuple) else o
+    do = torch.randn_like(o)
+
+    def run():
+        o.backward(do, retain_graph=True)
+
+    ms = median_ms(run, iters)
+    print(json.dumps({"case": name, "peer": "fla chunk_kda backward", "peer_ms": round(ms, 4)}), flush=True)
+
+
 if __name__ == "__main__":
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     for name, lens, iters in [("kda_fwd_T8192_H64", [8192], 20),
@@ -54,3 +80,5 @@ if __name__ == "__main__":
                               ("kda_fwd_T32768_H64", [32768], 5)]:
         if not only or only == name:
             case(name, lens, iters)
+    if not only or only == "kda_bwd_T4096_H64":
+        backward_case("kda_bwd_T4096_H64", 4096, 20)

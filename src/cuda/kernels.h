@@ -35,6 +35,9 @@ void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16*
 // h[t, s] ← post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r], in place. y fp32 [T, D].
 void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,
               cudaStream_t st);
+// The same into out [T, S, D] (h left as it is; out == h is the in-place form).
+void mhc_post(const float* h, float* out, const float* y, const float* post, const float* comb, int64_t T, int64_t S,
+              int64_t D, cudaStream_t st);
 // out[t] = mean_s h[t, s], then RMSNorm with w, bf16 [T, D].
 void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,
                       cudaStream_t st);

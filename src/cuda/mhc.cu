@@ -508,14 +508,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One thread per (t, d) (VEC: 4 consecutive d): reads the S old values, writes the S new ones.
+// One thread per (t, d) (VEC: 4 consecutive d): reads the S old values from h, writes the S new ones to out (which
+// may be h: a thread writes only what it has read).
 template <int S, bool VEC>
-__global__ void mhc_post_kernel(float* h, const float* y, const float* post, const float* comb, int64_t D) {
+__global__ void mhc_post_kernel(const float* h, float* out, const float* y, const float* post, const float* comb,
+                                int64_t D) {
   constexpr int W = VEC ? 4 : 1;
   const int64_t t = blockIdx.y;
   const int64_t d = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * W;
   if (d >= D) return;
-  float* ht = h + t * S * D;
+  const float* ht = h + t * S * D;
+  float* ot = out + t * S * D;
   const float* ct = comb + t * S * S;
   if constexpr (VEC) {
     float4 old[S];
@@ -531,7 +534,7 @@ __global__ void mhc_post_kernel(float* h, const float* y, const float* post, con
         const float c = ct[r * S + s];
         v.x += c * old[r].x, v.y += c * old[r].y, v.z += c * old[r].z, v.w += c * old[r].w;
       }
-      *reinterpret_cast<float4*>(ht + s * D + d) = v;
+      *reinterpret_cast<float4*>(ot + s * D + d) = v;
     }
   } else {
     float old[S];
@@ -543,7 +546,7 @@ __global__ void mhc_post_kernel(float* h, const float* y, const float* post, con
       float v = post[t * S + s] * yt;
 #pragma unroll
       for (int r = 0; r < S; ++r) v += ct[r * S + s] * old[r];
-      ht[s * D + d] = v;
+      ot[s * D + d] = v;
     }
   }
 }
@@ -589,15 +592,15 @@ void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf
 }
 
 template <int S>
-void launch_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t D,
-                 cudaStream_t st) {
-  const bool vec = D % 4 == 0 && aligned16(h) && aligned16(y);
+void launch_post(const float* h, float* out, const float* y, const float* post, const float* comb, int64_t T,
+                 int64_t D, cudaStream_t st) {
+  const bool vec = D % 4 == 0 && aligned16(h) && aligned16(out) && aligned16(y);
   const int64_t per_thread = vec ? 4 : 1;
   const dim3 grid(static_cast<unsigned>(ceil_div(D, 256 * per_thread)), static_cast<unsigned>(T));
   if (vec) {
-    mhc_post_kernel<S, true><<<grid, 256, 0, st>>>(h, y, post, comb, D);
+    mhc_post_kernel<S, true><<<grid, 256, 0, st>>>(h, out, y, post, comb, D);
   } else {
-    mhc_post_kernel<S, false><<<grid, 256, 0, st>>>(h, y, post, comb, D);
+    mhc_post_kernel<S, false><<<grid, 256, 0, st>>>(h, out, y, post, comb, D);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
@@ -632,8 +635,13 @@ void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16*
 
 void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,
               cudaStream_t st) {
+  mhc_post(h, h, y, post, comb, T, S, D, st);
+}
+
+void mhc_post(const float* h, float* out, const float* y, const float* post, const float* comb, int64_t T, int64_t S,
+              int64_t D, cudaStream_t st) {
   if (!T) return;
-#define CALL(S) launch_post<S>(h, y, post, comb, T, D, st)
+#define CALL(S) launch_post<S>(h, out, y, post, comb, T, D, st)
   NEXTLM_MHC_DISPATCH(S, CALL)
 #undef CALL
 }

@@ -56,6 +56,18 @@ void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y,
   dcomb = download<float>(gdcomb);
 }
 
+std::vector<float> mhc_post(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                            const std::vector<float>& comb, int64_t T, int64_t S, int64_t D, bool in_place,
+                            std::vector<float>& h_after) {
+  Buf gh = upload(h), gy = upload(y), gpost = upload(post), gcomb = upload(comb);
+  Buf gout = poisoned<float>(in_place ? 0 : h.size());
+  float* out = in_place ? ptr(gh) : gout.as<float>();
+  cuda::mhc_post(ptr(gh), out, ptr(gy), ptr(gpost), ptr(gcomb), T, S, D, nullptr);
+  finish();
+  h_after = download<float>(gh);
+  return in_place ? h_after : download<float>(gout);
+}
+
 void rmsnorm_backward(const std::vector<float>& x, int64_t ldx, const std::vector<float>& w,
                       const std::vector<float>& dy, int64_t rows, int64_t n, float eps, std::vector<float>& dx,
                       std::vector<float>& dw) {

@@ -24,6 +24,12 @@ void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y,
                        std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,
                        std::vector<float>& dcomb, bool accumulate = true);
 
+// cuda::mhc_post, the forward's post-mix: the new streams [T, S, D] from h [T, S, D] and y [T, D], in place
+// (in_place) or into a separate output; h_after gets what h's device buffer holds afterwards.
+std::vector<float> mhc_post(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                            const std::vector<float>& comb, int64_t T, int64_t S, int64_t D, bool in_place,
+                            std::vector<float>& h_after);
+
 // cuda::rmsnorm_backward on x [rows, ldx] (the first n columns of each row are the norm's input), w [n] (empty:
 // unweighted), dy [rows, n]: dx [rows, n] and dw [n] (unused when w is empty) are added to.
 void rmsnorm_backward(const std::vector<float>& x, int64_t ldx, const std::vector<float>& w,

@@ -965,13 +965,16 @@ double Step::run(const float* row_weight) {
   std::vector<Site> sites(2 * Lyr);
   lora_u_.assign(2 * Lyr, {});
   m_.mark_begin("train: forward");
-  m_.embed_into(p_.tokens, h, T);
+  // The streams go from site to site out of place: each site's post-mix reads its input (kept in site_h) and writes
+  // the next site's, the last one h.
+  m_.embed_into(p_.tokens, Lyr ? site_h[0] : h, T);
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
     for (bool ffn : {false, true}) {
       site_ = 2 * i + ffn;
       Site& s = sites[site_];
-      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(site_h[site_], h, TSD * sizeof(float), cudaMemcpyDeviceToDevice, st));
+      const float* hin = site_h[site_];
+      float* hout = site_ + 1 < site_h.size() ? site_h[site_ + 1] : h;
       s.mark = ar.mark();
       s.kept = keeps(L, ffn);
       s.mix_kept = s.kept || !policy.mhc;
@@ -982,13 +985,13 @@ double Step::run(const float* row_weight) {
       const Arena::Mark sub_mark = ar.mark();
       float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.y;
       bf16* sa = s.mix_kept ? s.a : a;
-      mhc_pre(m_.mhc_params(L, ffn, T), h, sp, sc, sa, mhc_work, st);
+      mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, mhc_work, st);
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
       // recomputation before each backward reuses them.
       select_ = true;
       sub_forward(i, ffn, sa, s.x, sy);
       select_ = false;
-      mhc_post(h, sy, sp, sc, T, S, D, st);
+      mhc_post(hin, hout, sy, sp, sc, T, S, D, st);
       if (!s.kept) ar.rewind(sub_mark);
     }
   }
