@@ -222,6 +222,20 @@ TEST_P(CudaBackwardKdaChunked, AccumulatesIntoOutputs) {
   expect_close(added, cpu);
 }
 
+// Written instead of added to (training's form, no zeroing pass): every element written, bitwise what adding into
+// zeros gives; several sequences, a partial last chunk and one of a single token.
+TEST_P(CudaBackwardKdaChunked, WrittenEqualsAddedIntoZeros) {
+  const int64_t K = GetParam(), H = 2;
+  const Case c = make_case({65, 1, 130}, H, K, 650 + static_cast<unsigned>(K), 0.5f);
+  const auto added = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
+  const auto written = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, true);
+  EXPECT_EQ(written.dq, added.dq);
+  EXPECT_EQ(written.dk, added.dk);
+  EXPECT_EQ(written.dv, added.dv);
+  EXPECT_EQ(written.dg, added.dg);
+  EXPECT_EQ(written.dbeta, added.dbeta);
+}
+
 // No atomics: two runs give the same bits.
 TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const int64_t K = GetParam(), H = 2;

@@ -105,11 +105,12 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 // about fp32's accuracy), reproducible (no atomics). Inputs and outputs as
 // kda_recurrent_backward; every sequence starts from a zero state. K ∈ {32, 64, 128}. work:
 // kda_chunked_backward_workspace_bytes(ch.num_chunks, T, H, K) bytes (385 KiB per chunk and head at K = 128, so
-// 1.5 GiB at T = 4096, H = 64).
+// 1.5 GiB at T = 4096, H = 64). With accumulate false the gradients are written instead of added to, at every token
+// of ch's chunks (the same bits as adding into zeros; no zeroing pass needed).
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
-                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st);
+                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true);
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient

@@ -30,7 +30,8 @@
 // element-wise step. The chunked form is thus expected ~1e-5 (norm-relative) from the recurrent one instead of within
 // fp32 rounding of it; the tests and the bench hold it to 1e-4. Every output element is written by one thread with
 // sums in a fixed order (no atomics; an MMA's sum order is fixed too): reproducible run to run. Kernels of one call
-// run in stream order, so inter and intra both add into dq, dk and dg without a race.
+// run in stream order, so inter and intra both add into dq, dk and dg without a race; without accumulate, inter's
+// contributions are the first (stored, not added) and intra's dv and dβ are stored.
 #include "cuda/backward_kernels.h"
 #include "cuda/mma.cuh"
 
@@ -79,6 +80,7 @@ struct Params {
   int64_t H;
   float *dq, *dk, *dv, *dg, *dbeta;
   float* ws;
+  bool accumulate;  // add into dq, dk, dv, dg, dbeta; else write them (inter writes dq, dk, dg first, intra dv, dβ)
 };
 
 // ---- Split bf16 and tensor-core products ----
@@ -261,14 +263,15 @@ __device__ __forceinline__ void add_rows(float* part, int r0, const float (&rs)[
 
 // dst[r·ld + c] += src[r·ls + c] (src in shared memory) for the rows r < n of a [C, K] tile, by all threads, each
 // issuing all its loads of dst before its stores (a load after a store to dst could not be hoisted above it).
+// With add false, dst[r·ld + c] = src[r·ls + c] (dst is not read).
 template <int K>
-__device__ __forceinline__ void add_tile(float* dst, int64_t ld, const float* src, int ls, int n) {
+__device__ __forceinline__ void add_tile(float* dst, int64_t ld, const float* src, int ls, int n, bool add = true) {
   constexpr int c4 = K / 4, per = kC * c4 / kThreads;
   float4 x[per];
 #pragma unroll
   for (int e = 0; e < per; ++e) {
     const int idx = threadIdx.x + e * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
-    x[e] = r < n ? ld4(dst + r * ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    x[e] = add && r < n ? ld4(dst + r * ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
   for (int e = 0; e < per; ++e) {
@@ -812,7 +815,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
           const bool in = i < n;
           g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
           q2[j][hf] = in ? ld2(p.q + e) : make_float2(0.0f, 0.0f);
-          o2[j][hf] = in ? ld2(p.dq + e) : make_float2(0.0f, 0.0f);
+          o2[j][hf] = in && p.accumulate ? ld2(p.dq + e) : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
       for (int j = 0; j < NG; ++j)
@@ -862,7 +865,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
           const bool in = i < n;
           g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
           k2[j][hf] = in ? ld2(p.k + e) : make_float2(0.0f, 0.0f);
-          o2[j][hf] = in ? ld2(p.dk + e) : make_float2(0.0f, 0.0f);
+          o2[j][hf] = in && p.accumulate ? ld2(p.dk + e) : make_float2(0.0f, 0.0f);
         }
       }
 #pragma unroll
@@ -925,7 +928,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
     }
   }
   __syncthreads();
-  add_tile<K>(p.dg + base, HK, sdg, K, n);
+  add_tile<K>(p.dg + base, HK, sdg, K, n, p.accumulate);
 }
 
 // ---- intra: per (chunk, head), the WY factors' and the intra-chunk products' gradients ----
@@ -1019,7 +1022,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
           const int64_t e = base + int64_t(i) * HK + d;
           v2[j][hf] = i < n ? ld2(p.v + e) : make_float2(0.0f, 0.0f);
-          o2[j][hf] = i < n ? ld2(p.dv + e) : make_float2(0.0f, 0.0f);
+          o2[j][hf] = i < n && p.accumulate ? ld2(p.dv + e) : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
       for (int j = 0; j < NG; ++j)
@@ -1303,7 +1306,10 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
   }
   __syncthreads();
   add_tile<K>(p.dg + base, HK, fdg, FS, n);
-  for (int i = tid; i < n; i += kThreads) p.dbeta[(t0 + i) * H + h] += sdb[i] + sdb[kC + i];
+  for (int i = tid; i < n; i += kThreads) {
+    float* db = p.dbeta + (t0 + i) * H + h;
+    *db = (p.accumulate ? *db : 0.0f) + (sdb[i] + sdb[kC + i]);
+  }
 }
 
 template <class Kernel>
@@ -1349,7 +1355,8 @@ size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64
 
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
-                          float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st) {
+                          float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
+                          bool accumulate) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
   check(K == 32 || K == 64 || K == 128, "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
@@ -1360,7 +1367,7 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           static_cast<const void*>(dk), static_cast<const void*>(dv), static_cast<const void*>(dg),
                           static_cast<const void*>(work)})
     check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
-  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work)};
+  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate};
   switch (K) {
     case 32: launch<32>(p, st); break;
     case 64: launch<64>(p, st); break;

@@ -69,14 +69,16 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
                                       const std::vector<float>& v, const std::vector<float>& g,
                                       const std::vector<float>& beta, const std::vector<float>& do_,
                                       const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                      const KdaBackwardGrads& init) {
+                                      const KdaBackwardGrads& init, bool written) {
   const int64_t T = cu_seqlens.back();
   KdaBackwardBuffers b(q, k, v, g, beta, do_, init, T, H, K);
+  if (written)
+    for (const Buf* o : {&b.dq, &b.dk, &b.dv, &b.dg, &b.dbeta}) NEXTLM_CUDA_CHECK(cudaMemset(o->p, 0xFF, o->bytes));
   const detail::DevKdaChunks ch(cu_seqlens);
   const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(ch.num_chunks(), T, H, K));
   cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), b.g.as<float>(), b.beta.as<float>(),
                              b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(), b.dk.as<float>(), b.dv.as<float>(),
-                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr);
+                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr, !written);
   return b.get();
 }
 

@@ -505,12 +505,16 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   float* dga = zeros(T * K);
   linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, half(dgate, T * HK), dga, gw.g_b);
   linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
-  // The recurrence: in the chunked (WY) form for the head dims it has, else backward through time.
-  float *dq = zeros(T * HK), *dk = zeros(T * HK), *dv = zeros(T * HK), *dg = zeros(T * HK), *dbeta = zeros(T * H);
-  if (K == 32 || K == 64 || K == 128) {
+  // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
+  // backward through time (which adds into zeroed ones).
+  const bool chunked = K == 32 || K == 64 || K == 128;
+  auto grad = [&](int64_t n) { return chunked ? ar.alloc<float>(n) : zeros(n); };
+  float *dq = grad(T * HK), *dk = grad(T * HK), *dv = grad(T * HK), *dg = grad(T * HK), *dbeta = grad(T * H);
+  if (chunked) {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_chunked_backward_workspace_bytes(p_.chunks.num_chunks, T, H, K)));
-    kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st);
+    kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
+                         false);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
