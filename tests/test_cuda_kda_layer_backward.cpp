@@ -252,10 +252,17 @@ TEST_P(CudaBackwardKdaLayerOutNorm, MatchesCpu) {
     dgate_ref[i] = don[i] * normed[i] * sg * (1.0f - sg);
   }
   rmsnorm_backward(o.data(), w.data(), dnormed.data(), T * H, K, eps, do_ref.data(), dw_ref.data());
+  const std::vector<float> do0 = do_;
   const std::vector<float> dgate = cuda_testing::kda_out_norm_backward(o, gate, w, don, do_, dw, T, H, K, eps);
   EXPECT_CLOSE(dgate, dgate_ref);
   EXPECT_CLOSE(do_, do_ref);
   EXPECT_CLOSE(dw, dw_ref);
+  // Written instead of added to (training's form): every element, and the sum the added form put on top of do0.
+  std::vector<float> written(n), dw2 = dw;
+  cuda_testing::kda_out_norm_backward(o, gate, w, don, written, dw2, T, H, K, eps, true);
+  std::vector<float> added(n);
+  for (int64_t i = 0; i < n; ++i) added[i] = do_[i] - do0[i];
+  EXPECT_CLOSE(written, added);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerOutNorm,

@@ -338,6 +338,55 @@ TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
   }
 }
 
+// The dense adapters that read one input, stacked (one GEMM for their u, one for their dA, one for their dx: the
+// default) against one at a time: the same loss and gradients up to the GEMMs' summation order, at rank 4 and 16,
+// with every sub-layer kept and recomputed; and the groups were stacked (KDA or MLA attention in every layer, the
+// dense MLP and the shared experts).
+TEST(CudaTrain, StackedLoraAdaptersMatchOneAtATime) {
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model base = test::bf16_weights_reference(dir);
+  const PackedBatch batch = golden_batch(dir);
+  struct Restore {
+    ~Restore() { set_lora_stacking(true); }
+  } restore;
+  for (const int rank : {4, 16})
+    for (const char* policy : {"all", "none"}) {
+      const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, rank);
+      CudaModel gpu(base);
+      gpu.set_train_linears(false);
+      gpu.set_recompute(parse_recompute(policy));
+      gpu.set_lora(lora);
+      auto run = [&](bool stacked, LoraAdapter& out) {
+        set_lora_stacking(stacked);
+        gpu.zero_grads();
+        const int64_t groups = lora_stacked_groups();
+        const double loss = gpu.forward_backward(batch);
+        EXPECT_EQ(lora_stacked_groups() > groups, stacked) << "rank " << rank << " --recompute " << policy;
+        gpu.lora_gradients(out);
+        return loss;
+      };
+      LoraAdapter one = test::without_gradients(lora), stacked = test::without_gradients(lora);
+      const double loss_one = run(false, one), loss_stacked = run(true, stacked);
+      const std::string at = "rank " + std::to_string(rank) + " --recompute " + policy;
+      EXPECT_LE(std::fabs(loss_stacked - loss_one) / std::fabs(loss_one), 1e-5) << at;
+      std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
+      for (size_t i = 0; i < one.modules().size(); ++i) {
+        const LoraModule &r = one.modules()[i], &g = stacked.modules()[i];
+        auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
+        for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+          for (size_t j = 0; j < rt.data.size(); ++j) {
+            ASSERT_TRUE(std::isfinite(gt.data[j])) << at;
+            acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+            acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
+          }
+      }
+      for (const auto& [kind, acc] : by_kind) {
+        ASSERT_GT(acc[1], 0.0) << kind << " " << at;
+        EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-2) << kind << " " << at;
+      }
+    }
+}
+
 // The device LoRA optimizer (start_lora_optimizer, lora_adamw_step, download_lora) takes the step the host's
 // clip_grad_norm + AdamW::step take on the same gradients: two steps, the first clipped, the second not; the norms
 // agree to 1e-9 relative and the adapters and moments to 1e-6 of each tensor's norm (fp32 ulps: the norm's double

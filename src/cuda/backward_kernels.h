@@ -133,12 +133,12 @@ void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log,
 void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t st);
 
 // Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32, gate [T, HK] (before the
-// sigmoid), don [T, HK] fp32. do_ [T, H, K] += …, dgate [T, HK] written, dw [K] += …. work:
-// kda_out_norm_backward_workspace_floats(T, H, K) floats.
+// sigmoid), don [T, HK] fp32. do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written, dw [K] += ….
+// work: kda_out_norm_backward_workspace_floats(T, H, K) floats.
 int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st);
+                           cudaStream_t st, bool accumulate = true);
 
 // ---- DSA (src/cuda/dsa_backward.cu) ----
 

@@ -4,6 +4,7 @@
 #include "cuda/device_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -45,6 +46,16 @@ void set_expert_lora_fold(int mode) {
   g_expert_lora_fold = mode;
 }
 int expert_lora_fold() { return g_expert_lora_fold; }
+
+namespace {
+std::atomic<bool> g_lora_stacking{true};
+std::atomic<int64_t> g_lora_stacked_groups{0};
+}  // namespace
+
+void set_lora_stacking(bool on) { g_lora_stacking = on; }
+bool lora_stacking() { return g_lora_stacking; }
+int64_t lora_stacked_groups() { return g_lora_stacked_groups; }
+void note_lora_stacked_group() { ++g_lora_stacked_groups; }
 
 std::string cuda_device_name(int device) {
   int n = 0;

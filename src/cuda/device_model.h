@@ -39,6 +39,14 @@ int moe_expert_gemm();
 void set_expert_lora_fold(int mode);
 int expert_lora_fold();
 
+// Whether training stacks the dense LoRA adapters that read one input (a KDA layer's q, k, v, f_a, g_a and b; an
+// MLA layer's q_a and kv_a; an MLP's gate and up): one GEMM for all their u, and in the backward one for all their
+// dA and one for all their dx, in place of one each (on one GPU; the default). Process-wide, for tests and
+// benchmarks; lora_stacked_groups() counts the groups stacked so far in this process.
+void set_lora_stacking(bool on);
+bool lora_stacking();
+int64_t lora_stacked_groups();
+
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {
   double kl = 0;            // KL(ref ‖ ours) over the vocabulary

@@ -274,12 +274,13 @@ __global__ void sigmoid_backward_kernel(const float* y, float* d, int64_t n) {
 // ---- the gated output norm ----
 
 // Warps stride over the rows (token, head) of K. With r = rsqrt(mean(o²) + eps), σ = sigmoid(gate), dn = don·σ:
-//   dgate = don·(w⊙o·r)·σ(1−σ) (written), do += r·w⊙dn − o·r³·Σ(w⊙dn⊙o)/K, dw += Σ_rows dn⊙o·r.
+//   dgate = don·(w⊙o·r)·σ(1−σ) (written), do += r·w⊙dn − o·r³·Σ(w⊙dn⊙o)/K (= without accumulate),
+//   dw += Σ_rows dn⊙o·r.
 // A lane keeps its columns' dw sums over the warp's rows; the block adds its warps in order into part [blocks, K].
 template <int PER>
 __global__ void __launch_bounds__(256, 4)
     out_norm_backward_kernel(const float* o, const float* gate, const float* w, const float* don, float* do_,
-                             float* dgate, float* part, int64_t rows, int64_t K, float eps) {
+                             float* dgate, float* part, int64_t rows, int64_t K, float eps, bool accumulate) {
   __shared__ float red[8][PER * 32];  // [warp, K] (K ≤ 32·PER, 256 threads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -304,7 +305,7 @@ __global__ void __launch_bounds__(256, 4)
         x[j][i] = on ? o[row * K + d] : 0.0f;
         gt[j][i] = on ? gate[row * K + d] : 0.0f;
         dr[j][i] = on ? don[row * K + d] : 0.0f;
-        dold[j][i] = on ? do_[row * K + d] : 0.0f;
+        dold[j][i] = on && accumulate ? do_[row * K + d] : 0.0f;
       }
     }
 #pragma unroll
@@ -449,13 +450,14 @@ int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K) 
 
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st) {
+                           cudaStream_t st, bool accumulate) {
   check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
   const int64_t rows = T * H;
   if (rows <= 0 || K == 0) return;
   const int64_t blocks = out_norm_blocks(rows);
   auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, work, rows, K, eps);
+    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, work, rows, K, eps,
+                                                          accumulate);
   };
   if (K <= 32) run(out_norm_backward_kernel<1>);
   else if (K <= 64) run(out_norm_backward_kernel<2>);

@@ -27,8 +27,11 @@
 #include "model/lora.h"
 
 namespace nextlm {
-namespace cuda {
 
+// Counts one stacked group of LoRA adapters (lora_stacked_groups in device_model.h); the training step calls it.
+void note_lora_stacked_group();
+
+namespace cuda {
 
 // A bump allocator over device chunks. reset() rewinds; a forward of the same or a smaller shape reuses the chunks
 // of the first one, so cudaMalloc runs only when a larger batch arrives.

@@ -80,13 +80,14 @@ std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vect
 std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
-                                         int64_t K, float eps) {
-  Buf d_o = upload(o), d_gate = upload(gate), d_w = upload(w), d_don = upload(don), d_do = upload(do_),
-      d_dw = upload(dw);
+                                         int64_t K, float eps, bool written) {
+  Buf d_o = upload(o), d_gate = upload(gate), d_w = upload(w), d_don = upload(don),
+      d_do = written ? poisoned<float>(do_.size()) : upload(do_), d_dw = upload(dw);
   Buf dgate = poisoned<float>(gate.size());
   Buf work = poisoned<float>(static_cast<size_t>(cuda::kda_out_norm_backward_workspace_floats(T, H, K)));
   cuda::kda_out_norm_backward(d_o.as<float>(), d_gate.as<float>(), d_w.as<float>(), d_don.as<float>(), d_do.as<float>(),
-                              dgate.as<float>(), d_dw.as<float>(), T, H, K, eps, work.as<float>(), nullptr);
+                              dgate.as<float>(), d_dw.as<float>(), T, H, K, eps, work.as<float>(), nullptr,
+                              !written);
   finish();
   do_ = download<float>(d_do);
   dw = download<float>(d_dw);

@@ -30,10 +30,10 @@ std::vector<float> kda_gate_backward(const std::vector<float>& f, const std::vec
 std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vector<float>& d);
 
 // kda_out_norm_backward: o [T, H, K], gate [T, HK], w [K], don [T, HK]. Returns dgate [T, HK]; do_ [T, H, K] and
-// dw [K] are accumulated into.
+// dw [K] are accumulated into, or with written do_ is written (its device buffer starting as NaN).
 std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
-                                         int64_t K, float eps);
+                                         int64_t K, float eps, bool written = false);
 
 }  // namespace nextlm::cuda_testing

@@ -23,6 +23,22 @@
 
 namespace nextlm {
 
+namespace {
+
+// The dense LoRA kinds that read one input, in the order set_lora stacks their A (and dA) back to back: the KDA
+// layer's normed input feeds q, k, v, f_a, g_a and b; the MLA layer's q_a and kv_a; an MLP's (and the shared
+// expert's) gate and up. Step stacks a site's adapters of one group (see Step::stack_group).
+const std::vector<std::vector<LoraKind>>& lora_input_groups() {
+  static const std::vector<std::vector<LoraKind>> groups{
+      {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV, LoraKind::KdaFA, LoraKind::KdaGA, LoraKind::KdaB},
+      {LoraKind::MlaQA, LoraKind::MlaKVA},
+      {LoraKind::MlpGate, LoraKind::MlpUp},
+      {LoraKind::SharedGate, LoraKind::SharedUp}};
+  return groups;
+}
+
+}  // namespace
+
 namespace cuda {
 namespace {
 
@@ -140,15 +156,104 @@ class Step {
     }
     return y;
   }
+  // ---- Stacked adapters (lora_input_groups) ----
+  // A site's dense adapters that read the same input rows, when they share rank, input width and scale and set_lora
+  // laid their A and dA back to back (and the model is on one GPU): their u come from one GEMM on the stacked A
+  // [n·r, in], side by side in one [rows, n·r] buffer; in the backward each member adds its dB and writes its dy·B
+  // into its columns of the group's [rows, n·r] buffer, and flush_lora_groups (at the end of the site's sub-layer
+  // backward) makes dA [n·r, in] += gsᵀ·x and dx += gs·A in one GEMM each, in place of one per adapter: a single
+  // read-modify-write of the fp32 dx, and far fewer launches.
+  struct LoraGroup {
+    std::vector<const DAdapter*> ads;  // the members, in the group's order
+    const bf16* x = nullptr;
+    int64_t ldx = 0, rows = 0;
+    float* g = nullptr;   // [rows, n·r] the members' dy·B (backward), once the first member's backward ran
+    int done = 0;         // members whose backward ran
+    float* dx = nullptr;  // their input gradient (the same for every member), or null
+    int64_t ld() const { return static_cast<int64_t>(ads.size()) * ads[0]->r; }
+  };
+  LoraGroup* stacked(const DAdapter& ad) {
+    const auto& mem = lora_member_[site_];
+    const auto it = mem.find(&ad);
+    return it == mem.end() ? nullptr : &lora_groups_[site_][it->second.first];
+  }
+  // Stacks the group of ad (on this site's layer) if it can: its members' u into lora_u_, the group into
+  // lora_groups_. False when ad belongs to no group or the group does not stack.
+  bool stack_group(const DAdapter& ad, const bf16* x, int64_t ldx, int64_t rows) {
+    if (!m_.lora || m_.tp_comm || m_.ep_comm || !lora_stacking()) return false;
+    const size_t i = site_ / 2;
+    for (const std::vector<LoraKind>& kinds : lora_input_groups()) {
+      std::vector<const DAdapter*> ads;
+      bool mine = false;
+      for (LoraKind k : kinds)
+        if (const DAdapter* a = adapter(i, k)) {
+          if (lora_kind_is_expert(k) || m_.lora->layers[i].kinds[static_cast<int>(k)].size() != 1) return false;
+          ads.push_back(a);
+          mine = mine || a == &ad;
+        }
+      if (!mine) continue;
+      if (ads.size() < 2) return false;
+      const DAdapter& a0 = *ads[0];
+      for (size_t j = 0; j < ads.size(); ++j) {
+        const DAdapter& a = *ads[j];
+        const int64_t off = static_cast<int64_t>(j) * a0.r * a0.in;
+        if (a.r != a0.r || a.in != a0.in || a.scale != a0.scale || a.A != a0.A + off || a.dA != a0.dA + off)
+          return false;
+      }
+      const int64_t ld = static_cast<int64_t>(ads.size()) * a0.r;
+      float* u = m_.arena.alloc<float>(rows * ld);
+      m_.gemm->run(x, ldx, a0.A, ld, a0.in, u, ld, rows);
+      bf16* us = scaled_bf16(u, a0.scale, rows * ld);
+      const size_t gi = lora_groups_[site_].size();
+      for (size_t j = 0; j < ads.size(); ++j) {
+        lora_u_[site_][{ads[j], x}] = us + static_cast<int64_t>(j) * a0.r;
+        lora_member_[site_][ads[j]] = {gi, static_cast<int64_t>(j)};
+      }
+      LoraGroup g;
+      g.ads = std::move(ads), g.x = x, g.ldx = ldx, g.rows = rows;
+      lora_groups_[site_].push_back(std::move(g));
+      note_lora_stacked_group();
+      return true;
+    }
+    return false;
+  }
+  // The stacked groups' dA and dx, once every member's backward ran (the end of the site's sub-layer backward).
+  void flush_lora_groups() {
+    for (LoraGroup& g : lora_groups_[site_]) {
+      if (!g.g) continue;
+      const int n = static_cast<int>(g.ads.size());
+      check(g.done == n, "LoRA: ", n - g.done, " of ", n, " stacked adapters without their backward");
+      const DAdapter& a0 = *g.ads[0];
+      const int64_t ld = g.ld();
+      bf16* gs = scaled_bf16(g.g, a0.scale, g.rows * ld);
+      m_.gemm->run_dw(gs, ld, g.x, g.ldx, ld, a0.in, g.rows, a0.dA, true);
+      if (g.dx) m_.gemm->run_dx(gs, ld, a0.A, ld, a0.in, g.dx, a0.in, g.rows, true);
+      g.g = nullptr, g.done = 0, g.dx = nullptr;
+    }
+  }
+  void clear_lora_site() {
+    lora_u_[site_].clear();
+    lora_groups_[site_].clear();
+    lora_member_[site_].clear();
+  }
+
   // y[:, col0 : col0 + out] (row stride ldy) += s·(x·Aᵀ)·Bᵀ for `rows` rows of x (row stride ldx), or = with
   // accumulate false; keeps u = s·x·Aᵀ (bf16) for the backward. With factors_only_ only u (y unused).
   void lora_forward(const DAdapter& ad, const bf16* x, int64_t ldx, int64_t rows, float* y, int64_t ldy,
                     bool accumulate = true) {
-    float* u = m_.arena.alloc<float>(rows * ad.r);
-    m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
-    bf16* us = scaled_bf16(u, ad.scale, rows * ad.r);
-    if (!factors_only_) m_.gemm->run(us, ad.r, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, accumulate);
-    lora_u_[site_][{&ad, x}] = us;
+    bf16* us = nullptr;
+    int64_t ldu = ad.r;
+    if (const LoraGroup* g = stacked(ad); g || stack_group(ad, x, ldx, rows)) {
+      g = stacked(ad);
+      check(g->x == x && g->rows == rows, "stacked LoRA adapters on different inputs");
+      us = lora_u_[site_].at({&ad, x}), ldu = g->ld();
+    } else {
+      float* u = m_.arena.alloc<float>(rows * ad.r);
+      m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
+      us = scaled_bf16(u, ad.scale, rows * ad.r);
+      lora_u_[site_][{&ad, x}] = us;
+    }
+    if (!factors_only_) m_.gemm->run(us, ldu, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, accumulate);
   }
   // Its backward given dy (bf16, row stride lddy, the adapted rows at col0): dB += dyᵀ·u, dA += s·(dy·B)ᵀ·x and
   // dx (row stride in) += s·(dy·B)·A.
@@ -157,6 +262,18 @@ class Step {
     const auto& site_u = lora_u_[site_];
     const auto it = site_u.find({&ad, x});
     check(it != site_u.end(), "LoRA backward without its forward");
+    if (LoraGroup* sg = stacked(ad)) {
+      // dB here; dy·B into the member's columns of the group's gs, whose dA and dx flush_lora_groups makes.
+      check(sg->x == x && sg->rows == rows && (sg->done == 0 || sg->dx == dx),
+            "stacked LoRA adapters with different inputs or input gradients");
+      const int64_t ld = sg->ld(), j = lora_member_[site_].at(&ad).second;
+      m_.gemm->run_dw(dy + ad.col0, lddy, it->second, ld, ad.out, ad.r, rows, ad.dB, true);
+      if (!sg->g) sg->g = m_.arena.alloc<float>(rows * ld);
+      m_.gemm->run_dx(dy + ad.col0, lddy, ad.B, ad.out, ad.r, sg->g + j * ad.r, ld, rows, false);
+      sg->dx = dx;
+      ++sg->done;
+      return;
+    }
     m_.gemm->run_dw(dy + ad.col0, lddy, it->second, ad.r, ad.out, ad.r, rows, ad.dB, true);
     float* g = m_.arena.alloc<float>(rows * ad.r);
     m_.gemm->run_dx(dy + ad.col0, lddy, ad.B, ad.out, ad.r, g, ad.r, rows, false);
@@ -423,6 +540,9 @@ class Step {
   const ModelConfig& c_;
   // Per site (2·layer + ffn), each adapter's u = s·x·Aᵀ from the site's last forward, by (adapter, input rows).
   std::vector<std::map<std::pair<const DAdapter*, const bf16*>, bf16*>> lora_u_;
+  // Per site, the stacked groups of its adapters and each member's (group, place in it); see stack_group.
+  std::vector<std::vector<LoraGroup>> lora_groups_;
+  std::vector<std::map<const DAdapter*, std::pair<size_t, int64_t>>> lora_member_;
   size_t site_ = 0;  // the site being run
   // A recomputation before the backward runs: every site kept its sub-layer's output y from the forward, so the
   // output projection (and the MoE's down projection and combine) is skipped, its adapters computing their u alone.
@@ -498,10 +618,10 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   // y = o_proj(on); on = RMSNorm_K(o)·sigmoid(gate); gate = g_b(g_a(a))
   float* don = ar.alloc<float>(T * HK);
   linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, half(dy, T * D), don, gw.o, true);
-  float* dO = zeros(T * HK);
+  float* dO = ar.alloc<float>(T * HK);
   float* dgate = ar.alloc<float>(T * HK);
   kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps,
-                        ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K)), st);
+                        ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K)), st, false);
   float* dga = zeros(T * K);
   linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, half(dgate, T * HK), dga, gw.g_b);
   linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
@@ -968,6 +1088,8 @@ double Step::run(const float* row_weight) {
   };
   std::vector<Site> sites(2 * Lyr);
   lora_u_.assign(2 * Lyr, {});
+  lora_groups_.assign(2 * Lyr, {});
+  lora_member_.assign(2 * Lyr, {});
   m_.mark_begin("train: forward");
   // The streams go from site to site out of place: each site's post-mix reads its input (kept in site_h) and writes
   // the next site's, the last one h.
@@ -1024,7 +1146,7 @@ double Step::run(const float* row_weight) {
           m_.mark_end("train: recompute mhc");
         }
         s.x = SubActs{};
-        lora_u_[site_].clear();
+        clear_lora_site();
         m_.mark_begin("train: recompute " + kind);
         recompute_ = true;  // up to the output projection, which writes nothing: s.y was kept
         sub_forward(i, ffn, s.a, s.x, nullptr);
@@ -1039,6 +1161,7 @@ double Step::run(const float* row_weight) {
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
       sub_backward(i, ffn, s.a, s.x, dy, da);
+      flush_lora_groups();
       m_.mark_end("train: backward " + kind);
       m_.mark_begin("train: backward mhc");
       const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
@@ -1367,7 +1490,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       bytes += (n + 255) & ~size_t{255};
       return at;
     };
-    std::vector<std::array<size_t, 4>> at;  // per module: the offsets of A, B, dA, dB (dA, dB: first their sizes)
+    std::vector<std::array<size_t, 4>> at;  // per module: the offsets of A, B, dA, dB (first the sizes of A and B)
     for (const LoraModule& mod : mods) {
       check(mod.layer >= 0 && mod.layer < static_cast<int64_t>(m.layers.size()), "LoRA module on layer ", mod.layer,
             ", the model has ", m.layers.size());
@@ -1404,14 +1527,54 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
       d.out = tgt.out, d.in = tgt.W->in, d.r = mod.rank, d.col0 = tgt.col0;
       d.scale = static_cast<float>(mod.scale);
       const int64_t na = d.r * d.in, nb = d.out * d.r;
-      at.push_back({take(na * 2), take(nb * 2), static_cast<size_t>(na), static_cast<size_t>(nb)});
+      at.push_back({static_cast<size_t>(na), static_cast<size_t>(nb), 0, 0});
       st->order.push_back(&d);
     }
-    // The gradients after every A and B, in one range: zero_grads clears them with one memset however many
-    // adapters there are (2636 of them with one adapter per expert on the slice).
+    // Placement: first each layer's dense adapters of an input group (lora_input_groups), back to back in the
+    // group's order, so that the training step can stack their A and dA (Step::stack_group); then the others. Every
+    // A, then every B; then the gradients in the same order, in one range: zero_grads clears them with one memset
+    // however many adapters there are (2636 of them with one adapter per expert on the slice).
+    std::vector<size_t> place;  // module indices in placement order
+    std::vector<char> packed;   // per place: whether it follows the one before back to back (a group's next member)
+    {
+      std::map<std::pair<int64_t, int>, size_t> dense;  // (layer, kind) → module, for the dense kinds
+      for (size_t i = 0; i < mods.size(); ++i)
+        if (st->order[i] && !lora_kind_is_expert(mods[i].kind))
+          dense[{mods[i].layer, static_cast<int>(mods[i].kind)}] = i;
+      std::vector<char> placed(mods.size(), 0);
+      for (int64_t l = 0; l < static_cast<int64_t>(m.layers.size()); ++l)
+        for (const std::vector<LoraKind>& kinds : lora_input_groups()) {
+          bool first = true;
+          for (LoraKind k : kinds)
+            if (const auto it = dense.find({l, static_cast<int>(k)}); it != dense.end()) {
+              // Back to back when the A before it has the same size, a multiple of 16 bytes (aligned for cuBLASLt).
+              const size_t na = at[it->second][0];
+              packed.push_back(!first && na == at[place.back()][0] && na * 2 % 16 == 0);
+              place.push_back(it->second);
+              placed[it->second] = 1;
+              first = false;
+            }
+        }
+      for (size_t i = 0; i < mods.size(); ++i)
+        if (st->order[i] && !placed[i]) place.push_back(i), packed.push_back(0);
+    }
+    for (size_t i : place) at[i][2] = at[i][0], at[i][3] = at[i][1];  // the sizes, for the gradients
+    // A packed A or dA starts where the one before ended (the previous take() reserved its rounded size: give back
+    // the rounding first).
+    auto place_run = [&](int slot, size_t elem_bytes, int size_slot) {
+      size_t end = 0;
+      for (size_t p = 0; p < place.size(); ++p) {
+        const size_t i = place[p], n = at[i][size_slot] * elem_bytes;
+        if (packed[p]) bytes = end;
+        at[i][slot] = take(n);
+        end = at[i][slot] + n;
+      }
+    };
+    place_run(0, 2, 2);
+    for (size_t i : place) at[i][1] = take(at[i][3] * 2);
     st->grads_at = bytes;
-    for (size_t i = 0; i < st->order.size(); ++i)
-      if (st->order[i]) at[i][2] = take(at[i][2] * 4), at[i][3] = take(at[i][3] * 4);
+    place_run(2, 4, 2);
+    for (size_t i : place) at[i][3] = take(at[i][3] * 4);
     st->grads_bytes = bytes - st->grads_at;
     for (const cuda::LayerLora& ll : st->layers)
       for (const auto& v : ll.kinds)
