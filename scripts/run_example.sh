@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
+source scripts/blas_env.sh
 run=build/fortunes
 rm -rf "$run"
 scripts/prepare_fortunes.sh "$run/data"

@@ -8,6 +8,7 @@ quick=0
 jobs=$(nproc)
 
 scripts/setup.sh
+source scripts/blas_env.sh
 echo "== build (Release)"
 scripts/build.sh
 echo "== tests (Release)"
