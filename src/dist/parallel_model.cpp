@@ -304,10 +304,18 @@ void moe_parallel_forward(const MoeWeights& w, const ShardedModel& m, const Mesh
     std::fill(y, y + T * D, 0.0f);
   }
 
-  // Route this rank's tokens and build the dispatch: per destination, the expert ids and token rows.
+  // Route this rank's tokens and build the dispatch: per destination, the expert ids and token rows. The router runs
+  // on all T tokens (every rank holds them) and keeps this rank's share: its GEMM then has moe_forward's shape, so the
+  // routing weights are moe_forward's bits whatever BLAS kernel runs it (OpenBLAS's generic kernels sum a row in an
+  // order that depends on the row count; routing only T/P rows changed the EP=4 logits in the last bits).
   const Range mine = split_range(T, P, me);
   const int64_t n = mine.size();
-  const Routing r = route_forward(w, c, x + mine.begin * D, n);
+  Routing r;
+  {
+    const Routing all = route_forward(w, c, x, T);
+    r.experts.assign(all.experts.begin() + mine.begin * k, all.experts.begin() + mine.end * k);
+    r.weights.assign(all.weights.begin() + mine.begin * k, all.weights.begin() + mine.end * k);
+  }
   std::vector<std::vector<int32_t>> ids(P);
   std::vector<std::vector<float>> rows(P);
   for (int64_t t = 0; t < n; ++t)
