@@ -34,8 +34,8 @@ for target in safetensors config tokenizer; do
   [ -f "fuzz/$target.dict" ] && dict=(-dict="fuzz/$target.dict")
   build-fuzz/fuzz/fuzz_$target "${dict[@]}" -max_total_time="${NEXTLM_FUZZ_SECONDS:-60}" -print_final_stats=1 \
     -artifact_prefix="$work/" "$work/$target" 2>&1 | grep -E "^(stat::number_of_executed_units|Done|==)" || true
-  if ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* >/dev/null 2>&1; then
-    echo "fuzz_$target found a failing input:"; ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* 2>/dev/null
+  if ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-* >/dev/null 2>&1; then
+    echo "fuzz_$target found a failing input:"; ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-* 2>/dev/null
     exit 1
   fi
 done

@@ -273,6 +273,15 @@ TEST(ConfigMlpLayerTypes, ExplicitListIsUsed) {
   EXPECT_EQ(c.mlp_layer_types, (std::vector<MlpType>{Sp, Dn, Sp, Dn}));
 }
 
+// A huge layer count is refused before the per-layer lists are built (the config fuzzer found one allocating 2 GB).
+TEST(ConfigErrors, AbsurdLayerCountIsRefusedBeforeAllocating) {
+  expect_error(json::parse(R"({"model_type":"glm5_next","num_hidden_layers":536870912})"),
+               {"num_hidden_layers", "between 1 and 65536", "536870912"});
+  expect_error(json::parse(R"({"model_type":"glm5_next","num_hidden_layers":0})"), {"num_hidden_layers"});
+  EXPECT_EQ(parse_config(json::parse(R"({"model_type":"glm5_next","num_hidden_layers":65536})")).num_hidden_layers,
+            65536);
+}
+
 TEST(ConfigMlpLayerTypes, UnknownValueIsNamed) {
   expect_error(json::parse(R"({"model_type":"glm5_next","num_hidden_layers":2,"mlp_layer_types":["dense","moe"]})"),
                {"\"moe\""});

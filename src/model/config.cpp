@@ -151,8 +151,11 @@ ModelConfig parse_text(const json& t, const json& top, bool nested) {
     }
   }
 
+  // The per-layer lists are built before anything else is checked: an absurd layer count would otherwise allocate
+  // gigabytes here (the config fuzzer found a layer count that made one 2 GB allocation). GLM-5.3-Flash has 45.
+  constexpr int64_t kMaxLayers = 65536;
   const int64_t L = c.num_hidden_layers;
-  check(L >= 1, "config: num_hidden_layers must be positive, got ", L);
+  check(L >= 1 && L <= kMaxLayers, "config: num_hidden_layers must be between 1 and ", kMaxLayers, ", got ", L);
   if (present(t, "mlp_layer_types")) {
     c.mlp_layer_types = parse_list<MlpType>(t, "mlp_layer_types", L, parse_mlp_type);
   } else {
