@@ -347,7 +347,7 @@ void slice4_train_step_case(const std::string& name) {
                    " at " + std::to_string(kT) + " tokens, " +
                    (keep ? "every sub-layer's activations kept from the forward (--recompute none)"
                          : "every sub-layer recomputed before its backward up to its output projection (the outputs "
-                           "kept)") +
+                           "kept), but for the KDA recurrence and the MLA attention (their outputs kept)") +
                    "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
                    "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
                    "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
@@ -503,7 +503,7 @@ void slice4_lora_step_case(const std::string& name) {
                         : ", clipping and AdamW on the device's fp32 adapters (nothing goes to the host)") +
                    (keep ? ", every sub-layer's activations kept from the forward (--recompute none)"
                          : ", every sub-layer recomputed before its backward up to its output projection (the "
-                           "outputs kept)") +
+                           "outputs kept), but for the KDA recurrence and the MLA attention (their outputs kept)") +
                    "; median host wall time of " +
                    std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
                    "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s" +

@@ -376,6 +376,12 @@ TEST(CudaMhc, PreMatchesCpuAndIsBatchInvariant) {
         if (!(x[i] == y[i] && std::signbit(x[i]) == std::signbit(y[i]))) return false;  // NaN never passes
       return true;
     };
+    // The second half alone from the first's partials (training's recomputation of the mix): the same bits.
+    const cuda_testing::MhcPreOut again =
+        cuda_testing::mhc_pre(h, w.fn.data, w.base.data, w.scale.data, norm_w, T, S, D, eps, hc_eps, iters, true);
+    EXPECT_TRUE(same(again.post.data(), all.post.data(), T * S)) << at;
+    EXPECT_TRUE(same(again.comb.data(), all.comb.data(), T * S * S)) << at;
+    EXPECT_TRUE(same(again.a.data(), all.a.data(), T * D)) << at;
     for (int64_t n : {1, 2, 5, 9, 16, 17, 45}) {
       std::vector<int64_t> pick(n);
       for (int64_t i = 0; i < n; ++i) pick[i] = (i * 67 + n * 13) % T;  // distinct: 67 is prime to 300

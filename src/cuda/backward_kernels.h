@@ -115,11 +115,18 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient
 // rounded as the projection's backward reads it; dconv [3·HK, W] += …. seq_start [T] as the forward.
-// work: kda_conv_norm_backward_workspace_floats(T, H, K, W) floats.
-int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W);
+// work: kda_conv_norm_backward_workspace_floats(T, H, K, W, path) floats. path: kAuto runs one fused pass where it
+// serves the shape (4 taps, K <= 128: the config's), else a pass writing the pre-activations' gradient dpre [T, 3·HK]
+// and a conv pass reading it; kTwoPass runs the two passes for every shape (the fused pass's reference in the tests
+// and the bench). draw is the same bits either way; dconv is summed over other token ranges, so it differs by
+// rounding.
+enum class KdaConvBackwardPath { kAuto, kTwoPass };
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W,
+                                                KdaConvBackwardPath path = KdaConvBackwardPath::kAuto);
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
-                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr);
+                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr,
+                            KdaConvBackwardPath path = KdaConvBackwardPath::kAuto);
 
 // Backward of the gate: f [T, HK] the f_b output (before dt_bias), g = kda_gate(f): dg [T, HK] → df [T, HK] written
 // (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += …. work:
@@ -132,11 +139,15 @@ void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log,
 // d ← d·y·(1 − y) in place (the backward of y = sigmoid(x), for β and the output gate).
 void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t st);
 
-// Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32, gate [T, HK] (before the
-// sigmoid), don [T, HK] fp32. do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written, dw [K] += ….
+// Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32 (or bf16, as the tensor-core
+// recurrence writes it: the same sums as its fp32 widening), gate [T, HK] (before the sigmoid), don [T, HK] fp32.
+// do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written, dw [K] += ….
 // work: kda_out_norm_backward_workspace_floats(T, H, K) floats.
 int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
+                           float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
+                           cudaStream_t st, bool accumulate = true);
+void kda_out_norm_backward(const bf16* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
                            cudaStream_t st, bool accumulate = true);
 

@@ -32,6 +32,10 @@ struct MhcParams {
 // else is in the batch.
 int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D);
 void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st);
+// mhc_pre without the projection: from the partials an mhc_pre call on the same p and h left in work (training's
+// recomputation keeps them from the forward), the same post, comb and a bit for bit.
+void mhc_pre_apply(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, const float* work,
+                   cudaStream_t st);
 // h[t, s] ← post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r], in place. y fp32 [T, D].
 void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,
               cudaStream_t st);

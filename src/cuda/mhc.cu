@@ -560,10 +560,10 @@ void allow_smem(K kernel, size_t static_bytes, size_t dyn) {
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dyn)));
 }
 
+// The projection's partials of h into work.
 template <int S>
-void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
+void launch_project(const MhcParams& p, const float* h, float* work, cudaStream_t st) {
   using P = ProjTile<S>;
-  using A = ApplyDims<S>;
   const int64_t SD = S * p.D, splits = num_splits(SD);
   const bool rows = p.T <= kRowsMaxT;
   const bool proj_vec = SD % 4 == 0 && aligned16(h) && aligned16(p.fn);
@@ -580,6 +580,15 @@ void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf
     kernel<<<grid, kThreads, P::smem_bytes, st>>>(h, p.fn, work, p.T, SD);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+// The coefficients and the normed collapse from the partials launch_project left in work.
+template <int S>
+void launch_apply(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, const float* work,
+                  cudaStream_t st) {
+  using A = ApplyDims<S>;
+  const int64_t splits = num_splits(S * p.D);
+  const bool rows = p.T <= kRowsMaxT;
   const bool vec = p.D % 4 == 0 && aligned16(h) && aligned16(p.norm_w) && reinterpret_cast<uintptr_t>(a) % 8 == 0;
   auto kernel = rows ? (vec ? mhc_apply_kernel<S, true, kWarps> : mhc_apply_kernel<S, false, kWarps>)
                      : (vec ? mhc_apply_kernel<S, true, 1> : mhc_apply_kernel<S, false, 1>);
@@ -589,6 +598,12 @@ void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf
   const int64_t nsk = ceil_div(p.T, skt);
   kernel<<<static_cast<unsigned>(nsk + p.T), kThreads, smem, st>>>(p, h, work, splits, skt, nsk, post, comb, a);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int S>
+void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
+  launch_project<S>(p, h, work, st);
+  launch_apply<S>(p, h, post, comb, a, work, st);
 }
 
 template <int S>
@@ -629,6 +644,14 @@ int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D) {
 void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
   if (!p.T) return;
 #define CALL(S) launch_pre<S>(p, h, post, comb, a, work, st)
+  NEXTLM_MHC_DISPATCH(p.S, CALL)
+#undef CALL
+}
+
+void mhc_pre_apply(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, const float* work,
+                   cudaStream_t st) {
+  if (!p.T) return;
+#define CALL(S) launch_apply<S>(p, h, post, comb, a, work, st)
   NEXTLM_MHC_DISPATCH(p.S, CALL)
 #undef CALL
 }

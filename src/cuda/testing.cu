@@ -454,7 +454,7 @@ namespace nextlm::cuda_testing {
 
 MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
                   const std::vector<float>& scale, const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D,
-                  float rms_eps, float hc_eps, int iters) {
+                  float rms_eps, float hc_eps, int iters, bool apply_again) {
   Buf dh = upload(h), dfn = upload(fn), dbase = upload(base), dscale = upload(scale), dw = upload(norm_w);
   Buf post = upload(std::vector<float>(T * S, NAN)), comb = upload(std::vector<float>(T * S * S, NAN));
   Buf a = upload(std::vector<cuda::bf16>(T * D, __float2bfloat16(NAN)));
@@ -463,6 +463,14 @@ MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, con
                           rms_eps, hc_eps, iters};
   cuda::mhc_pre(p, dh.as<float>(), post.as<float>(), comb.as<float>(), a.as<cuda::bf16>(), work.as<float>(), nullptr);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (apply_again) {
+    Buf post2 = upload(std::vector<float>(T * S, NAN)), comb2 = upload(std::vector<float>(T * S * S, NAN));
+    Buf a2 = upload(std::vector<cuda::bf16>(T * D, __float2bfloat16(NAN)));
+    cuda::mhc_pre_apply(p, dh.as<float>(), post2.as<float>(), comb2.as<float>(), a2.as<cuda::bf16>(),
+                        work.as<float>(), nullptr);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    return {download<float>(post2, T * S), download<float>(comb2, T * S * S), widen(download<cuda::bf16>(a2, T * D))};
+  }
   return {download<float>(post, T * S), download<float>(comb, T * S * S), widen(download<cuda::bf16>(a, T * D))};
 }
 

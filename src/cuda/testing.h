@@ -140,13 +140,14 @@ namespace nextlm::cuda_testing {
 
 // mhc_pre on streams h [T, S, D] with fn [(2+S)S, S·D], base [(2+S)S], scale [3] and the sub-layer norm weight
 // norm_w [D]: post [T, S], comb [T, S, S] and the normed collapse a [T, D] (bf16 widened). Outputs are poisoned with
-// NaN first.
+// NaN first. apply_again: then poisoned again and written by mhc_pre_apply from the partials mhc_pre left (as
+// training's recomputation runs it); those are returned.
 struct MhcPreOut {
   std::vector<float> post, comb, a;
 };
 MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
                   const std::vector<float>& scale, const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D,
-                  float rms_eps, float hc_eps, int iters);
+                  float rms_eps, float hc_eps, int iters, bool apply_again = false);
 
 }  // namespace nextlm::cuda_testing
 

@@ -9,15 +9,17 @@ namespace nextlm::cuda_testing {
 
 // kda_conv_norm_backward on packed sequences (cu_seqlens [N+1]): raw [T, 3·HK], conv [3·HK, W], dq, dk, dv [T, H, K].
 // draw [T, 3·HK] and dconv [3·HK, W] hold the starting values on entry and the accumulated gradients on return.
+// two_pass: the dpre pass and the conv pass whatever the shape (KdaConvBackwardPath::kTwoPass).
 void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
                             const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                             const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
-                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
+                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W, bool two_pass = false);
 // The same with draw written in bf16 (kda_conv_norm_backward's draw16, poisoned first): returns its bits.
 std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw, const std::vector<float>& conv,
                                                   const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                                                   const std::vector<float>& dk, const std::vector<float>& dv,
-                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
+                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W,
+                                                  bool two_pass = false);
 
 // kda_gate_backward: f [T, HK] the f_b output, dt_bias [HK], A_log [H], dg [T, HK]. Returns df [T, HK]; ddt_bias
 // [HK] and dA_log [H] are accumulated into.
@@ -30,10 +32,11 @@ std::vector<float> kda_gate_backward(const std::vector<float>& f, const std::vec
 std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vector<float>& d);
 
 // kda_out_norm_backward: o [T, H, K], gate [T, HK], w [K], don [T, HK]. Returns dgate [T, HK]; do_ [T, H, K] and
-// dw [K] are accumulated into, or with written do_ is written (its device buffer starting as NaN).
+// dw [K] are accumulated into, or with written do_ is written (its device buffer starting as NaN). bf16_o: o goes to
+// the device rounded to bf16, through the bf16 overload.
 std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
-                                         int64_t K, float eps, bool written = false);
+                                         int64_t K, float eps, bool written = false, bool bf16_o = false);
 
 }  // namespace nextlm::cuda_testing

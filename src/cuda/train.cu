@@ -1,12 +1,14 @@
 // The training forward and backward on one GPU: CudaModel::forward_backward, the device counterpart of
 // model_forward_backward (src/model/train.cpp). The forward keeps the streams entering each mHC site, each
-// sub-layer's output and the DSA selections; the backward walks the sites from the last, recomputing each one's mHC
-// mix and sub-layer up to its output projection (keeping the activations its backward reads, in the arena; the
-// output projection's input is its last one) and then running the backward kernels (backward_kernels.h) and the
-// GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a recompute policy that keeps a component (set_recompute), its sites
-// keep their activations from the forward instead. The forward pass and the recomputation run the same functions on
-// the same inputs, so every policy gives the same loss bit for bit, and the same gradients up to the order of the
-// atomic additions that also separates two runs of one policy (embedding, MLA key gradients).
+// sub-layer's output, the DSA selections, each KDA or DSA sub-layer's attention core output and each site's mHC
+// projection partials; the backward walks the sites from the last, recomputing each one's mHC mix (from those
+// partials) and sub-layer up to its output projection but for that core (keeping the activations its backward
+// reads, in the arena; the output projection's input is its last one) and then running the backward kernels
+// (backward_kernels.h) and the GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a
+// recompute policy that keeps a component (set_recompute), its sites keep their activations from the forward
+// instead. The forward pass and the recomputation run the same functions on the same inputs, so every policy gives
+// the same loss bit for bit, and the same gradients up to the order of the atomic additions that also separates two
+// runs of one policy (embedding, MLA key gradients).
 // On one rank of a tensor/expert-parallel model (CudaShard) the same step runs on the rank's slices with the
 // collectives of src/dist/parallel_train.h's design: each sub-layer's output and input gradient are shares summed
 // over TP (the MoE's over TP and EP), the head is a vocabulary-parallel cross-entropy, and the gradients of the
@@ -89,7 +91,11 @@ __global__ void local_tokens_kernel(const int32_t* tok, int32_t* out, int64_t T,
 
 // What each sub-layer's backward reads, kept by its training forward (arena memory).
 struct KdaActs {
-  float *raw, *q, *k, *v, *fa, *f, *g, *beta, *ga, *gate, *o;
+  float *raw, *q, *k, *v, *fa, *f, *g, *beta, *ga, *gate;
+  // The recurrence's output: bf16 from the tensor-core kernel (the output norm and its backward read it so), else
+  // fp32; the other is null.
+  float* o = nullptr;
+  bf16* o_tc = nullptr;
   bf16 *fa16, *ga16, *o16;
 };
 struct DsaActs {
@@ -552,7 +558,39 @@ class Step {
   // site (Step::run makes it when the policy keeps the MoE layers), else each forward takes its own from the arena
   // and gives it back with the site's activations.
   float* moe_out_ = nullptr;
+  // A recomputed KDA or DSA site's attention core output, kept from the forward in the site's own buffers (Step::run
+  // allocates them with core_buffers), so that its recomputation skips the recurrence or the attention, the costly
+  // and small part of the sub-layer: the tensor-core recurrence's bf16 o (kda_o16) or the fp32 one's o (kda_o); the
+  // MLA attention's bf16 o and, on tensor cores, its rows' log-sum-exp. Null while no site's are wanted (the core
+  // runs into the arena).
+  struct CoreOut {
+    bf16* kda_o16 = nullptr;
+    float* kda_o = nullptr;
+    bf16* mla_o = nullptr;
+    float* mla_lse2 = nullptr;
+  };
+  CoreOut core_;
+  CoreOut core_buffers(const DLayer& L);
 };
+
+Step::CoreOut Step::core_buffers(const DLayer& L) {
+  const int64_t T = this->T();
+  Arena& ar = m_.arena;
+  CoreOut o;
+  if (L.kda_layer) {
+    const int64_t HK = c_.linear_num_heads * c_.linear_head_dim;
+    if (m_.kda_tc_path()) {
+      o.kda_o16 = ar.alloc<bf16>(T * HK);
+    } else {
+      o.kda_o = ar.alloc<float>(T * HK);
+    }
+  } else {
+    const int64_t NH = c_.num_attention_heads;
+    o.mla_o = ar.alloc<bf16>(T * NH * c_.v_head_dim);
+    if (mla_tc_supported(c_.qk_nope_head_dim, c_.v_head_dim)) o.mla_lse2 = ar.alloc<float>(T * NH);
+  }
+  return o;
+}
 
 void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y) {
   const int64_t T = this->T(), D = c_.hidden_size, H = c_.linear_num_heads, K = c_.linear_head_dim, HK = H * K,
@@ -590,19 +628,27 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.ga16 = half(x.ga, T * K);
   x.gate = ar.alloc<float>(T * HK);
   linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
-  x.o = ar.alloc<float>(T * HK);
-  if (tc) {
-    bf16* o16 = ar.alloc<bf16>(T * HK);
-    void* work = ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
-    kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, o16, p_.chunks,
-                   kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
-    bf16_to_f32(o16, x.o, T * HK, st);
-  } else {
-    float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
-    kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
-  }
+  // The recurrence, unless this is a recomputation and the forward kept its output (core_).
+  const bool core_kept = recompute_ && (core_.kda_o16 || core_.kda_o);
+  const float eps = static_cast<float>(c_.rms_norm_eps);
   x.o16 = ar.alloc<bf16>(T * HK);
-  kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, static_cast<float>(c_.rms_norm_eps), st);
+  if (tc) {
+    x.o_tc = core_.kda_o16 ? core_.kda_o16 : ar.alloc<bf16>(T * HK);
+    if (!core_kept) {
+      void* work =
+          ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
+      kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, x.o_tc, p_.chunks,
+                     kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
+    }
+    kda_out_norm(x.o_tc, x.gate, w.o_norm, x.o16, T, H, K, eps, st);
+  } else {
+    x.o = core_.kda_o ? core_.kda_o : ar.alloc<float>(T * HK);
+    if (!core_kept) {
+      float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
+      kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
+    }
+    kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, eps, st);
+  }
   output_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
 }
 
@@ -620,8 +666,11 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, half(dy, T * D), don, gw.o, true);
   float* dO = ar.alloc<float>(T * HK);
   float* dgate = ar.alloc<float>(T * HK);
-  kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps,
-                        ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K)), st, false);
+  float* onw = ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K));
+  if (x.o_tc)
+    kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps, onw, st, false);
+  else
+    kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps, onw, st, false);
   float* dga = zeros(T * K);
   linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, half(dgate, T * HK), dga, gw.g_b);
   linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
@@ -681,17 +730,20 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
   x.kv = ar.alloc<float>(T * NH * (dqk + dv));
   linear_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, x.kv);
-  x.o = ar.alloc<bf16>(T * NH * dv);
+  // The attention, unless this is a recomputation and the forward kept its output (core_).
+  const bool core_kept = recompute_ && core_.mla_o;
+  x.o = core_.mla_o ? core_.mla_o : ar.alloc<bf16>(T * NH * dv);
   const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
   if (mla_tc_supported(dqk, dv)) {
     // The forward's tensor-core kernel on bf16 copies, keeping its rows' log-sum-exp for the tensor-core backward.
     const int64_t words = mla_mask_words(p_.max_len);
     x.q16 = half(x.q, T * NH * dqk);
     x.kv16 = half(x.kv, T * NH * (dqk + dv));
-    x.lse2 = ar.alloc<float>(T * NH);
-    mla_sparse_attention_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, x.o, ar.alloc<uint32_t>(T * words), words,
-                            T, NH, dqk, dv, max_sel(), st, x.lse2);
-  } else {
+    x.lse2 = core_.mla_lse2 ? core_.mla_lse2 : ar.alloc<float>(T * NH);
+    if (!core_kept)
+      mla_sparse_attention_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, x.o, ar.alloc<uint32_t>(T * words),
+                              words, T, NH, dqk, dv, max_sel(), st, x.lse2);
+  } else if (!core_kept) {
     mla_sparse_attention(x.q, x.kv, sel, count, p_.seq_start, lens, x.o, T, NH, dqk, dv, max_sel(), st);
   }
   output_forward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, y);
@@ -1080,6 +1132,10 @@ double Step::run(const float* row_weight) {
     Arena::Mark mark{};  // where its allocations began
     float *post = nullptr, *comb = nullptr, *y = nullptr;
     bf16* a = nullptr;
+    // Where the mix is recomputed: the forward's projection partials of the site's streams (mhc_pre's work), so
+    // that the recomputation runs only the mix's second half (mhc_pre_apply).
+    float* proj = nullptr;
+    CoreOut core;  // a recomputed KDA or DSA site's attention core output (core_)
     SubActs x;
   };
   const RecomputePolicy& policy = m_.recompute;
@@ -1105,17 +1161,22 @@ double Step::run(const float* row_weight) {
       s.kept = keeps(L, ffn);
       s.mix_kept = s.kept || !policy.mhc;
       if (s.mix_kept) s.post = ar.alloc<float>(T * S), s.comb = ar.alloc<float>(T * S * S), s.a = ar.alloc<bf16>(T * D);
+      else s.proj = ar.alloc<float>(mhc_pre_workspace_floats(T, S, D));
       // Every site keeps its sub-layer's output (T × D, what the post-mix backward reads), so that a recomputation
       // skips the output projection.
       s.y = ar.alloc<float>(T * D);
+      // A recomputed attention sub-layer keeps its core's output too, so that its recomputation skips the core.
+      if (!s.kept && !ffn) s.core = core_buffers(L);
       const Arena::Mark sub_mark = ar.mark();
       float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.y;
       bf16* sa = s.mix_kept ? s.a : a;
-      mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, mhc_work, st);
+      mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, s.mix_kept ? mhc_work : s.proj, st);
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
       // recomputation before each backward reuses them.
       select_ = true;
+      core_ = s.core;
       sub_forward(i, ffn, sa, s.x, sy);
+      core_ = {};
       select_ = false;
       mhc_post(hin, hout, sy, sp, sc, T, S, D, st);
       if (!s.kept) ar.rewind(sub_mark);
@@ -1142,14 +1203,16 @@ double Step::run(const float* row_weight) {
         if (!s.mix_kept) {
           s.post = post, s.comb = comb, s.a = a;
           m_.mark_begin("train: recompute mhc");
-          mhc_pre(mp, hin, post, comb, a, mhc_work, st);
+          mhc_pre_apply(mp, hin, post, comb, a, s.proj, st);
           m_.mark_end("train: recompute mhc");
         }
         s.x = SubActs{};
         clear_lora_site();
         m_.mark_begin("train: recompute " + kind);
         recompute_ = true;  // up to the output projection, which writes nothing: s.y was kept
+        core_ = s.core;     // and without the attention core, whose output was kept
         sub_forward(i, ffn, s.a, s.x, nullptr);
+        core_ = {};
         recompute_ = false;
         m_.mark_end("train: recompute " + kind);
       }
