@@ -214,47 +214,6 @@ void kda_backward_case(const std::string& name) {
        floor_ms, note);
 }
 
-void kda_conv_backward_case(const std::string& name) {
-  const int64_t T = 4096, H = 64, K = 128, W = 4, HK = H * K, C3 = 3 * HK;
-  // Four sequences (their ends inside the 64-token runs of the fused kernel), as a packed batch would have them.
-  const std::vector<int64_t> cu{0, 1000, 2047, 2048, T};
-  cudaStream_t st;
-  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
-  const Buf raw = upload(randn(T * C3, 31)), conv = upload(randn(C3 * W, 32)), dq = upload(randn(T * HK, 33)),
-            dk = upload(randn(T * HK, 34)), dv = upload(randn(T * HK, 35)),
-            starts = upload(cuda_testing::detail::seq_starts(cu));
-  Buf dconv(C3 * W * sizeof(float)), fused16(T * C3 * sizeof(cuda::bf16)), two16(T * C3 * sizeof(cuda::bf16));
-  using cuda::KdaConvBackwardPath;
-  Buf work_f(cuda::kda_conv_norm_backward_workspace_floats(T, H, K, W, KdaConvBackwardPath::kAuto) * sizeof(float)),
-      work_t(cuda::kda_conv_norm_backward_workspace_floats(T, H, K, W, KdaConvBackwardPath::kTwoPass) * sizeof(float));
-  auto run = [&](KdaConvBackwardPath path, Buf& out, Buf& work) {
-    return [&, path, o = &out, w = &work] {
-      cuda::kda_conv_norm_backward(raw.as<float>(), conv.as<float>(), starts.as<int32_t>(), dq.as<float>(),
-                                   dk.as<float>(), dv.as<float>(), nullptr, dconv.as<float>(), T, H, K, W,
-                                   w->as<float>(), st, o->as<cuda::bf16>(), path);
-    };
-  };
-  const auto fused = run(KdaConvBackwardPath::kAuto, fused16, work_f);
-  const auto two = run(KdaConvBackwardPath::kTwoPass, two16, work_t);
-  const auto zero = [&] { memset_zero(dconv, st); };
-  zero(), fused(), two();
-  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
-  const bool same = download<uint16_t>(fused16) == download<uint16_t>(two16);
-  const double fused_ms = median_ms(zero, fused, st, 3, 20), two_ms = median_ms(zero, two, st, 3, 20);
-  NEXTLM_CUDA_CHECK(cudaStreamDestroy(st));
-  // Bytes: raw [T, 3HK] and dq, dk, dv read in fp32, draw written in bf16 (the taps and dconv are negligible); the
-  // two-pass form also writes and reads dpre [T, 3HK] in fp32.
-  const double bytes = static_cast<double>(T) * HK * (3 * 4 + 3 * 4 + 3 * 2);
-  char note[500];
-  std::snprintf(note, sizeof note,
-                "%s: the KDA conv + SiLU + L2-norm backward in one fused pass vs the dpre pass + conv pass (peer), "
-                "T=4096 in 4 sequences, H=64, K=128, 4 taps, draw in bf16 as training writes it; bf16 draw of the two "
-                "forms bitwise %s; floor = bytes %.2f GB -> %.3f ms",
-                same ? "ok" : "CHECK FAILED", same ? "equal" : "DIFFERENT", bytes / 1e9, bytes / kBytesPerMs);
-  emit(name, fused_ms, "dpre pass + conv pass (cuda::KdaConvBackwardPath::kTwoPass), same run", two_ms,
-       bytes / kBytesPerMs, note);
-}
-
 void mla_backward_case(const std::string& name) {
   const int64_t T = 4096, NH = 64, dqk = 256, dv = 256, W = dqk + dv, topk = 2048;
   // The tensor-core kernel rounds do, the softmax weights and their gradients to bf16 (a few 1e-3 of norm-relative

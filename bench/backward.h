@@ -11,10 +11,6 @@ namespace nextlm::bench {
 // step-serial cuda::kda_recurrent_backward on the same inputs. The note gives both at 4 sequences of 1024.
 void kda_backward_case(const std::string& name);
 
-// `kda_conv_bwd_T4096_H64`: cuda::kda_conv_norm_backward's fused one-pass kernel at T = 4096 (4 sequences), H = 64,
-// K = 128, 4 taps, draw in bf16; peer: the dpre pass + conv pass on the same inputs (their bf16 draw must be equal).
-void kda_conv_backward_case(const std::string& name);
-
 // `mla_bwd_T4096_NH64`: cuda::mla_sparse_attention_backward_tc at T = 4096, NH = 64, dqk = dv = 256, causal random
 // top-2048 selections; peer: the fp32 tiled cuda::mla_sparse_attention_backward. The note adds the fp32 scatter
 // kernel (mla_sparse_attention_backward_scatter).

@@ -115,18 +115,11 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient
 // rounded as the projection's backward reads it; dconv [3·HK, W] += …. seq_start [T] as the forward.
-// work: kda_conv_norm_backward_workspace_floats(T, H, K, W, path) floats. path: kAuto runs one fused pass where it
-// serves the shape (4 taps, K <= 128: the config's), else a pass writing the pre-activations' gradient dpre [T, 3·HK]
-// and a conv pass reading it; kTwoPass runs the two passes for every shape (the fused pass's reference in the tests
-// and the bench). draw is the same bits either way; dconv is summed over other token ranges, so it differs by
-// rounding.
-enum class KdaConvBackwardPath { kAuto, kTwoPass };
-int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W,
-                                                KdaConvBackwardPath path = KdaConvBackwardPath::kAuto);
+// work: kda_conv_norm_backward_workspace_floats(T, H, K, W) floats.
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W);
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
-                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr,
-                            KdaConvBackwardPath path = KdaConvBackwardPath::kAuto);
+                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr);
 
 // Backward of the gate: f [T, HK] the f_b output (before dt_bias), g = kda_gate(f): dg [T, HK] → df [T, HK] written
 // (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += …. work:

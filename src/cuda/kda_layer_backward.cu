@@ -40,8 +40,8 @@ __device__ __forceinline__ float silu_grad(float x) {
 // with act = SiLU(pre), y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no
 // norm.
 template <int N>
-__device__ __forceinline__ void dpre_vals(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
-                                          float qscale, int64_t K, float (&out)[N]) {
+__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
+                                         float qscale, int64_t K, float* out) {
   const int lane = threadIdx.x & 31;
   float act[N], g[N];
   float ss = 0.0f, dot = 0.0f;
@@ -66,23 +66,11 @@ __device__ __forceinline__ void dpre_vals(const float (&pre)[N], int per, const 
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    out[i] = 0.0f;
     const int64_t d = lane + 32 * i;
     if (i >= per || d >= K) continue;
     const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
-    out[i] = dact * silu_grad(pre[i]);
+    out[d] = dact * silu_grad(pre[i]);
   }
-}
-// The same written to the row out (channel lane + 32i at out[lane + 32i]).
-template <int N>
-__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
-                                         float qscale, int64_t K, float* out) {
-  const int lane = threadIdx.x & 31;
-  float v[N];
-  dpre_vals(pre, per, dy, which, qscale, K, v);
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (i < per && lane + 32 * i < K) out[lane + 32 * i] = v[i];
 }
 
 // One warp per (token, head, which), as conv_norm_kernel: recompute pre = conv(raw) of its K channels, then its dpre
@@ -145,114 +133,6 @@ __global__ void __launch_bounds__(256, 2)
         [&](int u, int64_t t, const float (&pre)[PER]) {
           dpre_row(pre, PER, dy.x[u], r.which, qscale, K, dpre + t * C3 + r.which * HK + r.h * K);
         });
-  }
-}
-
-// conv_norm_dpre_rows_kernel and conv_backward_kernel in one pass, without the dpre buffer: a block takes one (head,
-// which) over kTileTokens consecutive tokens [t0, t1). It stages the rows of raw [t0 − (W−1), t1 + (W−1)) and the
-// output gradients of [t0, t1 + (W−1)) of its K channels in shared memory; each warp then forms dpre of some of those
-// tokens (the conv in w order and dpre_vals, as conv_norm_dpre_rows_kernel forms them, lane l holding channels
-// l + 32i) over their gradients; and each thread forms its outputs from the staged dpre:
-//   dx[s] = Σ_i w[i]·dpre[s+(W−1)−i]   (the later tokens in s's sequence, in conv_backward_kernel's order),
-//   part[tile, ch, i] = Σ_{t in tile} dpre[t]·x[t+i−(W−1)]   (summed by conv_dw_reduce_kernel in tile order).
-// The dpre of the W − 1 tokens past t1 are formed here and again by the next tile. draw is thus the two-pass form's
-// bit for bit. Needs K % 4 == 0 and 16-byte aligned rows (the staging's float4 loads).
-constexpr int kTileTokens = 64;    // tokens of a block (its dw partials: one per tile)
-constexpr int kTileThreads = 256;  // eight warps
-__host__ __device__ inline int64_t conv_tiles(int64_t T) { return (T + kTileTokens - 1) / kTileTokens; }
-template <int W, int PER>
-constexpr size_t conv_tile_smem_bytes() {
-  return static_cast<size_t>((kTileTokens + 2 * (W - 1)) + (kTileTokens + (W - 1))) * 32 * PER * sizeof(float) +
-         (kTileTokens + (W - 1)) * sizeof(int32_t);
-}
-
-template <int W, int PER, class OutT>
-__global__ void __launch_bounds__(kTileThreads)
-    conv_norm_backward_tile_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
-                                   const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
-                                   const float* __restrict__ dk, const float* __restrict__ dv,
-                                   OutT* __restrict__ draw, float* __restrict__ part, int64_t T, int64_t H,
-                                   int64_t K, float qscale) {
-  constexpr bool kAdd = std::is_same_v<OutT, float>;
-  constexpr int KP = 32 * PER;                        // row stride of the staged rows (K ≤ KP)
-  constexpr int RX = kTileTokens + 2 * (W - 1);       // rows of raw: tokens t0 − (W−1) + r
-  constexpr int RD = kTileTokens + (W - 1);           // rows of the gradients, then of dpre: tokens t0 + r
-  extern __shared__ __align__(16) float conv_smem[];
-  float* xs = conv_smem;                               // [RX][KP]
-  float* ds = conv_smem + RX * KP;                     // [RD][KP]
-  int32_t* ss = reinterpret_cast<int32_t*>(ds + RD * KP);  // [RD] sequence starts (INT32_MAX past T)
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t HK = H * K, C3 = 3 * HK;
-  const int64_t which = blockIdx.x % 3, h = (blockIdx.x / 3) % H, tile = blockIdx.x / (3 * H);
-  const int64_t t0 = tile * kTileTokens, t1 = t0 + kTileTokens < T ? t0 + kTileTokens : T;
-  const int64_t col = which * HK + h * K;  // the block's first channel in raw
-  const float* dsrc = which == 0 ? dq : (which == 1 ? dk : dv);
-  const int K4 = static_cast<int>(K / 4);
-  for (int idx = tid; idx < RX * K4; idx += kTileThreads) {
-    const int r = idx / K4, d = 4 * (idx % K4);
-    const int64_t t = t0 - (W - 1) + r;
-    const float4 x = t >= 0 && t < T ? *reinterpret_cast<const float4*>(raw + t * C3 + col + d)
-                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    *reinterpret_cast<float4*>(xs + r * KP + d) = x;
-  }
-  for (int idx = tid; idx < RD * K4; idx += kTileThreads) {
-    const int r = idx / K4, d = 4 * (idx % K4);
-    const int64_t t = t0 + r;
-    const float4 g = t < T ? *reinterpret_cast<const float4*>(dsrc + (t * H + h) * K + d)
-                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    *reinterpret_cast<float4*>(ds + r * KP + d) = g;
-  }
-  for (int r = tid; r < RD; r += kTileThreads) ss[r] = t0 + r < T ? seq_start[t0 + r] : INT32_MAX;
-  float taps[PER][W];
-#pragma unroll
-  for (int i = 0; i < PER; ++i)
-#pragma unroll
-    for (int w = 0; w < W; ++w) taps[i][w] = lane + 32 * i < K ? conv[(col + lane + 32 * i) * W + w] : 0.0f;
-  __syncthreads();
-  // dpre of token t0 + r over its gradient's row, a warp a token.
-  for (int r = warp; r < RD; r += kTileThreads / 32) {
-    const int64_t t = t0 + r;
-    if (t >= T) break;  // rows past T stay zero
-    const int64_t s0 = ss[r];
-    float pre[PER], dy[PER], dp[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int d = lane + 32 * i;
-      pre[i] = 0.0f, dy[i] = 0.0f;
-      if (d >= K) continue;
-      float acc = 0.0f;
-#pragma unroll
-      for (int w = 0; w < W; ++w)
-        if (t + w - (W - 1) >= s0) acc += taps[i][w] * xs[(r + w) * KP + d];
-      pre[i] = acc;
-      dy[i] = ds[r * KP + d];
-    }
-    dpre_vals(pre, PER, dy, which, qscale, K, dp);
-#pragma unroll
-    for (int i = 0; i < PER; ++i)
-      if (lane + 32 * i < K) ds[r * KP + lane + 32 * i] = dp[i];
-  }
-  __syncthreads();
-  // Input gradients of the tile's tokens, channel fastest (coalesced stores).
-  for (int idx = tid; idx < (t1 - t0) * K; idx += kTileThreads) {
-    const int sl = static_cast<int>(idx / K), d = static_cast<int>(idx % K);
-    const int64_t s = t0 + sl;
-    const float* w = conv + (col + d) * W;
-    float dx = 0.0f;
-#pragma unroll
-    for (int j = 0; j < W; ++j)
-      if (s + (W - 1) - j < T && ss[sl + (W - 1) - j] <= s) dx += w[j] * ds[(sl + (W - 1) - j) * KP + d];
-    if constexpr (kAdd) draw[s * C3 + col + d] += dx;
-    else draw[s * C3 + col + d] = __float2bfloat16(dx);
-  }
-  // The tile's dw partials.
-  float* out = part + tile * C3 * W;
-  for (int idx = tid; idx < K * W; idx += kTileThreads) {
-    const int d = idx % static_cast<int>(K), w = idx / static_cast<int>(K);
-    float acc = 0.0f;
-    for (int sl = 0; sl < t1 - t0; ++sl)
-      if (t0 + sl + w - (W - 1) >= ss[sl]) acc += ds[sl * KP + d] * xs[(sl + w) * KP + d];
-    out[(col + d) * W + w] = acc;
   }
 }
 
@@ -487,64 +367,24 @@ __global__ void out_norm_dw_reduce_kernel(const float* part, float* dw, int64_t 
 // Blocks of the output-norm backward: a function of the row count only (fixed reduction order).
 int64_t out_norm_blocks(int64_t rows) { return std::min<int64_t>(ceil_div(rows, 8), 512); }
 
-// The fused one-pass kernel serves the config's tap count (linear_conv_kernel_dim 4) up to K = 128 (its shared
-// memory) in multiples of 4 (its float4 staging); other shapes take the dpre pass and the conv pass.
-bool conv_norm_backward_fused(int64_t K, int64_t W, KdaConvBackwardPath path) {
-  return path == KdaConvBackwardPath::kAuto && W == 4 && K <= 128 && K % 4 == 0;
-}
-
 }  // namespace
 
-int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W,
-                                                KdaConvBackwardPath path) {
-  if (conv_norm_backward_fused(K, W, path)) return conv_tiles(T) * 3 * H * K * W;
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W) {
   return T * 3 * H * K + num_parts(T) * 3 * H * K * W;
 }
 
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
-                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16,
-                            KdaConvBackwardPath path) {
+                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16) {
   check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
   check(!draw != !draw16, "CUDA KDA backward: the conv's input gradient goes to exactly one of draw and draw16");
   check(W >= 1 && W <= kMaxW, "CUDA KDA backward: conv kernel size must be 1..", kMaxW, ", got ", W);
   if (T <= 0 || H * K == 0) return;
-  const int64_t C3 = 3 * H * K;
-  const float qscale = rsqrtf(static_cast<float>(K));
-  if (conv_norm_backward_fused(K, W, path)) {
-    check(is_aligned16(raw) && is_aligned16(dq) && is_aligned16(dk) && is_aligned16(dv),
-          "CUDA KDA backward: the conv's inputs must be 16-byte aligned");
-    const int64_t blocks = conv_tiles(T) * H * 3;
-    check(blocks < (int64_t{1} << 31), "CUDA KDA backward: ", T, " tokens are too many for the conv's grid");
-    auto run = [&](auto per, auto* out) {
-      constexpr int kPer = decltype(per)::value;
-      constexpr size_t smem = conv_tile_smem_bytes<4, kPer>();
-      auto kernel = conv_norm_backward_tile_kernel<4, kPer, std::remove_pointer_t<decltype(out)>>;
-      NEXTLM_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<static_cast<unsigned>(blocks), kTileThreads, smem, st>>>(raw, conv, seq_start, dq, dk, dv, out, work,
-                                                                        T, H, K, qscale);
-    };
-    auto pick = [&](auto* out) {
-      if (K <= 32) run(std::integral_constant<int, 1>{}, out);
-      else if (K <= 64) run(std::integral_constant<int, 2>{}, out);
-      else run(std::integral_constant<int, 4>{}, out);
-    };
-    if (draw16) {
-      pick(draw16);
-    } else {
-      pick(draw);
-    }
-    NEXTLM_CUDA_CHECK(cudaGetLastError());
-    const int64_t n = C3 * W;
-    conv_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, st>>>(work, dconv, n, conv_tiles(T));
-    NEXTLM_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
-  const int64_t parts = num_parts(T), span = ceil_div(T, parts);
+  const int64_t C3 = 3 * H * K, parts = num_parts(T), span = ceil_div(T, parts);
   float* dpre = work;                  // [T, C3]
   float* part = work + T * C3;         // [parts, C3, W]
-  if (W == 4) {  // the config's tap count; others take the one-token-a-warp kernel
+  const float qscale = rsqrtf(static_cast<float>(K));
+  if (W == 4) {  // the config's tap count (linear_conv_kernel_dim); others take the one-token-a-warp kernel
     const unsigned g = warp_grid(ceil_div(T, kda_conv::kRunTokens) * H * 3);
     if (K <= 32)
       conv_norm_dpre_rows_kernel<4, 1><<<g, 256, 0, st>>>(raw, conv, seq_start, dq, dk, dv, dpre, T, H, K, qscale);
