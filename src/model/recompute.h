@@ -24,9 +24,9 @@ namespace nextlm {
 // On the GPU (CudaModel::set_recompute) a kept component's sites keep their device activations and their mHC mix,
 // and a recomputed KDA or DSA site keeps its attention core's output, so that its recomputation skips the recurrence
 // or the attention (the costly, small part of the sub-layer): the recurrence's o (T·H·K bf16 on tensor cores, else
-// fp32), the MLA attention's o (T·NH·dv bf16) and, on tensor cores, its rows' log-sum-exp (T·NH fp32); a recomputed
-// mHC mix keeps its projection's partials (T·(2+S)·S·S·D/1024 fp32), so that its recomputation skips the pass over
-// the streams that forms them.
+// fp32), the MLA attention's o (T·NH·dv bf16) and, on tensor cores, its rows' log-sum-exp (T·NH fp32); a
+// recomputed mHC mix keeps its projection's partials (T·((2+S)·S + 1)·S·D/1024 fp32), so that its recomputation
+// skips the pass over the streams that forms them.
 struct RecomputePolicy {
   bool kda = true, mla = true, moe = true, mlp = true, mhc = true;
   // Written out (not defaulted): nvcc compiles the CUDA sources that include this header as C++17.
