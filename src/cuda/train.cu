@@ -4,11 +4,11 @@
 // projection partials; the backward walks the sites from the last, recomputing each one's mHC mix (from those
 // partials) and sub-layer up to its output projection but for that core (keeping the activations its backward
 // reads, in the arena; the output projection's input is its last one) and then running the backward kernels
-// (backward_kernels.h) and the GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a
-// recompute policy that keeps a component (set_recompute), its sites keep their activations from the forward
-// instead. The forward pass and the recomputation run the same functions on the same inputs, so every policy gives
-// the same loss bit for bit, and the same gradients up to the order of the atomic additions that also separates two
-// runs of one policy (embedding, MLA key gradients).
+// (backward_kernels.h) and the GEMMs dx = dy·W, dW += dyᵀ·x (gemm.h). Under a recompute policy that keeps a
+// component (set_recompute), its sites keep their activations from the forward instead. The forward pass and the
+// recomputation run the same functions on the same inputs, so every policy gives the same loss bit for bit, and the
+// same gradients up to the order of the atomic additions that also separates two runs of one policy (embedding, MLA
+// key gradients).
 // On one rank of a tensor/expert-parallel model (CudaShard) the same step runs on the rank's slices with the
 // collectives of src/dist/parallel_train.h's design: each sub-layer's output and input gradient are shares summed
 // over TP (the MoE's over TP and EP), the head is a vocabulary-parallel cross-entropy, and the gradients of the
