@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "cuda/kernels.h"
+#include "cuda/mla_mask.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -25,23 +26,6 @@ __global__ void selection_mask_kernel(const int32_t* sel, const int32_t* count, 
     const int32_t j = sel[t * max_sel + i];
     atomicOr(mask + t * words + (j >> 5), 1u << (j & 31));
   }
-}
-
-// Bits p … p+63 of a row of `words` 32-bit words (0 outside the row); p may be negative.
-__device__ __forceinline__ uint64_t window64(const uint32_t* row, int64_t words, int64_t p) {
-  const int64_t q = p >> 5;  // floor division, also for negative p
-  const int r = static_cast<int>(p & 31);
-  auto get = [&](int64_t i) -> uint64_t { return i >= 0 && i < words ? row[i] : 0u; };
-  const uint64_t lo = get(q) | (get(q + 1) << 32);
-  return r ? (lo >> r) | (get(q + 2) << (64 - r)) : lo;
-}
-
-// Bits for positions p … p+63 that fall in [0, len).
-__device__ __forceinline__ uint64_t range64(int64_t p, int64_t len) {
-  const int64_t a = p < 0 ? -p : 0, b = len - p;  // in-window bit range [a, min(b, 64))
-  if (b <= a || a >= 64) return 0;
-  const uint64_t hi = b >= 64 ? ~0ull : ((1ull << b) - 1);
-  return hi & ~((1ull << a) - 1);
 }
 
 template <int DQK, int DV>
@@ -78,9 +62,15 @@ struct MlaRows {
   // The rows' selected keys among j0 … j0 + 63.
   __device__ void bits(int64_t j0, const uint32_t* mask, int64_t words, uint64_t out[2]) const {
     for (int hf = 0; hf < 2; ++hf) {
-      if (!valid[hf]) out[hf] = 0;
-      else if (uniform[hf]) out[hf] = range64(j0 - s0[hf], len[hf]);
-      else out[hf] = window64(mask + row[hf] * words, words, j0 - s0[hf]);
+      if (!valid[hf]) {
+        out[hf] = 0;
+      } else if (uniform[hf]) {
+        out[hf] = range64(j0 - s0[hf], len[hf]);
+      } else {
+        MaskWindow mw;
+        mw.load(mask + row[hf] * words, words, j0 - s0[hf]);
+        out[hf] = mw.bits();
+      }
     }
   }
   // o = oc / l in bf16 and, when lse2 is given, the log2-domain log-sum-exp (0 for a row without keys, as the
