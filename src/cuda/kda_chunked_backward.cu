@@ -17,8 +17,9 @@
 //
 // Five kernels: prep (per chunk and head: the factors, and the state pass's products with dO), fwd_state (per
 // sequence, head and 64 value columns: the states entering every chunk and u), bwd_state (the same grid, backward:
-// dSe of every chunk and du), inter and intra (per chunk and head). Each block has eight warps; a product's output is
-// cut into one 16-row tile per warp (WarpTile), and the state passes keep their fp32 state in the accumulators.
+// dSe of every chunk and du), inter and intra (per chunk and head). A block of prep, inter or intra has sixteen warps
+// (eight at K = 32: chunk_warps), of a state pass eight; a product's output is cut into one 16-row tile per warp
+// (WarpTile), and the state passes keep their fp32 state in the accumulators.
 //
 // Precision. Every matrix product runs on tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulation) in split
 // bf16: an operand x is held as x_hi = bf16(x) and x_lo = bf16(x − x_hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
@@ -42,7 +43,6 @@ namespace {
 constexpr int kC = 64;         // chunk length (the forward's plan)
 constexpr int kCP = kC + 1;    // padded row stride of fp32 C×C matrices in shared memory
 constexpr int kCS = kC + 8;    // row stride of split C×C matrices in shared memory (ldmatrix without bank conflicts)
-constexpr int kThreads = 256;  // eight warps
 // Value columns per block of the state passes: at H = 64, K = 128, 128 blocks per sequence, about one per SM.
 template <int K>
 constexpr int state_cols() {
@@ -114,14 +114,14 @@ __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 
-// The cut of an R × N output into one tile of 16·MT rows × 8·NT columns per warp: RT row tiles times CG column
-// groups, warps beyond them idle (only for K = 32).
-template <int R, int N, int MT = 1>
+// The cut of an R × N output among NW warps into one tile of 16·MT rows × 8·NT columns per warp: RT row tiles times
+// CG column groups, warps beyond them idle (only for K = 32).
+template <int R, int N, int MT, int NW>
 struct WarpTile {
   static constexpr int RT = R / (16 * MT);
-  static constexpr int CG = 8 / RT < N / 16 ? 8 / RT : N / 16;
+  static constexpr int CG = NW / RT < N / 16 ? NW / RT : N / 16;
   static constexpr int NT = N / (8 * CG);
-  static_assert(RT >= 1 && RT <= 8 && CG >= 1 && NT % 2 == 0, "a tile per warp, n-tiles in pairs");
+  static_assert(RT >= 1 && RT <= NW && CG >= 1 && NT % 2 == 0, "a tile per warp, n-tiles in pairs");
   __device__ static int row0(int w) { return 16 * MT * (w % RT); }
   __device__ static int col0(int w) { return (N / CG) * (w / RT); }
   __device__ static bool active(int w) { return w / RT < CG; }
@@ -191,9 +191,10 @@ __device__ __forceinline__ void sync_staged() {
 }
 
 // dst[r·ld + c] = src[r·lds + c] for r < rows, c < cols, asynchronously; rows ≥ valid are zeroed directly.
+template <int NTH>
 __device__ __forceinline__ void stage(float* dst, int ld, const float* src, int64_t lds, int rows, int cols,
                                      int valid) {
-  for (int idx = threadIdx.x; idx < rows * cols; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * cols; idx += NTH) {
     const int r = idx / cols, c = idx - r * cols;
     if (r < valid) {
       cp_async4(dst + r * ld + c, src + r * lds + c);
@@ -204,25 +205,25 @@ __device__ __forceinline__ void stage(float* dst, int ld, const float* src, int6
 }
 
 // Visits the ROWS × COLS elements of a matrix four columns at a time, in batches of about 32 loaded floats per
-// thread: load(r, c) for every element of the batch first (so that its global loads are in flight together), then
-// put(r, c, x). Rows ≥ valid are not loaded: put gets a zero-initialised x for them.
-template <int ROWS, int COLS, class Load, class Put>
+// thread (of NTH): load(r, c) for every element of the batch first (so that its global loads are in flight together),
+// then put(r, c, x). Rows ≥ valid are not loaded: put gets a zero-initialised x for them.
+template <int ROWS, int COLS, int NTH, class Load, class Put>
 __device__ __forceinline__ void staged(int valid, Load load, Put put) {
   using X = decltype(load(0, 0));
   constexpr int floats = sizeof(X) / 4, depth = floats <= 4 ? 8 : (floats <= 8 ? 4 : 2);
-  constexpr int c4 = COLS / 4, per = ROWS * c4 / kThreads, B = per < depth ? per : depth;
-  static_assert(ROWS * c4 % kThreads == 0 && per % B == 0, "whole rounds of the block");
+  constexpr int c4 = COLS / 4, per = ROWS * c4 / NTH, B = per < depth ? per : depth;
+  static_assert(ROWS * c4 % NTH == 0 && per % B == 0, "whole rounds of the block");
 #pragma unroll
   for (int e0 = 0; e0 < per; e0 += B) {
     X x[B];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      const int idx = threadIdx.x + (e0 + b) * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+      const int idx = threadIdx.x + (e0 + b) * NTH, r = idx / c4, c = 4 * (idx - r * c4);
       x[b] = r < valid ? load(r, c) : X{};
     }
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      const int idx = threadIdx.x + (e0 + b) * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+      const int idx = threadIdx.x + (e0 + b) * NTH, r = idx / c4, c = 4 * (idx - r * c4);
       put(r, c, x[b]);
     }
   }
@@ -230,19 +231,19 @@ __device__ __forceinline__ void staged(int valid, Load load, Put put) {
 
 // A ROWS × COLS fp32 matrix (row stride lds, 16-byte aligned rows) split into shared memory (row stride ld, lo plane
 // `plane` elements on); rows ≥ valid are zero.
-template <int ROWS, int COLS>
+template <int ROWS, int COLS, int NTH>
 __device__ __forceinline__ void stage_split(bf16* dst, int ld, int plane, const float* src, int64_t lds, int valid) {
-  staged<ROWS, COLS>(
+  staged<ROWS, COLS, NTH>(
       valid, [&](int r, int c) { return ld4(src + r * lds + c); },
       [&](int r, int c, float4 x) { put4(dst + r * ld + c, plane, x); });
 }
 
 // A split ROWS × COLS matrix stored densely (hi plane, then lo plane) → shared memory (row stride ld, planes `plane`
 // elements apart) by cp.async; the caller commits and waits.
-template <int ROWS, int COLS>
+template <int ROWS, int COLS, int NTH>
 __device__ __forceinline__ void copy_split(bf16* dst, int ld, int plane, const bf16* src) {
   constexpr int pieces = COLS / 8, per_plane = ROWS * pieces;
-  for (int idx = threadIdx.x; idx < 2 * per_plane; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < 2 * per_plane; idx += NTH) {
     const int pl = idx / per_plane, rem = idx - pl * per_plane, r = rem / pieces, c = 8 * (rem - r * pieces);
     cp_async16(dst + pl * plane + r * ld + c, src + pl * (ROWS * COLS) + r * COLS + c, true);
   }
@@ -264,18 +265,18 @@ __device__ __forceinline__ void add_rows(float* part, int r0, const float (&rs)[
 // dst[r·ld + c] += src[r·ls + c] (src in shared memory) for the rows r < n of a [C, K] tile, by all threads, each
 // issuing all its loads of dst before its stores (a load after a store to dst could not be hoisted above it).
 // With add false, dst[r·ld + c] = src[r·ls + c] (dst is not read).
-template <int K>
+template <int K, int NTH>
 __device__ __forceinline__ void add_tile(float* dst, int64_t ld, const float* src, int ls, int n, bool add = true) {
-  constexpr int c4 = K / 4, per = kC * c4 / kThreads;
+  constexpr int c4 = K / 4, per = kC * c4 / NTH;
   float4 x[per];
 #pragma unroll
   for (int e = 0; e < per; ++e) {
-    const int idx = threadIdx.x + e * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+    const int idx = threadIdx.x + e * NTH, r = idx / c4, c = 4 * (idx - r * c4);
     x[e] = add && r < n ? ld4(dst + r * ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
   for (int e = 0; e < per; ++e) {
-    const int idx = threadIdx.x + e * kThreads, r = idx / c4, c = 4 * (idx - r * c4);
+    const int idx = threadIdx.x + e * NTH, r = idx / c4, c = 4 * (idx - r * c4);
     if (r < n) {
       const float4 y = ld4(src + r * ls + c);
       float4* out = reinterpret_cast<float4*>(dst + r * ld + c);
@@ -292,6 +293,18 @@ constexpr int group_of() {
   return NT < 4 ? NT : 4;
 }
 
+// Warps of the per-chunk kernels (prep, inter, intra): sixteen where their [C, K] outputs cut into 16 tiles of 16
+// rows × 16 or more columns, else eight. Their shared memory holds one block an SM, whose phases are chains of loads,
+// products and barriers: sixteen warps hide more of their latency than eight (at T = 4096, H = 64, K = 128 on the
+// H200, prep 1.67 → 1.45, inter 1.20 → 0.96, intra 2.07 → 1.70 ms). The state passes keep eight: with sixteen,
+// each chunk's two products are cut finer and the passes ran slower (fwd_state 0.33 → 0.36, bwd_state 0.54 →
+// 0.63 ms).
+constexpr int kStateWarps = 8;
+template <int K>
+constexpr int chunk_warps() {
+  return K >= 64 ? 16 : 8;
+}
+
 // ---- prep: per (chunk, head), the forward's factors (as kda.cu's chunk_prepare, with A and M kept apart) and the
 // state pass's products with dO ----
 
@@ -305,10 +318,11 @@ struct PrepSmem {
 };
 
 template <int K>
-__global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
+__global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p) {
+  constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
   constexpr int KP = K + 1, KS = K + 8, pX = kC * KS, pC = kC * kCS;
-  using OT = WarpTile<kC, K>;
-  static_assert(OT::RT * OT::CG == 8, "every warp has a tile of the [C, K] outputs");
+  using OT = WarpTile<kC, K, 1, NW>;
+  static_assert(OT::RT * OT::CG == NW, "every warp has a tile of the [C, K] outputs");
   extern __shared__ __align__(16) unsigned char smem[];
   float* sg = reinterpret_cast<float*>(smem);  // [C, KP] Γ
   float* sk = sg + kC * KP;                    // [C, KP] k
@@ -324,17 +338,17 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
   const Layout lay{K};
   float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
-  stage(sg, KP, p.g + base, HK, kC, K, n);
-  stage(sk, KP, p.k + base, HK, kC, K, n);
-  stage(sq, KP, p.q + base, HK, kC, K, n);
-  for (int i = tid; i < kC; i += kThreads) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
+  stage<NTH>(sg, KP, p.g + base, HK, kC, K, n);
+  stage<NTH>(sk, KP, p.k + base, HK, kC, K, n);
+  stage<NTH>(sq, KP, p.q + base, HK, kC, K, n);
+  for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   sync_staged();
-  for (int d = tid; d < K; d += kThreads)
+  for (int d = tid; d < K; d += NTH)
     for (int i = 1; i < kC; ++i) sg[i * KP + d] += sg[(i - 1) * KP + d];
   __syncthreads();
   // Aqk[i, j] = Σ_d q_i k_j decay (j ≤ i), M[i, j] = Σ_d k_i k_j decay (j < i); −β_i M into A for the substitution.
   // Zeros first where nothing is computed (j > i, rows ≥ n); then the element-wise factors: Kd (split) and Γ.
-  for (int idx = tid; idx < kC * kC; idx += kThreads) {
+  for (int idx = tid; idx < kC * kC; idx += NTH) {
     const int i = idx / kC, j = idx - i * kC;
     sqk[i * kCP + j] = 0.0f;
     sa[i * kCP + j] = 0.0f;
@@ -342,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
   }
   {
     bf16* wkd = reinterpret_cast<bf16*>(ws + lay.Kd());
-    for (int idx = tid; idx < kC * K / 2; idx += kThreads) {
+    for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
       const float g0 = sg[i * KP + d], g1 = sg[i * KP + d + 1];  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
       const float l0 = sg[(kC - 1) * KP + d], l1 = sg[(kC - 1) * KP + d + 1];
@@ -350,23 +364,26 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
       st2(ws + lay.G() + i * K + d, g0, g1);
     }
   }
-  for (int d = tid; d < K; d += kThreads) ws[lay.gl() + d] = sg[(kC - 1) * KP + d];
+  for (int d = tid; d < K; d += NTH) ws[lay.gl() + d] = sg[(kC - 1) * KP + d];
   __syncthreads();
-  // Pairs within a 16-row block, the decay element by element: 64 threads per block, each a 2×2 tile of pairs.
+  // Pairs within a 16-row block, the decay element by element: NTH/4 threads per block, each an RI×2 tile of pairs
+  // (the same sums in the same order whatever RI).
   {
-    const int blk = tid >> 6, ti = (tid >> 3) & 7, tj = tid & 7;
-    const int i0 = 16 * blk + 2 * ti, j0 = 16 * blk + 2 * tj;
-    if (tj <= ti && i0 < n) {
-      float s[2][2] = {}, m[2][2] = {};
+    constexpr int RI = NTH >= 512 ? 1 : 2, per_blk = NTH / 4;
+    const int blk = tid / per_blk, ti = (tid % per_blk) >> 3, tj = tid & 7;
+    const int i0 = 16 * blk + RI * ti, j0 = 16 * blk + 2 * tj;
+    if (j0 < i0 + RI && i0 < n) {
+      float s[RI][2] = {}, m[RI][2] = {};
 #pragma unroll 2
       for (int d = 0; d < K; ++d) {
-        const float gi[2] = {sg[i0 * KP + d], sg[(i0 + 1) * KP + d]};
+        float gi[RI], ki[RI], qi[RI];
+#pragma unroll
+        for (int a = 0; a < RI; ++a)
+          gi[a] = sg[(i0 + a) * KP + d], ki[a] = sk[(i0 + a) * KP + d], qi[a] = sq[(i0 + a) * KP + d];
         const float gj[2] = {sg[j0 * KP + d], sg[(j0 + 1) * KP + d]};
-        const float ki[2] = {sk[i0 * KP + d], sk[(i0 + 1) * KP + d]};
-        const float qi[2] = {sq[i0 * KP + d], sq[(i0 + 1) * KP + d]};
         const float kj[2] = {sk[j0 * KP + d], sk[(j0 + 1) * KP + d]};
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
+        for (int a = 0; a < RI; ++a)
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             // min(…, 0) only matters for the pair above the diagonal of a diagonal tile, which is dropped
@@ -376,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
           }
       }
 #pragma unroll
-      for (int a = 0; a < 2; ++a)
+      for (int a = 0; a < RI; ++a)
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
           const int i = i0 + a, j = j0 + b;
@@ -399,12 +416,12 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
       const int r0 = 16 * ib;
       if (r0 >= n) break;
       __syncthreads();  // the scratch is no longer read
-      for (int idx = tid; idx < r0 * K / 2; idx += kThreads) {
+      for (int idx = tid; idx < r0 * K / 2; idx += NTH) {
         const int j = idx / (K / 2), d = 2 * (idx - j * (K / 2));
         put2(xs + j * KS + d, pl, sk[j * KP + d] * __expf(sg[r0 * KP + d] - sg[j * KP + d]),
              sk[j * KP + d + 1] * __expf(sg[r0 * KP + d + 1] - sg[j * KP + d + 1]));
       }
-      for (int idx = tid; idx < 16 * K / 2; idx += kThreads) {
+      for (int idx = tid; idx < 16 * K / 2; idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
         const float e0 = __expf(sg[i * KP + d] - sg[r0 * KP + d]);
         const float e1 = __expf(sg[i * KP + d + 1] - sg[r0 * KP + d + 1]);
@@ -443,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
     const int r0 = 16 * (tid >> 5);
     for (int il = 2; il < 16; ++il) {
       const int i = r0 + il;
-      const float a0 = lane < 16 ? sa[i * kCP + r0 + lane] : 0.0f;
+      const float a0 = lane < il ? sa[i * kCP + r0 + lane] : 0.0f;  // not the diagonal, which others set to 1
       float acc = a0;
       for (int m = 1; m < il; ++m) {
         const float am = __shfl_sync(0xffffffffu, a0, m);
@@ -454,12 +471,12 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
       __syncwarp();
     }
   }
-  for (int i = tid; i < kC; i += kThreads) sa[i * kCP + i] = 1.0f;
+  for (int i = tid; i < kC; i += NTH) sa[i * kCP + i] = 1.0f;
   __syncthreads();
 #pragma unroll
   for (int ib = 1; ib < 4; ++ib) {
     if (16 * ib >= n) break;
-    for (int idx = tid; idx < ib * 256; idx += kThreads) {  // xf[jb][il][jl] = Σ_kb A0[ib, kb]·A[kb, jb]
+    for (int idx = tid; idx < ib * 256; idx += NTH) {  // xf[jb][il][jl] = Σ_kb A0[ib, kb]·A[kb, jb]
       const int jb = idx >> 8, il = (idx >> 4) & 15, jl = idx & 15;
       const float* ar = sa + (16 * ib + il) * kCP;
       float acc = 0.0f;
@@ -467,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
       xf[idx] = acc;
     }
     __syncthreads();
-    for (int idx = tid; idx < ib * 256; idx += kThreads) {
+    for (int idx = tid; idx < ib * 256; idx += NTH) {
       const int jb = idx >> 8, il = (idx >> 4) & 15, jl = idx & 15;
       const float* br = sa + (16 * ib + il) * kCP + 16 * ib;
       float acc = 0.0f;
@@ -483,13 +500,13 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
     bf16* sV = sA + 2 * pC;    // [C, KS] β v
     bf16* sKg = sV + 2 * pX;   // [C, KS] β k∘e^Γ
     bf16* wA = reinterpret_cast<bf16*>(ws + lay.A());
-    for (int idx = tid; idx < kC * kC / 2; idx += kThreads) {
+    for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
       const float a0 = sa[i * kCP + j], a1 = sa[i * kCP + j + 1];
       put2(sA + i * kCS + j, pC, a0, a1);
       put2(wA + i * kC + j, kC * kC, a0, a1);
     }
-    staged<kC, K>(
+    staged<kC, K, NTH>(
         n, [&](int i, int d) { return ld4(p.v + base + int64_t(i) * HK + d); },
         [&](int i, int d, float4 v) {
           const float b = sb[i];
@@ -531,13 +548,13 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
     bf16* sQg = xs;            // [C, KS] q∘e^Γ
     bf16* sDo = sQg + 2 * pX;  // [C, KS] dO
     bf16* sQk = sDo + 2 * pX;  // [C, CS] Aqk
-    for (int idx = tid; idx < kC * K / 2; idx += kThreads) {
+    for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
       put2(sQg + i * KS + d, pX, sq[i * KP + d] * __expf(sg[i * KP + d]),
            sq[i * KP + d + 1] * __expf(sg[i * KP + d + 1]));
     }
-    stage_split<kC, K>(sDo, KS, pX, p.do_ + base, HK, n);
-    for (int idx = tid; idx < kC * kC / 2; idx += kThreads) {
+    stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n);
+    for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
       put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1]);
     }
@@ -545,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1) prep_kernel(Params p) {
     const int kend = (n + 15) / 16;
     {
       constexpr int MT = K >= 64 ? 2 : 1;
-      using HT = WarpTile<K, K, MT>;
+      using HT = WarpTile<K, K, MT, NW>;
       if (HT::active(warp)) {
         const int d0 = HT::row0(warp), v0 = HT::col0(warp);
         float acc[MT][HT::NT][4] = {};
@@ -588,10 +605,11 @@ struct StateSmem {
 
 // fwd_state: S entering each chunk (into the h slot) and u = U − W·S; S ← e^γ∘S + Kdᵀ·u.
 template <int K>
-__global__ void __launch_bounds__(kThreads, 1) fwd_state_kernel(Params p) {
+__global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p) {
+  constexpr int NW = kStateWarps, NTH = 32 * NW;
   constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
-  using ST = WarpTile<K, TV>;   // the state [K, TV]
-  using UT = WarpTile<kC, TV>;  // u [C, TV]
+  using ST = WarpTile<K, TV, 1, NW>;   // the state [K, TV]
+  using UT = WarpTile<kC, TV, 1, NW>;  // u [C, TV]
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sS = reinterpret_cast<bf16*>(smem);  // [K, VS] the state's columns c0 …
   bf16* su = sS + 2 * K * VS;                // [C, VS] u
@@ -608,9 +626,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_state_kernel(Params p) {
   auto chunk_ws = [&](int64_t c) { return p.ws + (c * H + h) * lay.per(); };
   auto split_at = [&](int64_t c, int64_t off) { return reinterpret_cast<const bf16*>(chunk_ws(c) + off); };
   float S[1][ST::NT][4] = {};  // zero entering the sequence
-  copy_split<kC, K>(sw, KS, kC * KS, split_at(first, lay.W()));
+  copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(first, lay.W()));
   cp_async_commit();
-  copy_split<kC, K>(skd, KS, kC * KS, split_at(first, lay.Kd()));
+  copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(first, lay.Kd()));
   cp_async_commit();
   for (int64_t c = first; c < first + count; ++c) {
     float* ws = chunk_ws(c);
@@ -653,7 +671,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_state_kernel(Params p) {
     }
     cp_async_wait<0>();  // Kd of this chunk
     __syncthreads();     // u complete, W and the state's copy no longer read
-    if (c + 1 < first + count) copy_split<kC, K>(sw, KS, kC * KS, split_at(c + 1, lay.W()));
+    if (c + 1 < first + count) copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(c + 1, lay.W()));
     cp_async_commit();
     if (s_on) {  // rows ≥ n of Kd and u are zero
 #pragma unroll
@@ -663,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_state_kernel(Params p) {
       mma3<1, ST::NT, true, false>(S, skd + sr, KS, 16, kC * KS, su + sc, VS, kC * VS, 0, (n + 15) / 16);
     }
     __syncthreads();  // Kd and u no longer read
-    if (c + 1 < first + count) copy_split<kC, K>(skd, KS, kC * KS, split_at(c + 1, lay.Kd()));
+    if (c + 1 < first + count) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c + 1, lay.Kd()));
     cp_async_commit();
   }
 }
@@ -672,10 +690,11 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_state_kernel(Params p) {
 // thread has read), du = Aqkᵀ·dO + Kd·dSe (over Aqkᵀ·dO in the du slot), dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du. Each thread
 // reads and rewrites only its own elements of the two slots.
 template <int K>
-__global__ void __launch_bounds__(kThreads, 1) bwd_state_kernel(Params p) {
+__global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p) {
+  constexpr int NW = kStateWarps, NTH = 32 * NW;
   constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
-  using ST = WarpTile<K, TV>;
-  using UT = WarpTile<kC, TV>;
+  using ST = WarpTile<K, TV, 1, NW>;
+  using UT = WarpTile<kC, TV, 1, NW>;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sdS = reinterpret_cast<bf16*>(smem);  // [K, VS] the gradient of the state leaving the chunk
   bf16* sdu = sdS + 2 * K * VS;               // [C, VS]
@@ -693,9 +712,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_state_kernel(Params p) {
   auto split_at = [&](int64_t c, int64_t off) { return reinterpret_cast<const bf16*>(chunk_ws(c) + off); };
   float dS[1][ST::NT][4] = {};  // zero leaving the sequence
   const int64_t last = first + count - 1;
-  copy_split<kC, K>(skd, KS, kC * KS, split_at(last, lay.Kd()));
+  copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(last, lay.Kd()));
   cp_async_commit();
-  copy_split<kC, K>(sw, KS, kC * KS, split_at(last, lay.W()));
+  copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(last, lay.W()));
   cp_async_commit();
   for (int64_t c = last; c >= first; --c) {
     float* ws = chunk_ws(c);
@@ -746,7 +765,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_state_kernel(Params p) {
     }
     cp_async_wait<0>();  // W of this chunk
     __syncthreads();     // du complete, Kd and dSe's copy no longer read
-    if (c > first) copy_split<kC, K>(skd, KS, kC * KS, split_at(c - 1, lay.Kd()));
+    if (c > first) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c - 1, lay.Kd()));
     cp_async_commit();
     if (s_on) {  // dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du (rows ≥ n of W and du are zero)
       float acc[1][ST::NT][4] = {};
@@ -757,7 +776,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_state_kernel(Params p) {
         for (int x = 0; x < 4; ++x) dS[0][nt][x] = fmaf(eg[x >> 1], dS[0][nt][x], p0[nt][x]) - acc[0][nt][x];
     }
     __syncthreads();  // W and du no longer read
-    if (c > first) copy_split<kC, K>(sw, KS, kC * KS, split_at(c - 1, lay.W()));
+    if (c > first) copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(c - 1, lay.W()));
     cp_async_commit();
   }
 }
@@ -771,12 +790,13 @@ struct InterSmem {
 };
 
 template <int K>
-__global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
+__global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params p) {
+  constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
   constexpr int KS = K + 8, pX = kC * KS, pS = K * KS;
-  using OT = WarpTile<kC, K>;   // the [C, K] outputs: rows 16·(w % 4) …, columns K/2·(w / 4) …
-  using CT = WarpTile<kC, kC>;  // dAqk: rows 16·(w % 4) …, columns 32·(w / 4) …
+  using OT = WarpTile<kC, K, 1, NW>;   // the [C, K] outputs: rows 16·(w % 4) …, columns K/CG·(w / 4) …
+  using CT = WarpTile<kC, kC, 1, NW>;  // dAqk: rows 16·(w % 4) …, columns 64/CG·(w / 4) …
   constexpr int NT = OT::NT;
-  static_assert(OT::RT == 4 && OT::CG == 2 && CT::RT == 4 && CT::CG == 2, "one tile per warp");
+  static_assert(OT::RT == 4 && OT::RT * OT::CG == NW && CT::RT == 4 && CT::RT * CT::CG == NW, "one tile per warp");
   static_assert(kC * K * 4 <= (2 * K * KS + 2 * kC * KS) * 2, "dΓ fits over S0 and du");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sS = reinterpret_cast<bf16*>(smem);                  // [K, KS] S0, then dSe
@@ -794,9 +814,9 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
   const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16;
   float dG[NT][4];  // dΓ of this thread's elements
 
-  stage_split<K, K>(sS, KS, pS, ws + lay.h(), K, K);
-  stage_split<kC, K>(sx, KS, pX, ws + lay.du(), K, kC);
-  stage_split<kC, K>(so, KS, pX, p.do_ + base, HK, n);
+  stage_split<K, K, NTH>(sS, KS, pS, ws + lay.h(), K, K);
+  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC);
+  stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n);
   __syncthreads();
   {  // dW = −du·S0ᵀ (into its slot, split) and dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ = dQg∘Qg (du and dO as two m-tiles)
     float acc[2][NT][4] = {};
@@ -834,7 +854,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
   // dSe over S0 in place (each thread rewrites what it reads), with rowsum(S0∘dSe) on the way: the K/4 threads of a
   // row are neighbours within a warp. u over du.
   static_assert(32 % (K / 4) == 0, "whole rows of the staging per warp");
-  staged<K, K>(
+  staged<K, K, NTH>(
       K, [&](int r, int cc) { return ld4(ws + lay.dh() + r * K + cc); },
       [&](int r, int cc, float4 x) {
         bf16* at = sS + r * KS + cc;
@@ -845,7 +865,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
         for (int o = K / 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (cc == 0) sdir[r] = s;
       });
-  stage_split<kC, K>(sx, KS, pX, ws + lay.u(), K, kC);
+  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.u(), K, kC);
   __syncthreads();
   float colp[NT][2];  // Σ over this thread's rows of dKd∘Kd, per column
   {  // dKd = u·dSeᵀ: dk += dKd∘e^(γ−Γ), dΓ −= dKd∘Kd, dγ += Σ_i dKd∘Kd
@@ -918,7 +938,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
       st2(sdg + (r0 + gq + 8 * hf) * K + c0 + 8 * nt + 2 * tq, dG[nt][2 * hf], dG[nt][2 * hf + 1]);
   __syncthreads();
   // Per column d: dγ, then the reverse cumsum of dΓ over the rows, in place; then into dg.
-  for (int d = tid; d < K; d += kThreads) {
+  for (int d = tid; d < K; d += NTH) {
     float dgam = scol[d] + scol[K + d] + scol[2 * K + d] + scol[3 * K + d];
     dgam = fmaf(__expf(ws[lay.gl() + d]), sdir[d], dgam);
     float run = 0.0f;
@@ -928,7 +948,7 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
     }
   }
   __syncthreads();
-  add_tile<K>(p.dg + base, HK, sdg, K, n, p.accumulate);
+  add_tile<K, NTH>(p.dg + base, HK, sdg, K, n, p.accumulate);
 }
 
 // ---- intra: per (chunk, head), the WY factors' and the intra-chunk products' gradients ----
@@ -938,25 +958,28 @@ __global__ void __launch_bounds__(kThreads, 1) inter_kernel(Params p) {
 // rows; dM is written at the end of phase 4, clear of A and T1, which that phase reads.
 template <int K>
 struct IntraSmem {
+  static constexpr int CG = WarpTile<kC, K, 1, chunk_warps<K>()>::CG;  // column groups of the [C, K] tiles
   static constexpr int KS = K + 8, FS = K + 8;  // FS: row stride of the fp32 [C, K] matrices (float2 per lane)
   static constexpr int XS = kC * KS * 4, CSB = kC * kCS * 4, F = kC * FS * 4, FC = kC * kCP * 4;
   static constexpr int A = 0, du = CSB, T1 = CSB, dW = CSB + XS, bv = CSB + 2 * XS, bk = CSB + 3 * XS,
                        dA = CSB + 4 * XS, end14 = 2 * CSB + 4 * XS;
   static constexpr int G = 0, q = F, k = 2 * F, qkf = 3 * F, mf = 3 * F + FC, qks = 3 * F + 2 * FC, ms = qks + CSB,
                        xs = ms + CSB, end5 = xs + 96 * KS * 4;
-  static constexpr int misc = end14 > end5 ? end14 : end5;  // β [C], dβ partials [2, C]
-  static constexpr size_t bytes = size_t(misc) + 3 * kC * 4;
+  static constexpr int misc = end14 > end5 ? end14 : end5;  // β [C], dβ partials [CG, C]
+  static constexpr size_t bytes = size_t(misc) + (1 + CG) * kC * 4;
   static_assert(mf >= T1 + CSB, "dM clears A and T1");
 };
 
 template <int K>
-__global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
+__global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params p) {
   using L = IntraSmem<K>;
+  constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
   constexpr int KS = K + 8, pX = kC * KS, pC = kC * kCS, pS = 96 * KS;
-  using OT = WarpTile<kC, K>;
-  using CT = WarpTile<kC, kC>;
-  constexpr int NT = OT::NT;
-  static_assert(OT::RT == 4 && OT::CG == 2 && CT::RT == 4 && CT::CG == 2, "one tile per warp, rows alike");
+  using OT = WarpTile<kC, K, 1, NW>;
+  using CT = WarpTile<kC, kC, 1, NW>;
+  constexpr int NT = OT::NT, CG = OT::CG;
+  static_assert(OT::RT == 4 && OT::RT * CG == NW && CT::RT == 4 && CT::RT * CT::CG == NW,
+                "one tile per warp, rows alike");
   extern __shared__ __align__(16) unsigned char smem[];
   auto bfp = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };
   auto flp = [&](int off) { return reinterpret_cast<float*>(smem + off); };
@@ -965,37 +988,36 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
   float *fG = flp(L::G), *fq = flp(L::q), *fk = flp(L::k), *fqk = flp(L::qkf), *fm = flp(L::mf);
   bf16 *sqk = bfp(L::qks), *sms = bfp(L::ms), *sx = bfp(L::xs);
   float* sb = flp(L::misc);  // [C] β
-  float* sdb = sb + kC;      // [2, C] dβ, per column half
+  float* sdb = sb + kC;      // [CG, C] dβ, per column group
   const int64_t c = blockIdx.x, h = blockIdx.y, H = p.H, HK = H * K;
   const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c], nb = (n + 15) / 16;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const Layout lay{K};
   const float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
-  // The warp's tiles: rows r0 … r0+15 (row block rt); [C, K] outputs on columns c0 …, [C, C] ones on j0 ….
-  const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16, half = warp / OT::RT, j0 = CT::col0(warp);
-  float* sdbh = sdb + half * kC;
+  // The warp's tiles: rows r0 … r0+15 (row block rt); [C, K] outputs on columns c0 … (column group cg), [C, C] ones
+  // on j0 ….
+  const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16, cg = warp / OT::RT, j0 = CT::col0(warp);
+  float* sdbh = sdb + cg * kC;
   float dq[NT][4], dk[NT][4], dG[NT][4];  // this thread's elements of dq, dk and dΓ
 
   // Phase 1: A, dW (split slots), du, β v, β Kg.
-  copy_split<kC, kC>(sA, kCS, pC, reinterpret_cast<const bf16*>(ws + lay.A()));
-  copy_split<kC, K>(sdW, KS, pX, reinterpret_cast<const bf16*>(ws + lay.dW()));
+  copy_split<kC, kC, NTH>(sA, kCS, pC, reinterpret_cast<const bf16*>(ws + lay.A()));
+  copy_split<kC, K, NTH>(sdW, KS, pX, reinterpret_cast<const bf16*>(ws + lay.dW()));
   cp_async_commit();
-  for (int i = tid; i < kC; i += kThreads) {
-    sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
-    sdb[i] = sdb[kC + i] = 0.0f;
-  }
-  stage_split<kC, K>(sdu, KS, pX, ws + lay.du(), K, kC);
+  for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
+  for (int i = tid; i < CG * kC; i += NTH) sdb[i] = 0.0f;
+  stage_split<kC, K, NTH>(sdu, KS, pX, ws + lay.du(), K, kC);
   struct VB {  // a row's β and four elements of v (or k) and Γ
     float4 x, g;
     float b;
   };
-  staged<kC, K>(
+  staged<kC, K, NTH>(
       n, [&](int r, int cc) { return VB{ld4(p.v + base + int64_t(r) * HK + cc), {}, p.beta[(t0 + r) * H + h]}; },
       [&](int r, int cc, const VB& a) {
         put4(sbv + r * KS + cc, pX, make_float4(a.b * a.x.x, a.b * a.x.y, a.b * a.x.z, a.b * a.x.w));
       });
-  staged<kC, K>(
+  staged<kC, K, NTH>(
       n,
       [&](int r, int cc) {
         return VB{ld4(p.k + base + int64_t(r) * HK + cc), ld4(ws + lay.G() + r * K + cc), p.beta[(t0 + r) * H + h]};
@@ -1087,7 +1109,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
   }
   __syncthreads();
   {  // Phase 4: dL = −strict_lower(T1·Aᵀ); dβ += rowsum(dL∘M), dM = β·dL (split and fp32). Aᵀ[m, j] = A[j, m] is
-     // zero for m > j and T1[i, m] for m ≥ n: the k-steps below min(nb, (j0 + 32)/16).
+     // zero for m > j and T1[i, m] for m ≥ n: the k-steps below min(nb, (j0 + 8·NT + 15)/16).
     float acc[1][CT::NT][4] = {}, rs[2] = {0.0f, 0.0f};
     float2 m2[CT::NT][2];  // M at this thread's elements, loaded ahead of the product
 #pragma unroll
@@ -1095,7 +1117,8 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) m2[nt][hf] = ld2(ws + lay.M() + (r0 + gq + 8 * hf) * kC + j0 + 8 * nt + 2 * tq);
     if (j0 < r0 + 16)
-      mma3<1, CT::NT, false, true>(acc, sT1 + r0 * kCS, kCS, 0, pC, sA + j0 * kCS, kCS, pC, 0, min(nb, j0 / 16 + 2));
+      mma3<1, CT::NT, false, true>(acc, sT1 + r0 * kCS, kCS, 0, pC, sA + j0 * kCS, kCS, pC, 0,
+                                   min(nb, (j0 + 8 * CT::NT + 15) / 16));
 #pragma unroll
     for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
@@ -1122,7 +1145,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
       float4 g, q, k;
     };
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    staged<kC, K>(
+    staged<kC, K, NTH>(
         kC,  // Γ on every row, q and k zero on rows ≥ n
         [&](int i, int cc) {
           const int64_t e = base + int64_t(i) * HK + cc;
@@ -1133,7 +1156,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
           *reinterpret_cast<float4*>(fq + i * FS + cc) = x.q;
           *reinterpret_cast<float4*>(fk + i * FS + cc) = x.k;
         });
-    staged<kC, kC>(
+    staged<kC, kC, NTH>(
         kC, [&](int i, int j) { return ld4(ws + lay.U() + i * kC + j); },
         [&](int i, int j, float4 a) {
           float* f = fqk + i * kCP + j;
@@ -1142,7 +1165,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
         });
   }
   __syncthreads();
-  for (int idx = tid; idx < 96 * K / 2; idx += kThreads) {
+  for (int idx = tid; idx < 96 * K / 2; idx += NTH) {
     const int row = idx / (K / 2), d = 2 * (idx - row * (K / 2));
     const int bi = row < 16 ? 1 : (row < 48 ? 2 : 3), j = row - 8 * bi * (bi - 1), r = 16 * bi;
     const float2 kj = ld2(fk + j * FS + d), gj = ld2(fG + j * FS + d), gr = ld2(fG + r * FS + d);
@@ -1232,7 +1255,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
   __syncthreads();  // the scratch is no longer read
   // For Z across blocks, row block br = 1 … 3 with s = 16·br: q_r and k_r times e^(Γ_r − Γ_s), r = s + l, at scratch
   // rows 32·(br − 1) + l and 32·(br − 1) + 16 + l.
-  for (int idx = tid; idx < 48 * K / 2; idx += kThreads) {
+  for (int idx = tid; idx < 48 * K / 2; idx += NTH) {
     const int rr = idx / (K / 2), d = 2 * (idx - rr * (K / 2)), br = 1 + rr / 16, l = rr % 16;
     const int r = 16 * br + l, s = 16 * br;
     const float2 gr = ld2(fG + r * FS + d), gs = ld2(fG + s * FS + d), qr = ld2(fq + r * FS + d),
@@ -1297,7 +1320,7 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
   }
   __syncthreads();
   // The reverse cumsum of dΓ over the rows, in place per column d; then into dg.
-  for (int d = tid; d < K; d += kThreads) {
+  for (int d = tid; d < K; d += NTH) {
     float run = 0.0f;
     for (int i = n - 1; i >= 0; --i) {
       run += fdg[i * FS + d];
@@ -1305,10 +1328,12 @@ __global__ void __launch_bounds__(kThreads, 1) intra_kernel(Params p) {
     }
   }
   __syncthreads();
-  add_tile<K>(p.dg + base, HK, fdg, FS, n);
-  for (int i = tid; i < n; i += kThreads) {
+  add_tile<K, NTH>(p.dg + base, HK, fdg, FS, n);
+  for (int i = tid; i < n; i += NTH) {
     float* db = p.dbeta + (t0 + i) * H + h;
-    *db = (p.accumulate ? *db : 0.0f) + (sdb[i] + sdb[kC + i]);
+    float sum = sdb[i];  // the column groups' partials in order
+    for (int g = 1; g < CG; ++g) sum += sdb[g * kC + i];
+    *db = (p.accumulate ? *db : 0.0f) + sum;
   }
 }
 
@@ -1332,17 +1357,17 @@ void launch(const Params& p, cudaStream_t st) {
   set_smem(bwd_state_kernel<K>, state);
   set_smem(inter_kernel<K>, inter);
   set_smem(intra_kernel<K>, intra);
-  prep_kernel<K><<<per_chunk, kThreads, prep, st>>>(p);
+  prep_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), prep, st>>>(p);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (ns > 0) {
-    fwd_state_kernel<K><<<per_seq, kThreads, state, st>>>(p);
+    fwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
-    bwd_state_kernel<K><<<per_seq, kThreads, state, st>>>(p);
+    bwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
-  inter_kernel<K><<<per_chunk, kThreads, inter, st>>>(p);
+  inter_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), inter, st>>>(p);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
-  intra_kernel<K><<<per_chunk, kThreads, intra, st>>>(p);
+  intra_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), intra, st>>>(p);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
