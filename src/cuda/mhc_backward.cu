@@ -737,8 +737,9 @@ ApplyPlan apply_plan(int64_t T, int64_t D) {
 //   dh_s += r1·Σ_j dm_j·fn[j, k] − c1·h_s (the input norm of the projection);
 // and the partials part[b] = (dfn [M, S·D]: Σ_t dm[t, j]·h[t, k]·r1[t]; dnorm_w [D]: Σ_t da·x·r2), tokens in order.
 // h, da, dh and the rows come through a cp.async pipeline of kApplyTT tokens a stage. VEC: 16-byte copies.
+// At S = 4 (the model's hc_mult) five blocks an SM: at most 102 registers (the unrolled token loop would take 128).
 template <int S, bool VEC>
-__global__ void __launch_bounds__(32 * S)
+__global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
     mhc_bwd_apply_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
                          const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh,
                          float* __restrict__ part, int64_t T, int64_t D, int64_t tpb) {
@@ -755,28 +756,42 @@ __global__ void __launch_bounds__(32 * S)
   auto das = [&](int bf) { return dhs(bf) + P::h_floats; };
   auto rws = [&](int bf) { return das(bf) + TT * 32; };
 
+  // The copies of stage i: trip counts fixed at compile time, offsets inside the stage in 32 bits (a stage spans
+  // TT·S rows of D floats) from 64-bit stage bases.
   auto load = [&](int bf, int i) {
     constexpr int V = VEC ? 4 : 1, PR = 32 / V;
     const int64_t tt0 = t0 + int64_t(i) * TT;
-    for (int idx = threadIdx.x; idx < TT * S * PR; idx += NT) {
+    const int left = static_cast<int>(min(int64_t(TT), t1 - tt0));  // tokens of the stage inside the block's range
+    const float* h_st = h + tt0 * SD + d0;
+    const float* dh_st = dh ? dh + tt0 * SD + d0 : h;
+    const float* da_st = has_da ? da + tt0 * D + d0 : h;
+    const float* rw_st = rows + tt0 * W;
+    constexpr int NHV = TT * S * PR, NA = TT * PR, NR = TT * (W / V);
+#pragma unroll
+    for (int q = 0; q < (NHV + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NHV % NT && idx >= NHV) break;  // (a copy out of range would still zero-fill shared memory)
       const int r = idx / PR, c = (idx % PR) * V;  // r = token·S + stream
-      const int64_t t = tt0 + r / S, dd = d0 + c;
-      const bool in = t < t1 && dd < D;
-      const int64_t off = (tt0 * S + r) * D + dd;
-      cp_async_f<VEC>(hs(bf) + r * 32 + c, in ? h + off : h, in);
-      cp_async_f<VEC>(dhs(bf) + r * 32 + c, in && dh ? dh + off : h, in && dh);
+      const bool in = r / S < left && d0 + c < D;
+      const int off = r * static_cast<int>(D) + c;
+      cp_async_f<VEC>(hs(bf) + r * 32 + c, in ? h_st + off : h, in);
+      cp_async_f<VEC>(dhs(bf) + r * 32 + c, in && dh ? dh_st + off : h, in && dh);
     }
-    for (int idx = threadIdx.x; idx < TT * PR; idx += NT) {
+#pragma unroll
+    for (int q = 0; q < (NA + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NA % NT && idx >= NA) break;
       const int r = idx / PR, c = (idx % PR) * V;
-      const int64_t t = tt0 + r, dd = d0 + c;
-      const bool in = has_da && t < t1 && dd < D;
-      cp_async_f<VEC>(das(bf) + r * 32 + c, in ? da + t * D + dd : h, in);
+      const bool in = has_da && r < left && d0 + c < D;
+      cp_async_f<VEC>(das(bf) + r * 32 + c, in ? da_st + r * static_cast<int>(D) + c : h, in);
     }
-    for (int idx = threadIdx.x; idx < TT * (W / V); idx += NT) {
+#pragma unroll
+    for (int q = 0; q < (NR + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NR % NT && idx >= NR) break;
       const int r = idx / (W / V), c = (idx % (W / V)) * V;
-      const int64_t t = tt0 + r;
-      const bool in = t < t1;
-      cp_async_f<VEC>(rws(bf) + r * W + c, in ? rows + t * W + c : h, in);
+      const bool in = r < left;
+      cp_async_f<VEC>(rws(bf) + r * W + c, in ? rw_st + r * W + c : h, in);
     }
   };
 
@@ -804,7 +819,11 @@ __global__ void __launch_bounds__(32 * S)
     const float* rb = rws(bf);
     const int64_t tt0 = t0 + int64_t(i) * TT;
     const int cnt = static_cast<int>(min(int64_t(TT), t1 - tt0));
-    for (int tt = 0; tt < cnt; ++tt) {
+    float* dh_st = dh ? dh + (tt0 * S + s) * D + d : nullptr;  // this thread's dh element at the stage's first token
+    // Unrolled over the stage's tokens: every shared-memory offset below is then a constant.
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      if (tt >= cnt) break;
       const float* rw = rb + tt * W;
       const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
       const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
@@ -841,7 +860,7 @@ __global__ void __launch_bounds__(32 * S)
           }
       }
       dhv += r1 * df - hv * c1;
-      if (ok && dh) dh[((tt0 + tt) * S + s) * D + d] = dhv;
+      if (ok && dh) dh_st[tt * SD] = dhv;
     }
   }
   cp_async_wait<0>();
