@@ -553,6 +553,10 @@ class Step {
   // A recomputation before the backward runs: every site kept its sub-layer's output y from the forward, so the
   // output projection (and the MoE's down projection and combine) is skipped, its adapters computing their u alone.
   bool recompute_ = false;
+  // The forward pass of a site the policy recomputes: its activations are given back once the site is done, so what
+  // only the backward reads is not made (the recomputation makes it): the KDA's fp32 q, k, v and log decay on the
+  // tensor-core path, the MoE's kept pre-activations.
+  bool transient_ = false;
   bool factors_only_ = false;  // adapters keep their u and add nothing (lora_forward, expert_adapters_forward)
   // The routed experts' outputs (n × D fp32), which only the forward's combine reads: one buffer for every kept MoE
   // site (Step::run makes it when the policy keeps the MoE layers), else each forward takes its own from the arena
@@ -601,15 +605,18 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   cudaStream_t st = m_.stream;
   x.raw = ar.alloc<float>(T * 3 * HK);
   linear_forward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, x.raw);
-  x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
   // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel) runs as inference runs it. The kept
   // fp32 q, k, v are then rounded to the bf16 values it reads, so that the backward differentiates the function the
-  // forward computed (the rounding passes the gradient through unchanged).
+  // forward computed (the rounding passes the gradient through unchanged). A transient forward makes the bf16 ones
+  // alone (the same values: both round the same fp32 results to nearest).
   const bool tc = m_.kda_tc_path();
+  const bool lean = tc && transient_;
+  if (!lean) x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
   bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
   if (tc) {
     q16 = ar.alloc<bf16>(T * HK), k16 = ar.alloc<bf16>(T * HK), v16 = ar.alloc<bf16>(T * HK);
-    kda_conv_norm_rounded(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, q16, k16, v16, T, H, K, W, st);
+    if (lean) kda_conv_norm(x.raw, w.conv, p_.seq_start, q16, k16, v16, T, H, K, W, st);
+    else kda_conv_norm_rounded(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, q16, k16, v16, T, H, K, W, st);
   } else {
     kda_conv_norm(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, T, H, K, W, st);
   }
@@ -618,8 +625,10 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.fa16 = half(x.fa, T * K);
   x.f = ar.alloc<float>(T * HK);
   linear_forward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, x.f);
-  x.g = ar.alloc<float>(T * HK);
-  kda_gate(x.f, x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
+  if (!lean) {  // the backward's (and the fp32 recurrence's) log decay; the tensor-core kernel forms its own
+    x.g = ar.alloc<float>(T * HK);
+    kda_gate(x.f, x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
+  }
   x.beta = ar.alloc<float>(T * H);
   linear_forward(i, {LoraKind::KdaB}, w.b, a, D, x.beta);
   sigmoid_inplace(x.beta, T * H, st);
@@ -892,7 +901,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
     if (fuse_act) {
-      gu.C = x.act, gu.pre = x.gu;
+      gu.C = x.act, gu.pre = transient_ ? nullptr : x.gu;
       gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
     }
     if (fold_gu) gu.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
@@ -1175,7 +1184,9 @@ double Step::run(const float* row_weight) {
       // recomputation before each backward reuses them.
       select_ = true;
       core_ = s.core;
+      transient_ = !s.kept;
       sub_forward(i, ffn, sa, s.x, sy);
+      transient_ = false;
       core_ = {};
       select_ = false;
       mhc_post(hin, hout, sy, sp, sc, T, S, D, st);
