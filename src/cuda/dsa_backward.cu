@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "cuda/backward_kernels.h"
+#include "cuda/mla_mask.cuh"
 #include "cuda/mma.cuh"
 
 namespace nextlm::cuda {
@@ -160,42 +161,6 @@ struct Smem {
   }
   static size_t bytes(const Dims& d) { return ((kQ + kK) * d.stride + 2 * kQ * kK + 4 * kQ) * sizeof(float); }
 };
-
-// One block per query tile (64 tokens): the bitmask rows of its tokens, the row of key tiles it touches (tmap) and
-// its bit in those key tiles' rows of query tiles (tmapT).
-__global__ void build_kernel(const int32_t* sel, const int32_t* count, const int32_t* seq_start,
-                             const int32_t* seq_len, uint32_t* mask, int64_t words, uint32_t* tmap, int64_t wk,
-                             uint32_t* tmapT, int64_t wq, int64_t T, int64_t max_sel) {
-  __shared__ uint32_t tiles[kMaxTileWords];
-  const int64_t qt = blockIdx.x;
-  for (int64_t w = threadIdx.x; w < wk; w += blockDim.x) tiles[w] = 0;
-  __syncthreads();
-  for (int64_t t = qt * kQ; t < min(T, (qt + 1) * kQ); ++t) {
-    const int64_t n = count[t], s0 = seq_start[t];
-    if (n == 0) {
-      const int64_t len = seq_len[t];
-      if (len <= 0) continue;
-      for (int64_t kt = s0 / kK + threadIdx.x; kt <= (s0 + len - 1) / kK; kt += blockDim.x)
-        atomicOr(tiles + (kt >> 5), 1u << (kt & 31));
-    } else {
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const int32_t j = sel[t * max_sel + i];
-        atomicOr(mask + t * words + (j >> 5), 1u << (j & 31));
-        const int64_t kt = (s0 + j) / kK;
-        atomicOr(tiles + (kt >> 5), 1u << (kt & 31));
-      }
-    }
-  }
-  __syncthreads();
-  for (int64_t w = threadIdx.x; w < wk; w += blockDim.x) {
-    uint32_t word = tiles[w];
-    tmap[qt * wk + w] = word;
-    for (; word; word &= word - 1) {
-      const int64_t kt = w * 32 + __ffs(word) - 1;
-      atomicOr(tmapT + kt * wq + (qt >> 5), 1u << (qt & 31));
-    }
-  }
-}
 
 // Query-major pass over the key tiles of one query tile and head. kStats: writes lse and D (online softmax); else
 // adds dq.
@@ -482,8 +447,8 @@ void mla_sparse_attention_backward(const float* q, const float* kv, const int32_
   const float scale = 1.0f / sqrtf(static_cast<float>(dqk));
 
   NEXTLM_CUDA_CHECK(cudaMemsetAsync(mask, 0, L.tmap - L.mask, st));
-  build_kernel<<<static_cast<unsigned>(L.nqt), kThreads, 0, st>>>(sel, count, seq_start, seq_len, mask, L.words, tmap,
-                                                                   L.wk, tmapT, L.wq, T, max_sel);
+  selection_tiles_kernel<kQ, kK, kMaxTileWords><<<static_cast<unsigned>(L.nqt), kThreads, 0, st>>>(
+      sel, count, seq_start, seq_len, mask, L.words, tmap, L.wk, tmapT, L.wq, T, max_sel);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   NEXTLM_CUDA_CHECK(
       cudaFuncSetAttribute(query_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));

@@ -156,42 +156,6 @@ __device__ __forceinline__ void p_ds(const uint64_t* bits, const int32_t* cnt, c
   }
 }
 
-// One block per query tile: the bitmask rows of its tokens, the row of key tiles it touches (tmap) and its bit in
-// those key tiles' rows of query tiles (tmapT).
-__global__ void build_kernel(const int32_t* sel, const int32_t* count, const int32_t* seq_start,
-                             const int32_t* seq_len, uint32_t* mask, int64_t words, uint32_t* tmap, int64_t wk,
-                             uint32_t* tmapT, int64_t wq, int64_t T, int64_t max_sel) {
-  __shared__ uint32_t tiles[kMaxTileWords];
-  const int64_t qt = blockIdx.x;
-  for (int64_t w = threadIdx.x; w < wk; w += blockDim.x) tiles[w] = 0;
-  __syncthreads();
-  for (int64_t t = qt * kTile; t < min(T, (qt + 1) * kTile); ++t) {
-    const int64_t n = count[t], s0 = seq_start[t];
-    if (n == 0) {
-      const int64_t len = seq_len[t];
-      if (len <= 0) continue;
-      for (int64_t kt = s0 / kTile + threadIdx.x; kt <= (s0 + len - 1) / kTile; kt += blockDim.x)
-        atomicOr(tiles + (kt >> 5), 1u << (kt & 31));
-    } else {
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const int32_t j = sel[t * max_sel + i];
-        atomicOr(mask + t * words + (j >> 5), 1u << (j & 31));
-        const int64_t kt = (s0 + j) / kTile;
-        atomicOr(tiles + (kt >> 5), 1u << (kt & 31));
-      }
-    }
-  }
-  __syncthreads();
-  for (int64_t w = threadIdx.x; w < wk; w += blockDim.x) {
-    uint32_t word = tiles[w];
-    tmap[qt * wk + w] = word;
-    for (; word; word &= word - 1) {
-      const int64_t kt = w * 32 + __ffs(word) - 1;
-      atomicOr(tmapT + kt * wq + (qt >> 5), 1u << (qt & 31));
-    }
-  }
-}
-
 // Query-major pass over the key tiles of one query tile and head. kStats: writes lse2 and D (online softmax); else
 // adds dq.
 template <int DQK, int DV, bool kStats>
@@ -923,8 +887,8 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
   uint32_t* tmap = reinterpret_cast<uint32_t*>(base + L.tmap);
 
   NEXTLM_CUDA_CHECK(cudaMemsetAsync(mask, 0, L.tmap - L.mask, st));
-  build_kernel<<<static_cast<unsigned>(L.nqt), kThreads, 0, st>>>(sel, count, seq_start, seq_len, mask, L.words, tmap,
-                                                                   L.wk, tmapT, L.wq, T, max_sel);
+  selection_tiles_kernel<kTile, kTile, kMaxTileWords><<<static_cast<unsigned>(L.nqt), kThreads, 0, st>>>(
+      sel, count, seq_start, seq_len, mask, L.words, tmap, L.wk, tmapT, L.wq, T, max_sel);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   const int64_t n = T * NH * dv;
   to_bf16(do_, do16, n, st);
