@@ -133,6 +133,27 @@ std::map<std::string, Cost> slice_costs(const ModelConfig& c, int64_t T) {
   return m;
 }
 
+// A training step's floor with the routed experts' weight traffic in it. floor_ms counts FLOPs alone; at these token
+// counts every expert is hit, so each pass of the experts' GEMMs reads all their weights and is bound by those bytes,
+// not by its FLOPs: the step reads them once in the forward (gate|up and down), once in the input gradients and, when
+// the MoE is recomputed, the gate|up (2/3 of them) once more. Returns that floor: floor_ms with the experts' FLOPs
+// (forward and input gradients, `fwd_mult`·forward in all) replaced by the larger of those and the weights' bytes.
+double floor_with_expert_bytes_ms(const std::map<std::string, Cost>& costs, const ModelConfig& c, double needed,
+                                  double fwd_mult, bool recompute_moe) {
+  const auto it = costs.find("experts");
+  if (it == costs.end()) return needed / kFlopsPerMs;
+  // The experts hit (as slice_costs counts them) and their bf16 weights, over the MoE layers.
+  const double t = static_cast<double>(kT), E = c.n_routed_experts, k = c.num_experts_per_tok;
+  const double hit = E * (1.0 - std::pow(1.0 - k / E, t));
+  const double layers = static_cast<double>(std::count(c.mlp_layer_types.begin(), c.mlp_layer_types.end(),
+                                                       MlpType::Sparse));
+  const double weight_bytes = layers * hit * 3.0 * c.moe_intermediate_size * c.hidden_size * 2;
+  const double passes = 2.0 + (recompute_moe ? 2.0 / 3.0 : 0.0);
+  const double expert_flops = fwd_mult * it->second.flops;
+  return (needed - expert_flops) / kFlopsPerMs +
+         std::max(expert_flops / kFlopsPerMs, passes * weight_bytes / kBytesPerMs);
+}
+
 // The profiled parts that do not overlap: their sum is the whole forward (up to the embedding and final norm).
 const std::vector<std::string> kTopLevel{"mhc", "kda layer", "dsa layer", "dense mlp", "moe", "lm_head"};
 const std::map<std::string, std::string> kWithin{
@@ -333,6 +354,8 @@ void slice4_train_step_case(const std::string& name) {
       {"case", name},
       {"ours_ms", std::round(ms * 1e4) / 1e4},
       {"floor_ms", std::round(needed / kFlopsPerMs * 1e4) / 1e4},
+      {"floor_with_expert_bytes_ms",
+       std::round(floor_with_expert_bytes_ms(slice_costs(cfg, kT), cfg, needed, full ? 3 : 2, !keep) * 1e4) / 1e4},
       {"tokens_per_s", std::round(kT / ms * 1e3)},
       {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
       {"target_mfu", 0.35},
@@ -353,7 +376,9 @@ void slice4_train_step_case(const std::string& name) {
                    "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
                    " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
-                   (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s"}};
+                   (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s; "
+                   "floor_with_expert_bytes_ms: the same with the routed experts' GEMMs bound by reading their weights "
+                   "(all of them a pass, 4.14 TB/s)"}};
   std::printf("%s\n", line.dump().c_str());
   // Where the step's time goes: one more step with an event pair around every part (each ends in a sync).
   model->set_profiling(true);
@@ -488,6 +513,8 @@ void slice4_lora_step_case(const std::string& name) {
       {"ours_ms", std::round(ms * 1e4) / 1e4},
       {"device_ms", std::round(r.device_ms * 1e4) / 1e4},
       {"floor_ms", std::round(needed / kFlopsPerMs * 1e4) / 1e4},
+      {"floor_with_expert_bytes_ms",
+       std::round(floor_with_expert_bytes_ms(slice_costs(cfg, kT), cfg, needed, 2, !keep) * 1e4) / 1e4},
       {"tokens_per_s", std::round(kT / ms * 1e3)},
       {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
       {"target_mfu", 0.35},
@@ -510,7 +537,9 @@ void slice4_lora_step_case(const std::string& name) {
                    (par ? " of all " + std::to_string(std::lcm(tp, ep)) + " GPUs; tp " + std::to_string(tp) +
                               " ep " + std::to_string(ep) + " (threads, NCCL), the adapters' gradients summed over "
                               "the ranks on the host"
-                        : std::string())}};
+                        : std::string()) +
+                   "; floor_with_expert_bytes_ms: floor_ms with the routed experts' GEMMs bound by reading their "
+                   "weights (all of them a pass, 4.14 TB/s, one GPU)"}};
   if (par) {
     line["mfu"] = std::round(needed / (ms * kPeakFlopsPerMs * std::lcm(tp, ep)) * 1e4) / 1e4;
     line["peer"] = "nextlm on one GPU, same run";
