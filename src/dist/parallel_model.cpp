@@ -183,17 +183,7 @@ DsaWeights load_dsa(ShardLoader& ld, const std::string& p, const ModelConfig& c,
   w.kv_a_norm = ld.get(p + "kv_a_layernorm.weight", {KL});
   w.kv_b = ld.get(p + "kv_b_proj.weight", {NH * (dqk + dv), KL}, Slice::rows(scale(heads, dqk + dv)));
   w.o_proj = ld.get(p + "o_proj.weight", {D, NH * dv}, Slice::cols(scale(heads, dv)));
-  if (full_indexer) {  // replicated: every rank makes the same selection
-    const int64_t IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool;
-    const std::string q = p + "indexer.";
-    w.indexer = IndexerWeights{ld.get(q + "wq_b.weight", {IH * ID, QL}),
-                               ld.get(q + "wk.weight", {ID, D}),
-                               ld.get(q + "k_norm.weight", {ID}),
-                               ld.get(q + "k_norm.bias", {ID}),
-                               ld.get(q + "weights_proj.weight", {IH, D}),
-                               ld.get(q + "index_kpool_compress_ape", {P, ID}),
-                               ld.get(q + "index_kpool_compress_gate", {ID, D})};
-  }
+  if (full_indexer) w.indexer = load_indexer(ld, p + "indexer.", c);  // replicated: every rank selects the same
   return w;
 }
 

@@ -40,6 +40,22 @@ struct IndexerWeights {
   Tensor gate;          // [ID, D]
 };
 
+// The indexer's tensors, named `q` + their checkpoint names (q = "….self_attn.indexer."), through a loader with
+// get(name, shape): the whole model's (weights.cpp) or a rank's shard's (dist/parallel_model.cpp, where the indexer
+// is replicated: every rank makes the same selection).
+template <class Loader>
+IndexerWeights load_indexer(Loader& ld, const std::string& q, const ModelConfig& c) {
+  const int64_t IH = c.index_n_heads, ID = c.index_head_dim, P = c.index_kpool, QL = c.q_lora_rank,
+                D = c.hidden_size;
+  return IndexerWeights{ld.get(q + "wq_b.weight", {IH * ID, QL}),
+                        ld.get(q + "wk.weight", {ID, D}),
+                        ld.get(q + "k_norm.weight", {ID}),
+                        ld.get(q + "k_norm.bias", {ID}),
+                        ld.get(q + "weights_proj.weight", {IH, D}),
+                        ld.get(q + "index_kpool_compress_ape", {P, ID}),
+                        ld.get(q + "index_kpool_compress_gate", {ID, D})};
+}
+
 struct DsaWeights {
   Tensor q_a;       // [q_lora, D]
   Tensor q_a_norm;  // [q_lora]
