@@ -135,11 +135,12 @@ std::map<std::string, Cost> slice_costs(const ModelConfig& c, int64_t T) {
 
 // A training step's floor with the routed experts' weight traffic in it. floor_ms counts FLOPs alone; at these token
 // counts every expert is hit, so each pass of the experts' GEMMs reads all their weights and is bound by those bytes,
-// not by its FLOPs: the step reads them once in the forward (gate|up and down), once in the input gradients and, when
-// the MoE is recomputed, the gate|up (2/3 of them) once more. Returns that floor: floor_ms with the experts' FLOPs
-// (forward and input gradients, `fwd_mult`·forward in all) replaced by the larger of those and the weights' bytes.
+// not by its FLOPs: the step reads them once in the forward (gate|up and down), once in the input gradients and,
+// when the experts' gate|up is recomputed (--recompute all), those (2/3 of them) once more. Returns that floor:
+// floor_ms with the experts' FLOPs (forward and input gradients, `fwd_mult`·forward in all) replaced by the larger of
+// those and the weights' bytes.
 double floor_with_expert_bytes_ms(const std::map<std::string, Cost>& costs, const ModelConfig& c, double needed,
-                                  double fwd_mult, bool recompute_moe) {
+                                  double fwd_mult, bool recompute_experts) {
   const auto it = costs.find("experts");
   if (it == costs.end()) return needed / kFlopsPerMs;
   // The experts hit (as slice_costs counts them) and their bf16 weights, over the MoE layers.
@@ -148,7 +149,7 @@ double floor_with_expert_bytes_ms(const std::map<std::string, Cost>& costs, cons
   const double layers = static_cast<double>(std::count(c.mlp_layer_types.begin(), c.mlp_layer_types.end(),
                                                        MlpType::Sparse));
   const double weight_bytes = layers * hit * 3.0 * c.moe_intermediate_size * c.hidden_size * 2;
-  const double passes = 2.0 + (recompute_moe ? 2.0 / 3.0 : 0.0);
+  const double passes = 2.0 + (recompute_experts ? 2.0 / 3.0 : 0.0);
   const double expert_flops = fwd_mult * it->second.flops;
   return (needed - expert_flops) / kFlopsPerMs +
          std::max(expert_flops / kFlopsPerMs, passes * weight_bytes / kBytesPerMs);
@@ -309,6 +310,35 @@ void slice4_prefill_case(const std::string& name) {
   std::fflush(stdout);
 }
 
+// A training case's recompute policy: --recompute none for *_keep, all for *_all, the trainer's default otherwise;
+// NEXTLM_BENCH_RECOMPUTE (in --recompute's syntax) overrides it, to measure what recomputing each component costs in
+// time and memory.
+RecomputePolicy case_policy(const std::string& name) {
+  if (const char* p = std::getenv("NEXTLM_BENCH_RECOMPUTE")) return parse_recompute(p);
+  if (name.find("_keep") != std::string::npos) return parse_recompute("none");
+  if (name.find("_all") != std::string::npos) return RecomputePolicy{};
+  return default_recompute();
+}
+
+// How a case's note says the policy.
+std::string policy_words(const RecomputePolicy& p) {
+  const std::string but = "every sub-layer recomputed before its backward up to its output projection (the outputs "
+                          "kept), but for the KDA recurrence and the MLA attention (their outputs kept)";
+  if (p == RecomputePolicy{}) return but + " (--recompute all)";
+  if (p == default_recompute())
+    return but + " and the routed experts' gate|up (their pre-activations and act kept; the default, --recompute " +
+           recompute_to_string(p) + ")";
+  if (p == parse_recompute("none")) return "every sub-layer's activations kept from the forward (--recompute none)";
+  return "--recompute " + recompute_to_string(p);
+}
+
+// Device memory in use now (weights, gradients, optimizer state, the arena), GiB to a tenth.
+double device_memory_gib(const std::string& name) {
+  size_t free_bytes = 0, total_bytes = 0;
+  check(cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess, name, ": cudaMemGetInfo failed");
+  return std::round((total_bytes - free_bytes) / double(1 << 30) * 10) / 10;
+}
+
 void slice4_train_step_case(const std::string& name) {
 #ifdef NEXTLM_HAVE_NCCL
   if (name.find("_tp2") != std::string::npos || name.find("_ep2") != std::string::npos)
@@ -326,13 +356,13 @@ void slice4_train_step_case(const std::string& name) {
   const ModelConfig cfg = load_config(path);
   auto model = CudaModel::random(cfg, kSeed);
   model->set_train_linears(full);
-  // *_keep: every sub-layer keeps its activations from the forward (--recompute none) instead of running again.
-  const bool keep = name.find("_keep") != std::string::npos;
-  model->set_recompute(keep ? parse_recompute("none") : RecomputePolicy{});
+  // *_keep: every sub-layer keeps its activations from the forward (--recompute none) instead of running again;
+  // *_all: every sub-layer runs again, the routed experts' gate|up too (--recompute all).
+  const RecomputePolicy policy = case_policy(name);
+  model->set_recompute(policy);
   const PackedBatch b = random_batch(cfg);
   const double loss = model->forward_backward(b);  // warm-up: arena, GEMM algorithms
-  size_t free_bytes = 0, total_bytes = 0;
-  check(cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess, name, ": cudaMemGetInfo failed");
+  const double memory_gib = device_memory_gib(name);
   std::vector<double> gpu, wall;
   constexpr int kStepIters = 3;
   for (int i = 0; i < kStepIters; ++i) {
@@ -349,28 +379,29 @@ void slice4_train_step_case(const std::string& name) {
   for (const auto& [part, cost] : slice_costs(cfg, kT))
     if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
   const double needed = (full ? 3 : 2) * forward;
+  const bool recompute_experts = policy.recomputes_experts();
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;  // H200 dense bf16, the spec sheet's figure
   nlohmann::json line{
       {"case", name},
       {"ours_ms", std::round(ms * 1e4) / 1e4},
       {"floor_ms", std::round(needed / kFlopsPerMs * 1e4) / 1e4},
       {"floor_with_expert_bytes_ms",
-       std::round(floor_with_expert_bytes_ms(slice_costs(cfg, kT), cfg, needed, full ? 3 : 2, !keep) * 1e4) / 1e4},
+       std::round(floor_with_expert_bytes_ms(slice_costs(cfg, kT), cfg, needed, full ? 3 : 2, recompute_experts) *
+                  1e4) /
+           1e4},
       {"tokens_per_s", std::round(kT / ms * 1e3)},
       {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
       {"target_mfu", 0.35},
       {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
       {"finite", std::isfinite(loss)},
-      {"device_memory_gib", std::round((total_bytes - free_bytes) / double(1 << 30) * 10) / 10},
+      {"recompute", recompute_to_string(policy)},
+      {"device_memory_gib", memory_gib},
       {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
                                   "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
                                   "top-8; optimizer not included, it runs on the host in `train --device cuda`)"
                                 : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
                                   "LoRA step: adapters and optimizer not included)") +
-                   " at " + std::to_string(kT) + " tokens, " +
-                   (keep ? "every sub-layer's activations kept from the forward (--recompute none)"
-                         : "every sub-layer recomputed before its backward up to its output projection (the outputs "
-                           "kept), but for the KDA recurrence and the MLA attention (their outputs kept)") +
+                   " at " + std::to_string(kT) + " tokens, " + policy_words(policy) +
                    "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
                    "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
                    "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
@@ -399,6 +430,7 @@ constexpr int kLoraStepIters = 3;
 
 struct LoraSteps {
   double wall_ms = 0, device_ms = 0, loss = 0;
+  double memory_gib = 0;  // the device's memory in use after the steps
   size_t modules = 0;
   int64_t parameters = 0;
   std::vector<LoraModule> layout;  // the adapter's modules (for the FLOP count)
@@ -452,6 +484,7 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
     wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count());
   }
   r.wall_ms = median(wall), r.device_ms = median(gpu);
+  r.memory_gib = device_memory_gib("lora step");
   r.modules = lora.modules().size(), r.parameters = lora.num_parameters(), r.layout = lora.modules();
   return r;
 }
@@ -461,13 +494,13 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
 void slice4_lora_step_case(const std::string& name) {
   const bool shared = name.find("shared_experts") != std::string::npos;
   const int tp = name.find("_tp2") != std::string::npos ? 2 : 1, ep = name.find("_ep2") != std::string::npos ? 2 : 1;
-  const bool keep = name.find("_keep") != std::string::npos;  // --recompute none (one GPU)
+  const RecomputePolicy policy = case_policy(name);  // _keep, _all: one GPU
   const ModelConfig cfg = load_config(slice4_config_path());
   const PackedBatch b = random_batch(cfg);
   LoraSteps one, split;
   {
     auto model = CudaModel::random(cfg, kSeed);
-    model->set_recompute(keep ? parse_recompute("none") : RecomputePolicy{});
+    model->set_recompute(policy);
     one = time_lora_steps(*model, shared, b, [](std::vector<ParamRef>&) {}, [] {}, true);
   }
   if (tp > 1 || ep > 1) {
@@ -507,6 +540,7 @@ void slice4_lora_step_case(const std::string& name) {
     adapter_flops += 6 * tokens * m.rank * static_cast<double>(m.A.dim(1) + m.B.dim(0));
   }
   const double needed = 2 * forward + adapter_flops;
+  const bool recompute_experts = policy.recomputes_experts();
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;
   nlohmann::json line{
       {"case", name},
@@ -514,10 +548,11 @@ void slice4_lora_step_case(const std::string& name) {
       {"device_ms", std::round(r.device_ms * 1e4) / 1e4},
       {"floor_ms", std::round(needed / kFlopsPerMs * 1e4) / 1e4},
       {"floor_with_expert_bytes_ms",
-       std::round(floor_with_expert_bytes_ms(slice_costs(cfg, kT), cfg, needed, 2, !keep) * 1e4) / 1e4},
+       std::round(floor_with_expert_bytes_ms(slice_costs(cfg, kT), cfg, needed, 2, recompute_experts) * 1e4) / 1e4},
       {"tokens_per_s", std::round(kT / ms * 1e3)},
       {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
       {"target_mfu", 0.35},
+      {"recompute", recompute_to_string(policy)},
       {"adapters", r.modules},
       {"adapter_parameters", r.parameters},
       {"loss_per_token", std::round(r.loss / (kT - 1) * 1e4) / 1e4},
@@ -528,9 +563,7 @@ void slice4_lora_step_case(const std::string& name) {
                    "), forward + backward on the device (base frozen: no weight gradients)" +
                    (par ? ", the adapters' gradients to the host, clipping and AdamW there and the new adapters back"
                         : ", clipping and AdamW on the device's fp32 adapters (nothing goes to the host)") +
-                   (keep ? ", every sub-layer's activations kept from the forward (--recompute none)"
-                         : ", every sub-layer recomputed before its backward up to its output projection (the "
-                           "outputs kept), but for the KDA recurrence and the MLA attention (their outputs kept)") +
+                   ", " + policy_words(policy) +
                    "; median host wall time of " +
                    std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
                    "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s" +
@@ -539,7 +572,11 @@ void slice4_lora_step_case(const std::string& name) {
                               "the ranks on the host"
                         : std::string()) +
                    "; floor_with_expert_bytes_ms: floor_ms with the routed experts' GEMMs bound by reading their "
-                   "weights (all of them a pass, 4.14 TB/s, one GPU)"}};
+                   "weights (all of them a pass, 4.14 TB/s, one GPU)" +
+                   (par ? std::string()
+                        : "; device_memory_gib: the GPU's memory in use after the steps (weights, adapters and their "
+                          "AdamW state, the arena)")}};
+  if (!par) line["device_memory_gib"] = r.memory_gib;
   if (par) {
     line["mfu"] = std::round(needed / (ms * kPeakFlopsPerMs * std::lcm(tp, ep)) * 1e4) / 1e4;
     line["peer"] = "nextlm on one GPU, same run";

@@ -276,7 +276,8 @@ TEST(CudaTrain, RecomputePoliciesGiveTheSameGradients) {
     CudaModel gpu(m);
     const double ref_loss = gpu.forward_backward(batch);
     const ModelWeights ref = gpu.gradients();
-    for (const char* policy : {"none", "kda,mla", "moe,mlp,mhc", "kda,mla,moe,mlp"}) {
+    // (kda,mla,moe,mlp,mhc, the default, and moe keep the routed experts' gate|up inside a recomputed MoE.)
+    for (const char* policy : {"none", "kda,mla", "moe,mlp,mhc", "kda,mla,moe,mlp", "kda,mla,moe,mlp,mhc", "moe"}) {
       gpu.zero_grads();
       gpu.set_recompute(parse_recompute(policy));
       EXPECT_EQ(gpu.forward_backward(batch), ref_loss) << name << " " << policy;
@@ -295,46 +296,57 @@ struct LoraOnGpu {
   PackedBatch batch;
   LoraAdapter lora;
   CudaModel gpu;
-  explicit LoraOnGpu(const std::string& name)
+  explicit LoraOnGpu(const std::string& name, LoraExperts experts = LoraExperts::PerExpert, int64_t rank = 4)
       : base(Model::load(test::golden_dir(name))),
         batch(golden_batch(test::golden_dir(name))),
-        lora(test::random_lora(base.config(), LoraExperts::PerExpert)),
+        lora(test::random_lora(base.config(), experts, rank)),
         gpu(base) {
     gpu.set_train_linears(false);
     gpu.set_lora(lora);
   }
 };
 
-// The same with LoRA adapters on every projection, one per routed expert: each adapter's forward product is read
-// by its backward at its own site, whether that site was recomputed or kept.
+// The same with LoRA adapters on every projection: each adapter's forward product is read by its backward at its own
+// site, whether that site was recomputed or kept, and where a recomputed MoE reuses its kept experts' gate|up, the
+// experts' adapters make their factors alone: one adapter per routed expert at rank 4 (the grouped LoRA kernels
+// after the GEMMs) and 16 (folded into the grouped GEMMs), and one shared by a layer's experts.
 TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
-  LoraOnGpu t("bf16_stable");
-  const PackedBatch& batch = t.batch;
-  const LoraAdapter& lora = t.lora;
-  CudaModel& gpu = t.gpu;
-  LoraAdapter ref = test::without_gradients(lora);
-  const double ref_loss = gpu.forward_backward(batch);
-  gpu.lora_gradients(ref);
-  for (const char* policy : {"none", "moe,mhc"}) {
-    gpu.zero_grads();
-    gpu.set_recompute(parse_recompute(policy));
-    LoraAdapter got = test::without_gradients(lora);
-    EXPECT_EQ(gpu.forward_backward(batch), ref_loss) << policy;
-    gpu.lora_gradients(got);
-    double diff = 0, norm = 0;
-    for (size_t i = 0; i < ref.modules().size(); ++i) {
-      const LoraModule &r = ref.modules()[i], &g = got.modules()[i];
-      for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
-        for (size_t j = 0; j < rt.data.size(); ++j) {
-          ASSERT_TRUE(std::isfinite(gt.data[j])) << policy;
-          diff += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
-          norm += std::pow(static_cast<double>(rt.data[j]), 2);
-        }
+  struct Case {
+    LoraExperts experts;
+    int64_t rank;
+  };
+  for (const Case& c :
+       {Case{LoraExperts::PerExpert, 4}, Case{LoraExperts::PerExpert, 16}, Case{LoraExperts::Shared, 4}}) {
+    LoraOnGpu t("bf16_stable", c.experts, c.rank);
+    const PackedBatch& batch = t.batch;
+    const LoraAdapter& lora = t.lora;
+    CudaModel& gpu = t.gpu;
+    const std::string at = std::string(c.experts == LoraExperts::Shared ? "shared" : "per-expert") + " rank " +
+                           std::to_string(c.rank) + " --recompute ";
+    LoraAdapter ref = test::without_gradients(lora);
+    const double ref_loss = gpu.forward_backward(batch);
+    gpu.lora_gradients(ref);
+    for (const char* policy : {"none", "moe,mhc", "kda,mla,moe,mlp,mhc"}) {
+      gpu.zero_grads();
+      gpu.set_recompute(parse_recompute(policy));
+      LoraAdapter got = test::without_gradients(lora);
+      EXPECT_EQ(gpu.forward_backward(batch), ref_loss) << at << policy;
+      gpu.lora_gradients(got);
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < ref.modules().size(); ++i) {
+        const LoraModule &r = ref.modules()[i], &g = got.modules()[i];
+        for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+          for (size_t j = 0; j < rt.data.size(); ++j) {
+            ASSERT_TRUE(std::isfinite(gt.data[j])) << at << policy;
+            diff += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+            norm += std::pow(static_cast<double>(rt.data[j]), 2);
+          }
+      }
+      ASSERT_GT(norm, 0.0);
+      EXPECT_LE(std::sqrt(diff / norm), 1e-2) << at << policy;
+      std::printf("[cuda recompute lora] %s%s: adapters' gradients %.3g from recompute all\n", at.c_str(), policy,
+                  std::sqrt(diff / norm));
     }
-    ASSERT_GT(norm, 0.0);
-    EXPECT_LE(std::sqrt(diff / norm), 1e-2) << policy;
-    std::printf("[cuda recompute lora] --recompute %s: adapters' gradients %.3g from recompute all\n", policy,
-                std::sqrt(diff / norm));
   }
 }
 

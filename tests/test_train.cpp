@@ -257,21 +257,31 @@ namespace {
 
 TEST(RecomputePolicy, ParsesAndPrints) {
   EXPECT_EQ(parse_recompute("all"), RecomputePolicy{});
-  const RecomputePolicy none{false, false, false, false, false};
+  const RecomputePolicy none{false, false, false, false, false, false};
   EXPECT_EQ(parse_recompute("none"), none);
-  const RecomputePolicy kda_moe{true, false, true, false, false};
+  const RecomputePolicy kda_moe{true, false, true, false, false, false};
   EXPECT_EQ(parse_recompute("kda,moe"), kda_moe);
   EXPECT_EQ(parse_recompute("moe,kda"), kda_moe);
   EXPECT_EQ(recompute_to_string(kda_moe), "kda,moe");
   EXPECT_EQ(recompute_to_string(RecomputePolicy{}), "all");
   EXPECT_EQ(recompute_to_string(none), "none");
-  EXPECT_EQ(parse_recompute("kda,mla,moe,mlp,mhc"), RecomputePolicy{});
-  // Every one of the 32 policies reads back from its printed form.
-  for (int bits = 0; bits < 32; ++bits) {
-    const RecomputePolicy p{(bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0, (bits & 8) != 0, (bits & 16) != 0};
+  EXPECT_EQ(parse_recompute("kda,mla,moe,experts,mlp,mhc"), RecomputePolicy{});
+  EXPECT_EQ(parse_recompute("experts,moe"), (RecomputePolicy{false, false, true, false, false, true}));
+  // The default keeps the routed experts' gate|up alone.
+  EXPECT_EQ(recompute_to_string(default_recompute()), "kda,mla,moe,mlp,mhc");
+  EXPECT_FALSE(default_recompute().recomputes_experts());
+  EXPECT_FALSE(default_recompute() == RecomputePolicy{});
+  // experts counts only inside a recomputed MoE: with the MoE kept, either value is the same policy.
+  EXPECT_EQ((RecomputePolicy{true, true, false, true, true, true}),
+            (RecomputePolicy{true, true, false, true, true, false}));
+  // Every one of the 64 flag settings reads back from its printed form.
+  for (int bits = 0; bits < 64; ++bits) {
+    const RecomputePolicy p{(bits & 1) != 0,  (bits & 2) != 0,  (bits & 4) != 0,
+                            (bits & 8) != 0, (bits & 16) != 0, (bits & 32) != 0};
     EXPECT_EQ(parse_recompute(recompute_to_string(p)), p) << recompute_to_string(p);
   }
-  for (const char* bad : {"", "kda,", ",kda", "KDA", "kda,kda", "attention", "all,kda", "none,mhc", "kda moe"})
+  for (const char* bad : {"", "kda,", ",kda", "KDA", "kda,kda", "attention", "all,kda", "none,mhc", "kda moe",
+                          "experts", "kda,experts", "moe,experts,experts"})
     EXPECT_THROW(parse_recompute(bad), Error) << '"' << bad << '"';
 }
 

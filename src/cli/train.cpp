@@ -143,7 +143,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   tr->add_option("--recompute", a.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
                  "more memory, less time, the same results): all, none, or a comma-separated list of kda, mla, moe, "
-                 "mlp, mhc")
+                 "experts, mlp, mhc (experts: the routed experts' gate|up inside a recomputed MoE, on the GPU)")
       ->type_name("POLICY")
       ->capture_default_str();
   tr->add_option("--device", a.device,
@@ -246,7 +246,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (resume_dir.empty() || given("--lr")) opt.adamw.lr = a.lr;
   if (resume_dir.empty() || given("--weight-decay")) opt.adamw.weight_decay = a.weight_decay;
   if (resume_dir.empty() || given("--adam-eps")) opt.adamw.eps = a.adam_eps;
-  if (resume_dir.empty() || recompute) opt.recompute = recompute.value_or(RecomputePolicy{});
+  if (resume_dir.empty() || recompute) opt.recompute = recompute.value_or(default_recompute());
   if (given("--lora-rank")) {
     LoraOptions lo;
     lo.rank = a.lora_rank;

@@ -392,6 +392,14 @@ class Step {
           lora_forward(*ad, in + r0 * ld_in, ld_in, rows, out ? out + r0 * ld_out : nullptr, ld_out);
     }
   }
+  // The gate and up adapters' u alone, where a recomputation reuses the kept pre-activations: those folded into the
+  // GEMM made theirs already (expert_adapters_factor), the unfolded ones make them here.
+  void gate_up_factors(size_t i, MoeActs& x, bool unfolded) {
+    if (!unfolded) return;
+    factors_only_ = true;
+    expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+    factors_only_ = false;
+  }
   // The down projection's unfolded adapters: added to x.out, or in a recomputation their u alone.
   void down_adapters_forward(size_t i, MoeActs& x) {
     factors_only_ = recompute_;
@@ -555,7 +563,7 @@ class Step {
   bool recompute_ = false;
   // The forward pass of a site the policy recomputes: its activations are given back once the site is done, so what
   // only the backward reads is not made (the recomputation makes it): the KDA's fp32 q, k, v and log decay on the
-  // tensor-core path, the MoE's kept pre-activations.
+  // tensor-core path, the MoE's pre-activations (unless the policy keeps the experts: core_).
   bool transient_ = false;
   bool factors_only_ = false;  // adapters keep their u and add nothing (lora_forward, expert_adapters_forward)
   // The routed experts' outputs (n × D fp32), which only the forward's combine reads: one buffer for every kept MoE
@@ -565,23 +573,32 @@ class Step {
   // A recomputed KDA or DSA site's attention core output, kept from the forward in the site's own buffers (Step::run
   // allocates them with core_buffers), so that its recomputation skips the recurrence or the attention, the costly
   // and small part of the sub-layer: the tensor-core recurrence's bf16 o (kda_o16) or the fp32 one's o (kda_o); the
-  // MLA attention's bf16 o and, on tensor cores, its rows' log-sum-exp. Null while no site's are wanted (the core
-  // runs into the arena).
+  // MLA attention's bf16 o and, on tensor cores, its rows' log-sum-exp. Likewise a recomputed MoE site's routed
+  // experts' fp32 gate|up pre-activations and bf16 act where the policy keeps the experts (moe_forward). Null while
+  // no site's are wanted (the core runs into the arena).
   struct CoreOut {
     bf16* kda_o16 = nullptr;
     float* kda_o = nullptr;
     bf16* mla_o = nullptr;
     float* mla_lse2 = nullptr;
+    float* moe_gu = nullptr;
+    bf16* moe_act = nullptr;
   };
   CoreOut core_;
-  CoreOut core_buffers(const DLayer& L);
+  CoreOut core_buffers(const DLayer& L, bool ffn);
 };
 
-Step::CoreOut Step::core_buffers(const DLayer& L) {
+Step::CoreOut Step::core_buffers(const DLayer& L, bool ffn) {
   const int64_t T = this->T();
   Arena& ar = m_.arena;
   CoreOut o;
-  if (L.kda_layer) {
+  if (ffn) {
+    if (L.moe_layer && !m_.recompute.recomputes_experts()) {
+      const int64_t n = T * c_.num_experts_per_tok, I = c_.moe_intermediate_size;
+      o.moe_gu = ar.alloc<float>(n * 2 * I);
+      o.moe_act = ar.alloc<bf16>(n * I);
+    }
+  } else if (L.kda_layer) {
     const int64_t HK = c_.linear_num_heads * c_.linear_head_dim;
     if (m_.kda_tc_path()) {
       o.kda_o16 = ar.alloc<bf16>(T * HK);
@@ -879,8 +896,12 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   moe_permute(keys_in, T, k, buckets, keys, slots_in, slots, token_of, x.slot_of, x.offsets, temp, temp_bytes, st);
   x.xp = ar.alloc<bf16>(n * D);
   gather_rows(a, token_of, x.xp, n, D, st);
-  x.gu = ar.alloc<float>(n * 2 * I);
-  x.act = ar.alloc<bf16>(n * I);
+  // A recomputed site whose routed experts' gate|up the policy keeps (core_.moe_gu): its forward writes the
+  // pre-activations and the act into the site's own buffers, and its recomputation reads them instead of running the
+  // GEMM again; it makes the gate and up adapters' u alone.
+  const bool experts_kept = core_.moe_gu != nullptr, reuse = experts_kept && recompute_;
+  x.gu = experts_kept ? core_.moe_gu : nullptr;
+  x.act = experts_kept ? core_.moe_act : ar.alloc<bf16>(n * I);
   // A recomputation runs up to the act (and the down adapters' u): the output was kept, and the backward needs no
   // expert outputs (moe_weights_backward).
   if (!recompute_) {
@@ -898,30 +919,42 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     // keeping the pre-activations for the backward, unless adapters still have to add to them afterwards.
     const bool fuse_act = (fold_gu || !has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp})) &&
                           grouped_gemm_is_wgmma(kernel);
+    // The fp32 gate|up: the GEMM's output, or with the fused act the pre-activations the backward reads (not made
+    // where the site is recomputed, unless kept: the recomputation makes them).
+    if (!x.gu && (!fuse_act || !transient_)) x.gu = ar.alloc<float>(n * 2 * I);
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
     if (fuse_act) {
-      gu.C = x.act, gu.pre = transient_ ? nullptr : x.gu;
+      gu.C = x.act, gu.pre = x.gu;
       gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
     }
     if (fold_gu) gu.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-    grouped_gemm(gu, ws, st);
-    if (!fold_gu) expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-    if (!fuse_act) swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
+    if (reuse) {
+      gate_up_factors(i, x, !fold_gu);
+    } else {
+      grouped_gemm(gu, ws, st);
+      if (!fold_gu) expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+      if (!fuse_act) swiglu(x.gu, x.act, n, I, static_cast<float>(c_.swiglu_limit), st);
+    }
     GroupedGemm dn{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
                    static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
     if (fold_dn) dn.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertDown});
-    dn.schedule_ready = grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
+    dn.schedule_ready = !reuse && grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
     if (!recompute_) grouped_gemm(dn, ws, st);
     if (!fold_dn) down_adapters_forward(i, x);
   } else {
     const std::vector<int32_t> off = host_offsets(x.offsets);
-    for (int64_t e = 0; e < El; ++e) {
-      const int64_t r0 = off[e], rows = off[e + 1] - r0;
-      if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
+    if (reuse) {
+      gate_up_factors(i, x, true);
+    } else {
+      if (!x.gu) x.gu = ar.alloc<float>(n * 2 * I);
+      for (int64_t e = 0; e < El; ++e) {
+        const int64_t r0 = off[e], rows = off[e + 1] - r0;
+        if (rows) m_.gemm->run(x.xp + r0 * D, D, w.experts[e].gate_up.w, 2 * I, D, x.gu + r0 * 2 * I, 2 * I, rows);
+      }
+      expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+      swiglu(x.gu, x.act, off[El], I, static_cast<float>(c_.swiglu_limit), st);
     }
-    expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-    swiglu(x.gu, x.act, off[El], I, static_cast<float>(c_.swiglu_limit), st);
     for (int64_t e = 0; e < El && !recompute_; ++e) {
       const int64_t r0 = off[e], rows = off[e + 1] - r0;
       if (rows) m_.gemm->run(x.act + r0 * I, I, w.experts[e].down.w, D, I, x.out + r0 * D, D, rows);
@@ -1174,8 +1207,9 @@ double Step::run(const float* row_weight) {
       // Every site keeps its sub-layer's output (T × D, what the post-mix backward reads), so that a recomputation
       // skips the output projection.
       s.y = ar.alloc<float>(T * D);
-      // A recomputed attention sub-layer keeps its core's output too, so that its recomputation skips the core.
-      if (!s.kept && !ffn) s.core = core_buffers(L);
+      // A recomputed attention sub-layer keeps its core's output too, so that its recomputation skips the core; a
+      // recomputed MoE its experts' gate|up where the policy keeps them.
+      if (!s.kept) s.core = core_buffers(L, ffn);
       const Arena::Mark sub_mark = ar.mark();
       float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.y;
       bf16* sa = s.mix_kept ? s.a : a;

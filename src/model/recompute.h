@@ -13,6 +13,10 @@ namespace nextlm {
 //   kda  KdaActs (16 [T, H·K] buffers, the gates' [T, K] inputs and beta) and the output [T, D] of every KDA layer;
 //   mla  DsaActs (q and kv latents, q, kv [T, NH·(dqk+dv)], o) and the output of every DSA layer;
 //   moe  the output [T, D] of every MoE layer (the routing is kept under every policy);
+//   experts (GPU only; counts only with moe recomputed) the routed experts' gate|up projection: kept, a recomputed
+//        MoE keeps its fp32 pre-activations and bf16 act (n·2I·4 + n·I·2 bytes a layer, n = T·top-k rows, those of
+//        the rank's experts under expert parallelism), so that its recomputation skips the costliest part of the
+//        sub-layer, the grouped GEMM that reads every expert's gate|up weights;
 //   mlp  the output [T, D] of every dense-MLP layer;
 //   mhc  at every site the mixing coefficients (HcMix) and the sub-layer input before and after its RMSNorm
 //        (2·[T, D]).
@@ -28,17 +32,23 @@ namespace nextlm {
 // recomputed mHC mix keeps its projection's partials (T·((2+S)·S + 1)·S·D/1024 fp32), so that its recomputation
 // skips the pass over the streams that forms them.
 struct RecomputePolicy {
-  bool kda = true, mla = true, moe = true, mlp = true, mhc = true;
+  bool kda = true, mla = true, moe = true, mlp = true, mhc = true, experts = true;
+  // Whether the routed experts' gate|up runs again (experts counts only inside a recomputed MoE).
+  bool recomputes_experts() const { return moe && experts; }
   // Written out (not defaulted): nvcc compiles the CUDA sources that include this header as C++17.
   bool operator==(const RecomputePolicy& o) const {
-    return kda == o.kda && mla == o.mla && moe == o.moe && mlp == o.mlp && mhc == o.mhc;
+    return kda == o.kda && mla == o.mla && moe == o.moe && mlp == o.mlp && mhc == o.mhc &&
+           recomputes_experts() == o.recomputes_experts();
   }
 };
+// The default of `train` and `grad`: every component recomputed but the routed experts' gate|up, whose kept
+// pre-activations save the most time for their memory ("kda,mla,moe,mlp,mhc"; RecomputePolicy{} is "all").
+RecomputePolicy default_recompute();
 // The policy as --recompute writes it: "all", "none", or the recomputed components comma-separated in the order
-// kda,mla,moe,mlp,mhc (the others are kept).
+// kda,mla,moe,experts,mlp,mhc (the others are kept).
 std::string recompute_to_string(const RecomputePolicy& p);
-// Reads that form: "all", "none" or a comma-separated list of the components to recompute (any order, no repeats).
-// Throws Error naming the bad part.
+// Reads that form: "all", "none" or a comma-separated list of the components to recompute (any order, no repeats;
+// experts only with moe). Throws Error naming the bad part.
 RecomputePolicy parse_recompute(const std::string& s);
 
 }  // namespace nextlm

@@ -62,11 +62,11 @@ ModelWeights zeros_like(const ModelWeights& w) {
 
 namespace {
 
-constexpr const char* kComponents[] = {"kda", "mla", "moe", "mlp", "mhc"};
+constexpr const char* kComponents[] = {"kda", "mla", "moe", "experts", "mlp", "mhc"};
 
 // The flag of kComponents[i].
 bool& component(RecomputePolicy& p, size_t i) {
-  bool* f[] = {&p.kda, &p.mla, &p.moe, &p.mlp, &p.mhc};
+  bool* f[] = {&p.kda, &p.mla, &p.moe, &p.experts, &p.mlp, &p.mhc};
   return *f[i];
 }
 
@@ -88,10 +88,17 @@ struct LayerSaved {
 
 }  // namespace
 
+RecomputePolicy default_recompute() {
+  RecomputePolicy p;
+  p.experts = false;
+  return p;
+}
+
 std::string recompute_to_string(const RecomputePolicy& p) {
   if (p == RecomputePolicy{}) return "all";
   std::string out;
   RecomputePolicy q = p;
+  q.experts = p.recomputes_experts();
   for (size_t i = 0; i < std::size(kComponents); ++i) {
     if (!component(q, i)) continue;
     if (!out.empty()) out += ',';
@@ -101,9 +108,9 @@ std::string recompute_to_string(const RecomputePolicy& p) {
 }
 
 RecomputePolicy parse_recompute(const std::string& s) {
-  const std::string expected = " (expected all, none or a comma-separated list of kda, mla, moe, mlp, mhc)";
+  const std::string expected = " (expected all, none or a comma-separated list of kda, mla, moe, experts, mlp, mhc)";
   if (s == "all") return RecomputePolicy{};
-  RecomputePolicy p{false, false, false, false, false};
+  RecomputePolicy p{false, false, false, false, false, false};
   if (s == "none") return p;
   check(!s.empty(), "empty recompute policy", expected);
   size_t b = 0;
@@ -118,6 +125,8 @@ RecomputePolicy parse_recompute(const std::string& s) {
     if (e == s.size()) break;
     b = e + 1;
   }
+  check(!p.experts || p.moe, "experts without moe in \"", s, "\": the routed experts run again only inside a "
+        "recomputed MoE");
   return p;
 }
 
