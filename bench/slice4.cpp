@@ -326,8 +326,8 @@ std::string policy_words(const RecomputePolicy& p) {
                           "kept), but for the KDA recurrence and the MLA attention (their outputs kept)";
   if (p == RecomputePolicy{}) return but + " (--recompute all)";
   if (p == default_recompute())
-    return but + " and the routed experts' gate|up (their pre-activations and act kept; the default, --recompute " +
-           recompute_to_string(p) + ")";
+    return but + ", the routed experts' gate|up (their pre-activations and act kept) and the dense MLP (the default, "
+                 "--recompute " + recompute_to_string(p) + ")";
   if (p == parse_recompute("none")) return "every sub-layer's activations kept from the forward (--recompute none)";
   return "--recompute " + recompute_to_string(p);
 }

@@ -267,8 +267,8 @@ TEST(RecomputePolicy, ParsesAndPrints) {
   EXPECT_EQ(recompute_to_string(none), "none");
   EXPECT_EQ(parse_recompute("kda,mla,moe,experts,mlp,mhc"), RecomputePolicy{});
   EXPECT_EQ(parse_recompute("experts,moe"), (RecomputePolicy{false, false, true, false, false, true}));
-  // The default keeps the routed experts' gate|up alone.
-  EXPECT_EQ(recompute_to_string(default_recompute()), "kda,mla,moe,mlp,mhc");
+  // The default keeps the routed experts' gate|up and the dense MLP.
+  EXPECT_EQ(recompute_to_string(default_recompute()), "kda,mla,moe,mhc");
   EXPECT_FALSE(default_recompute().recomputes_experts());
   EXPECT_FALSE(default_recompute() == RecomputePolicy{});
   // experts counts only inside a recomputed MoE: with the MoE kept, either value is the same policy.

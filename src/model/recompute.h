@@ -41,8 +41,11 @@ struct RecomputePolicy {
            recomputes_experts() == o.recomputes_experts();
   }
 };
-// The default of `train` and `grad`: every component recomputed but the routed experts' gate|up, whose kept
-// pre-activations save the most time for their memory ("kda,mla,moe,mlp,mhc"; RecomputePolicy{} is "all").
+// The default of `train` and `grad` ("kda,mla,moe,mhc"; RecomputePolicy{} is "all"): every component recomputed but
+// the routed experts' gate|up, whose kept pre-activations save the most time for their memory of any component's, and
+// the dense MLP, which only the first layers have (GLM-5.3-Flash: layer 0), so that keeping it costs a fixed amount
+// of memory whatever the depth (on the GPU T·(2I·4 + I·2) bytes a layer, I its intermediate size: 0.47 GiB at 4096
+// tokens, plus the adapters' factors).
 RecomputePolicy default_recompute();
 // The policy as --recompute writes it: "all", "none", or the recomputed components comma-separated in the order
 // kda,mla,moe,experts,mlp,mhc (the others are kept).

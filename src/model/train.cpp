@@ -91,6 +91,7 @@ struct LayerSaved {
 RecomputePolicy default_recompute() {
   RecomputePolicy p;
   p.experts = false;
+  p.mlp = false;
   return p;
 }
 
