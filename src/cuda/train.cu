@@ -392,10 +392,9 @@ class Step {
           lora_forward(*ad, in + r0 * ld_in, ld_in, rows, out ? out + r0 * ld_out : nullptr, ld_out);
     }
   }
-  // The gate and up adapters' u alone, where a recomputation reuses the kept pre-activations: those folded into the
-  // GEMM made theirs already (expert_adapters_factor), the unfolded ones make them here.
-  void gate_up_factors(size_t i, MoeActs& x, bool unfolded) {
-    if (!unfolded) return;
+  // The unfolded gate and up adapters' u alone, where a recomputation reuses the kept pre-activations (folded ones
+  // made theirs in expert_adapters_factor).
+  void gate_up_factors(size_t i, MoeActs& x) {
     factors_only_ = true;
     expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     factors_only_ = false;
@@ -930,7 +929,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     }
     if (fold_gu) gu.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
     if (reuse) {
-      gate_up_factors(i, x, !fold_gu);
+      if (!fold_gu) gate_up_factors(i, x);
     } else {
       grouped_gemm(gu, ws, st);
       if (!fold_gu) expert_adapters_forward(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
@@ -945,7 +944,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   } else {
     const std::vector<int32_t> off = host_offsets(x.offsets);
     if (reuse) {
-      gate_up_factors(i, x, true);
+      gate_up_factors(i, x);
     } else {
       if (!x.gu) x.gu = ar.alloc<float>(n * 2 * I);
       for (int64_t e = 0; e < El; ++e) {
