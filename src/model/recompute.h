@@ -14,9 +14,9 @@ namespace nextlm {
 //   mla  DsaActs (q and kv latents, q, kv [T, NH·(dqk+dv)], o) and the output of every DSA layer;
 //   moe  the output [T, D] of every MoE layer (the routing is kept under every policy);
 //   experts (GPU only; counts only with moe recomputed) the routed experts' gate|up projection: kept, a recomputed
-//        MoE keeps its fp32 pre-activations and bf16 act (n·2I·4 + n·I·2 bytes a layer, n = T·top-k rows, those of
-//        the rank's experts under expert parallelism), so that its recomputation skips the costliest part of the
-//        sub-layer, the grouped GEMM that reads every expert's gate|up weights;
+//        MoE keeps its fp32 pre-activations and bf16 act (n·2I·4 + n·I·2 bytes a layer, n = T·top-k rows: the MoE's
+//        own buffers, sized for all n rows on an expert-parallel rank too), so that its recomputation skips the
+//        costliest part of the sub-layer, the grouped GEMM that reads every expert's gate|up weights;
 //   mlp  the output [T, D] of every dense-MLP layer;
 //   mhc  at every site the mixing coefficients (HcMix) and the sub-layer input before and after its RMSNorm
 //        (2·[T, D]).
