@@ -6,6 +6,9 @@
 #include <cstring>
 #include <random>
 
+#include <cuda_runtime.h>
+
+#include "core/error.h"
 #include "cuda/device_model.h"
 #include "cuda/testing.h"
 #include "io/safetensors.h"
@@ -693,6 +696,22 @@ TEST(CudaGemm, BatchInvariantModeMatchesHostAndIgnoresTheBatch) {
       }
     }
   }
+}
+
+// More activations than the device holds: a clear one-line error naming the shortfall, not a CUDA error string,
+// and the device stays usable afterwards (the allocation failure is not sticky).
+TEST(CudaArena, OutOfMemoryIsAClearErrorAndLeavesTheDeviceUsable) {
+  try {
+    cuda_testing::arena_alloc(size_t{1} << 50);  // 1 PiB
+    FAIL() << "a 1 PiB arena allocation succeeded";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("out of device memory: 1073741824 MiB more of activations wanted"), std::string::npos)
+        << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  EXPECT_NO_THROW(cuda_testing::arena_alloc(size_t{1} << 20));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace

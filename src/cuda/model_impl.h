@@ -55,7 +55,15 @@ class Arena {
     if (chunk_ == chunks_.size()) {
       const size_t size = std::max(bytes, size_t{256} << 20);
       void* p = nullptr;
-      NEXTLM_CUDA_CHECK(cudaMalloc(&p, size));
+      const cudaError_t err = cudaMalloc(&p, size);
+      if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();  // not a sticky error: cleared, the device stays usable
+        size_t held = 0;
+        for (const auto& c : chunks_) held += c.second;
+        fail("out of device memory: ", size >> 20, " MiB more of activations wanted, ", held >> 20,
+             " MiB held already; fewer tokens at once need less, and so does training with --recompute all");
+      }
+      NEXTLM_CUDA_CHECK(err);
       chunks_.emplace_back(static_cast<char*>(p), size);
       offset_ = 0;
     }

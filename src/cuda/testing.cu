@@ -612,3 +612,14 @@ std::vector<float> dense_gemm(const std::vector<float>& x, const std::vector<flo
 }
 
 }  // namespace nextlm::cuda_testing
+
+#include "cuda/model_impl.h"
+
+namespace nextlm::cuda_testing {
+
+void arena_alloc(size_t bytes) {
+  cuda::Arena arena;
+  arena.alloc<unsigned char>(static_cast<int64_t>(bytes));
+}
+
+}  // namespace nextlm::cuda_testing

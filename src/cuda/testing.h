@@ -1,6 +1,7 @@
 // Host-side entry points to single CUDA kernels, for the kernel tests and the benchmarks (host vectors in and out,
 // or device-resident random inputs timed with CUDA events).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -170,5 +171,13 @@ std::vector<std::vector<int32_t>> indexer_prefill(const IndexerPrefill& in);
 // fp32; with y0 non-empty, y = y0 + x·Wᵀ.
 std::vector<float> dense_gemm(const std::vector<float>& x, const std::vector<float>& W, const std::vector<float>& y0,
                               int64_t T, int64_t out, int64_t in, bool invariant);
+
+}  // namespace nextlm::cuda_testing
+
+namespace nextlm::cuda_testing {
+
+// Allocates `bytes` from a fresh device arena (the model's activation allocator) and gives them back: throws the
+// arena's error when the device cannot hold them.
+void arena_alloc(size_t bytes);
 
 }  // namespace nextlm::cuda_testing
