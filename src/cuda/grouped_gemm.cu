@@ -438,7 +438,10 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
       fence_proxy_async();
       __syncthreads();  // stage kt is complete for all; every warpgroup's MMAs on k-tile kt − 1 − KEEP are done
       // No branch around the MMAs (not even to skip a short tile's empty half): ptxas serialises wgmma in code it
-      // cannot prove warpgroup-uniform.
+      // cannot prove warpgroup-uniform. Tried again at 4fbda13 with the condition broadcast by a shuffle (wg·64 <
+      // rows): ptxas injects warpgroup.arrive (C7519) and the skewed forward pair (moe_grouped_gemm_skewed) went from
+      // 3.22 + 1.79 to 3.84 + 2.06 ms. The kernel is bound by L2 (ncu: L2 88 %, DRAM 71–76 %, issue slots 19–23 %),
+      // not by the MMAs a short tile wastes.
       const uint32_t a_s = smem_s + (kt % S) * C::stage_bytes + wg * 64 * 128;
       const uint32_t b_s = smem_s + (kt % S) * C::stage_bytes + C::a_bytes;
       fence_regs<NACC>(acc);

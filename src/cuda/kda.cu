@@ -55,26 +55,34 @@ __global__ void conv_norm_kernel(const float* raw, const float* conv, const int3
     if (i < per && lane + 32 * i < K) put(out + (t * H + h) * K + lane + 32 * i, vals[i] * scale);
 }
 
+// At the model's head size (K = 128) the rows kernel runs 32 tokens a warp with three blocks an SM (80 registers, a
+// few spilled): the six calls of a LoRA step's three KDA layers at T = 4096, H = 64 took 2.42 ms on the H200 against
+// 2.80 and 2.89 ms (two runs) with 16 tokens and two blocks; 8- or 16-token load groups were no faster (2.68 … 4.58
+// ms). ncu put the old launch at 58 % of the SM's and 28 % of the memory's throughput with 23 % occupancy: latency
+// more than bytes bound it, so more warps pay, and longer runs load the taps and the rows before a run less often.
+constexpr int kLongRun = 32, kLongRunBlocks = 3;
+
 // The same for the common shape (W taps and up to 32·PER channels a head, both compile-time): a warp runs one
-// (head, which) over kda_conv::kRunTokens consecutive tokens with its channels' taps and last rows in registers
-// (kda_conv.cuh). Every element's arithmetic is conv_norm_kernel's, with the same lanes, so the same bits.
+// (head, which) over R consecutive tokens (kda_conv::kRunTokens unless given) with its channels' taps and last rows in
+// registers (kda_conv.cuh), G tokens' loads at a time, with at least MINB blocks an SM. Every element's arithmetic is
+// conv_norm_kernel's, with the same lanes, so the same bits.
 // With q16 (OutT float): each value is also stored rounded to bf16 in q16, k16, v16, and the fp32 output holds that
 // rounded value (round_to_bf16 of the fp32 outputs, in the same pass).
-template <class OutT, int W, int PER>
-__global__ void __launch_bounds__(256, 2)
+template <class OutT, int W, int PER, int G = kda_conv::kGroup, int R = kda_conv::kRunTokens, int MINB = 2>
+__global__ void __launch_bounds__(256, MINB)
     conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                           const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T, int64_t H,
                           int64_t K, bf16* q16 = nullptr, bf16* k16 = nullptr, bf16* v16 = nullptr) {
   const int lane = threadIdx.x & 31;
   const int64_t C3 = 3 * H * K, nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs(T, H);
+  for (int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; wid < kda_conv::runs<R>(T, H);
        wid += nwarps) {
-    const kda_conv::Run r = kda_conv::run_of(wid, T, H);
+    const kda_conv::Run r = kda_conv::run_of<R>(wid, T, H);
     OutT* out = r.which == 0 ? q : (r.which == 1 ? k : v);
     bf16* out16 = r.which == 0 ? q16 : (r.which == 1 ? k16 : v16);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
-    win.walk(raw, seq_start, C3, K, r, [](int64_t) {}, [&](int, int64_t t, const float (&pre)[PER]) {
+    win.template walk<G>(raw, seq_start, C3, K, r, [](int64_t) {}, [&](int, int64_t t, const float (&pre)[PER]) {
       float vals[PER];
       float ss = 0.0f;
 #pragma unroll
@@ -316,17 +324,24 @@ void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, Ou
   check(K <= 256, "CUDA KDA: linear_head_dim must be at most 256, got ", K);
   if (T <= 0 || H * K == 0) return;
   if (W == 4) {  // the config's linear_conv_kernel_dim; other tap counts take the one-token-a-warp kernel
-    const int64_t warps = ceil_div(T, kda_conv::kRunTokens) * H * 3;
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(warps * 32, 256), 1 << 20));  // strides
+    // Blocks of eight warps for runs of R tokens (the kernel strides past 2^20 blocks).
+    auto grid = [&](int R) {
+      return static_cast<unsigned>(std::min<int64_t>(ceil_div(ceil_div(T, R) * H * 3 * 32, 256), 1 << 20));
+    };
+    constexpr int R = kda_conv::kRunTokens;
     bf16 *q16 = r16 ? r16[0] : nullptr, *k16 = r16 ? r16[1] : nullptr, *v16 = r16 ? r16[2] : nullptr;
     if (K <= 32)
-      conv_norm_rows_kernel<OutT, 4, 1><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
+      conv_norm_rows_kernel<OutT, 4, 1><<<grid(R), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16,
+                                                                  v16);
     else if (K <= 64)
-      conv_norm_rows_kernel<OutT, 4, 2><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
-    else if (K <= 128)
-      conv_norm_rows_kernel<OutT, 4, 4><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
+      conv_norm_rows_kernel<OutT, 4, 2><<<grid(R), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16,
+                                                                  v16);
+    else if (K <= 128)  // the model's head size: see kLongRun
+      conv_norm_rows_kernel<OutT, 4, 4, kda_conv::kGroup, kLongRun, kLongRunBlocks><<<grid(kLongRun), 256, 0, st>>>(
+          raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
     else
-      conv_norm_rows_kernel<OutT, 4, 8><<<grid, 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
+      conv_norm_rows_kernel<OutT, 4, 8><<<grid(R), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16,
+                                                                  v16);
     return;
   }
   const int64_t warps = T * H * 3;
