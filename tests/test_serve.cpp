@@ -187,9 +187,11 @@ TEST_F(Serve, LogprobsEqualScore) {
   PackedBatch batch;
   batch.add(all);
   const std::vector<double> score = model_->next_token_logprobs(batch)[0];
-  // Decode against the full forward: the difference is float rounding in a different order (test_decode.cpp).
+  // Decode against the full forward: the difference is float rounding in a different order, held to test_decode.cpp's
+  // kLogprobTol (a wrong cache is off by 1e-2 or more). 1e-5 was too tight: with OpenBLAS's Haswell or Zen kernels
+  // (OPENBLAS_CORETYPE=Haswell, as some CI machines set it) token 14 here is 1.45e-5 off.
   for (size_t i = 0; i < tokens.size(); ++i) {
-    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), score[prompt.size() - 1 + i], 1e-5) << "token " << i;
+    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), score[prompt.size() - 1 + i], 1e-4) << "token " << i;
     EXPECT_EQ(lp["top_logprobs"][i].size(), 3u);
     EXPECT_EQ(lp["token_ids"][i], tokens[i]);
   }
