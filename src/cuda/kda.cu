@@ -325,8 +325,8 @@ void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, Ou
   if (T <= 0 || H * K == 0) return;
   if (W == 4) {  // the config's linear_conv_kernel_dim; other tap counts take the one-token-a-warp kernel
     // Blocks of eight warps for runs of R tokens (the kernel strides past 2^20 blocks).
-    auto grid = [&](int R) {
-      return static_cast<unsigned>(std::min<int64_t>(ceil_div(ceil_div(T, R) * H * 3 * 32, 256), 1 << 20));
+    auto grid = [&](int run) {
+      return static_cast<unsigned>(std::min<int64_t>(ceil_div(ceil_div(T, run) * H * 3 * 32, 256), 1 << 20));
     };
     constexpr int R = kda_conv::kRunTokens;
     bf16 *q16 = r16 ? r16[0] : nullptr, *k16 = r16 ? r16[1] : nullptr, *v16 = r16 ? r16[2] : nullptr;
