@@ -64,11 +64,11 @@ constexpr int kLongRun = 32, kLongRunBlocks = 3;
 
 // The same for the common shape (W taps and up to 32·PER channels a head, both compile-time): a warp runs one
 // (head, which) over R consecutive tokens (kda_conv::kRunTokens unless given) with its channels' taps and last rows in
-// registers (kda_conv.cuh), G tokens' loads at a time, with at least MINB blocks an SM. Every element's arithmetic is
-// conv_norm_kernel's, with the same lanes, so the same bits.
+// registers (kda_conv.cuh), with at least MINB blocks an SM. Every element's arithmetic is conv_norm_kernel's, with
+// the same lanes, so the same bits.
 // With q16 (OutT float): each value is also stored rounded to bf16 in q16, k16, v16, and the fp32 output holds that
 // rounded value (round_to_bf16 of the fp32 outputs, in the same pass).
-template <class OutT, int W, int PER, int G = kda_conv::kGroup, int R = kda_conv::kRunTokens, int MINB = 2>
+template <class OutT, int W, int PER, int R = kda_conv::kRunTokens, int MINB = 2>
 __global__ void __launch_bounds__(256, MINB)
     conv_norm_rows_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
                           const int32_t* __restrict__ seq_start, OutT* q, OutT* k, OutT* v, int64_t T, int64_t H,
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(256, MINB)
     bf16* out16 = r.which == 0 ? q16 : (r.which == 1 ? k16 : v16);
     kda_conv::Window<W, PER> win;
     win.load(raw, conv, r, H, K);
-    win.template walk<G>(raw, seq_start, C3, K, r, [](int64_t) {}, [&](int, int64_t t, const float (&pre)[PER]) {
+    win.walk(raw, seq_start, C3, K, r, [](int64_t) {}, [&](int, int64_t t, const float (&pre)[PER]) {
       float vals[PER];
       float ss = 0.0f;
 #pragma unroll
@@ -337,7 +337,7 @@ void conv_norm(const float* raw, const float* conv, const int32_t* seq_start, Ou
       conv_norm_rows_kernel<OutT, 4, 2><<<grid(R), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16,
                                                                   v16);
     else if (K <= 128)  // the model's head size: see kLongRun
-      conv_norm_rows_kernel<OutT, 4, 4, kda_conv::kGroup, kLongRun, kLongRunBlocks><<<grid(kLongRun), 256, 0, st>>>(
+      conv_norm_rows_kernel<OutT, 4, 4, kLongRun, kLongRunBlocks><<<grid(kLongRun), 256, 0, st>>>(
           raw, conv, seq_start, q, k, v, T, H, K, q16, k16, v16);
     else
       conv_norm_rows_kernel<OutT, 4, 8><<<grid(R), 256, 0, st>>>(raw, conv, seq_start, q, k, v, T, H, K, q16, k16,

@@ -13,7 +13,7 @@
 namespace nextlm::cuda::kda_conv {
 
 constexpr int kRunTokens = 16;  // tokens a warp runs (the default R below)
-constexpr int kGroup = 4;       // tokens whose loads are issued together (the default G below; divides every R)
+constexpr int kGroup = 4;       // tokens whose loads are issued together (divides every R)
 static_assert(kRunTokens % kGroup == 0);
 
 // Warp `wid`'s run of R tokens: the block (q, k or v) and head, and tokens [t0, t1); runs(T, H) of them.
@@ -24,34 +24,34 @@ template <int R = kRunTokens>
 __device__ __forceinline__ int64_t runs(int64_t T, int64_t H) { return (T + R - 1) / R * H * 3; }
 template <int R = kRunTokens>
 __device__ __forceinline__ Run run_of(int64_t wid, int64_t T, int64_t H) {
+  static_assert(R % kGroup == 0, "whole load groups a run");
   Run r;
   r.which = wid % 3, r.h = (wid / 3) % H, r.t0 = wid / (3 * H) * R;
   r.t1 = r.t0 + R < T ? r.t0 + R : T;
   return r;
 }
 
-// Per-lane values of G consecutive tokens from t0, PER channels each (zero for tokens ≥ t1 or channels ≥ K), all
+// Per-lane values of kGroup consecutive tokens from t0, PER channels each (zero for tokens ≥ t1 or channels ≥ K), all
 // loads issued before any is used. at(t, i): the value of token t for the lane's channel i.
-template <int PER, int G = kGroup>
+template <int PER>
 struct Group {
-  float x[G][PER];
+  float x[kGroup][PER];
   template <class At>
   __device__ __forceinline__ void load(int64_t t0, int64_t t1, int64_t K, At at) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int u = 0; u < G; ++u)
+    for (int u = 0; u < kGroup; ++u)
 #pragma unroll
       for (int i = 0; i < PER; ++i) x[u][i] = t0 + u < t1 && lane + 32 * i < K ? at(t0 + u, i) : 0.0f;
   }
 };
 
 // The sequence starts of those tokens (0 past t1).
-template <int G = kGroup>
 struct GroupStarts {
-  int64_t s0[G];
+  int64_t s0[kGroup];
   __device__ __forceinline__ void load(const int32_t* seq_start, int64_t t0, int64_t t1) {
 #pragma unroll
-    for (int u = 0; u < G; ++u) s0[u] = t0 + u < t1 ? seq_start[t0 + u] : 0;
+    for (int u = 0; u < kGroup; ++u) s0[u] = t0 + u < t1 ? seq_start[t0 + u] : 0;
   }
 };
 
@@ -77,9 +77,8 @@ struct Window {
       }
     }
   }
-  // The rows of raw of the lane's channels for G tokens from t0 (those before t1).
-  template <int G>
-  __device__ __forceinline__ void fetch(Group<PER, G>& g, const float* raw, int64_t C3, int64_t K, int64_t t0,
+  // The rows of raw of the lane's channels for kGroup tokens from t0 (those before t1).
+  __device__ __forceinline__ void fetch(Group<PER>& g, const float* raw, int64_t C3, int64_t K, int64_t t0,
                                         int64_t t1) const {
     g.load(t0, t1, K, [&](int64_t t, int i) { return raw[t * C3 + col + 32 * i]; });
   }
@@ -100,21 +99,21 @@ struct Window {
 #pragma unroll
       for (int w = 0; w + 1 < W; ++w) rows[i][w] = rows[i][w + 1];
   }
-  // Walks the run's tokens G at a time: their rows of raw and sequence starts are loaded together, with what
+  // Walks the run's tokens kGroup at a time: their rows of raw and sequence starts are loaded together, with what
   // load(t0) adds, then body(u, t, pre) runs for each token t = t0 + u in order, pre[i] the conv of the lane's
   // channel i (0 for channels ≥ K).
-  template <int G = kGroup, class Load, class Body>
+  template <class Load, class Body>
   __device__ __forceinline__ void walk(const float* raw, const int32_t* seq_start, int64_t C3, int64_t K,
                                        const Run& r, Load load, Body body) {
     const int lane = threadIdx.x & 31;
-    for (int64_t t0 = r.t0; t0 < r.t1; t0 += G) {
-      Group<PER, G> x;
-      GroupStarts<G> starts;
+    for (int64_t t0 = r.t0; t0 < r.t1; t0 += kGroup) {
+      Group<PER> x;
+      GroupStarts starts;
       fetch(x, raw, C3, K, t0, r.t1);
       starts.load(seq_start, t0, r.t1);
       load(t0);
 #pragma unroll
-      for (int u = 0; u < G; ++u) {
+      for (int u = 0; u < kGroup; ++u) {
         const int64_t t = t0 + u;
         if (t >= r.t1) break;
         float pre[PER];
