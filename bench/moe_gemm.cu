@@ -146,10 +146,11 @@ void moe_grouped_gemm_case(const std::string& name) {
 
   for (int v = 0; v < cuda::kGroupedGemmKernels; ++v) {
     const auto kern = static_cast<cuda::GroupedGemmKernel>(v);
-    const cuda::GroupedGemm g_gu{x, d_off, p_gu, act, n, static_cast<int>(E), static_cast<int>(2 * I),
-                                 static_cast<int>(D), cuda::GroupedEpilogue::kSwiGLU, limit, kern};
-    const cuda::GroupedGemm g_dn{act, d_off, p_dn, out, n, static_cast<int>(E), static_cast<int>(D),
-                                 static_cast<int>(I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
+    cuda::GroupedGemm g_gu{x, d_off, p_gu, act, n, static_cast<int>(E), static_cast<int>(2 * I),
+                           static_cast<int>(D), cuda::GroupedEpilogue::kSwiGLU, limit, kern};
+    cuda::GroupedGemm g_dn{act, d_off, p_dn, out, n, static_cast<int>(E), static_cast<int>(D),
+                           static_cast<int>(I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
+    g_gu.W_all = w_gu, g_dn.W_all = w_dn;
     // Poisoned outputs: the check below also catches unwritten rows.
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(act, 0xFF, n * I * sizeof(bf16), st));
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, n * D * sizeof(float), st));
@@ -252,6 +253,7 @@ void moe_grouped_gemm_dx_case(const std::string& name) {
     cuda::GroupedGemm g_dx{dgu, d_off, p_gu, dxp, n, static_cast<int>(E), static_cast<int>(D),
                            static_cast<int>(2 * I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
     g_da.w_kn = g_dx.w_kn = true;
+    g_da.W_all = w_dn, g_dx.W_all = w_gu;
     // Poisoned outputs: the check below also catches unwritten rows.
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(dact, 0xFF, n * I * sizeof(float), st));
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(dxp, 0xFF, n * D * sizeof(float), st));

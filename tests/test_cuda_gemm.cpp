@@ -188,6 +188,7 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
                       limit,
                       kernel};
   g.w_kn = opt.w_kn;
+  g.W_all = dW.as<cuda::bf16>();  // the experts back to back (the TMA kernel's tensor map)
   std::deque<DevBuf> lr_bufs;  // per part: U, V, V's expert pointers
   if (const LowRankHost* lr = opt.low_rank) {
     g.low_rank.parts = lr->parts;
@@ -352,17 +353,18 @@ TEST_P(CudaGroupedGemm, CapturedGraphFollowsNewOffsets) {
   ASSERT_EQ(cudaMemcpy(dPtr.p, ptrs.data(), p.E * sizeof(void*), cudaMemcpyHostToDevice), cudaSuccess);
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
-  const cuda::GroupedGemm g{dA.as<cuda::bf16>(),
-                            dOff.as<int32_t>(),
-                            dPtr.as<const cuda::bf16*>(),
-                            dC.p,
-                            p.n,
-                            p.E,
-                            p.N,
-                            p.K,
-                            GroupedEpilogue::kF32,
-                            0.0f,
-                            kernel()};
+  cuda::GroupedGemm g{dA.as<cuda::bf16>(),
+                      dOff.as<int32_t>(),
+                      dPtr.as<const cuda::bf16*>(),
+                      dC.p,
+                      p.n,
+                      p.E,
+                      p.N,
+                      p.K,
+                      GroupedEpilogue::kF32,
+                      0.0f,
+                      kernel()};
+  g.W_all = dW.as<cuda::bf16>();
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), cudaSuccess);
   cuda::grouped_gemm(g, dWs.as<int32_t>(), st);

@@ -26,7 +26,7 @@ namespace nextlm {
 
 namespace {
 // How the MoE experts run (set_moe_expert_gemm): a GroupedGemmKernel, or −1 for one cuBLASLt GEMM per expert.
-int g_moe_expert_gemm = 4;  // kWgmma128x256: the fastest on the H200 (bench/results/h200.json)
+int g_moe_expert_gemm = 5;  // kWgmmaTma128x256: the fastest on the H200 (bench/results/h200.json)
 }  // namespace
 
 void set_moe_expert_gemm(int mode) {

@@ -6,12 +6,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <utility>
+
+#include <cudaTypedefs.h>
 
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace nextlm::cuda {
@@ -49,16 +53,23 @@ using Cfg0 = Cfg<128, 128, 32, 4, 2>;
 using Cfg1 = Cfg<128, 128, 64, 3, 2>;
 using Cfg2 = Cfg<128, 256, 32, 4, 1>;
 
-// start[e] = Σ_{e' < e} tiles(e'), start[E] = total, with tiles(e) = ceil(rows_e / BM) · n_tiles.
+// Units per expert of the paired schedule (the TMA kernel below) for m M tiles of n N tiles: ⌊m/2⌋·n weight-sharing
+// pairs, and with m odd ⌈n/2⌉ A-sharing pairs (the second tile of the last one past N when n is odd: it stores
+// nothing).
+__device__ __forceinline__ int paired_units(int m, int n) { return m / 2 * n + (m & 1) * ((n + 1) / 2); }
+
+// start[e] = Σ_{e' < e} tiles(e'), start[E] = total, with tiles(e) = ceil(rows_e / BM) · n_tiles (paired: the units
+// of two tiles of the TMA kernel, paired_units).
 __global__ void __launch_bounds__(kScanThreads) schedule_kernel(const int32_t* __restrict__ offsets, int E, int BM,
-                                                                int n_tiles, int32_t* __restrict__ start) {
+                                                                int n_tiles, bool paired, int32_t* __restrict__ start) {
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage tmp;
   int carry = 0;
   for (int base = 0; base < E; base += kScanThreads) {
     const int e = base + threadIdx.x;
     const int rows = e < E ? offsets[e + 1] - offsets[e] : 0;
-    const int tiles = (rows + BM - 1) / BM * n_tiles;
+    const int m = (rows + BM - 1) / BM;
+    const int tiles = paired ? paired_units(m, n_tiles) : m * n_tiles;
     int excl, total;
     Scan(tmp).ExclusiveSum(tiles, excl, total);
     if (e < E) start[e] = carry + excl;
@@ -87,15 +98,15 @@ __device__ __forceinline__ float swiglu(float g, float u, float L) {
 // Weight row held by row r of a tile's B operand. SwiGLU tiles interleave gate and up in blocks of eight rows (n8
 // MMA tiles): block b holds gate rows (b even) or up rows (b odd) of act columns j·BN/2 + (b/2)·8 .. +7, so that one
 // thread's accumulators for n8 tiles 2q and 2q+1 are the gate and the up of the same act columns.
-template <class C>
+template <int BN>
 __device__ __forceinline__ int b_row(int r, int nt, bool glu, int N, bool* valid) {
   if (!glu) {
-    const int w = nt * C::BN + r;
+    const int w = nt * BN + r;
     *valid = w < N;
     return w;
   }
   const int I = N / 2, b = r >> 3;
-  const int col = nt * (C::BN / 2) + (b >> 1) * 8 + (r & 7);
+  const int col = nt * (BN / 2) + (b >> 1) * 8 + (r & 7);
   *valid = col < I;
   return (b & 1) * I + col;
 }
@@ -169,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 #pragma unroll
       for (int s = 0; s < C::CB; ++s) {
         bool v;
-        const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+        const int w = b_row<C::BN>(r0 + s * C::RSTEP, nt, glu, N, &v);
         b_ok |= uint32_t(v) << s;
         b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
       }
@@ -285,6 +296,97 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 // j·BK·128), k row r's 16-byte chunk c (n columns 8c..8c+7 of the block) at position c ^ (r mod 8) — the same
 // address swizzle, with k in the role of the row.
 
+// A warpgroup's accumulators of a 128 × BN output tile (rows valid rows from global row row0, N tile nt) to C (and
+// pre): wg is the warpgroup (64-row half), wq the warp in it. Accumulator layout (per warp as mma.sync's C, per n8
+// block j): acc[4j + 2h + c] = (row 16·wq + g + 8h, column 8j + 2·t4 + c) of the warpgroup's 64 × BN.
+template <int BN>
+__device__ __forceinline__ void store_wg_tile(const float* acc, int wg, int wq, int lane, int rows, int64_t row0,
+                                              int nt, bool glu, int N, int epi, float L, void* Cout, float* pre) {
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wg * 64 + wq * 16 + g + 8 * h;
+    if (r >= rows) continue;
+    const int64_t row = row0 + r;
+    if (glu) {
+      const int I = N / 2;
+      bf16* out = static_cast<bf16*>(Cout) + row * I;
+#pragma unroll
+      for (int q = 0; q < BN / 16; ++q) {
+        const int col = nt * (BN / 2) + q * 8 + 2 * t4;
+        if (col >= I) continue;
+        const float g0 = acc[8 * q + 2 * h], g1 = acc[8 * q + 2 * h + 1];
+        const float u0 = acc[8 * q + 4 + 2 * h], u1 = acc[8 * q + 4 + 2 * h + 1];
+        store_bf16x2(out + col, swiglu(g0, u0, L), swiglu(g1, u1, L));
+        if (pre) {
+          *reinterpret_cast<float2*>(pre + row * N + col) = make_float2(g0, g1);
+          *reinterpret_cast<float2*>(pre + row * N + I + col) = make_float2(u0, u1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = nt * BN + j * 8 + 2 * t4;
+        if (col >= N) continue;
+        if (epi == static_cast<int>(GroupedEpilogue::kF32))
+          *reinterpret_cast<float2*>(static_cast<float*>(Cout) + row * N + col) =
+              make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        else if (epi == static_cast<int>(GroupedEpilogue::kF32Add))
+          add_f32x2(static_cast<float*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        else
+          store_bf16x2(static_cast<bf16*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+
+// The low-rank term's k-tile (GroupedLowRank) into a stage's A and B tiles (the 128-byte-swizzled layouts above),
+// by NT threads (this one is i of them), cp.async with zero fill (the caller commits and waits): column (A) or k row
+// (KN's B) j of the tile is column j mod slot of part j / slot, zero past the part's rank; without KN, B row w (an
+// output column) reads part p's V row w − c0_p inside its columns. `zero` is any valid global address (read by no
+// zero-filling copy). Parts are picked with selects, not indexed: a dynamic index would put the kernel parameter on
+// the stack.
+template <int NT, int BM, int BN, bool KN>
+__device__ __forceinline__ void load_low_rank_tile(unsigned char* As, unsigned char* Bs, int i,
+                                                   const GroupedLowRank& lr, int e, int rows, int64_t row0, int nt,
+                                                   bool glu, int N, const bf16* zero) {
+  constexpr int BK = 64, RSTEP = NT / 8;
+  const int slot = lr.parts > 1 ? BK / 2 : BK;
+  const int cc = i % 8, r0 = i / 8;
+  const int pa = cc * 8 / slot, ja = cc * 8 % slot;
+  const int ra = pa ? lr.r[1] : lr.r[0], lda = pa ? lr.ldu[1] : lr.ldu[0];
+  const bool a_in = pa < lr.parts && ja < ra;
+  const bf16* U = pa ? lr.U[1] : lr.U[0];
+#pragma unroll
+  for (int s = 0; s < BM / RSTEP; ++s) {
+    const int r = r0 + s * RSTEP;
+    const bool v = a_in && r < rows;
+    cp_async16(As + r * 128 + ((cc ^ (r & 7)) << 4), v ? U + (row0 + r) * lda + ja : zero, v);
+  }
+  if constexpr (KN) {
+    constexpr int CPRB = BN / 8, RSTEPB = NT / CPRB;
+    const int cb = i % CPRB, rb = i / CPRB, col = nt * BN + cb * 8;
+#pragma unroll
+    for (int s = 0; s < BK / RSTEPB; ++s) {
+      const int k = rb + s * RSTEPB, p = k / slot, j = k % slot;
+      const bool v = col < N && p < lr.parts && j < (p ? lr.r[1] : lr.r[0]);
+      cp_async16(Bs + (cb >> 3) * (BK * 128) + k * 128 + (((cb & 7) ^ (k & 7)) << 4),
+                 v ? (p ? lr.V[1] : lr.V[0])[e] + int64_t(j) * N + col : zero, v);
+    }
+  } else {
+    const int c0 = pa ? lr.c0[1] : lr.c0[0], c1 = c0 + (pa ? lr.width[1] : lr.width[0]);
+    const bf16* Ve = a_in ? (pa ? lr.V[1] : lr.V[0])[e] : zero;
+#pragma unroll
+    for (int s = 0; s < BN / RSTEP; ++s) {
+      const int r = r0 + s * RSTEP;
+      bool v;
+      const int w = b_row<BN>(r, nt, glu, N, &v);
+      v = v && a_in && w >= c0 && w < c1;
+      cp_async16(Bs + r * 128 + ((cc ^ (r & 7)) << 4), v ? Ve + int64_t(w - c0) * ra + ja : zero, v);
+    }
+  }
+}
+
 template <int BN, int TB>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t da, uint64_t db) {
   if constexpr (BN == 128) wgmma_m64n128k16<TB>(d, da, db);
@@ -324,11 +426,9 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
   constexpr int BM = C::BM, BN = C::BN, BK = C::BK, S = C::STAGES, NACC = C::NACC, P = C::PREFETCH;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup (64-row half) and warp within it (16-row quarter)
-  const int g = lane >> 2, t4 = lane & 3;
   const bool glu = !KN && epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
   const int total = start[E];
   const int KT = (K + BK - 1) / BK, KTT = KT + (lr.parts > 0);  // KTT: with the low-rank term's k-tile
-  const int slot = lr.parts > 1 ? BK / 2 : BK;                  // its columns per part
   const int cc = tid % C::CPR, r0 = tid / C::CPR;
   const int swz = (cc ^ (r0 & 7)) * 16;  // r0 + s·RSTEP ≡ r0 (mod 8): one swizzled chunk position per thread
   // KN: this thread's chunk column cb and first k row rb in the B tile, and the chunk's byte position there (its
@@ -360,49 +460,16 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 #pragma unroll
       for (int s = 0; s < C::CB; ++s) {
         bool v;
-        const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
+        const int w = b_row<C::BN>(r0 + s * C::RSTEP, nt, glu, N, &v);
         b_ok |= uint32_t(v) << s;
         b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
       }
     }
-    // The low-rank term's k-tile: column (A) or k row (KN's B) j of it is column j mod slot of part j / slot, zero
-    // past the part's rank; without KN, B row w (an output column) reads part p's V row w − c0_p inside its columns.
-    // (Parts are picked with selects, not indexed: a dynamic index would put the kernel parameter on the stack.)
-    auto load_low_rank = [&](unsigned char* As, unsigned char* Bs) {
-      const int pa = cc * 8 / slot, ja = cc * 8 % slot;
-      const int ra = pa ? lr.r[1] : lr.r[0], lda = pa ? lr.ldu[1] : lr.ldu[0];
-      const bool a_in = pa < lr.parts && ja < ra;
-      const bf16* U = pa ? lr.U[1] : lr.U[0];
-#pragma unroll
-      for (int s = 0; s < C::CA; ++s) {
-        const bool v = a_in && (a_ok >> s & 1);
-        cp_async16(As + (r0 + s * C::RSTEP) * 128 + swz, v ? U + (row0 + r0 + s * C::RSTEP) * lda + ja : A, v);
-      }
-      if constexpr (KN) {
-        const int col = nt * BN + cb * 8;
-#pragma unroll
-        for (int s = 0; s < C::CBK; ++s) {
-          const int k = rb + s * C::RSTEPB, p = k / slot, j = k % slot;
-          const bool v = col < N && p < lr.parts && j < (p ? lr.r[1] : lr.r[0]);
-          cp_async16(Bs + b_pos + s * C::RSTEPB * 128, v ? (p ? lr.V[1] : lr.V[0])[tl.e] + int64_t(j) * N + col : We,
-                     v);
-        }
-      } else {
-        const int c0 = pa ? lr.c0[1] : lr.c0[0], c1 = c0 + (pa ? lr.width[1] : lr.width[0]);
-        const bf16* Ve = a_in ? (pa ? lr.V[1] : lr.V[0])[tl.e] : We;
-#pragma unroll
-        for (int s = 0; s < C::CB; ++s) {
-          bool v;
-          const int w = b_row<C>(r0 + s * C::RSTEP, nt, glu, N, &v);
-          v = v && a_in && w >= c0 && w < c1;
-          cp_async16(Bs + (r0 + s * C::RSTEP) * 128 + swz, v ? Ve + int64_t(w - c0) * ra + ja : We, v);
-        }
-      }
-    };
     auto load_stage = [&](int kt, int stage) {
       unsigned char* As = smem + stage * C::stage_bytes;
       unsigned char* Bs = As + C::a_bytes;
-      if (kt == KT) return load_low_rank(As, Bs);
+      if (kt == KT)
+        return load_low_rank_tile<kThreads, BM, BN, KN>(As, Bs, tid, lr, tl.e, rows, row0, nt, glu, N, A);
       const int k0 = kt * BK;
       const bool kin = k0 + cc * 8 < K;
 #pragma unroll
@@ -465,44 +532,209 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
     cp_async_wait<0>();
     __syncthreads();
 
-    // Accumulator layout (per warp as mma.sync's C, per n8 block j): acc[4j + 2h + c] = (row 16·wq + g + 8h,
-    // column 8j + 2·t4 + c) of the warpgroup's 64 × BN.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = wg * 64 + wq * 16 + g + 8 * h;
-      if (r >= rows) continue;
-      const int64_t row = row0 + r;
-      if (glu) {
-        const int I = N / 2;
-        bf16* out = static_cast<bf16*>(Cout) + row * I;
-#pragma unroll
-        for (int q = 0; q < BN / 16; ++q) {
-          const int col = nt * (BN / 2) + q * 8 + 2 * t4;
-          if (col >= I) continue;
-          const float g0 = acc[8 * q + 2 * h], g1 = acc[8 * q + 2 * h + 1];
-          const float u0 = acc[8 * q + 4 + 2 * h], u1 = acc[8 * q + 4 + 2 * h + 1];
-          store_bf16x2(out + col, swiglu(g0, u0, L), swiglu(g1, u1, L));
-          if (pre) {
-            *reinterpret_cast<float2*>(pre + row * N + col) = make_float2(g0, g1);
-            *reinterpret_cast<float2*>(pre + row * N + I + col) = make_float2(u0, u1);
+    store_wg_tile<BN>(acc, wg, wq, lane, rows, row0, nt, glu, N, epi, L, Cout, pre);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Hopper with TMA and clusters of two CTAs (kWgmmaTma128x256): the 128 × 256 wgmma tile of grouped_gemm_wgmma_kernel,
+// its operands loaded by the tensor memory accelerator from a producer warpgroup into 4 stages (the same swizzled
+// layouts: TMA's 128-byte swizzle writes them), two consumer warpgroups running the MMAs and the epilogue. The two CTAs
+// of a cluster work on a pair of tiles that share an operand, loading half of it each and multicasting it to both, so
+// that L2 (the bound of the one-CTA kernel) serves it once:
+//   - an expert's M tiles 2i and 2i + 1 with the same N tile share the weight tile (the routed experts get ~T·k/E
+//     rows each, often a little over 128, so that the one-CTA kernel reads most weight slabs twice);
+//   - an expert's last (or only) M tile with N tiles 2j and 2j + 1 shares the A tile.
+// The weights come through a tensor map over all experts at once (GroupedGemm::W_all: the experts back to back);
+// the SwiGLU epilogue's gate/up interleave (b_row) is a 5-d map, [expert][8-row block][gate|up][8 rows][K] read as
+// (K, 8, 2, blocks, E). Rows past an expert's end are read (the next expert's, or zeros past n) and not stored.
+// Barriers per stage: `full` (the producer's arrival with the stage's bytes, completed by the copies of both CTAs)
+// and `empty` (one arrival of every consumer warp of both CTAs: a copy of either CTA may then refill the stage in
+// both). The low-rank term's k-tile goes through cp.async from the producer warpgroup, into its own CTA only.
+
+constexpr int kTmaThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers (64 rows each)
+
+struct TmaCfg {
+  static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+  static constexpr int a_bytes = BM * 128, b_bytes = BN * 128, stage_bytes = a_bytes + b_bytes;
+  static constexpr int smem_bytes = STAGES * stage_bytes + 1024 + 2 * STAGES * 8;  // + alignment, the barriers
+  static constexpr int NACC = BN / 2;
+  static constexpr int empty_arrivals = 2 * 8;  // the consumer warps of both CTAs
+};
+
+// CTA `rank`'s tile of the cluster's unit u; shared_b: the pair shares the weight tile, else the A tile.
+struct PairTile {
+  int e, nt, rows;
+  int64_t row0;
+  bool shared_b;
+};
+__device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict__ start,
+                                                const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
+  constexpr int BM = TmaCfg::BM;
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= u) lo = mid;
+    else hi = mid - 1;
+  }
+  const int local = u - start[lo];
+  const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
+  const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2;
+  int mt, nt;
+  bool shared_b;
+  if (local < pairs * n_tiles) {  // N tile major, the M pair inner: the pairs reading one weight slab side by side
+    nt = local / pairs, mt = 2 * (local % pairs) + rank, shared_b = true;
+  } else {
+    nt = 2 * (local - pairs * n_tiles) + rank, mt = mtiles - 1, shared_b = false;
+  }
+  return PairTile{lo, nt, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM, shared_b};
+}
+
+template <bool KN>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            const bf16* __restrict__ A, const int32_t* __restrict__ offsets, void* Cout,
+                            const int32_t* __restrict__ start, int E, int N, int K, int n_tiles, int epi, float L,
+                            GroupedLowRank lr, float* __restrict__ pre) {
+  using C = TmaCfg;
+  constexpr int S = C::STAGES, BN = C::BN, NACC = C::NACC;
+  extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
+  const uint32_t raw_s = smem_addr(tma_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
+  unsigned char* smem = tma_smem_raw + pad;
+  const uint32_t smem_s = raw_s + pad;
+  const uint32_t full0 = smem_s + S * C::stage_bytes, empty0 = full0 + 8 * S;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const uint32_t rank = cluster_rank();
+  const bool glu = !KN && epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
+  const int total = start[E];
+  const int KT = (K + C::BK - 1) / C::BK, KTT = KT + (lr.parts > 0);
+  const int cid = static_cast<int>(blockIdx.x >> 1), clusters = static_cast<int>(gridDim.x >> 1);
+
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, C::empty_arrivals);
+    }
+    mbar_init_fence();
+  }
+  cluster_sync();  // both CTAs' barriers exist before any copy or remote arrival reaches them
+
+  if (wg == 0) {
+    if (tid == 0) {
+      tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_b);
+    }
+    uint32_t it = 0;
+    for (int u = cid; u < total && (tid == 0 || lr.parts > 0); u += clusters) {
+      const PairTile tl = locate_pair(u, start, offsets, E, n_tiles, static_cast<int>(rank));
+      const int row0 = static_cast<int>(tl.row0);
+      for (int kt = 0; kt < KTT; ++kt, ++it) {
+        const int st = static_cast<int>(it % S);
+        const uint32_t full = full0 + 8 * st, a_s = smem_s + st * C::stage_bytes, b_s = a_s + C::a_bytes;
+        // Thread 0 alone waits for the stage (the others, which only help with the low-rank tile, could otherwise
+        // fall phases behind a barrier's parity) and lets them in by the named barrier below.
+        if (tid == 0) mbar_wait(empty0 + 8 * st, ((it / S) & 1) ^ 1);
+        if (kt < KT) {
+          if (tid != 0) continue;
+          const int k0 = kt * C::BK;
+          mbar_arrive_expect_tx(full, C::stage_bytes);
+          const bool sh_b = tl.shared_b;  // else the A tile is the shared one
+          if (sh_b) {
+            tma_load_2d(a_s, &map_a, full, k0, row0);
+            tma_load_2d(a_s + 8192, &map_a, full, k0, row0 + 64);
+          } else {
+            tma_load_2d_mc(a_s + rank * 8192, &map_a, full, k0, row0 + 64 * static_cast<int>(rank), 3);
           }
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const int col = nt * BN + j * 8 + 2 * t4;
-          if (col >= N) continue;
-          if (epi == static_cast<int>(GroupedEpilogue::kF32))
-            *reinterpret_cast<float2*>(static_cast<float*>(Cout) + row * N + col) =
-                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          else if (epi == static_cast<int>(GroupedEpilogue::kF32Add))
-            add_f32x2(static_cast<float*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          else
-            store_bf16x2(static_cast<bf16*>(Cout) + row * N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          if constexpr (KN) {  // four 64-column blocks of k rows
+            for (int j = 0; j < 4; ++j) {
+              const int n0 = tl.nt * BN + 64 * j;
+              if (!sh_b) tma_load_3d(b_s + j * 8192, &map_b, full, n0, k0, tl.e);
+              else if (j / 2 == static_cast<int>(rank))
+                tma_load_3d_mc(b_s + j * 8192, &map_b, full, n0, k0, tl.e, 3);
+            }
+          } else if (glu) {  // two halves of eight 8-row gate|up block pairs
+            for (int h = 0; h < 2; ++h) {
+              const int b0 = tl.nt * 16 + 8 * h;
+              if (!sh_b) tma_load_5d(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e);
+              else if (h == static_cast<int>(rank))
+                tma_load_5d_mc(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e, 3);
+            }
+          } else {  // two halves of 128 weight rows
+            for (int h = 0; h < 2; ++h) {
+              const int n0 = tl.nt * BN + 128 * h;
+              if (!sh_b) tma_load_3d(b_s + h * 16384, &map_b, full, k0, n0, tl.e);
+              else if (h == static_cast<int>(rank))
+                tma_load_3d_mc(b_s + h * 16384, &map_b, full, k0, n0, tl.e, 3);
+            }
+          }
+        } else {  // the low-rank k-tile: this CTA's alone, by the whole warpgroup
+          asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // not .aligned: lane 0 comes apart
+          unsigned char* As = smem + st * C::stage_bytes;
+          load_low_rank_tile<128, C::BM, BN, KN>(As, As + C::a_bytes, tid, lr, tl.e, tl.rows, tl.row0, tl.nt, glu,
+                                                 N, A);
+          cp_async_commit();
+          cp_async_wait<0>();
+          fence_proxy_async();
+          asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // not .aligned: lane 0 comes apart
+          if (tid == 0) mbar_arrive(full);
         }
       }
     }
+  } else {
+    const int cw = wg - 1, wq = warp & 3;
+    uint32_t it = 0;
+    for (int u = cid; u < total; u += clusters) {
+      const PairTile tl = locate_pair(u, start, offsets, E, n_tiles, static_cast<int>(rank));
+      // No rows in this warpgroup's half (a short last M tile): no MMAs, the stages passed on. (The role split
+      // already runs the warpgroups apart, so this costs no wgmma serialisation here, unlike in the one-role kernel.)
+      if (cw * 64 >= tl.rows) {
+        for (int kt = 0; kt < KTT; ++kt, ++it) {
+          const int st = static_cast<int>(it % S);
+          mbar_wait(full0 + 8 * st, (it / S) & 1);
+          if (lane == 0) {
+            mbar_arrive_cluster(empty0 + 8 * st, 0);
+            mbar_arrive_cluster(empty0 + 8 * st, 1);
+          }
+        }
+        continue;
+      }
+      float acc[NACC];
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
+      for (int kt = 0; kt < KTT; ++kt, ++it) {
+        const int st = static_cast<int>(it % S);
+        mbar_wait(full0 + 8 * st, (it / S) & 1);
+        const uint32_t a_s = smem_s + st * C::stage_bytes + cw * 64 * 128, b_s = smem_s + st * C::stage_bytes +
+                                                                                   C::a_bytes;
+        fence_regs<NACC>(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < C::BK / 16; ++ks) {
+          if constexpr (KN)
+            wgmma_k16<BN, 1>(acc, sw128_desc(a_s + ks * 32), sw128_mn_desc(b_s + ks * 2048, C::BK * 128));
+          else
+            wgmma_k16<BN, 0>(acc, sw128_desc(a_s + ks * 32), sw128_desc(b_s + ks * 32));
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the MMAs of the previous k-tile are done: its stage is free in both CTAs
+        fence_regs<NACC>(acc);
+        if (kt > 0 && lane == 0) {
+          const uint32_t empty = empty0 + 8 * ((it - 1) % S);
+          mbar_arrive_cluster(empty, 0);
+          mbar_arrive_cluster(empty, 1);
+        }
+      }
+      wgmma_wait<0>();
+      fence_regs<NACC>(acc);
+      if (lane == 0) {
+        const uint32_t empty = empty0 + 8 * ((it - 1) % S);
+        mbar_arrive_cluster(empty, 0);
+        mbar_arrive_cluster(empty, 1);
+      }
+      store_wg_tile<BN>(acc, cw, wq, lane, tl.rows, tl.row0, tl.nt, glu, N, epi, L, Cout, pre);
+    }
   }
+  cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 }
 
 // Per-device state set up on the first call, so that later calls (and CUDA graph captures) make no attribute calls.
@@ -526,7 +758,7 @@ template <class C, bool kWgmma, bool KN>
 void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const int n_tiles = n_tiles_of<C>(g);
   if (!g.schedule_ready) {
-    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, start);
+    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, false, start);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   // Each non-empty expert wastes at most one partial M tile, so the tile count is at most this.
@@ -553,6 +785,90 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
+// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    NEXTLM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    check(q == cudaDriverEntryPointSuccess && p, "grouped_gemm: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A bf16 tensor map of `rank` dims (innermost first; strides in bytes of dims 1 …), 128-byte swizzle, zero fill.
+CUtensorMap tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                       const cuuint32_t* box) {
+  CUtensorMap m;
+  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims,
+                                    strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  check(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for a ", rank,
+        "-d map");
+  return m;
+}
+
+template <bool KN>
+void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
+  using C = TmaCfg;
+  const int n_tiles = n_tiles_of<C>(g);
+  if (!g.schedule_ready) {
+    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, true, start);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  const cuuint64_t K = static_cast<cuuint64_t>(g.K), N = static_cast<cuuint64_t>(g.N), E = static_cast<cuuint64_t>(g.E);
+  const cuuint64_t a_dims[2] = {K, static_cast<cuuint64_t>(g.n)}, a_strides[1] = {K * 2};
+  const cuuint32_t a_box[2] = {64, 64};
+  const CUtensorMap map_a = tensor_map(g.A, 2, a_dims, a_strides, a_box);
+  CUtensorMap map_b;
+  if (KN) {  // W_e [K, N]: (N, K, E), boxes of 64 columns × 64 k rows
+    const cuuint64_t dims[3] = {N, K, E}, strides[2] = {N * 2, K * N * 2};
+    const cuuint32_t box[3] = {64, 64, 1};
+    map_b = tensor_map(g.W_all, 3, dims, strides, box);
+  } else if (g.epilogue == GroupedEpilogue::kSwiGLU) {  // W_e [2I, K] as (K, 8 rows, gate|up, I/8 blocks, E)
+    const cuuint64_t I = N / 2;
+    const cuuint64_t dims[5] = {K, 8, 2, I / 8, E}, strides[4] = {K * 2, I * K * 2, 8 * K * 2, N * K * 2};
+    const cuuint32_t box[5] = {64, 8, 2, 8, 1};
+    map_b = tensor_map(g.W_all, 5, dims, strides, box);
+  } else {  // W_e [N, K]: (K, N, E), boxes of 64 k × 128 rows
+    const cuuint64_t dims[3] = {K, N, E}, strides[2] = {K * 2, N * K * 2};
+    const cuuint32_t box[3] = {64, 128, 1};
+    map_b = tensor_map(g.W_all, 3, dims, strides, box);
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = C::smem_bytes;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr, cfg.numAttrs = 1;
+  // The clusters that fit at once (a GPC with an odd number of free SMs leaves one idle): a persistent grid of more
+  // would run the excess in a second wave, each with a full share of the units.
+  const int dev = current_device();
+  static std::atomic<uint64_t> set{0};
+  static int resident[kMaxDevices];
+  if (!(set.load(std::memory_order_acquire) >> dev & 1)) {
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tma_kernel<KN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           C::smem_bytes));
+    cfg.gridDim = dim3(static_cast<unsigned>(sm_count()));
+    int n = 0;
+    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_tma_kernel<KN>, &cfg));
+    check(n >= 1, "grouped_gemm: the TMA kernel's clusters of two do not fit on this device");
+    resident[dev] = n;
+    set.fetch_or(uint64_t{1} << dev, std::memory_order_release);
+  }
+  // Each non-empty expert has at most one odd M tile, so the units are at most this.
+  const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
+  const int clusters = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(bound, resident[dev])));
+  cfg.gridDim = dim3(static_cast<unsigned>(2 * clusters));
+  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN>, map_a, map_b, g.A, g.offsets, g.C,
+                                       static_cast<const int32_t*>(start), g.E, g.N, g.K, n_tiles,
+                                       static_cast<int>(g.epilogue), g.limit, g.low_rank, g.pre));
+}
+
 template <bool KN>
 void dispatch(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
   switch (g.kernel) {
@@ -561,6 +877,10 @@ void dispatch(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
     case GroupedGemmKernel::kMma128x256x32: launch<Cfg2, false, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true, KN>(g, workspace, stream); break;
+    case GroupedGemmKernel::kWgmmaTma128x256:
+      if (g.W_all) launch_tma<KN>(g, workspace, stream);
+      else launch<WgCfg1, true, KN>(g, workspace, stream);
+      break;
     default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
   }
 }
@@ -574,6 +894,7 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel k) {
     case GroupedGemmKernel::kMma128x256x32: return "mma128x256x32_s4";
     case GroupedGemmKernel::kWgmma128x128: return "wgmma128x128x64_s3";
     case GroupedGemmKernel::kWgmma128x256: return "wgmma128x256x64_s4";
+    case GroupedGemmKernel::kWgmmaTma128x256: return "wgmma_tma128x256x64_s4_c2";
   }
   return "?";
 }
@@ -582,14 +903,15 @@ int64_t grouped_gemm_workspace_ints(int E) { return int64_t(E) + 1; }
 
 namespace {
 
-// (BM, N tiles) of g's schedule.
-std::pair<int, int> schedule_shape(const GroupedGemm& g) {
+// (BM, N tiles, paired units) of g's schedule.
+std::tuple<int, int, bool> schedule_shape(const GroupedGemm& g) {
   switch (g.kernel) {
-    case GroupedGemmKernel::kMma128x128x32: return {Cfg0::BM, n_tiles_of<Cfg0>(g)};
-    case GroupedGemmKernel::kMma128x128x64: return {Cfg1::BM, n_tiles_of<Cfg1>(g)};
-    case GroupedGemmKernel::kMma128x256x32: return {Cfg2::BM, n_tiles_of<Cfg2>(g)};
-    case GroupedGemmKernel::kWgmma128x128: return {WgCfg0::BM, n_tiles_of<WgCfg0>(g)};
-    case GroupedGemmKernel::kWgmma128x256: return {WgCfg1::BM, n_tiles_of<WgCfg1>(g)};
+    case GroupedGemmKernel::kMma128x128x32: return {Cfg0::BM, n_tiles_of<Cfg0>(g), false};
+    case GroupedGemmKernel::kMma128x128x64: return {Cfg1::BM, n_tiles_of<Cfg1>(g), false};
+    case GroupedGemmKernel::kMma128x256x32: return {Cfg2::BM, n_tiles_of<Cfg2>(g), false};
+    case GroupedGemmKernel::kWgmma128x128: return {WgCfg0::BM, n_tiles_of<WgCfg0>(g), false};
+    case GroupedGemmKernel::kWgmma128x256: return {WgCfg1::BM, n_tiles_of<WgCfg1>(g), false};
+    case GroupedGemmKernel::kWgmmaTma128x256: return {TmaCfg::BM, n_tiles_of<TmaCfg>(g), g.W_all != nullptr};
   }
   fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
 }

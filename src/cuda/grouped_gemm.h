@@ -57,6 +57,9 @@ enum class GroupedEpilogue {
 // and Hopper warpgroup MMA (wgmma.mma_async, sm_90a; same cp.async pipeline into 128-byte-swizzled shared memory):
 //   kWgmma128x128:  two warpgroups × m64n128k16, BK = 64, 3 stages, two CTAs per SM
 //   kWgmma128x256:  two warpgroups × m64n256k16, BK = 64, 4 stages, one CTA per SM, one MMA batch kept in flight
+//   kWgmmaTma128x256: the same tile and MMAs, operands loaded by TMA from a producer warpgroup, CTAs in clusters of
+//                   two that share an operand tile (two M tiles of an expert the weight tile, two N tiles the A tile)
+//                   and multicast it; needs GroupedGemm::W_all (else it runs as kWgmma128x256)
 // Every variant takes w_kn: the mma.sync ones read the [BK][BN] weight tile with ldmatrix.trans, the wgmma ones give
 // it to the MMA as an N-major (transposed) operand.
 enum class GroupedGemmKernel {
@@ -65,11 +68,13 @@ enum class GroupedGemmKernel {
   kMma128x256x32 = 2,
   kWgmma128x128 = 3,
   kWgmma128x256 = 4,
+  kWgmmaTma128x256 = 5,
 };
-constexpr int kGroupedGemmKernels = 5;
+constexpr int kGroupedGemmKernels = 6;
 // Whether k is a warpgroup-MMA variant (the ones that take GroupedGemm::low_rank and GroupedGemm::pre).
 inline bool grouped_gemm_is_wgmma(GroupedGemmKernel k) {
-  return k == GroupedGemmKernel::kWgmma128x128 || k == GroupedGemmKernel::kWgmma128x256;
+  return k == GroupedGemmKernel::kWgmma128x128 || k == GroupedGemmKernel::kWgmma128x256 ||
+         k == GroupedGemmKernel::kWgmmaTma128x256;
 }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel k);
 
@@ -111,6 +116,9 @@ struct GroupedGemm {
   // true: `workspace` already holds this GEMM's schedule, made by the previous grouped_gemm on it, for which
   // grouped_gemm_same_schedule(previous, this) held (then only the GEMM is enqueued).
   bool schedule_ready = false;
+  // The experts' weights back to back when they are (W[e] == W_all + e·N·K for every e), else null: the TMA kernel
+  // reads them through one tensor map.
+  const bf16* W_all = nullptr;
 };
 
 // Whether b's tile schedule is a's (the same offsets, experts, kernel variant and tiles per row block): b may then

@@ -127,6 +127,7 @@ struct DMoe {
   std::vector<DMlp> experts;
   const bf16** gate_up_ptrs = nullptr;  // [E] device arrays of the experts' weight pointers (grouped GEMM)
   const bf16** down_ptrs = nullptr;
+  bf16 *gate_up_all = nullptr, *down_all = nullptr;  // the same weights as one tensor each, [E, 2I, D] and [E, D, I]
   bool has_shared = false;
   DMlp shared;
 };
@@ -515,13 +516,14 @@ struct CudaModel::Impl {
     const DistSpec normal{Dist::Normal, std_lin}, ones{Dist::Const, 1.0f}, zeros{Dist::Const, 0.0f};
     // A linear [Σ rows, in] from parts stacked row-wise (q | k | v, gate | up), each given with its full rows. A
     // row slice (axis 0) cuts the same rows of every part; a column slice (axis 1) cuts the input features.
+    // into: where the weight goes (else an allocation of its own).
     auto linear = [&](const std::vector<std::pair<std::string, int64_t>>& parts, int64_t in,
-                      const DistSpec* init = nullptr, Slice cut = {}) {
+                      const DistSpec* init = nullptr, Slice cut = {}, bf16* into = nullptr) {
       const DistSpec d = init ? *init : normal;
       DLinear l;
       l.in = cut.axis == 1 ? cut.count : in;
       for (const auto& p : parts) l.out += cut.axis == 0 ? cut.count : p.second;
-      l.w = store.alloc<bf16>(l.out * l.in);
+      l.w = into ? into : store.alloc<bf16>(l.out * l.in);
       int64_t row = 0;
       for (const auto& p : parts) {
         src.bf16_slice_into(p.first, {p.second, in}, d, cut, l.w + row * l.in);
@@ -630,13 +632,19 @@ struct CudaModel::Impl {
         L.moe_layer = true;
         L.moe.router = linear({{m + "gate.weight", E}}, D);
         L.moe.bias = vec(m + "gate.e_score_correction_bias", {E}, zeros);
-        // The routed experts held here, whole (expert parallelism splits the experts, not their width).
+        // The routed experts held here, whole (expert parallelism splits the experts, not their width), each
+        // projection's experts back to back (the grouped GEMM's tensor maps read them as one tensor).
         const int64_t El = local_experts;
         L.moe.experts.reserve(El);
+        L.moe.gate_up_all = store.alloc<bf16>(El * 2 * I * D);
+        L.moe.down_all = store.alloc<bf16>(El * D * I);
         for (int64_t e = expert_begin; e < expert_begin + El; ++e) {
           const std::string x = m + "experts." + std::to_string(e) + ".";
-          L.moe.experts.push_back(DMlp{linear({{x + "gate_proj.weight", I}, {x + "up_proj.weight", I}}, D),
-                                       linear({{x + "down_proj.weight", D}}, I), I});
+          const int64_t j = e - expert_begin;
+          L.moe.experts.push_back(
+              DMlp{linear({{x + "gate_proj.weight", I}, {x + "up_proj.weight", I}}, D, nullptr, {},
+                          L.moe.gate_up_all + j * 2 * I * D),
+                   linear({{x + "down_proj.weight", D}}, I, nullptr, {}, L.moe.down_all + j * D * I), I});
         }
         std::vector<const bf16*> gu_ptrs, dn_ptrs;
         for (const DMlp& x : L.moe.experts) gu_ptrs.push_back(x.gate_up.w), dn_ptrs.push_back(x.down.w);
@@ -958,9 +966,11 @@ struct CudaModel::Impl {
       const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm() >= 0 ? moe_expert_gemm() : 4);
       GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
                      static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
+      gu.W_all = w.gate_up_all;
       grouped_gemm(gu, ws, stream);
       GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
                      static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
+      dn.W_all = w.down_all;
       dn.schedule_ready = grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
       grouped_gemm(dn, ws, stream);
     } else {

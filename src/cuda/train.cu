@@ -923,6 +923,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     if (!x.gu && (!fuse_act || !transient_)) x.gu = ar.alloc<float>(n * 2 * I);
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
+    gu.W_all = w.gate_up_all;
     if (fuse_act) {
       gu.C = x.act, gu.pre = x.gu;
       gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
@@ -937,6 +938,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     }
     GroupedGemm dn{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
                    static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
+    dn.W_all = w.down_all;
     if (fold_dn) dn.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertDown});
     dn.schedule_ready = !reuse && grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
     if (!recompute_) grouped_gemm(dn, ws, st);
@@ -1009,11 +1011,12 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   const std::vector<int32_t> off = per_expert ? host_offsets(x.offsets) : std::vector<int32_t>{};
   int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
   // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
-  auto dx_grouped = [&](const bf16* dy, const bf16* const* W, int64_t out_w, int64_t in_w, float* dx,
-                        const GroupedLowRank& lr) {
+  auto dx_grouped = [&](const bf16* dy, const bf16* const* W, const bf16* W_all, int64_t out_w, int64_t in_w,
+                        float* dx, const GroupedLowRank& lr) {
     GroupedGemm g{dy, x.offsets, W, dx, n, static_cast<int>(El), static_cast<int>(in_w), static_cast<int>(out_w),
                   GroupedEpilogue::kF32, 0.0f, static_cast<GroupedGemmKernel>(moe_expert_gemm())};
     g.w_kn = true;
+    g.W_all = W_all;
     g.low_rank = lr;
     grouped_gemm(g, ws, st);
   };
@@ -1023,7 +1026,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
              fold_gu = !per_expert && fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp}, true);
   float* dact = El == E ? ar.alloc<float>(n * I) : zeros(n * I);
   if (grouped)
-    dx_grouped(dout, w.down_ptrs, D, I, dact,
+    dx_grouped(dout, w.down_ptrs, w.down_all, D, I, dact,
                fold_dn ? expert_adapters_backward_factor(i, x, {LoraKind::ExpertDown}, dout) : GroupedLowRank{});
   for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
@@ -1038,7 +1041,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st, x.rows_held);
   float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
   if (grouped)
-    dx_grouped(dgu, w.gate_up_ptrs, 2 * I, D, dxp,
+    dx_grouped(dgu, w.gate_up_ptrs, w.gate_up_all, 2 * I, D, dxp,
                fold_gu ? expert_adapters_backward_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu)
                        : GroupedLowRank{});
   for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
