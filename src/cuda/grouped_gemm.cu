@@ -1,7 +1,6 @@
 // Grouped expert GEMM (see grouped_gemm.h): a one-block scheduling kernel (per-expert tile counts → prefix sum) and a
-// persistent mma.sync or wgmma bf16 → fp32 kernel over the global tile list (or, for the TMA kernel with clusters of
-// two, over a list of tile pairs), with fp32, bf16 or fused clamped-SwiGLU stores; each kernel also comes in a w_kn
-// form (W_e [K, N], C = A·W_e: the input gradient of the same linear).
+// persistent mma.sync or wgmma bf16 → fp32 kernel over the global tile list, with fp32, bf16 or fused clamped-SwiGLU
+// stores; each kernel also comes in a w_kn form (W_e [K, N], C = A·W_e: the input gradient of the same linear).
 // The CPU reference is nn.Linear per expert followed by moe.cu's swiglu: act = silu(min(g, L)) · clamp(u, −L, L).
 #include "cuda/grouped_gemm.h"
 
@@ -118,23 +117,17 @@ struct Tile {
   int64_t row0;
 };
 
-// The expert owning item u (a tile, or a unit of the paired schedule) of the list: the last e with start[e] ≤ u
-// (empty experts share their successor's start).
-__device__ __forceinline__ int owner_of(int u, const int32_t* __restrict__ start, int E) {
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (start[mid] <= u) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 // Tiles of an expert are numbered N-tile-major with the M tile innermost, so that the M tiles reading the same weight
 // slab are neighbours in the list and run at the same time.
 __device__ __forceinline__ Tile locate(int tile, const int32_t* __restrict__ start,
                                        const int32_t* __restrict__ offsets, int E, int BM) {
-  const int lo = owner_of(tile, start, E);
+  // The expert owning this tile: the last e with start[e] ≤ tile (empty experts share their successor's start).
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= tile) lo = mid;
+    else hi = mid - 1;
+  }
   const int local = tile - start[lo];
   const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
   const int mtiles = (rows_e + BM - 1) / BM;
@@ -578,7 +571,12 @@ struct PairTile {
 __device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict__ start,
                                                 const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
   constexpr int BM = TmaCfg::BM;
-  const int lo = owner_of(u, start, E);
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= u) lo = mid;
+    else hi = mid - 1;
+  }
   const int local = u - start[lo];
   const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
   const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2;
