@@ -118,17 +118,23 @@ struct Tile {
   int64_t row0;
 };
 
+// The expert owning item u (a tile, or a unit of the paired schedule) of the list: the last e with start[e] ≤ u
+// (empty experts share their successor's start).
+__device__ __forceinline__ int owner_of(int u, const int32_t* __restrict__ start, int E) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= u) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Tiles of an expert are numbered N-tile-major with the M tile innermost, so that the M tiles reading the same weight
 // slab are neighbours in the list and run at the same time.
 __device__ __forceinline__ Tile locate(int tile, const int32_t* __restrict__ start,
                                        const int32_t* __restrict__ offsets, int E, int BM) {
-  // The expert owning this tile: the last e with start[e] ≤ tile (empty experts share their successor's start).
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (start[mid] <= tile) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = owner_of(tile, start, E);
   const int local = tile - start[lo];
   const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
   const int mtiles = (rows_e + BM - 1) / BM;
@@ -574,12 +580,7 @@ struct PairTile {
 __device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict__ start,
                                                 const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
   constexpr int BM = TmaCfg::BM;
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (start[mid] <= u) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = owner_of(u, start, E);
   const int local = u - start[lo];
   const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
   const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2;
