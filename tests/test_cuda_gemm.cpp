@@ -144,6 +144,7 @@ struct RunOptions {
   const std::vector<float>* base = nullptr;  // C before the call (fp32 [n, N], for kF32Add); else poisoned
   const LowRankHost* low_rank = nullptr;     // uploaded and set as GroupedGemm::low_rank
   std::vector<float>* pre = nullptr;         // kSwiGLU: GroupedGemm::pre's output, fp32 [n, N]
+  bool w_all = true;                         // set GroupedGemm::W_all (the experts are back to back either way)
 };
 
 // Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
@@ -188,7 +189,7 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
                       limit,
                       kernel};
   g.w_kn = opt.w_kn;
-  g.W_all = dW.as<cuda::bf16>();  // the experts back to back (the TMA kernel's tensor map)
+  if (opt.w_all) g.W_all = dW.as<cuda::bf16>();  // the experts back to back (the TMA kernel's tensor map)
   std::deque<DevBuf> lr_bufs;  // per part: U, V, V's expert pointers
   if (const LowRankHost* lr = opt.low_rank) {
     g.low_rank.parts = lr->parts;
@@ -544,6 +545,23 @@ TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
 }
 
 // The SwiGLU epilogue needs W as [N, K]; with w_kn it is refused on the host, before anything is enqueued.
+// Without W_all (a caller's own pointer array, experts anywhere) the TMA variant runs as the cp.async kernel
+// (kWgmma128x256): the same results through the pointer array, for both weight layouts.
+TEST(CudaGroupedGemmTma, WithoutWAllFallsBackToPointerArray) {
+  const Problem p = make_problem(kRows, 200, 264, 1.0f, 3);
+  const std::vector<float> want = reference(p);
+  for (const bool w_kn : {false, true}) {
+    RunOptions opt;
+    opt.w_kn = w_kn;
+    opt.w_all = false;
+    const std::vector<float> got =
+        run_gpu(p, GroupedEpilogue::kF32, GroupedGemmKernel::kWgmmaTma128x256, 0.0f, opt);
+    ASSERT_EQ(got.size(), want.size());
+    const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+    EXPECT_LE(err, 1e-4) << (w_kn ? "w_kn" : "w_nk");
+  }
+}
+
 TEST(CudaGroupedGemmWkn, RejectsSwiGluEpilogue) {
   cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kSwiGLU, 7.0f};
   g.w_kn = true;
