@@ -444,6 +444,7 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
                           const std::function<void(std::vector<ParamRef>&)>& sum, const std::function<void()>& sync,
                           bool on_device) {
   model.set_train_linears(false);
+  model.set_train_small(false);  // as `nextlm train --lora`: no gradient of the frozen base, small tensors included
   LoraOptions o;
   o.rank = 16;
   o.alpha = 32;

@@ -104,6 +104,12 @@ void check_pre(const PreCase& pc, unsigned seed) {
   EXPECT_EQ(dbase2, dbase) << "dbase rerun " << at;
   EXPECT_EQ(dscale2, dscale) << "dscale rerun " << at;
   EXPECT_EQ(dnw2, dnw) << "dnorm_w rerun " << at;
+
+  // Without the parameters' gradients (all four null: a LoRA step's frozen mHC and norm): the same dh, bit for bit.
+  std::vector<float> dh3 = dh0, no_fn, no_base, no_scale, no_nw;
+  cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
+                                 hc_eps, iters, dh3, no_fn, no_base, no_scale, no_nw);
+  EXPECT_EQ(dh3, dh) << "dh without parameter gradients " << at;
 }
 
 // T = 1, 7, 65 and 300 (a 32-token coefficient block holding one token, partial 64-token statistics tiles, many

@@ -304,6 +304,7 @@ struct LoraOnGpu {
         lora(test::random_lora(base.config(), experts, rank)),
         gpu(base) {
     gpu.set_train_linears(false);
+    gpu.set_train_small(false);  // as `nextlm train --lora` runs it: the adapters' gradients alone
     gpu.set_lora(lora);
   }
 };
@@ -350,6 +351,47 @@ TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
                   std::sqrt(diff / norm));
     }
   }
+}
+
+// set_train_small: off (LoraOnGpu), the small weights' gradients are not formed (zeros in gradients()); on, they
+// are, and the loss and the adapters' gradients are those of the run without them (up to the MLA keys' atomics).
+TEST(CudaTrain, SmallWeightGradientsOnlyWhenAsked) {
+  LoraOnGpu t("bf16_stable");
+  LoraAdapter off = test::without_gradients(t.lora), on = off;
+  const double loss_off = t.gpu.forward_backward(t.batch);
+  t.gpu.lora_gradients(off);
+  const ModelWeights g_off = t.gpu.gradients();
+  t.gpu.set_train_small(true);
+  t.gpu.zero_grads();
+  EXPECT_EQ(t.gpu.forward_backward(t.batch), loss_off);
+  t.gpu.lora_gradients(on);
+  const ModelWeights g_on = t.gpu.gradients();
+  auto sum_sq = [](const ModelWeights& g) {
+    std::array<double, 4> s{};  // mHC fn, input norms, final norm, KDA dt_bias
+    for (const LayerWeights& l : g.layers) {
+      for (float x : l.hc_attn.fn.data) s[0] += double(x) * x;
+      for (float x : l.input_norm.data) s[1] += double(x) * x;
+      if (l.kda)
+        for (float x : l.kda->dt_bias.data) s[3] += double(x) * x;
+    }
+    for (float x : g.final_norm.data) s[2] += double(x) * x;
+    return s;
+  };
+  const std::array<double, 4> s_off = sum_sq(g_off), s_on = sum_sq(g_on);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(s_off[i], 0.0) << "small gradient " << i << " formed while off";
+    EXPECT_GT(s_on[i], 0.0) << "small gradient " << i << " missing while on";
+  }
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < off.modules().size(); ++i)
+    for (const auto& [a, b] : {std::tie(off.modules()[i].dA, on.modules()[i].dA),
+                               std::tie(off.modules()[i].dB, on.modules()[i].dB)})
+      for (size_t j = 0; j < a.data.size(); ++j) {
+        diff += std::pow(double(a.data[j]) - b.data[j], 2);
+        norm += std::pow(double(a.data[j]), 2);
+      }
+  ASSERT_GT(norm, 0.0);
+  EXPECT_LE(std::sqrt(diff / norm), 1e-2);
 }
 
 // The dense adapters that read one input, stacked (one GEMM for their u, one for their dA, one for their dx: the
@@ -582,6 +624,7 @@ TEST(CudaTrain, LoraGradientsMatchCpu) {
 
     CudaModel gpu(base);
     gpu.set_train_linears(false);
+    gpu.set_train_small(c.fold == 2);  // both ways: the small weights' gradients change nothing here
     gpu.set_lora(cpu_lora);
     LoraAdapter gpu_lora = test::without_gradients(cpu_lora);
     const double loss = gpu.forward_backward(batch);

@@ -311,6 +311,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
       if (!gpu) {
         gpu = lora ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(m);
         gpu->set_train_linears(lora == nullptr);
+        gpu->set_train_small(lora == nullptr);  // the adapters alone move
         gpu->set_recompute(opt.recompute);
         if (lora) {
           gpu->set_lora(*lora);

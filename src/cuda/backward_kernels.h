@@ -26,8 +26,9 @@ void rmsnorm_backward(const float* x, int64_t ldx, const float* w, const float* 
 // Backward of mhc_pre (kernels.h: the mix and the normed collapse a = RMSNorm(Σ_s pre_s·h_s; norm_w)) from the
 // streams h [T, S, D] entering the site; everything else is recomputed. dpost [T, S], dcomb [T, S, S] and da [T, D]
 // are the gradients of its outputs (da: of a, whose forward value was rounded to bf16; the backward uses the fp32
-// value). dh [T, S, D] += …; dfn [(2+S)S, S·D], dbase [(2+S)S], dscale [3], dnorm_w [D] += ….
-// work: mhc_pre_backward_workspace_floats(T, S, D) floats. Matches mhc_pre_backward + rmsnorm_backward of the CPU.
+// value). dh [T, S, D] += …; dfn [(2+S)S, S·D], dbase [(2+S)S], dscale [3], dnorm_w [D] += …, or all four null
+// (the parameters frozen: dh alone, the same bits). work: mhc_pre_backward_workspace_floats(T, S, D) floats.
+// Matches mhc_pre_backward + rmsnorm_backward of the CPU.
 int64_t mhc_pre_backward_workspace_floats(int64_t T, int64_t S, int64_t D);
 void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
                       float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work, cudaStream_t st);
@@ -114,15 +115,15 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient
-// rounded as the projection's backward reads it; dconv [3·HK, W] += …. seq_start [T] as the forward.
-// work: kda_conv_norm_backward_workspace_floats(T, H, K, W) floats.
+// rounded as the projection's backward reads it; dconv [3·HK, W] += … (null: not formed). seq_start [T] as the
+// forward. work: kda_conv_norm_backward_workspace_floats(T, H, K, W) floats.
 int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W);
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
                             int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr);
 
 // Backward of the gate: f [T, HK] the f_b output (before dt_bias), g = kda_gate(f): dg [T, HK] → df [T, HK] written
-// (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += …. work:
+// (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += … (either null: not formed). work:
 // kda_gate_backward_workspace_floats(T, H, K) floats.
 int64_t kda_gate_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log, const float* dg, float* df,
@@ -134,7 +135,7 @@ void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t 
 
 // Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32 (or bf16, as the tensor-core
 // recurrence writes it: the same sums as its fp32 widening), gate [T, HK] (before the sigmoid), don [T, HK] fp32.
-// do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written, dw [K] += ….
+// do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written, dw [K] += … (null: not formed).
 // work: kda_out_norm_backward_workspace_floats(T, H, K) floats.
 int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,

@@ -172,6 +172,10 @@ class CudaModel {
   // by default). Off, only the small fp32 tensors (norms, mHC, conv, gates) get theirs, while the input gradients
   // flow through everything: the cost of a LoRA step's frozen base. Changing it drops the gradients.
   void set_train_linears(bool on);
+  // The same for the small fp32 tensors (norms, mHC, conv, dt_bias, A_log; on by default): a LoRA step whose
+  // optimizer moves the adapters alone turns both off, and the backward forms neither (gradients() reads zeros for
+  // them); the input gradients and the adapters' are the same bits either way.
+  void set_train_small(bool on);
 
   // LoRA (model/lora.h) on the device: every module of the adapter sits on its projection, the forwards of
   // forward_backward add s·(x·Aᵀ)·Bᵀ to it (bf16 copies of A and B) and its backward adds dA and dB (fp32, on the

@@ -420,6 +420,7 @@ void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* 
     default: conv_bwd(std::integral_constant<int, 8>{}); break;
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (!dconv) return;  // the conv frozen
   const int64_t n = C3 * W;
   conv_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, st>>>(part, dconv, n, parts);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
@@ -436,10 +437,14 @@ void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log,
   gate_backward_kernel<<<dim3(cblocks, static_cast<unsigned>(parts)), kChanThreads, 0, st>>>(
       f, dt_bias, A_log, dg, df, work, T, H, K, has_bound, bound, span, parts);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
-  gate_dt_reduce_kernel<<<cblocks, kChanThreads, 0, st>>>(work, ddt_bias, HK, parts);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-  gate_dA_reduce_kernel<<<static_cast<unsigned>(H), 256, 0, st>>>(work + parts * HK, dA_log, H, K, parts);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (ddt_bias) {
+    gate_dt_reduce_kernel<<<cblocks, kChanThreads, 0, st>>>(work, ddt_bias, HK, parts);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  if (dA_log) {
+    gate_dA_reduce_kernel<<<static_cast<unsigned>(H), 256, 0, st>>>(work + parts * HK, dA_log, H, K, parts);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t st) {
@@ -471,6 +476,7 @@ void out_norm_backward(const OT* o, const float* gate, const float* w, const flo
   else if (K <= 128) run(out_norm_backward_kernel<4, OT>);
   else run(out_norm_backward_kernel<8, OT>);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+  if (!dw) return;  // the norm frozen
   out_norm_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(K, 256)), 256, 0, st>>>(work, dw, K, blocks);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }

@@ -738,7 +738,8 @@ ApplyPlan apply_plan(int64_t T, int64_t D) {
 // and the partials part[b] = (dfn [M, S·D]: Σ_t dm[t, j]·h[t, k]·r1[t]; dnorm_w [D]: Σ_t da·x·r2), tokens in order.
 // h, da, dh and the rows come through a cp.async pipeline of kApplyTT tokens a stage. VEC: 16-byte copies.
 // At S = 4 (the model's hc_mult) five blocks an SM: at most 102 registers (the unrolled token loop would take 128).
-template <int S, bool VEC>
+// PARAMS false (no parameter gradient wanted: a LoRA step's frozen mHC): dh alone, no partials (part unused).
+template <int S, bool VEC, bool PARAMS>
 __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
     mhc_bwd_apply_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
                          const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh,
@@ -843,7 +844,7 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
         for (int s2 = 0; s2 < S; ++s2) x = fmaf(pr[s2], hb[(tt * S + s2) * 32 + lane], x);
         const float g = ab[tt * 32 + lane];
         const float dx = r2 * w * g - c2 * x;
-        if (s == 0) dnw += g * x * r2;
+        if (PARAMS && s == 0) dnw += g * x * r2;
         dhv += rw[4 + s] * dx;
       }
       const float v = hv * r1;
@@ -856,7 +857,7 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
           if (j + u < M) {
             const float dmj = comp(d4, u);
             df = fmaf(dmj, f[j + u], df);
-            acc[j + u] = fmaf(dmj, v, acc[j + u]);
+            if constexpr (PARAMS) acc[j + u] = fmaf(dmj, v, acc[j + u]);
           }
       }
       dhv += r1 * df - hv * c1;
@@ -865,7 +866,7 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
   }
   cp_async_wait<0>();
 
-  if (!ok) return;
+  if (!PARAMS || !ok) return;
   float* out = part + b * (M * SD + D);
 #pragma unroll
   for (int j = 0; j < M; ++j) out[j * SD + s * D + d] = acc[j];
@@ -954,6 +955,10 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
   float* rows = work + wk.rows;
   float* tokp = work + wk.tokp;
   float* part = work + wk.part;
+  // The parameters' gradients all wanted, or none (a LoRA step's frozen mHC and norm: dh alone).
+  const bool params = dfn != nullptr;
+  check(params == (dbase != nullptr) && params == (dscale != nullptr) && (params || !dnorm_w),
+        "CUDA mHC backward: dfn, dbase, dscale (and dnorm_w) are all given or all null");
 
   {
     const StatPlan& sp = wk.stats;
@@ -977,13 +982,15 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
   {
     const ApplyPlan& ap = wk.apply;
     const bool vec = D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows);
-    auto kernel = vec ? mhc_bwd_apply_kernel<S, true> : mhc_bwd_apply_kernel<S, false>;
+    auto kernel = params ? (vec ? mhc_bwd_apply_kernel<S, true, true> : mhc_bwd_apply_kernel<S, false, true>)
+                         : (vec ? mhc_bwd_apply_kernel<S, true, false> : mhc_bwd_apply_kernel<S, false, false>);
     const size_t smem = ApplyTile<S>::smem_bytes;
     allow_smem(kernel, smem);
     kernel<<<dim3(static_cast<unsigned>(ap.dtiles), static_cast<unsigned>(ap.blocks)), 32 * S, smem, st>>>(
         h, p.fn, p.norm_w, da, rows, dh, part, T, D, ap.tpb);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
+  if (!params) return;
   const int64_t msd = int64_t(M) * S * D, nsum = da ? msd + D : msd;
   const unsigned sum_blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(nsum, kThreads), 4096));
   mhc_bwd_params_kernel<<<M + 3 + sum_blocks, kThreads, 0, st>>>(tokp, wk.coef_blocks, part, wk.apply.blocks,

@@ -348,6 +348,7 @@ struct Grads {
   float* base = nullptr;  // the one allocation
   int64_t floats = 0;
   bool linears = true;    // whether the linear weights have gradients (CudaModel::set_train_linears)
+  bool small = true;      // whether the other (small) weights have them (CudaModel::set_train_small)
   // lm_head has its own buffer even when tied (gradients() adds it into the embedding's).
   float *embed = nullptr, *lm_head = nullptr, *final_norm = nullptr;
   std::vector<GLayer> layers;
@@ -409,6 +410,7 @@ struct CudaModel::Impl {
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
   std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward
   bool train_linears = true;               // whether the backward computes the linear weights' gradients
+  bool train_small = true;                 // and the small weights' (norms, mHC, conv, gates)
   RecomputePolicy recompute;               // what the training backward recomputes (CudaModel::set_recompute)
   std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
 

@@ -1300,18 +1300,24 @@ double Step::run(const float* row_weight) {
 }
 
 // Carves the gradients out of one zeroed allocation, laid out as the weights; without `linears`, those of the
-// linear weights (projections, experts, embedding, lm_head) stay null and are not computed.
-std::unique_ptr<Grads> make_grads(const ModelConfig& c, int64_t V, const std::vector<DLayer>& layers, bool linears) {
+// linear weights (projections, experts, embedding, lm_head) stay null and are not computed; without `small`, those
+// of the others (norms, mHC, conv, dt_bias, A_log).
+std::unique_ptr<Grads> make_grads(const ModelConfig& c, int64_t V, const std::vector<DLayer>& layers, bool linears,
+                                  bool small) {
   auto g = std::make_unique<Grads>();
   g->linears = linears;
+  g->small = small;
   std::vector<std::pair<float**, int64_t>> parts;
   auto add = [&](float*& p, int64_t n) { parts.emplace_back(&p, n); };
+  auto add_small = [&](float*& p, int64_t n) {
+    if (small) add(p, n);
+  };
   const int64_t D = c.hidden_size, S = c.hc_mult, M = (2 + S) * S;
   if (linears) {
     add(g->embed, V * D);
     add(g->lm_head, V * D);
   }
-  add(g->final_norm, D);
+  add_small(g->final_norm, D);
   g->layers.resize(layers.size());
   auto lin = [&](float*& p, const DLinear& l) {
     if (linears) add(p, l.out * l.in);
@@ -1324,12 +1330,12 @@ std::unique_ptr<Grads> make_grads(const ModelConfig& c, int64_t V, const std::ve
     const DLayer& L = layers[i];
     GLayer& G = g->layers[i];
     for (GHc* h : {&G.hc_attn, &G.hc_ffn}) {
-      add(h->fn, M * S * D);
-      add(h->base, M);
-      add(h->scale, 3);
+      add_small(h->fn, M * S * D);
+      add_small(h->base, M);
+      add_small(h->scale, 3);
     }
-    add(G.in_norm, D);
-    add(G.post_norm, D);
+    add_small(G.in_norm, D);
+    add_small(G.post_norm, D);
     if (L.kda_layer) {
       const int64_t H = c.linear_num_heads, K = c.linear_head_dim, HK = H * K, W = c.linear_conv_kernel_dim;
       const DKda& k = L.kda;
@@ -1341,10 +1347,10 @@ std::unique_ptr<Grads> make_grads(const ModelConfig& c, int64_t V, const std::ve
       lin(gk.g_a, k.g_a);
       lin(gk.g_b, k.g_b);
       lin(gk.o, k.o);
-      add(gk.conv, 3 * HK * W);
-      add(gk.dt_bias, HK);
-      add(gk.A_log, H);
-      add(gk.o_norm, K);
+      add_small(gk.conv, 3 * HK * W);
+      add_small(gk.dt_bias, HK);
+      add_small(gk.A_log, H);
+      add_small(gk.o_norm, K);
     } else {
       const DDsa& d = L.dsa;
       GDsa& gd = G.dsa;
@@ -1353,8 +1359,8 @@ std::unique_ptr<Grads> make_grads(const ModelConfig& c, int64_t V, const std::ve
       lin(gd.kv_a, d.kv_a);
       lin(gd.kv_b, d.kv_b);
       lin(gd.o, d.o);
-      add(gd.q_a_norm, c.q_lora_rank);
-      add(gd.kv_a_norm, c.kv_lora_rank);
+      add_small(gd.q_a_norm, c.q_lora_rank);
+      add_small(gd.kv_a_norm, c.kv_lora_rank);
     }
     if (L.moe_layer) {
       lin(G.moe.router, L.moe.router);
@@ -1392,9 +1398,9 @@ double CudaModel::forward_backward(const PackedBatch& batch) {
   const cuda::Plan p = m.plan(batch);
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(),
         "batch: target_weight has ", batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
-  if (!m.grads || m.grads->linears != m.train_linears) {
+  if (!m.grads || m.grads->linears != m.train_linears || m.grads->small != m.train_small) {
     m.grads.reset();
-    m.grads = cuda::make_grads(m.cfg, m.vocab_rows, m.layers, m.train_linears);
+    m.grads = cuda::make_grads(m.cfg, m.vocab_rows, m.layers, m.train_linears, m.train_small);
   }
   // Row t's term is weighted by target_weight[t + 1] (the weight of the token it predicts).
   float* row_weight = nullptr;
@@ -1882,6 +1888,7 @@ void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
 }
 
 void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }
+void CudaModel::set_train_small(bool on) { impl_->train_small = on; }
 
 void CudaModel::set_recompute(const RecomputePolicy& policy) { impl_->recompute = policy; }
 
