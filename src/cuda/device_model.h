@@ -174,7 +174,8 @@ class CudaModel {
   void set_train_linears(bool on);
   // The same for the small fp32 tensors (norms, mHC, conv, dt_bias, A_log; on by default): a LoRA step whose
   // optimizer moves the adapters alone turns both off, and the backward forms neither (gradients() reads zeros for
-  // them); the input gradients and the adapters' are the same bits either way.
+  // them); the loss is the same either way, the adapters' gradients up to the atomics' order that also separates
+  // two runs (the mHC pre backward's dh is the same bits).
   void set_train_small(bool on);
 
   // LoRA (model/lora.h) on the device: every module of the adapter sits on its projection, the forwards of
