@@ -115,6 +115,9 @@ int main(int argc, char** argv) {
       // And recomputing everything, the routed experts' gate|up too (--recompute all: the least memory).
       {"slice4_train_step_T4096_all", nextlm::bench::slice4_train_step_case},
       {"slice4_lora_step_T4096_all", nextlm::bench::slice4_lora_step_case},
+      // And under the fixed middle policy (--recompute kda,mla,moe,mhc: auto's fallback, the default until auto).
+      {"slice4_train_step_T4096_recompute", nextlm::bench::slice4_train_step_case},
+      {"slice4_lora_step_T4096_recompute", nextlm::bench::slice4_lora_step_case},
 #ifdef NEXTLM_HAVE_NCCL
       {"slice4_prefill_T4096_tp2", nextlm::bench::slice4_parallel_prefill_case},
       {"slice4_prefill_T4096_ep2", nextlm::bench::slice4_parallel_prefill_case},

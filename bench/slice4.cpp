@@ -310,26 +310,41 @@ void slice4_prefill_case(const std::string& name) {
   std::fflush(stdout);
 }
 
-// A training case's recompute policy: --recompute none for *_keep, all for *_all, the trainer's default otherwise;
-// NEXTLM_BENCH_RECOMPUTE (in --recompute's syntax) overrides it, to measure what recomputing each component costs in
-// time and memory.
+// A training case's recompute policy: --recompute none for *_keep, all for *_all, kda,mla,moe,mhc for *_recompute,
+// the trainer's default (auto) otherwise; NEXTLM_BENCH_RECOMPUTE (in --recompute's syntax) overrides it, to measure
+// what recomputing each component costs in time and memory.
 RecomputePolicy case_policy(const std::string& name) {
   if (const char* p = std::getenv("NEXTLM_BENCH_RECOMPUTE")) return parse_recompute(p);
   if (name.find("_keep") != std::string::npos) return parse_recompute("none");
   if (name.find("_all") != std::string::npos) return RecomputePolicy{};
-  return default_recompute();
+  if (name.find("_recompute") != std::string::npos) return default_recompute();
+  return auto_recompute();
 }
 
-// How a case's note says the policy.
+// The policy a case ran under (CudaModel::recompute(): an adaptive one at the rung it ended at) as --recompute
+// writes it, with the rung: "auto (none)".
+std::string policy_name(const RecomputePolicy& p) {
+  RecomputePolicy rung = p;
+  rung.adaptive = false;
+  return p.adaptive ? "auto (" + recompute_to_string(rung) + ")" : recompute_to_string(p);
+}
+
+// How a case's note says that policy.
 std::string policy_words(const RecomputePolicy& p) {
+  RecomputePolicy q = p;
+  q.adaptive = false;
+  const std::string how = p.adaptive ? "the default, --recompute auto: the fastest of none, " +
+                                           recompute_to_string(default_recompute()) + " and all that fits the card, "
+                                     : "";
   const std::string but = "every sub-layer recomputed before its backward up to its output projection (the outputs "
                           "kept), but for the KDA recurrence and the MLA attention (their outputs kept)";
-  if (p == RecomputePolicy{}) return but + " (--recompute all)";
-  if (p == default_recompute())
-    return but + ", the routed experts' gate|up (their pre-activations and act kept) and the dense MLP (the default, "
-                 "--recompute " + recompute_to_string(p) + ")";
-  if (p == parse_recompute("none")) return "every sub-layer's activations kept from the forward (--recompute none)";
-  return "--recompute " + recompute_to_string(p);
+  if (q == RecomputePolicy{}) return but + " (" + how + "--recompute all)";
+  if (q == default_recompute())
+    return but + ", the routed experts' gate|up (their pre-activations and act kept) and the dense MLP (" + how +
+           "--recompute " + recompute_to_string(q) + ")";
+  if (q == parse_recompute("none"))
+    return "every sub-layer's activations kept from the forward (" + how + "--recompute none)";
+  return how + "--recompute " + recompute_to_string(q);
 }
 
 // Device memory in use now (weights, gradients, optimizer state, the arena), GiB to a tenth.
@@ -373,13 +388,14 @@ void slice4_train_step_case(const std::string& name) {
     gpu.push_back(model->last_forward_ms());
   }
   const double ms = median(gpu);
+  const RecomputePolicy used = model->recompute();
   // FLOPs the step needs: the forward, the input-gradient GEMMs (as many again) and, with trained weights, the
   // weight-gradient GEMMs (as many again); the recomputation of each sub-layer before its backward is not counted.
   double forward = 0;
   for (const auto& [part, cost] : slice_costs(cfg, kT))
     if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
   const double needed = (full ? 3 : 2) * forward;
-  const bool recompute_experts = policy.recomputes_experts();
+  const bool recompute_experts = used.recomputes_experts();
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;  // H200 dense bf16, the spec sheet's figure
   nlohmann::json line{
       {"case", name},
@@ -394,14 +410,14 @@ void slice4_train_step_case(const std::string& name) {
       {"target_mfu", 0.35},
       {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
       {"finite", std::isfinite(loss)},
-      {"recompute", recompute_to_string(policy)},
+      {"recompute", policy_name(used)},
       {"device_memory_gib", memory_gib},
       {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
                                   "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
                                   "top-8; optimizer not included, it runs on the host in `train --device cuda`)"
                                 : "forward + backward of the 4-layer slice with frozen linear weights (the base of a "
                                   "LoRA step: adapters and optimizer not included)") +
-                   " at " + std::to_string(kT) + " tokens, " + policy_words(policy) +
+                   " at " + std::to_string(kT) + " tokens, " + policy_words(used) +
                    "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
                    "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
                    "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
@@ -499,10 +515,12 @@ void slice4_lora_step_case(const std::string& name) {
   const ModelConfig cfg = load_config(slice4_config_path());
   const PackedBatch b = random_batch(cfg);
   LoraSteps one, split;
+  RecomputePolicy used = fixed_recompute(policy);  // a shard's
   {
     auto model = CudaModel::random(cfg, kSeed);
     model->set_recompute(policy);
     one = time_lora_steps(*model, shared, b, [](std::vector<ParamRef>&) {}, [] {}, true);
+    if (tp == 1 && ep == 1) used = model->recompute();
   }
   if (tp > 1 || ep > 1) {
 #ifdef NEXTLM_HAVE_NCCL
@@ -541,7 +559,7 @@ void slice4_lora_step_case(const std::string& name) {
     adapter_flops += 6 * tokens * m.rank * static_cast<double>(m.A.dim(1) + m.B.dim(0));
   }
   const double needed = 2 * forward + adapter_flops;
-  const bool recompute_experts = policy.recomputes_experts();
+  const bool recompute_experts = used.recomputes_experts();
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;
   nlohmann::json line{
       {"case", name},
@@ -553,7 +571,7 @@ void slice4_lora_step_case(const std::string& name) {
       {"tokens_per_s", std::round(kT / ms * 1e3)},
       {"mfu", std::round(needed / (ms * kPeakFlopsPerMs) * 1e4) / 1e4},
       {"target_mfu", 0.35},
-      {"recompute", recompute_to_string(policy)},
+      {"recompute", policy_name(used)},
       {"adapters", r.modules},
       {"adapter_parameters", r.parameters},
       {"loss_per_token", std::round(r.loss / (kT - 1) * 1e4) / 1e4},
@@ -564,7 +582,7 @@ void slice4_lora_step_case(const std::string& name) {
                    "), forward + backward on the device (base frozen: no weight gradients)" +
                    (par ? ", the adapters' gradients to the host, clipping and AdamW there and the new adapters back"
                         : ", clipping and AdamW on the device's fp32 adapters (nothing goes to the host)") +
-                   ", " + policy_words(policy) +
+                   ", " + policy_words(used) +
                    "; median host wall time of " +
                    std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
                    "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s" +

@@ -24,6 +24,7 @@
 #include <tuple>
 #include <random>
 
+#include "core/error.h"
 #include "cuda/device_model.h"
 #include "io/safetensors.h"
 #include "model/lora.h"
@@ -351,6 +352,86 @@ TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
                   std::sqrt(diff / norm));
     }
   }
+}
+
+// --recompute auto on the device: a step that does not fit keeping everything (an activation limit between what the
+// policies need) runs again under the next rung, the micro-batches since zero_grads too, so that the loss and the
+// accumulated adapters' gradients are those of that rung from the start; past all, out of memory is an error.
+TEST(CudaTrain, AutoRecomputeFallsBackWhenActivationsDoNotFit) {
+  LoraOnGpu t("bf16_stable");
+  CudaModel& gpu = t.gpu;
+  const PackedBatch& big = t.batch;
+  PackedBatch small;
+  small.add(std::vector<int32_t>(big.tokens.begin(), big.tokens.begin() + big.cu_seqlens[1]));
+  ASSERT_LT(small.num_tokens(), big.num_tokens());
+  auto peak = [&](const char* policy, const PackedBatch& b) {
+    gpu.zero_grads();
+    gpu.set_recompute(parse_recompute(policy));
+    gpu.forward_backward(b);
+    return gpu.activation_peak();
+  };
+  const size_t none_small = peak("none", small), none_big = peak("none", big);
+  const size_t mid_big = peak("kda,mla,moe,mhc", big), all_big = peak("all", big);
+  ASSERT_LT(std::max(none_small, mid_big), none_big);
+  ASSERT_LT(all_big, mid_big);
+  // The reference: both micro-batches under the middle rung.
+  gpu.zero_grads();
+  gpu.set_recompute(default_recompute());
+  const double ref_small = gpu.forward_backward(small), ref_big = gpu.forward_backward(big);
+  LoraAdapter ref = test::without_gradients(t.lora);
+  gpu.lora_gradients(ref);
+  auto grad_error = [&](const LoraAdapter& got) {
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < ref.modules().size(); ++i) {
+      const LoraModule &r = ref.modules()[i], &g = got.modules()[i];
+      for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+        for (size_t j = 0; j < rt.data.size(); ++j) {
+          diff += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+          norm += std::pow(static_cast<double>(rt.data[j]), 2);
+        }
+    }
+    return norm > 0 ? std::sqrt(diff / norm) : 1.0;
+  };
+
+  gpu.set_activation_limit((std::max(none_small, mid_big) + none_big) / 2);
+  gpu.set_recompute(parse_recompute("auto"));
+  gpu.zero_grads();
+  EXPECT_EQ(gpu.forward_backward(small), ref_small);
+  EXPECT_EQ(gpu.recompute(), auto_recompute()) << "the small batch fits keeping everything";
+  EXPECT_EQ(gpu.forward_backward(big), ref_big);
+  RecomputePolicy mid = default_recompute();
+  mid.adaptive = true;
+  EXPECT_EQ(gpu.recompute(), mid) << "the big one did not: the middle rung from then on";
+  LoraAdapter got = test::without_gradients(t.lora);
+  gpu.lora_gradients(got);
+  // The same sums up to the MLA keys' atomics (the test above's two runs of one policy).
+  EXPECT_LE(grad_error(got), 1e-4);
+
+  // Room for recomputing everything only: down to all; below that, the error.
+  gpu.set_activation_limit((all_big + mid_big) / 2);
+  gpu.zero_grads();
+  EXPECT_EQ(gpu.forward_backward(big), ref_big);
+  RecomputePolicy all;
+  all.adaptive = true;
+  EXPECT_EQ(gpu.recompute(), all);
+  gpu.set_activation_limit(all_big / 2);
+  gpu.zero_grads();
+  EXPECT_THROW(gpu.forward_backward(big), OutOfMemory);
+  // A fixed policy does not fall back.
+  gpu.set_activation_limit((std::max(none_small, mid_big) + none_big) / 2);
+  gpu.set_recompute(parse_recompute("none"));
+  gpu.zero_grads();
+  EXPECT_THROW(gpu.forward_backward(big), OutOfMemory);
+  // Nor does an adaptive one whose gradients hold batches it cannot run again (added before an optimizer step).
+  gpu.set_activation_limit(0);
+  gpu.set_recompute(parse_recompute("auto"));
+  gpu.zero_grads();
+  EXPECT_EQ(gpu.forward_backward(big), ref_big);
+  EXPECT_EQ(gpu.recompute(), auto_recompute());
+  gpu.set_lora(t.lora);  // the same values: a weight change as far as the replay knows
+  gpu.set_activation_limit((std::max(none_small, mid_big) + none_big) / 2);
+  EXPECT_THROW(gpu.forward_backward(big), OutOfMemory);
+  gpu.set_activation_limit(0);
 }
 
 // set_train_small: off (LoraOnGpu), the small weights' gradients are not formed (zeros in gradients()); on, they

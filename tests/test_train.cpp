@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -281,8 +282,38 @@ TEST(RecomputePolicy, ParsesAndPrints) {
     EXPECT_EQ(parse_recompute(recompute_to_string(p)), p) << recompute_to_string(p);
   }
   for (const char* bad : {"", "kda,", ",kda", "KDA", "kda,kda", "attention", "all,kda", "none,mhc", "kda moe",
-                          "experts", "kda,experts", "moe,experts,experts"})
+                          "experts", "kda,experts", "moe,experts,experts", "auto,kda", "AUTO"})
     EXPECT_THROW(parse_recompute(bad), Error) << '"' << bad << '"';
+}
+
+// auto: adaptive, starting from everything kept, its rungs none → the default → all (the GPU falls back along them,
+// test_cuda_train.cpp); where nothing can be run again it stands for the default.
+TEST(RecomputePolicy, AutoFallsBackAlongItsRungs) {
+  const RecomputePolicy none{false, false, false, false, false, false};
+  const RecomputePolicy a = parse_recompute("auto");
+  EXPECT_TRUE(a.adaptive);
+  EXPECT_EQ(a, auto_recompute());
+  EXPECT_EQ(recompute_to_string(a), "auto");
+  EXPECT_FALSE(a == none) << "the flag counts";
+  auto rung_of = [](RecomputePolicy p) {
+    p.adaptive = false;
+    return p;
+  };
+  EXPECT_EQ(rung_of(a), none);
+  EXPECT_EQ(fixed_recompute(a), default_recompute());
+  EXPECT_EQ(fixed_recompute(none), none);
+  const std::optional<RecomputePolicy> r1 = recompute_fallback(a);
+  ASSERT_TRUE(r1.has_value());
+  EXPECT_TRUE(r1->adaptive);
+  EXPECT_EQ(rung_of(*r1), default_recompute());
+  EXPECT_EQ(recompute_to_string(*r1), "auto");
+  const std::optional<RecomputePolicy> r2 = recompute_fallback(*r1);
+  ASSERT_TRUE(r2.has_value());
+  EXPECT_TRUE(r2->adaptive);
+  EXPECT_EQ(rung_of(*r2), RecomputePolicy{});
+  EXPECT_FALSE(recompute_fallback(*r2).has_value()) << "nothing past all";
+  for (const RecomputePolicy& fixed : {none, default_recompute(), RecomputePolicy{}})
+    EXPECT_FALSE(recompute_fallback(fixed).has_value()) << "a fixed policy stays";
 }
 
 // The policies change only when each sub-layer's forward runs, not what runs on what, so the loss and every gradient
@@ -324,7 +355,7 @@ TEST(RecomputePolicy, EveryPolicyGivesTheSameLossAndGradients) {
     for (size_t i = 0; i < Tensor::count(g.shape); ++i) sum += std::fabs(g.data[i]);
     EXPECT_GT(sum, 0.0) << g.name;
   }
-  for (const char* policy : {"none", "kda", "mla", "moe", "mlp", "mhc", "kda,moe", "mla,mlp,mhc"}) {
+  for (const char* policy : {"none", "kda", "mla", "moe", "mlp", "mhc", "kda,moe", "mla,mlp,mhc", "auto"}) {
     double loss = 0.0;
     const ModelWeights g = run(parse_recompute(policy), loss);
     EXPECT_EQ(loss, ref_loss) << policy;

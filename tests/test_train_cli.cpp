@@ -141,8 +141,9 @@ TEST(TrainCli, RecomputePolicyIsReportedStoredAndChangesNoResult) {
                              "' --steps 3 --warmup 1 --lr 1e-2 --batch-tokens 128 --threads 2 --seed 4";
   const CliResult all = run_nextlm(common + " --out '" + dir.str("all") + "'");
   ASSERT_EQ(all.rc, 0) << all.err;
-  // The default: everything recomputed but the routed experts' gate|up and the dense MLP (model/recompute.h).
-  EXPECT_NE(all.err.find("recompute kda,mla,moe,mhc"), std::string::npos) << all.err;
+  // The default, auto, is on the CPU everything recomputed but the routed experts' gate|up and the dense MLP
+  // (model/recompute.h).
+  EXPECT_NE(all.err.find("recompute auto (kda,mla,moe,mhc)"), std::string::npos) << all.err;
   const CliResult none = run_nextlm(common + " --out '" + dir.str("none") + "' --recompute none");
   ASSERT_EQ(none.rc, 0) << none.err;
   const std::string done = none.err.substr(none.err.find("done:"));

@@ -459,7 +459,7 @@ int write_score_outputs(const ScoreArgs& a, const std::vector<std::vector<int32_
 
 struct GradArgs {
   std::string model, input, out, device = "cpu";
-  std::string recompute = recompute_to_string(default_recompute());  // model/recompute.h's syntax
+  std::string recompute = "auto";  // model/recompute.h's syntax
   int threads = 0;
   int tp = 1, ep = 1;  // tensor- and expert-parallel ranks (src/dist; under mpirun)
 };
@@ -809,9 +809,10 @@ int run_cli_impl(int argc, char** argv) {
   gr->add_option("--threads", grad.threads, "CPU threads (default: all)")->check(thread_count());
   gr->add_option("--recompute", grad.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
-                 "more memory, less time, the same gradients bit for bit): all, none, or a comma-separated list of "
-                 "kda, mla, moe, experts, mlp, mhc (experts: the routed experts' gate|up inside a recomputed MoE, on "
-                 "the GPU)")
+                 "more memory, less time, the same gradients bit for bit): auto, all, none, or a comma-separated "
+                 "list of kda, mla, moe, experts, mlp, mhc (experts: the routed experts' gate|up inside a recomputed "
+                 "MoE, on the GPU). auto: on one GPU everything kept, falling back to kda,mla,moe,mhc and then all "
+                 "when out of device memory; elsewhere kda,mla,moe,mhc")
       ->type_name("POLICY")
       ->capture_default_str();
   gr->add_option("--tp", grad.tp,

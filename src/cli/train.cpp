@@ -75,6 +75,15 @@ std::string duration(double s) {
   return o.str();
 }
 
+// The policy as the header and the summary print it: an adaptive one with the rung it is at (on the GPU) or the
+// fixed policy it stands for (the CPU), e.g. "auto (none)".
+std::string describe_recompute(const RecomputePolicy& p, bool gpu) {
+  if (!p.adaptive) return recompute_to_string(p);
+  RecomputePolicy rung = gpu ? p : fixed_recompute(p);
+  rung.adaptive = false;
+  return "auto (" + recompute_to_string(rung) + ")";
+}
+
 // Peak resident memory of the process so far (getrusage's ru_maxrss, KiB on Linux), in MiB.
 double peak_rss_mib() {
   struct rusage ru {};
@@ -142,8 +151,10 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   tr->add_option("--recompute", a.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
-                 "more memory, less time, the same results): all, none, or a comma-separated list of kda, mla, moe, "
-                 "experts, mlp, mhc (experts: the routed experts' gate|up inside a recomputed MoE, on the GPU)")
+                 "more memory, less time, the same results): auto, all, none, or a comma-separated list of kda, mla, "
+                 "moe, experts, mlp, mhc (experts: the routed experts' gate|up inside a recomputed MoE, on the GPU). "
+                 "auto: on the GPU everything kept, falling back to kda,mla,moe,mhc and then all when a step runs out "
+                 "of device memory; on the CPU kda,mla,moe,mhc")
       ->type_name("POLICY")
       ->capture_default_str();
   tr->add_option("--device", a.device,
@@ -246,7 +257,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (resume_dir.empty() || given("--lr")) opt.adamw.lr = a.lr;
   if (resume_dir.empty() || given("--weight-decay")) opt.adamw.weight_decay = a.weight_decay;
   if (resume_dir.empty() || given("--adam-eps")) opt.adamw.eps = a.adam_eps;
-  if (resume_dir.empty() || recompute) opt.recompute = recompute.value_or(default_recompute());
+  if (resume_dir.empty() || recompute) opt.recompute = recompute.value_or(auto_recompute());
   if (given("--lora-rank")) {
     LoraOptions lo;
     lo.rank = a.lora_rank;
@@ -396,7 +407,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (lead)
     std::cerr << "training " << num_trainable << " parameters on " << a.device << ", steps " << steps_done() << " -> " << opt.steps
               << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step, recompute "
-              << recompute_to_string(opt.recompute) << "\n";
+              << describe_recompute(opt.recompute, a.device == "cuda") << "\n";
   double elapsed = 0.0;
   int64_t done_here = 0, tokens_here = 0;
   bool stop = false;
@@ -427,11 +438,16 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
                 << " (continue with --resume " << a.out << ")\n";
     return 130;
   }
+  RecomputePolicy in_use = opt.recompute;  // an adaptive policy's rung at the end
+#ifdef NEXTLM_HAVE_CUDA
+  if (gpu) in_use = gpu->recompute();
+#endif
   if (lead)
     std::cerr << "done: " << steps_done() << " steps in " << duration(elapsed) << "; "
               << (trainer && trainer->lora() ? "adapter" : "model") << " and checkpoint in " << ckpt_dir << ", log "
               << log << "; " << fmt("%.0f", done_here > 0 ? tokens_here / elapsed : 0.0) << " tokens/s, peak memory "
-              << fmt("%.0f", peak_rss_mib()) << " MiB with recompute " << recompute_to_string(opt.recompute) << "\n";
+              << fmt("%.0f", peak_rss_mib()) << " MiB with recompute "
+              << describe_recompute(in_use, a.device == "cuda") << "\n";
   return 0;
 }
 

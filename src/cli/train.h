@@ -22,7 +22,7 @@ struct TrainArgs {
   double lora_alpha = 0.0;  // 0: the rank (scale 1)
   std::string lora_targets = "all", lora_experts = "per-expert";
   bool lora_rank_div_topk = false;
-  std::string recompute = recompute_to_string(default_recompute());  // model/recompute.h's syntax
+  std::string recompute = "auto";  // model/recompute.h's syntax
   std::string device = "cpu";     // cuda: gradients on the GPU (CudaModel::forward_backward), AdamW on the host
 };
 

@@ -11,6 +11,12 @@ struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The device ran out of memory for a step's activations (CUDA's arena): an adaptive recompute policy runs the step
+// again keeping less (model/recompute.h).
+struct OutOfMemory : Error {
+  using Error::Error;
+};
+
 // fail("tensor ", name, " has shape ", s): concatenates its arguments with operator<< and throws Error.
 template <class... Args>
 [[noreturn]] void fail(const Args&... args) {

@@ -222,6 +222,7 @@ std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, uint64_t
 CudaModel::~CudaModel() = default;
 
 void CudaModel::set_weights(const Model& model) {
+  impl_->weights_changed();
   Impl& m = *impl_;
   const ModelConfig& c = model.config();
   check(c.num_hidden_layers == m.cfg.num_hidden_layers && c.hidden_size == m.cfg.hidden_size &&

@@ -167,7 +167,17 @@ class CudaModel {
   // mix is not computed again). Every policy gives the same loss bit for bit and the same gradients up to the order
   // of the atomic additions that also separates two runs of one policy (the embedding's and the MLA keys'); keeping
   // trades device memory (the kept sites' activations, all at once) for the recomputation's time.
+  // An adaptive policy ("auto") starts keeping everything and, when a forward_backward runs out of device memory,
+  // frees the activations, zeroes the gradients and runs the batches since the last zero_grads and the failed one
+  // again under the next rung (model/recompute.h; a line on stderr says so), so that the gradients and losses are
+  // those of that rung; on a shard it is the fixed default. Setting a policy forgets those batches.
   void set_recompute(const RecomputePolicy& policy);
+  // The policy in use: an adaptive one's flags are its current rung.
+  const RecomputePolicy& recompute() const;
+  // A cap on the device memory of a step's activations, as if the device had no more (0, the default: none): the
+  // tests run the adaptive policy out of it. activation_peak: the most the last forward_backward held at once.
+  void set_activation_limit(size_t bytes);
+  size_t activation_peak() const;
   // Whether the backward computes the gradients of the linear weights (projections, experts, embedding, lm_head; on
   // by default). Off, only the small fp32 tensors (norms, mHC, conv, gates) get theirs, while the input gradients
   // flow through everything: the cost of a LoRA step's frozen base. Changing it drops the gradients.

@@ -40,17 +40,33 @@ class Arena {
   ~Arena() {
     for (auto& c : chunks_) cudaFree(c.first);
   }
-  void reset() { chunk_ = 0, offset_ = 0; }
+  void reset() { chunk_ = 0, offset_ = 0, used_ = 0; }
+  // Frees every chunk (the device must be done with them): after an out-of-memory, the step run again starts empty.
+  void release() {
+    for (auto& c : chunks_) cudaFree(c.first);
+    chunks_.clear();
+    reset();
+  }
   // A position to come back to: what was allocated after mark() is given back by rewind(mark) (the training
   // backward frees one site's activations this way).
   struct Mark {
-    size_t chunk, offset;
+    size_t chunk, offset, used;
   };
-  Mark mark() const { return {chunk_, offset_}; }
-  void rewind(Mark m) { chunk_ = m.chunk, offset_ = m.offset; }
+  Mark mark() const { return {chunk_, offset_, used_}; }
+  void rewind(Mark m) { chunk_ = m.chunk, offset_ = m.offset, used_ = m.used; }
+  // A cap on the bytes allocated at once (0: none, the device's memory alone), as if the device had no more: the
+  // tests of the adaptive recompute policy run out of it. peak(): the most allocated at once since reset_peak().
+  void set_limit(size_t bytes) { limit_ = bytes; }
+  size_t peak() const { return peak_; }
+  void reset_peak() { peak_ = 0; }
   template <class T>
   T* alloc(int64_t n) {
     const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
+    if (limit_ && used_ + bytes > limit_)
+      throw OutOfMemory("out of device memory: the activations' limit of " + std::to_string(limit_ >> 20) +
+                        " MiB reached (" + std::to_string((used_ + bytes) >> 20) + " MiB wanted)");
+    used_ += bytes;
+    peak_ = std::max(peak_, used_);
     while (chunk_ < chunks_.size() && offset_ + bytes > chunks_[chunk_].second) ++chunk_, offset_ = 0;
     if (chunk_ == chunks_.size()) {
       const size_t size = std::max(bytes, size_t{256} << 20);
@@ -60,8 +76,10 @@ class Arena {
         (void)cudaGetLastError();  // not a sticky error: cleared, the device stays usable
         size_t held = 0;
         for (const auto& c : chunks_) held += c.second;
-        fail("out of device memory: ", size >> 20, " MiB more of activations wanted, ", held >> 20,
-             " MiB held already; fewer tokens at once need less, and so does training with --recompute all");
+        used_ -= bytes;
+        throw OutOfMemory("out of device memory: " + std::to_string(size >> 20) + " MiB more of activations wanted, " +
+                          std::to_string(held >> 20) + " MiB held already; fewer tokens at once need less, and so " +
+                          "does training with --recompute all");
       }
       NEXTLM_CUDA_CHECK(err);
       chunks_.emplace_back(static_cast<char*>(p), size);
@@ -74,7 +92,7 @@ class Arena {
 
  private:
   std::vector<std::pair<char*, size_t>> chunks_;
-  size_t chunk_ = 0, offset_ = 0;
+  size_t chunk_ = 0, offset_ = 0, used_ = 0, peak_ = 0, limit_ = 0;
 };
 
 // Device memory of the weights (one allocation per tensor), freed with the model.
@@ -412,6 +430,17 @@ struct CudaModel::Impl {
   bool train_linears = true;               // whether the backward computes the linear weights' gradients
   bool train_small = true;                 // and the small weights' (norms, mHC, conv, gates)
   RecomputePolicy recompute;               // what the training backward recomputes (CudaModel::set_recompute)
+  // Under an adaptive policy, the batches forward_backward added into the gradients since they were last zero: a
+  // step that runs out of memory runs them again under the next rung.
+  std::vector<PackedBatch> since_zero;
+  // The gradients hold more than since_zero tells (added under a fixed policy, or by batches the weights have changed
+  // since): such a step cannot be run again.
+  bool untracked = false;
+  // Weights change (set_weights, set_lora, an optimizer step): the batches since zero_grads cannot be run again.
+  void weights_changed() {
+    if (!since_zero.empty()) untracked = true;
+    since_zero.clear();
+  }
   std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
 
   Impl(const ModelConfig& c, int dev, const CudaShard& sh = {})

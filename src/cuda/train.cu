@@ -16,8 +16,10 @@
 // partial over EP, gradients() sums).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include "cuda/backward_kernels.h"
 #include "cuda/model_impl.h"
@@ -1392,8 +1394,19 @@ void download(const float* d, Tensor& t, int64_t first_element = 0) {
 }  // namespace
 }  // namespace cuda
 
-double CudaModel::forward_backward(const PackedBatch& batch) {
-  Impl& m = *impl_;
+namespace {
+
+// The device's gradients (the model's and the adapters') set to zero, in stream order.
+void zero_device_grads(CudaModel::Impl& m) {
+  if (m.grads)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
+  if (m.lora && m.lora->grads_bytes)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + m.lora->grads_at, 0, m.lora->grads_bytes,
+                                      m.stream));
+}
+
+// One forward + backward under the policy's current flags.
+double forward_backward_once(CudaModel::Impl& m, const PackedBatch& batch) {
   m.start(batch);
   const cuda::Plan p = m.plan(batch);
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(),
@@ -1401,6 +1414,8 @@ double CudaModel::forward_backward(const PackedBatch& batch) {
   if (!m.grads || m.grads->linears != m.train_linears || m.grads->small != m.train_small) {
     m.grads.reset();
     m.grads = cuda::make_grads(m.cfg, m.vocab_rows, m.layers, m.train_linears, m.train_small);
+    m.since_zero.clear();  // new gradients are zero
+    m.untracked = false;
   }
   // Row t's term is weighted by target_weight[t + 1] (the weight of the token it predicts).
   float* row_weight = nullptr;
@@ -1419,13 +1434,44 @@ double CudaModel::forward_backward(const PackedBatch& batch) {
   return loss;
 }
 
+}  // namespace
+
+// Out of device memory under an adaptive policy: the arena freed, the gradients zeroed (the failed backward may have
+// added some), then the batches since the last zero_grads and this one again under the next rung, whose losses and
+// gradients are those of the first run (every policy gives the same loss bit for bit).
+double CudaModel::forward_backward(const PackedBatch& batch) {
+  Impl& m = *impl_;
+  m.arena.reset_peak();
+  bool again = false;
+  for (;;) {
+    try {
+      if (again)
+        for (const PackedBatch& b : m.since_zero) forward_backward_once(m, b);
+      const double loss = forward_backward_once(m, batch);
+      if (m.recompute.adaptive) m.since_zero.push_back(batch);
+      else m.untracked = true;
+      return loss;
+    } catch (const OutOfMemory& e) {
+      NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels already queued are done with the arena
+      m.arena.release();
+      const std::optional<RecomputePolicy> next = recompute_fallback(m.recompute);
+      if (!next || m.untracked) throw;
+      RecomputePolicy rung = *next;
+      rung.adaptive = false;
+      std::fprintf(stderr, "nextlm: %s; --recompute auto: recomputing %s from now on\n", e.what(),
+                   recompute_to_string(rung).c_str());
+      m.recompute = *next;
+      zero_device_grads(m);
+      again = true;
+    }
+  }
+}
+
 void CudaModel::zero_grads() {
   Impl& m = *impl_;
-  if (m.grads)
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
-  if (m.lora && m.lora->grads_bytes)
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + m.lora->grads_at, 0, m.lora->grads_bytes,
-                                      m.stream));
+  zero_device_grads(m);
+  m.since_zero.clear();
+  m.untracked = false;
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
@@ -1590,6 +1636,7 @@ void group_expert_adapters(const ModelConfig& c, cuda::LoraState& st) {
 
 void CudaModel::set_lora(const LoraAdapter& adapter) {
   Impl& m = *impl_;
+  m.weights_changed();
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;
@@ -1848,6 +1895,7 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
 }
 
 double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, double grad_scale, double max_norm) {
+  impl_->weights_changed();
   Impl& m = *impl_;
   check(m.lora && m.lora->opt, "no device LoRA optimizer (start_lora_optimizer)");
   cuda::LoraState::Optimizer& opt = *m.lora->opt;
@@ -1890,7 +1938,15 @@ void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
 void CudaModel::set_train_linears(bool on) { impl_->train_linears = on; }
 void CudaModel::set_train_small(bool on) { impl_->train_small = on; }
 
-void CudaModel::set_recompute(const RecomputePolicy& policy) { impl_->recompute = policy; }
+void CudaModel::set_recompute(const RecomputePolicy& policy) {
+  Impl& m = *impl_;
+  // A shard cannot run a step again alone (its collectives would wait for the other ranks).
+  m.recompute = m.sharded() ? fixed_recompute(policy) : policy;
+  m.weights_changed();  // not a weight, but the batches so far were run under another policy
+}
+const RecomputePolicy& CudaModel::recompute() const { return impl_->recompute; }
+void CudaModel::set_activation_limit(size_t bytes) { impl_->arena.set_limit(bytes); }
+size_t CudaModel::activation_peak() const { return impl_->arena.peak(); }
 
 ModelWeights CudaModel::gradients() const {
   using cuda::download;

@@ -1,6 +1,7 @@
 // The training backward's activation-recompute policy (what `--recompute` sets), shared by the CPU trainer
 // (model/train.h) and the device one (cuda/device_model.h).
 #pragma once
+#include <optional>
 #include <string>
 
 namespace nextlm {
@@ -31,14 +32,21 @@ namespace nextlm {
 // fp32), the MLA attention's o (T·NH·dv bf16) and, on tensor cores, its rows' log-sum-exp (T·NH fp32); a
 // recomputed mHC mix keeps its projection's partials (T·((2+S)·S + 1)·S·D/1024 fp32), so that its recomputation
 // skips the pass over the streams that forms them.
+// adaptive ("auto", the default of `train` and `grad`): on one GPU, the fastest policy whose activations fit the
+// device: the components' flags are the rung in use, from none (everything kept) on; a step that runs out of device
+// memory is run again under the next rung (recompute_fallback: none, then default_recompute(), then all), which
+// gives it the same loss bit for bit (CudaModel::forward_backward). Where nothing can be run again (the CPU, whose
+// memory is the host's; tensor/expert-parallel ranks, which would have to fall back together) it is
+// default_recompute() (fixed_recompute).
 struct RecomputePolicy {
   bool kda = true, mla = true, moe = true, mlp = true, mhc = true, experts = true;
+  bool adaptive = false;
   // Whether the routed experts' gate|up runs again (experts counts only inside a recomputed MoE).
   bool recomputes_experts() const { return moe && experts; }
   // Written out (not defaulted): nvcc compiles the CUDA sources that include this header as C++17.
   bool operator==(const RecomputePolicy& o) const {
     return kda == o.kda && mla == o.mla && moe == o.moe && mlp == o.mlp && mhc == o.mhc &&
-           recomputes_experts() == o.recomputes_experts();
+           recomputes_experts() == o.recomputes_experts() && adaptive == o.adaptive;
   }
 };
 // The default of `train` and `grad` ("kda,mla,moe,mhc"; RecomputePolicy{} is "all"): every component recomputed but
@@ -47,11 +55,18 @@ struct RecomputePolicy {
 // of memory whatever the depth (on the GPU T·(2I·4 + I·2) bytes a layer, I its intermediate size: 0.47 GiB at 4096
 // tokens, plus the adapters' factors).
 RecomputePolicy default_recompute();
-// The policy as --recompute writes it: "all", "none", or the recomputed components comma-separated in the order
-// kda,mla,moe,experts,mlp,mhc (the others are kept).
+// "auto": adaptive, at its first rung (none).
+RecomputePolicy auto_recompute();
+// The fixed policy p stands for: p itself, or default_recompute() for an adaptive p.
+RecomputePolicy fixed_recompute(const RecomputePolicy& p);
+// An adaptive policy's next rung (none → default_recompute() → all, still adaptive), or none past all or for a fixed
+// policy.
+std::optional<RecomputePolicy> recompute_fallback(const RecomputePolicy& p);
+// The policy as --recompute writes it: "auto" (adaptive), "all", "none", or the recomputed components
+// comma-separated in the order kda,mla,moe,experts,mlp,mhc (the others are kept).
 std::string recompute_to_string(const RecomputePolicy& p);
-// Reads that form: "all", "none" or a comma-separated list of the components to recompute (any order, no repeats;
-// experts only with moe). Throws Error naming the bad part.
+// Reads that form: "auto", "all", "none" or a comma-separated list of the components to recompute (any order, no
+// repeats; experts only with moe). Throws Error naming the bad part.
 RecomputePolicy parse_recompute(const std::string& s);
 
 }  // namespace nextlm

@@ -95,7 +95,31 @@ RecomputePolicy default_recompute() {
   return p;
 }
 
+RecomputePolicy auto_recompute() {
+  RecomputePolicy p{false, false, false, false, false, false};
+  p.adaptive = true;
+  return p;
+}
+
+RecomputePolicy fixed_recompute(const RecomputePolicy& p) { return p.adaptive ? default_recompute() : p; }
+
+std::optional<RecomputePolicy> recompute_fallback(const RecomputePolicy& p) {
+  if (!p.adaptive) return std::nullopt;
+  RecomputePolicy rung = p;
+  rung.adaptive = false;
+  RecomputePolicy next;
+  if (rung == RecomputePolicy{false, false, false, false, false, false})
+    next = default_recompute();
+  else if (rung == default_recompute())
+    next = RecomputePolicy{};
+  else
+    return std::nullopt;
+  next.adaptive = true;
+  return next;
+}
+
 std::string recompute_to_string(const RecomputePolicy& p) {
+  if (p.adaptive) return "auto";
   if (p == RecomputePolicy{}) return "all";
   std::string out;
   RecomputePolicy q = p;
@@ -109,7 +133,9 @@ std::string recompute_to_string(const RecomputePolicy& p) {
 }
 
 RecomputePolicy parse_recompute(const std::string& s) {
-  const std::string expected = " (expected all, none or a comma-separated list of kda, mla, moe, experts, mlp, mhc)";
+  const std::string expected =
+      " (expected auto, all, none or a comma-separated list of kda, mla, moe, experts, mlp, mhc)";
+  if (s == "auto") return auto_recompute();
   if (s == "all") return RecomputePolicy{};
   RecomputePolicy p{false, false, false, false, false, false};
   if (s == "none") return p;
@@ -132,7 +158,8 @@ RecomputePolicy parse_recompute(const std::string& s) {
 }
 
 double forward_backward(const ModelConfig& c, const ModelWeights& w, const PackedBatch& batch, ModelWeights& grads,
-                        const TrainParts& parts, const RecomputePolicy& policy) {
+                        const TrainParts& parts, const RecomputePolicy& given) {
+  const RecomputePolicy policy = fixed_recompute(given);  // the host's memory: nothing to fall back from
   check(grads.layers.size() == w.layers.size(), "gradients have ", grads.layers.size(), " layers, the model ",
         w.layers.size());
   const int64_t T = batch.num_tokens(), S = c.hc_mult, D = c.hidden_size, Lyr = c.num_hidden_layers;
