@@ -160,6 +160,24 @@ const std::vector<std::string> kTopLevel{"mhc", "kda layer", "dsa layer", "dense
 const std::map<std::string, std::string> kWithin{
     {"kda core", "kda layer"}, {"indexer", "dsa layer"}, {"sparse attention", "dsa layer"}, {"experts", "moe"}};
 
+// FLOPs a training step needs, from the forward's (slice_costs): a product with a weight once more for its input's
+// gradient and, with trained weights, once more for the weight's; a product of two activations (the sparse
+// attention's and the KDA core's) twice more, once for each operand's gradient (dq, dk, dv, dp: four products for
+// attention's two); the indexer's once, as it runs under no_grad (neither its weights nor its input get a gradient
+// from it). Recomputation is not counted. Until 2026-12-03 every part counted as a product with a weight (2 or 3
+// forwards): 1.4 % below this count for the slice's LoRA step (34.4 against 34.9 TFLOP), and for a full-parameter
+// step the indexer's FLOPs twice too many.
+double step_flops(const std::map<std::string, Cost>& costs, bool full) {
+  auto flops = [&](const std::string& part) {
+    const auto it = costs.find(part);
+    return it == costs.end() ? 0.0 : it->second.flops;
+  };
+  double forward = 0;
+  for (const std::string& part : kTopLevel) forward += flops(part);
+  const double activations = flops("sparse attention") + flops("kda core"), indexer = flops("indexer");
+  return (full ? 3 : 2) * (forward - activations - indexer) + 3 * activations + indexer;
+}
+
 struct SliceResult {
   ModelConfig cfg;
   double median_ms = 0, min_ms = 0, wall_median_ms = 0, init_s = 0, mean_logprob = 0;
@@ -389,12 +407,7 @@ void slice4_train_step_case(const std::string& name) {
   }
   const double ms = median(gpu);
   const RecomputePolicy used = model->recompute();
-  // FLOPs the step needs: the forward, the input-gradient GEMMs (as many again) and, with trained weights, the
-  // weight-gradient GEMMs (as many again); the recomputation of each sub-layer before its backward is not counted.
-  double forward = 0;
-  for (const auto& [part, cost] : slice_costs(cfg, kT))
-    if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
-  const double needed = (full ? 3 : 2) * forward;
+  const double needed = step_flops(slice_costs(cfg, kT), full);
   const bool recompute_experts = used.recomputes_experts();
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;  // H200 dense bf16, the spec sheet's figure
   nlohmann::json line{
@@ -423,7 +436,8 @@ void slice4_train_step_case(const std::string& name) {
                    "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
                    " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
-                   (full ? ", weight gradients" : "") + ") / time / 989.4 TFLOP/s; floor at 729 TFLOP/s; "
+                   (full ? ", weight gradients" : "") +
+                   "; step_flops in bench/slice4.cpp) / time / 989.4 TFLOP/s; floor at 729 TFLOP/s; "
                    "floor_with_expert_bytes_ms: the same with the routed experts' GEMMs bound by reading their weights "
                    "(all of them a pass, 4.14 TB/s)"}};
   std::printf("%s\n", line.dump().c_str());
@@ -545,9 +559,6 @@ void slice4_lora_step_case(const std::string& name) {
   const bool par = tp > 1 || ep > 1;
   const LoraSteps& r = par ? split : one;
   const double ms = r.wall_ms;
-  double forward = 0;
-  for (const auto& [part, cost] : slice_costs(cfg, kT))
-    if (std::find(kTopLevel.begin(), kTopLevel.end(), part) != kTopLevel.end()) forward += cost.flops;
   // The adapters' FLOPs: per module and token, x·Aᵀ and u·Bᵀ forward, and four products of the same size backward.
   double adapter_flops = 0;
   for (const LoraModule& m : r.layout) {
@@ -558,7 +569,7 @@ void slice4_lora_step_case(const std::string& name) {
                               : kT;
     adapter_flops += 6 * tokens * m.rank * static_cast<double>(m.A.dim(1) + m.B.dim(0));
   }
-  const double needed = 2 * forward + adapter_flops;
+  const double needed = step_flops(slice_costs(cfg, kT), false) + adapter_flops;
   const bool recompute_experts = used.recomputes_experts();
   constexpr double kPeakFlopsPerMs = 989.4e12 / 1e3;
   nlohmann::json line{
@@ -585,7 +596,8 @@ void slice4_lora_step_case(const std::string& name) {
                    ", " + policy_words(used) +
                    "; median host wall time of " +
                    std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
-                   "needed (forward, input gradients, adapters) / wall time / 989.4 TFLOP/s" +
+                   "needed (forward, input gradients, adapters; step_flops in bench/slice4.cpp) / wall time / "
+                   "989.4 TFLOP/s" +
                    (par ? " of all " + std::to_string(std::lcm(tp, ep)) + " GPUs; tp " + std::to_string(tp) +
                               " ep " + std::to_string(ep) + " (threads, NCCL), the adapters' gradients summed over "
                               "the ranks on the host"
