@@ -151,6 +151,44 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerConv,
                                   std::to_string(info.param.W);
                          });
 
+// At 4 taps one kernel forms dpre in registers; it must give the two-kernel path's bits exactly (draw added to in
+// fp32 or written in bf16, dconv), and the same draw without dconv (a frozen conv). The shapes cover every register
+// width, sequence starts inside and at the edges of the per-channel token ranges, and T = 8193, whose last range is
+// empty (num_parts caps the ranges at 128 of 65 tokens).
+TEST(CudaBackwardKdaLayer, ConvNormFusedGivesTheTwoPassBits) {
+  const struct {
+    std::vector<int64_t> lens;
+    int64_t H, K;
+  } cases[] = {{{1, 3, 17, 100}, 3, 16}, {{70, 1, 60}, 2, 64}, {{5, 130, 1, 63}, 3, 128},
+               {{64, 64, 3, 1}, 2, 256}, {{8000, 193}, 1, 16}};
+  constexpr int64_t W = 4;
+  for (const auto& c : cases) {
+    SCOPED_TRACE("K " + std::to_string(c.K) + " T " + std::to_string(cu_of(c.lens).back()));
+    const std::vector<int64_t> cu = cu_of(c.lens);
+    const int64_t T = cu.back(), HK = c.H * c.K, C3 = 3 * HK;
+    const std::vector<float> raw = test::randn(T * C3, 11), conv = test::randn(C3 * W, 12, 0.5f);
+    const std::vector<float> dq = test::randn(T * HK, 13), dk = test::randn(T * HK, 14), dv = test::randn(T * HK, 15);
+    std::vector<float> draw_f = test::randn(T * C3, 16), draw_t = draw_f;
+    std::vector<float> dconv_f = test::randn(C3 * W, 17), dconv_t = dconv_f;
+    cuda_testing::kda_conv_norm_backward(raw, conv, cu, dq, dk, dv, draw_f, dconv_f, c.H, c.K, W);
+    cuda_testing::kda_conv_norm_backward(raw, conv, cu, dq, dk, dv, draw_t, dconv_t, c.H, c.K, W, true);
+    ASSERT_TRUE(all_finite(draw_f) && all_finite(dconv_f));
+    EXPECT_EQ(draw_f, draw_t);
+    EXPECT_EQ(dconv_f, dconv_t);
+    std::vector<float> dconv16_f = dconv_f, dconv16_t = dconv_f, frozen;
+    const std::vector<uint16_t> d16_f =
+        cuda_testing::kda_conv_norm_backward_bf16(raw, conv, cu, dq, dk, dv, dconv16_f, c.H, c.K, W);
+    const std::vector<uint16_t> d16_t =
+        cuda_testing::kda_conv_norm_backward_bf16(raw, conv, cu, dq, dk, dv, dconv16_t, c.H, c.K, W, true);
+    const std::vector<uint16_t> d16_frozen =
+        cuda_testing::kda_conv_norm_backward_bf16(raw, conv, cu, dq, dk, dv, frozen, c.H, c.K, W);
+    EXPECT_EQ(d16_f, d16_t);
+    EXPECT_EQ(d16_f, d16_frozen);
+    EXPECT_EQ(dconv16_f, dconv16_t);
+    EXPECT_TRUE(frozen.empty());
+  }
+}
+
 TEST(CudaBackwardKdaLayer, ConvNormEmptyIsNoOp) {
   std::vector<float> draw, dconv = test::randn(3 * 2 * 16 * 4, 8);
   const std::vector<float> dconv0 = dconv;

@@ -116,11 +116,14 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient
 // rounded as the projection's backward reads it; dconv [3·HK, W] += … (null: not formed). seq_start [T] as the
-// forward. work: kda_conv_norm_backward_workspace_floats(T, H, K, W) floats.
-int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W);
+// forward. work: kda_conv_norm_backward_workspace_floats(T, H, K, W, two_pass) floats. At 4 taps one kernel forms
+// dpre in registers and the gradients from it; two_pass (for the tests) runs the dpre pass and the per-channel pass
+// apart through the workspace, as other tap counts do: the same bits.
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W, bool two_pass = false);
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
-                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr);
+                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16 = nullptr,
+                            bool two_pass = false);
 
 // Backward of the gate: f [T, HK] the f_b output (before dt_bias), g = kda_gate(f): dg [T, HK] → df [T, HK] written
 // (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += … (either null: not formed). work:

@@ -3,6 +3,7 @@
 // kda_layer_backward (src/model/kda_backward.cpp) and rmsnorm_backward (src/model/norm_backward.cpp); the inverses of
 // kda_conv_norm, kda_gate and kda_out_norm (src/cuda/kda.cu), whose data layouts they share.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -28,10 +29,8 @@ unsigned warp_grid(int64_t rows) { return static_cast<unsigned>(std::min<int64_t
 
 // Accurate forms (expf, not __expf): these gradients are compared with the CPU at 1e-4.
 __device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float silu_grad(float x) {
-  const float s = sigm(x);
-  return s * (1.0f + x * (1.0f - s));
-}
+// SiLU'(x) from s = sigm(x).
+__device__ __forceinline__ float silu_grad(float x, float s) { return s * (1.0f + x * (1.0f - s)); }
 
 // ---- conv + SiLU + L2 norm ----
 
@@ -39,18 +38,20 @@ __device__ __forceinline__ float silu_grad(float x) {
 // lane + 32i's (i < per, channel < K) pre-activation and output gradient; dpre = SiLU'(pre)·(L2-norm backward of dy),
 // with act = SiLU(pre), y = scale·act/n, n = sqrt(Σact² + 1e-6): dact = scale·(dy/n − act·Σ(dy⊙act)/n³). v has no
 // norm.
+// dpre_vals leaves the row in registers (out[i] for channel lane + 32i, 0 for the others); dpre_row stores it.
 template <int N>
-__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
-                                         float qscale, int64_t K, float* out) {
+__device__ __forceinline__ void dpre_vals(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
+                                          float qscale, int64_t K, float (&out)[N]) {
   const int lane = threadIdx.x & 31;
-  float act[N], g[N];
+  float act[N], g[N], sg[N];  // sg: the sigmoid, formed once for act and for SiLU'
   float ss = 0.0f, dot = 0.0f;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    act[i] = g[i] = 0.0f;
+    act[i] = g[i] = sg[i] = 0.0f;
     const int64_t d = lane + 32 * i;
     if (i >= per || d >= K) continue;
-    act[i] = pre[i] * sigm(pre[i]);
+    sg[i] = sigm(pre[i]);
+    act[i] = pre[i] * sg[i];
     g[i] = dy[i];
     ss += act[i] * act[i];
     dot += g[i] * act[i];
@@ -66,11 +67,22 @@ __device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const f
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
+    out[i] = 0.0f;
     const int64_t d = lane + 32 * i;
     if (i >= per || d >= K) continue;
     const float dact = which < 2 ? scale * (g[i] * inv_n - act[i] * c) : g[i];
-    out[d] = dact * silu_grad(pre[i]);
+    out[i] = dact * silu_grad(pre[i], sg[i]);
   }
+}
+template <int N>
+__device__ __forceinline__ void dpre_row(const float (&pre)[N], int per, const float (&dy)[N], int64_t which,
+                                         float qscale, int64_t K, float* out) {
+  const int lane = threadIdx.x & 31;
+  float v[N];
+  dpre_vals(pre, per, dy, which, qscale, K, v);
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (i < per && lane + 32 * i < K) out[lane + 32 * i] = v[i];
 }
 
 // One warp per (token, head, which), as conv_norm_kernel: recompute pre = conv(raw) of its K channels, then its dpre
@@ -161,7 +173,7 @@ __global__ void conv_backward_kernel(const float* __restrict__ raw, const float*
     w[i] = conv[ch * W + i];
     acc[i] = 0.0f;
     const int64_t src = t_begin + i - (W - 1), dst = t_begin + i;
-    xr[i] = i < W - 1 && src >= 0 ? raw[src * C3 + ch] : 0.0f;
+    xr[i] = i < W - 1 && src >= 0 && src < T ? raw[src * C3 + ch] : 0.0f;  // a range past T is empty
     dp[i] = i < W - 1 && dst < T ? dpre[dst * C3 + ch] : 0.0f;
     sd[i] = i < W - 1 && dst < T ? seq_start[dst] : INT32_MAX;
   }
@@ -209,6 +221,165 @@ __global__ void conv_dw_reduce_kernel(const float* part, float* dconv, int64_t n
   float s = 0.0f;
   for (int64_t p = 0; p < parts; ++p) s += part[p * n + i];
   dconv[i] += s;
+}
+
+// Blocks of 4 warps, as many an SM as the registers of the lanes' PER channels allow without spilling much (at PER 4,
+// three: ~170 registers, 12 warps an SM).
+constexpr int kFusedThreads = 128;
+
+// The two passes above in one kernel, for compile-time W taps and up to 32·PER channels a head: a warp takes one
+// (head, q/k/v block) over one token range of the per-channel pass (span tokens), its lanes holding channels
+// lane + 32i as conv_norm_dpre_rows_kernel does. It forms dpre of the range's tokens and of the W − 1 after it (the
+// taps of those read the range's last rows) in registers and never stores them: at token t it adds dpre[t] into the
+// dw partials and emits dx of token t − (W−1), whose taps' dpre are then all in the ring. Every element's arithmetic,
+// and the order of every sum, is the two kernels' (the same bits, tested): dpre by dpre_vals, dx over the taps in
+// order, dw over the range's tokens in order. raw and the output gradients are read once (the W − 1 rows past each
+// range twice) and dpre never goes through memory. DW false: the conv frozen, no partials.
+template <int W, int PER, class OutT, bool DW>
+__global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 4))
+    conv_norm_bwd_fused_kernel(const float* __restrict__ raw, const float* __restrict__ conv,
+                               const int32_t* __restrict__ seq_start, const float* __restrict__ dq,
+                               const float* __restrict__ dk, const float* __restrict__ dv,
+                               OutT* __restrict__ draw, float* __restrict__ part, int64_t T, int64_t H, int64_t K,
+                               float qscale, int64_t span, int64_t parts) {
+  constexpr bool kAdd = std::is_same_v<OutT, float>;
+  constexpr int G = kda_conv::kGroup;
+  const int lane = threadIdx.x & 31;
+  const int64_t HK = H * K, C3 = 3 * HK;
+  const int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  if (wid >= parts * H * 3) return;
+  const int64_t which = wid % 3, h = (wid / 3) % H, p = wid / (3 * H);
+  // Token indices in 32 bits (T < 2^31 tokens: seq_start is int32): the per-tap tests are most of the kernel's
+  // integer work. The branches on them below are warp-uniform (a token's sequence start is the same for every lane).
+  const int Ti = static_cast<int>(T);
+  const int t_begin = static_cast<int>(std::min<int64_t>(p * span, T));
+  const int t_end = static_cast<int>(std::min<int64_t>(p * span + span, T));
+  const int t_last = t_end + W - 1;                                   // steps run over tokens t_begin … t_last − 1
+  const int t_stop = t_last < Ti ? t_last : Ti;                       // dpre is formed for tokens < t_stop
+  const float* dsrc = (which == 0 ? dq : (which == 1 ? dk : dv)) + h * K + lane;
+  const int64_t col = which * HK + h * K + lane;
+  bool on[PER];
+  float taps[PER][W], rows[PER][W], dp[PER][W], acc[PER][W];
+  int sd[W];  // seq_start of the ring's tokens (INT32_MAX past T)
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    on[i] = lane + 32 * i < K;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const int src = t_begin + w - (W - 1);
+      taps[i][w] = on[i] ? conv[(col + 32 * i) * W + w] : 0.0f;
+      rows[i][w] = on[i] && w < W - 1 && src >= 0 && src < Ti ? raw[src * C3 + col + 32 * i] : 0.0f;
+      dp[i][w] = 0.0f;
+      acc[i][w] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < W; ++w) sd[w] = INT32_MAX;
+  // Tokens t_begin … t_last − 1: the last W − 1 of them only complete dx of the range's last tokens.
+  for (int t0 = t_begin; t0 < t_last; t0 += G) {
+    float xg[G][PER], gg[G][PER];
+    int sg[G];
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      const int t = t0 + u;
+      const bool in = t < t_stop;
+      sg[u] = in ? seq_start[t] : INT32_MAX;
+      const float* xr = raw + int64_t(t) * C3 + col;
+      const float* gr = dsrc + int64_t(t) * HK;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        xg[u][i] = in && on[i] ? xr[32 * i] : 0.0f;
+        gg[u][i] = in && on[i] ? gr[32 * i] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      const int t = t0 + u;
+      if (t >= t_last) break;
+      float d[PER];
+      if (t < t_stop) {
+        // Every tap of t inside its sequence (the common case): the same sums without the per-tap tests.
+        const bool inside = t - (W - 1) >= sg[u];
+        float pre[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          rows[i][W - 1] = xg[u][i];
+          float a = 0.0f;
+          if (inside) {
+#pragma unroll
+            for (int w = 0; w < W; ++w) a += taps[i][w] * rows[i][w];
+          } else {
+#pragma unroll
+            for (int w = 0; w < W; ++w)
+              if (t + w - (W - 1) >= sg[u]) a += taps[i][w] * rows[i][w];
+          }
+          pre[i] = on[i] ? a : 0.0f;
+        }
+        dpre_vals(pre, PER, gg[u], which, qscale, K, d);
+        if (DW && t < t_end) {
+          if (inside) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+#pragma unroll
+              for (int w = 0; w < W; ++w) acc[i][w] += d[i] * rows[i][w];
+          } else {
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+#pragma unroll
+              for (int w = 0; w < W; ++w)
+                if (t + w - (W - 1) >= sg[u]) acc[i][w] += d[i] * rows[i][w];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+#pragma unroll
+          for (int w = 0; w + 1 < W; ++w) rows[i][w] = rows[i][w + 1];
+      } else {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) d[i] = 0.0f;
+      }
+      // The ring: dp[·][j] = dpre[t − (W−1) + j].
+#pragma unroll
+      for (int w = 0; w + 1 < W; ++w) sd[w] = sd[w + 1];
+      sd[W - 1] = sg[u];
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+#pragma unroll
+        for (int w = 0; w + 1 < W; ++w) dp[i][w] = dp[i][w + 1];
+        dp[i][W - 1] = d[i];
+      }
+      const int s = t - (W - 1);
+      if (s < t_begin) continue;
+      // The ring's tokens all in s's sequence (seq_start is non-decreasing, so the last one's start decides) and
+      // before T: every tap adds, in the same order as the tested form.
+      const bool whole = t < Ti && sd[W - 1] <= s;
+      OutT* o = draw + int64_t(s) * C3 + col;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        if (!on[i]) continue;
+        float dx = 0.0f;
+        if (whole) {
+#pragma unroll
+          for (int w = 0; w < W; ++w) dx += taps[i][w] * dp[i][W - 1 - w];
+        } else {
+#pragma unroll
+          for (int w = 0; w < W; ++w)  // the token whose tap w reads s
+            if (s + (W - 1) - w < Ti && sd[W - 1 - w] <= s) dx += taps[i][w] * dp[i][W - 1 - w];
+        }
+        if constexpr (kAdd) o[32 * i] = o[32 * i] + dx;
+        else o[32 * i] = __float2bfloat16(dx);
+      }
+    }
+  }
+  if constexpr (DW) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      if (!on[i]) continue;
+      float* out = part + (p * C3 + col + 32 * i) * W;
+#pragma unroll
+      for (int w = 0; w < W; ++w) out[w] = acc[i][w];
+    }
+  }
 }
 
 // ---- the decay gate ----
@@ -369,21 +540,53 @@ int64_t out_norm_blocks(int64_t rows) { return std::min<int64_t>(ceil_div(rows, 
 
 }  // namespace
 
-int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W) {
-  return T * 3 * H * K + num_parts(T) * 3 * H * K * W;
+// The fused kernel's path: the model's 4 taps, unless the test asks for the two passes.
+bool conv_fused(int64_t W, bool two_pass) { return W == 4 && !two_pass; }
+
+int64_t kda_conv_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K, int64_t W, bool two_pass) {
+  return (conv_fused(W, two_pass) ? 0 : T * 3 * H * K) + num_parts(T) * 3 * H * K * W;
 }
 
 void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* seq_start, const float* dq,
                             const float* dk, const float* dv, float* draw, float* dconv, int64_t T, int64_t H,
-                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16) {
+                            int64_t K, int64_t W, float* work, cudaStream_t st, bf16* draw16, bool two_pass) {
   check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
   check(!draw != !draw16, "CUDA KDA backward: the conv's input gradient goes to exactly one of draw and draw16");
   check(W >= 1 && W <= kMaxW, "CUDA KDA backward: conv kernel size must be 1..", kMaxW, ", got ", W);
   if (T <= 0 || H * K == 0) return;
   const int64_t C3 = 3 * H * K, parts = num_parts(T), span = ceil_div(T, parts);
+  const float qscale = rsqrtf(static_cast<float>(K));
+  if (conv_fused(W, two_pass)) {
+    check(T < INT32_MAX, "CUDA KDA backward: ", T, " tokens, more than the conv kernel's 32-bit token indices");
+    float* part = work;  // [parts, C3, W]
+    const unsigned g = static_cast<unsigned>(ceil_div(parts * H * 3 * 32, kFusedThreads));
+    auto fused = [&](auto per, auto dw) {
+      constexpr int kPer = decltype(per)::value;
+      constexpr bool kDw = decltype(dw)::value;
+      if (draw16)
+        conv_norm_bwd_fused_kernel<4, kPer, bf16, kDw><<<g, kFusedThreads, 0, st>>>(
+            raw, conv, seq_start, dq, dk, dv, draw16, part, T, H, K, qscale, span, parts);
+      else
+        conv_norm_bwd_fused_kernel<4, kPer, float, kDw><<<g, kFusedThreads, 0, st>>>(
+            raw, conv, seq_start, dq, dk, dv, draw, part, T, H, K, qscale, span, parts);
+    };
+    auto by_width = [&](auto dw) {
+      if (K <= 32) fused(std::integral_constant<int, 1>{}, dw);
+      else if (K <= 64) fused(std::integral_constant<int, 2>{}, dw);
+      else if (K <= 128) fused(std::integral_constant<int, 4>{}, dw);
+      else fused(std::integral_constant<int, 8>{}, dw);
+    };
+    if (dconv) by_width(std::true_type{});
+    else by_width(std::false_type{});
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    if (!dconv) return;  // the conv frozen
+    const int64_t n = C3 * W;
+    conv_dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, st>>>(part, dconv, n, parts);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   float* dpre = work;                  // [T, C3]
   float* part = work + T * C3;         // [parts, C3, W]
-  const float qscale = rsqrtf(static_cast<float>(K));
   if (W == 4) {  // the config's tap count (linear_conv_kernel_dim); others take the one-token-a-warp kernel
     const unsigned g = warp_grid(ceil_div(T, kda_conv::kRunTokens) * H * 3);
     if (K <= 32)

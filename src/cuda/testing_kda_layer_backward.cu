@@ -18,22 +18,24 @@ namespace {
 void conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
                         const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                         const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>* draw,
-                        std::vector<uint16_t>* draw16, std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
+                        std::vector<uint16_t>* draw16, std::vector<float>& dconv, int64_t H, int64_t K, int64_t W,
+                        bool two_pass) {
   const int64_t T = cu_seqlens.back();
   const std::vector<int32_t> seq_start = detail::seq_starts(cu_seqlens);
   Buf d_raw = upload(raw), d_conv = upload(conv), d_dq = upload(dq), d_dk = upload(dk), d_dv = upload(dv),
       d_draw = draw ? upload(*draw) : Buf(0), d_draw16 = poisoned<uint16_t>(draw ? 0 : raw.size()),
       d_dconv = upload(dconv);
   Buf d_ss = upload(seq_start);
-  Buf work = poisoned<float>(static_cast<size_t>(cuda::kda_conv_norm_backward_workspace_floats(T, H, K, W)));
+  Buf work =
+      poisoned<float>(static_cast<size_t>(cuda::kda_conv_norm_backward_workspace_floats(T, H, K, W, two_pass)));
   cuda::kda_conv_norm_backward(d_raw.as<float>(), d_conv.as<float>(), d_ss.as<int32_t>(), d_dq.as<float>(),
                                d_dk.as<float>(), d_dv.as<float>(), draw ? d_draw.as<float>() : nullptr,
-                               d_dconv.as<float>(), T, H, K, W, work.as<float>(), nullptr,
-                               draw ? nullptr : d_draw16.as<cuda::bf16>());
+                               dconv.empty() ? nullptr : d_dconv.as<float>(), T, H, K, W, work.as<float>(), nullptr,
+                               draw ? nullptr : d_draw16.as<cuda::bf16>(), two_pass);
   finish();
   if (draw) *draw = download<float>(d_draw);
   else *draw16 = download<uint16_t>(d_draw16);
-  dconv = download<float>(d_dconv);
+  if (!dconv.empty()) dconv = download<float>(d_dconv);
 }
 
 }  // namespace
@@ -41,16 +43,17 @@ void conv_norm_backward(const std::vector<float>& raw, const std::vector<float>&
 void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
                             const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                             const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
-                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
-  conv_norm_backward(raw, conv, cu_seqlens, dq, dk, dv, &draw, nullptr, dconv, H, K, W);
+                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W, bool two_pass) {
+  conv_norm_backward(raw, conv, cu_seqlens, dq, dk, dv, &draw, nullptr, dconv, H, K, W, two_pass);
 }
 
 std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw, const std::vector<float>& conv,
                                                   const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                                                   const std::vector<float>& dk, const std::vector<float>& dv,
-                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W) {
+                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W,
+                                                  bool two_pass) {
   std::vector<uint16_t> draw16;
-  conv_norm_backward(raw, conv, cu_seqlens, dq, dk, dv, nullptr, &draw16, dconv, H, K, W);
+  conv_norm_backward(raw, conv, cu_seqlens, dq, dk, dv, nullptr, &draw16, dconv, H, K, W, two_pass);
   return draw16;
 }
 

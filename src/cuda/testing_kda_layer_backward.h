@@ -8,16 +8,18 @@
 namespace nextlm::cuda_testing {
 
 // kda_conv_norm_backward on packed sequences (cu_seqlens [N+1]): raw [T, 3·HK], conv [3·HK, W], dq, dk, dv [T, H, K].
-// draw [T, 3·HK] and dconv [3·HK, W] hold the starting values on entry and the accumulated gradients on return.
+// draw [T, 3·HK] and dconv [3·HK, W] hold the starting values on entry and the accumulated gradients on return;
+// dconv empty: not formed (a null dconv, the conv frozen). two_pass: kda_conv_norm_backward's two-kernel path.
 void kda_conv_norm_backward(const std::vector<float>& raw, const std::vector<float>& conv,
                             const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                             const std::vector<float>& dk, const std::vector<float>& dv, std::vector<float>& draw,
-                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
+                            std::vector<float>& dconv, int64_t H, int64_t K, int64_t W, bool two_pass = false);
 // The same with draw written in bf16 (kda_conv_norm_backward's draw16, poisoned first): returns its bits.
 std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw, const std::vector<float>& conv,
                                                   const std::vector<int64_t>& cu_seqlens, const std::vector<float>& dq,
                                                   const std::vector<float>& dk, const std::vector<float>& dv,
-                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W);
+                                                  std::vector<float>& dconv, int64_t H, int64_t K, int64_t W,
+                                                  bool two_pass = false);
 
 // kda_gate_backward: f [T, HK] the f_b output, dt_bias [HK], A_log [H], dg [T, HK]. Returns df [T, HK]; ddt_bias
 // [HK] and dA_log [H] are accumulated into.
