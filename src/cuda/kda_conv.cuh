@@ -87,9 +87,14 @@ struct Window {
   __device__ __forceinline__ float conv_at(float x, int64_t t, int64_t s0, int i) {
     rows[i][W - 1] = x;
     float acc = 0.0f;
+    if (t - (W - 1) >= s0) {  // every tap inside the sequence (warp-uniform): the same sum without the tests
 #pragma unroll
-    for (int w = 0; w < W; ++w)
-      if (t + w - (W - 1) >= s0) acc += taps[i][w] * rows[i][w];
+      for (int w = 0; w < W; ++w) acc += taps[i][w] * rows[i][w];
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w)
+        if (t + w - (W - 1) >= s0) acc += taps[i][w] * rows[i][w];
+    }
     return acc;
   }
   // On to the next token.

@@ -292,14 +292,15 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
         gg[u][i] = in && on[i] ? gr[32 * i] : 0.0f;
       }
     }
-#pragma unroll
-    for (int u = 0; u < G; ++u) {
+    // Token t0 + u of the group. FAST: the whole group away from the range's ends and from sequence starts (every
+    // tap of its tokens, and of those whose dx they complete, inside one sequence: the common case), so every test
+    // below is known true and the four tokens' straight-line code can interleave.
+    auto step = [&](int u, auto fast) {
+      constexpr bool F = decltype(fast)::value;
       const int t = t0 + u;
-      if (t >= t_last) break;
       float d[PER];
-      if (t < t_stop) {
-        // Every tap of t inside its sequence (the common case): the same sums without the per-tap tests.
-        const bool inside = t - (W - 1) >= sg[u];
+      if (F || t < t_stop) {
+        const bool inside = F || t - (W - 1) >= sg[u];
         float pre[PER];
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
           pre[i] = on[i] ? a : 0.0f;
         }
         dpre_vals(pre, PER, gg[u], which, qscale, K, d);
-        if (DW && t < t_end) {
+        if (DW && (F || t < t_end)) {
           if (inside) {
 #pragma unroll
             for (int i = 0; i < PER; ++i)
@@ -349,10 +350,10 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
         dp[i][W - 1] = d[i];
       }
       const int s = t - (W - 1);
-      if (s < t_begin) continue;
+      if (!F && s < t_begin) return;
       // The ring's tokens all in s's sequence (seq_start is non-decreasing, so the last one's start decides) and
       // before T: every tap adds, in the same order as the tested form.
-      const bool whole = t < Ti && sd[W - 1] <= s;
+      const bool whole = F || (t < Ti && sd[W - 1] <= s);
       OutT* o = draw + int64_t(s) * C3 + col;
 #pragma unroll
       for (int i = 0; i < PER; ++i) {
@@ -369,6 +370,16 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
         if constexpr (kAdd) o[32 * i] = o[32 * i] + dx;
         else o[32 * i] = __float2bfloat16(dx);
       }
+    };
+    // (t0 + G ≤ t_end ≤ T: all four are formed and are the range's; sg[G − 1], the group's last sequence start, is
+    // the largest.)
+    if (t0 + G <= t_end && t0 - (W - 1) >= t_begin && t0 - (W - 1) >= sg[G - 1]) {
+#pragma unroll
+      for (int u = 0; u < G; ++u) step(u, std::true_type{});
+    } else {
+#pragma unroll
+      for (int u = 0; u < G; ++u)
+        if (t0 + u < t_last) step(u, std::false_type{});
     }
   }
   if constexpr (DW) {
