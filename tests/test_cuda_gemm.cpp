@@ -397,6 +397,25 @@ TEST_P(CudaGroupedGemm, NoRowsIsANoOp) {
   EXPECT_TRUE(got.empty());
 }
 
+// More experts than the scheduling kernel's block has threads (its prefix sum runs in chunks of 1024): 2500
+// experts of 0 … 300 rows, many empty; every row lands once in the right place.
+TEST_P(CudaGroupedGemm, ManyExpertsInTheSchedule) {
+  std::mt19937 rng(11);
+  std::vector<int> rows(2500);
+  std::discrete_distribution<int> pick({30, 30, 20, 10, 6, 4});
+  const int sizes[6] = {0, 1, 3, 64, 129, 300};
+  for (int& r : rows) r = sizes[pick(rng)];
+  const Problem p = make_problem(rows, 64, 64, 1.0f, 13);
+  const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f);
+  ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+  const std::vector<float> want = reference(p);
+  const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] %d experts, %lld rows: fp32 norm rel err %.3g\n",
+              cuda::grouped_gemm_kernel_name(kernel()), p.E, static_cast<long long>(p.n), err);
+  EXPECT_LE(err, 1e-4);
+  EXPECT_LE(test::max_rel_error(got.data(), want.data(), want.size()), 1e-3);
+}
+
 // ---- The w_kn form: C = A·W_e with W_e [K, N] (the backward's dact = dout·W_down_e and dxp = dgu·W_gu_e). The
 // problems keep W as [E, N, K] for the reference and upload each W_e transposed, so the reference is unchanged.
 

@@ -85,16 +85,21 @@ struct Window {
   // Channel i's conv at token t, whose sequence starts at s0, given x = raw[t] of the channel (then in the window;
   // channel < K).
   __device__ __forceinline__ float conv_at(float x, int64_t t, int64_t s0, int i) {
+    // Every tap inside the sequence (warp-uniform): the same sum without the tests.
+    if (t - (W - 1) >= s0) return conv_inside(x, i);
     rows[i][W - 1] = x;
     float acc = 0.0f;
-    if (t - (W - 1) >= s0) {  // every tap inside the sequence (warp-uniform): the same sum without the tests
 #pragma unroll
-      for (int w = 0; w < W; ++w) acc += taps[i][w] * rows[i][w];
-    } else {
+    for (int w = 0; w < W; ++w)
+      if (t + w - (W - 1) >= s0) acc += taps[i][w] * rows[i][w];
+    return acc;
+  }
+  // conv_at when the caller knows every tap of the token inside its sequence.
+  __device__ __forceinline__ float conv_inside(float x, int i) {
+    rows[i][W - 1] = x;
+    float acc = 0.0f;
 #pragma unroll
-      for (int w = 0; w < W; ++w)
-        if (t + w - (W - 1) >= s0) acc += taps[i][w] * rows[i][w];
-    }
+    for (int w = 0; w < W; ++w) acc += taps[i][w] * rows[i][w];
     return acc;
   }
   // On to the next token.

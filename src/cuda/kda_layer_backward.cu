@@ -257,21 +257,18 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
   const int t_last = t_end + W - 1;                                   // steps run over tokens t_begin … t_last − 1
   const int t_stop = t_last < Ti ? t_last : Ti;                       // dpre is formed for tokens < t_stop
   const float* dsrc = (which == 0 ? dq : (which == 1 ? dk : dv)) + h * K + lane;
-  const int64_t col = which * HK + h * K + lane;
+  // The taps and the W − 1 rows of raw before the range (t_begin ≤ T: those rows are inside raw).
+  kda_conv::Window<W, PER> win;
+  win.load(raw, conv, kda_conv::Run{which, h, t_begin, t_end}, H, K);
+  const int64_t col = win.col;
   bool on[PER];
-  float taps[PER][W], rows[PER][W], dp[PER][W], acc[PER][W];
+  float dp[PER][W], acc[PER][W];
   int sd[W];  // seq_start of the ring's tokens (INT32_MAX past T)
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     on[i] = lane + 32 * i < K;
 #pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const int src = t_begin + w - (W - 1);
-      taps[i][w] = on[i] ? conv[(col + 32 * i) * W + w] : 0.0f;
-      rows[i][w] = on[i] && w < W - 1 && src >= 0 && src < Ti ? raw[src * C3 + col + 32 * i] : 0.0f;
-      dp[i][w] = 0.0f;
-      acc[i][w] = 0.0f;
-    }
+    for (int w = 0; w < W; ++w) dp[i][w] = acc[i][w] = 0.0f;
   }
 #pragma unroll
   for (int w = 0; w < W; ++w) sd[w] = INT32_MAX;
@@ -304,16 +301,7 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
         float pre[PER];
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-          rows[i][W - 1] = xg[u][i];
-          float a = 0.0f;
-          if (inside) {
-#pragma unroll
-            for (int w = 0; w < W; ++w) a += taps[i][w] * rows[i][w];
-          } else {
-#pragma unroll
-            for (int w = 0; w < W; ++w)
-              if (t + w - (W - 1) >= sg[u]) a += taps[i][w] * rows[i][w];
-          }
+          const float a = F ? win.conv_inside(xg[u][i], i) : win.conv_at(xg[u][i], t, sg[u], i);
           pre[i] = on[i] ? a : 0.0f;
         }
         dpre_vals(pre, PER, gg[u], which, qscale, K, d);
@@ -322,19 +310,16 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
 #pragma unroll
             for (int i = 0; i < PER; ++i)
 #pragma unroll
-              for (int w = 0; w < W; ++w) acc[i][w] += d[i] * rows[i][w];
+              for (int w = 0; w < W; ++w) acc[i][w] += d[i] * win.rows[i][w];
           } else {
 #pragma unroll
             for (int i = 0; i < PER; ++i)
 #pragma unroll
               for (int w = 0; w < W; ++w)
-                if (t + w - (W - 1) >= sg[u]) acc[i][w] += d[i] * rows[i][w];
+                if (t + w - (W - 1) >= sg[u]) acc[i][w] += d[i] * win.rows[i][w];
           }
         }
-#pragma unroll
-        for (int i = 0; i < PER; ++i)
-#pragma unroll
-          for (int w = 0; w + 1 < W; ++w) rows[i][w] = rows[i][w + 1];
+        win.shift();
       } else {
 #pragma unroll
         for (int i = 0; i < PER; ++i) d[i] = 0.0f;
@@ -361,11 +346,11 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
         float dx = 0.0f;
         if (whole) {
 #pragma unroll
-          for (int w = 0; w < W; ++w) dx += taps[i][w] * dp[i][W - 1 - w];
+          for (int w = 0; w < W; ++w) dx += win.taps[i][w] * dp[i][W - 1 - w];
         } else {
 #pragma unroll
           for (int w = 0; w < W; ++w)  // the token whose tap w reads s
-            if (s + (W - 1) - w < Ti && sd[W - 1 - w] <= s) dx += taps[i][w] * dp[i][W - 1 - w];
+            if (s + (W - 1) - w < Ti && sd[W - 1 - w] <= s) dx += win.taps[i][w] * dp[i][W - 1 - w];
         }
         if constexpr (kAdd) o[32 * i] = o[32 * i] + dx;
         else o[32 * i] = __float2bfloat16(dx);
