@@ -105,7 +105,8 @@ void check_pre(const PreCase& pc, unsigned seed) {
   EXPECT_EQ(dscale2, dscale) << "dscale rerun " << at;
   EXPECT_EQ(dnw2, dnw) << "dnorm_w rerun " << at;
 
-  // Without the parameters' gradients (all four null: a LoRA step's frozen mHC and norm): the same dh, bit for bit.
+  // Without the parameters' gradients (all four null: a LoRA step's frozen mHC and norm): the same dh, bit for bit
+  // (at S ≤ 4 from another kernel, mhc_bwd_dh_kernel, with the same per-element arithmetic).
   std::vector<float> dh3 = dh0, no_fn, no_base, no_scale, no_nw;
   cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
                                  hc_eps, iters, dh3, no_fn, no_base, no_scale, no_nw);
@@ -116,14 +117,15 @@ void check_pre(const PreCase& pc, unsigned seed) {
 // blocks), D = 64, 100, 200 and 320 (d tiles of 16 and 32 cut short; D = 70 at S = 8 is not a multiple of 4 and
 // takes the 4-byte copies), D = 4096 at S = 4 (the model's width: 86 d-chunks for 3 token tiles), T = 1000 (several
 // token blocks of the per-column pass, 32 coefficient blocks); S = 1, 2, 3, 6 and 8 exercise the other
-// instantiations (M = 3 and 15 are not multiples of 4).
+// instantiations (M = 3 and 15 are not multiples of 4); D = 66 at S = 4 takes the 4-byte copies of the all-streams
+// dh kernel (no parameter gradients, checked against the per-stream kernel's dh in check_pre).
 TEST(CudaBackwardMhc, PreMatchesCpu) {
   unsigned seed = 7000;
   for (const PreCase pc : {PreCase{1, 4, 64, true}, PreCase{7, 4, 64, true}, PreCase{300, 4, 64, true},
                            PreCase{1, 4, 320, false}, PreCase{7, 4, 320, true}, PreCase{300, 4, 320, false},
                            PreCase{37, 4, 1100, false}, PreCase{130, 4, 4096, false}, PreCase{1000, 4, 256, false},
                            PreCase{65, 2, 200, false}, PreCase{40, 1, 100, false}, PreCase{45, 3, 100, false},
-                           PreCase{33, 6, 48, false}, PreCase{29, 8, 70, false}})
+                           PreCase{33, 6, 48, false}, PreCase{29, 8, 70, false}, PreCase{50, 4, 66, false}})
     check_pre(pc, seed += 100);
 }
 

@@ -14,6 +14,8 @@
 //     holds fn's columns in registers: dh += pre_s·dx (sub-layer norm and collapse) + r1·Σ_j dm_j·fn_j − c1·h
 //     (input norm), and the dfn and dnorm_w partials of the block's tokens, in token order.
 //  4. parameters: dfn, dnorm_w, dbase and dscale summed from the partials in block order.
+// Without the parameter gradients (a LoRA step), 3 is mhc_bwd_dh_kernel at S ≤ 4 (a thread a column of all streams:
+// dh alone, the same bits) and 4 does not run.
 // Every parameter gradient is summed in an order fixed by T, S and D (no atomics), so it is reproducible run to run.
 // The mix (fn·h, Σh²) is summed in another order than the forward's projection, so it differs from the forward's by
 // rounding, as the projection of the previous version did; the coefficients are then computed from it with the
@@ -707,6 +709,26 @@ __global__ void __launch_bounds__(kCoefThreads)
 
 // ---- mHC pre, kernel 3: the per-column pass over h, da and dh ----
 
+// The arithmetic of one element of dh, shared by both per-column kernels below so that they give the same bits: the
+// sub-layer norm's input gradient dx = r2·w·da − c2·x of a column (x = Σ_s pre_s·h_s, the collapse), and the update
+// dh_s += pre_s·dx (with da) + (r1·df − c1·h_s), df = Σ_j dm_j·fn[j, s·D + d] (the input norm of the projection).
+// Explicit roundings: no contraction left to the compiler.
+template <int S>
+__device__ __forceinline__ float collapse_of(const float (&pre)[S], const float (&hs)[S]) {
+  float x = 0.0f;
+#pragma unroll
+  for (int s = 0; s < S; ++s) x = __fmaf_rn(pre[s], hs[s], x);
+  return x;
+}
+__device__ __forceinline__ float norm_dx(float r2, float w, float g, float c2, float x) {
+  return __fmaf_rn(__fmul_rn(r2, w), g, -__fmul_rn(c2, x));
+}
+__device__ __forceinline__ float dh_update(float dhv, bool has_da, float pre_s, float dx, float r1, float c1,
+                                           float df, float hv) {
+  if (has_da) dhv = __fmaf_rn(pre_s, dx, dhv);
+  return __fadd_rn(dhv, __fmaf_rn(r1, df, -__fmul_rn(hv, c1)));
+}
+
 constexpr int kApplyTT = 8;              // tokens a pipeline stage
 constexpr int kApplyStages = 4;
 constexpr int64_t kApplyBlocks = 1280;   // blocks aimed at: about two waves on an H200 at S = 4
@@ -738,7 +760,8 @@ ApplyPlan apply_plan(int64_t T, int64_t D) {
 // and the partials part[b] = (dfn [M, S·D]: Σ_t dm[t, j]·h[t, k]·r1[t]; dnorm_w [D]: Σ_t da·x·r2), tokens in order.
 // h, da, dh and the rows come through a cp.async pipeline of kApplyTT tokens a stage. VEC: 16-byte copies.
 // At S = 4 (the model's hc_mult) five blocks an SM: at most 102 registers (the unrolled token loop would take 128).
-// PARAMS false (no parameter gradient wanted: a LoRA step's frozen mHC): dh alone, no partials (part unused).
+// PARAMS false (no parameter gradient wanted: a LoRA step's frozen mHC), at S > 4: dh alone, no partials (part
+// unused); at S ≤ 4 mhc_bwd_dh_kernel below does that.
 template <int S, bool VEC, bool PARAMS>
 __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
     mhc_bwd_apply_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
@@ -829,9 +852,9 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
       const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
       const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
       const float hv = hb[(tt * S + s) * 32 + lane];
-      float dhv = dhb[(tt * S + s) * 32 + lane];
+      float dx = 0.0f;
       if (has_da) {
-        float pr[S];
+        float pr[S], hs2[S];
 #pragma unroll
         for (int s2 = 0; s2 < S; s2 += 4) {
           const float4 p4 = *reinterpret_cast<const float4*>(rw + 4 + s2);  // pre, padded to 4
@@ -839,13 +862,12 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
           for (int u = 0; u < 4; ++u)
             if (s2 + u < S) pr[s2 + u] = comp(p4, u);
         }
-        float x = 0.0f;
 #pragma unroll
-        for (int s2 = 0; s2 < S; ++s2) x = fmaf(pr[s2], hb[(tt * S + s2) * 32 + lane], x);
+        for (int s2 = 0; s2 < S; ++s2) hs2[s2] = hb[(tt * S + s2) * 32 + lane];
+        const float x = collapse_of<S>(pr, hs2);
         const float g = ab[tt * 32 + lane];
-        const float dx = r2 * w * g - c2 * x;
+        dx = norm_dx(r2, w, g, c2, x);
         if (PARAMS && s == 0) dnw += g * x * r2;
-        dhv += rw[4 + s] * dx;
       }
       const float v = hv * r1;
       float df = 0.0f;
@@ -856,11 +878,11 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
         for (int u = 0; u < 4; ++u)
           if (j + u < M) {
             const float dmj = comp(d4, u);
-            df = fmaf(dmj, f[j + u], df);
+            df = __fmaf_rn(dmj, f[j + u], df);
             if constexpr (PARAMS) acc[j + u] = fmaf(dmj, v, acc[j + u]);
           }
       }
-      dhv += r1 * df - hv * c1;
+      const float dhv = dh_update(dhb[(tt * S + s) * 32 + lane], has_da, rw[4 + s], dx, r1, c1, df, hv);
       if (ok && dh) dh_st[tt * SD] = dhv;
     }
   }
@@ -871,6 +893,148 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
 #pragma unroll
   for (int j = 0; j < M; ++j) out[j * SD + s * D + d] = acc[j];
   if (s == 0) out[M * SD + d] = dnw;
+}
+
+// dh alone (no parameter gradient wanted: a LoRA step's frozen mHC), at S ≤ 4: the per-element arithmetic of
+// mhc_bwd_apply_kernel (the same dh, bit for bit, as with the parameter gradients), cut the other way round. A
+// thread owns one column d of all S streams (a block 128 consecutive columns, a warp 32) and holds fn[:, s·D + d] for
+// every s in registers (S·M ≤ 96), so the collapse x is formed once a column instead of once a stream, and each
+// token's row of coefficients (r1, c1, r2, c2, pre, dm) is read from shared memory once per S·32 elements instead of
+// once per 32: the per-stream kernel was bound by those shared-memory reads (L1 88 % busy on the H200 at T = 4096,
+// D = 4096; 0.345 → 0.238 ms a site).
+constexpr int kDhCols = 128, kDhTT = 4, kDhStages = 3;
+constexpr int64_t kDhBlocks = 800;  // blocks aimed at: about two waves of three blocks an SM on an H200
+
+template <int S>
+struct DhTile {
+  static constexpr int W = row_width(S);
+  static constexpr int h_floats = kDhTT * S * kDhCols;  // [TT][S][128], as dh
+  static constexpr int stage_floats = 2 * h_floats + kDhTT * kDhCols + kDhTT * W;
+  static constexpr size_t smem_bytes = sizeof(float) * kDhStages * stage_floats;
+};
+
+ApplyPlan dh_plan(int64_t T, int64_t D) {
+  const int64_t dtiles = ceil_div(D, kDhCols);
+  const int64_t want = std::clamp<int64_t>(ceil_div(kDhBlocks, dtiles), 1, std::max<int64_t>(1, ceil_div(T, 32)));
+  const int64_t tpb = ceil_div(std::max<int64_t>(T, 1), want);
+  return {dtiles, ceil_div(std::max<int64_t>(T, 1), tpb), tpb};
+}
+
+template <int S, bool VEC>
+__global__ void __launch_bounds__(kDhCols, 3)
+    mhc_bwd_dh_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
+                      const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh, int64_t T,
+                      int64_t D, int64_t tpb) {
+  static_assert(S <= 4, "fn's columns of every stream in registers");
+  using P = DhTile<S>;
+  constexpr int M = (2 + S) * S, W = P::W, P0 = row_dm(S), TT = kDhTT, NT = kDhCols;
+  extern __shared__ __align__(16) float smem[];
+  const int c = threadIdx.x;
+  const int64_t SD = S * D, d0 = int64_t(blockIdx.x) * kDhCols, d = d0 + c, b = blockIdx.y;
+  const int64_t t0 = b * tpb, t1 = min(T, t0 + tpb);
+  const bool ok = d < D, has_da = da != nullptr;
+  const int nst = t1 > t0 ? static_cast<int>((t1 - t0 + TT - 1) / TT) : 0;
+  auto hs = [&](int bf) { return smem + bf * P::stage_floats; };
+  auto dhs = [&](int bf) { return hs(bf) + P::h_floats; };
+  auto das = [&](int bf) { return dhs(bf) + P::h_floats; };
+  auto rws = [&](int bf) { return das(bf) + TT * kDhCols; };
+
+  // The copies of stage i (as the per-stream kernel's, on 128-column rows).
+  auto load = [&](int bf, int i) {
+    constexpr int V = VEC ? 4 : 1, PR = kDhCols / V;
+    const int64_t tt0 = t0 + int64_t(i) * TT;
+    const int left = static_cast<int>(min(int64_t(TT), t1 - tt0));
+    const float* h_st = h + tt0 * SD + d0;
+    const float* dh_st = dh + tt0 * SD + d0;
+    const float* da_st = has_da ? da + tt0 * D + d0 : h;
+    const float* rw_st = rows + tt0 * W;
+    constexpr int NHV = TT * S * PR, NA = TT * PR, NR = TT * (W / V);
+#pragma unroll
+    for (int q = 0; q < (NHV + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NHV % NT && idx >= NHV) break;
+      const int r = idx / PR, cc = (idx % PR) * V;  // r = token·S + stream
+      const bool in = r / S < left && d0 + cc < D;
+      const int off = r * static_cast<int>(D) + cc;
+      cp_async_f<VEC>(hs(bf) + r * kDhCols + cc, in ? h_st + off : h, in);
+      cp_async_f<VEC>(dhs(bf) + r * kDhCols + cc, in ? dh_st + off : h, in);
+    }
+#pragma unroll
+    for (int q = 0; q < (NA + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NA % NT && idx >= NA) break;
+      const int r = idx / PR, cc = (idx % PR) * V;
+      const bool in = has_da && r < left && d0 + cc < D;
+      cp_async_f<VEC>(das(bf) + r * kDhCols + cc, in ? da_st + r * static_cast<int>(D) + cc : h, in);
+    }
+#pragma unroll
+    for (int q = 0; q < (NR + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NR % NT && idx >= NR) break;
+      const int r = idx / (W / V), cc = (idx % (W / V)) * V;
+      const bool in = r < left;
+      cp_async_f<VEC>(rws(bf) + r * W + cc, in ? rw_st + r * W + cc : h, in);
+    }
+  };
+
+  float f[S][M];
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int j = 0; j < M; ++j) f[s][j] = ok ? fn[j * SD + s * D + d] : 0.0f;
+  const float w = ok && has_da ? norm_w[d] : 0.0f;
+
+#pragma unroll
+  for (int i = 0; i < kDhStages - 1; ++i) {
+    if (i < nst) load(i, i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nst; ++i) {
+    cp_async_wait<kDhStages - 2>();
+    __syncthreads();
+    const int nx = i + kDhStages - 1;
+    if (nx < nst) load(nx % kDhStages, nx);
+    cp_async_commit();
+    const int bf = i % kDhStages;
+    const float* hb = hs(bf);
+    const float* dhb = dhs(bf);
+    const float* ab = das(bf);
+    const float* rb = rws(bf);
+    const int64_t tt0 = t0 + int64_t(i) * TT;
+    const int cnt = static_cast<int>(min(int64_t(TT), t1 - tt0));
+    float* dh_st = dh + tt0 * SD + d;  // this thread's element of stream 0 at the stage's first token
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      if (tt >= cnt) break;
+      const float* rw = rb + tt * W;
+      const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
+      const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
+      float pr[S], hv[S];
+      const float4 p4 = *reinterpret_cast<const float4*>(rw + 4);  // pre, padded to 4
+#pragma unroll
+      for (int s = 0; s < S; ++s) pr[s] = comp(p4, s), hv[s] = hb[(tt * S + s) * kDhCols + c];
+      float dx = 0.0f;
+      if (has_da) dx = norm_dx(r2, w, ab[tt * kDhCols + c], c2, collapse_of<S>(pr, hv));
+      float df[S];
+#pragma unroll
+      for (int s = 0; s < S; ++s) df[s] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < M; j += 4) {
+        const float4 d4 = *reinterpret_cast<const float4*>(rw + P0 + j);  // rows are 16-byte aligned
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (j + u < M)
+#pragma unroll
+            for (int s = 0; s < S; ++s) df[s] = __fmaf_rn(comp(d4, u), f[s][j + u], df[s]);
+      }
+      if (ok) {
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+          dh_st[tt * SD + s * D] = dh_update(dhb[(tt * S + s) * kDhCols + c], has_da, pr[s], dx, r1, c1, df[s], hv[s]);
+      }
+    }
+  }
+  cp_async_wait<0>();
 }
 
 // ---- mHC pre, kernel 4: the parameter gradients ----
@@ -979,11 +1143,29 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
         p, stat, wk.stats.splits, dpost, dcomb, da != nullptr, rows, tokp);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
+  if constexpr (S <= 4) {
+    if (!params) {  // dh alone: the all-streams kernel
+      if (!dh) return;
+      const ApplyPlan dp = dh_plan(T, D);
+      const bool vec = D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows);
+      auto kernel = vec ? mhc_bwd_dh_kernel<S, true> : mhc_bwd_dh_kernel<S, false>;
+      const size_t smem = DhTile<S>::smem_bytes;
+      allow_smem(kernel, smem);
+      kernel<<<dim3(static_cast<unsigned>(dp.dtiles), static_cast<unsigned>(dp.blocks)), kDhCols, smem, st>>>(
+          h, p.fn, p.norm_w, da, rows, dh, T, D, dp.tpb);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+  }
   {
     const ApplyPlan& ap = wk.apply;
     const bool vec = D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows);
-    auto kernel = params ? (vec ? mhc_bwd_apply_kernel<S, true, true> : mhc_bwd_apply_kernel<S, false, true>)
-                         : (vec ? mhc_bwd_apply_kernel<S, true, false> : mhc_bwd_apply_kernel<S, false, false>);
+    auto kernel = [&] {  // dh alone runs here only at S > 4 (above otherwise)
+      if constexpr (S <= 4) return vec ? mhc_bwd_apply_kernel<S, true, true> : mhc_bwd_apply_kernel<S, false, true>;
+      else
+        return params ? (vec ? mhc_bwd_apply_kernel<S, true, true> : mhc_bwd_apply_kernel<S, false, true>)
+                      : (vec ? mhc_bwd_apply_kernel<S, true, false> : mhc_bwd_apply_kernel<S, false, false>);
+    }();
     const size_t smem = ApplyTile<S>::smem_bytes;
     allow_smem(kernel, smem);
     kernel<<<dim3(static_cast<unsigned>(ap.dtiles), static_cast<unsigned>(ap.blocks)), 32 * S, smem, st>>>(
