@@ -733,14 +733,92 @@ constexpr int kApplyTT = 8;              // tokens a pipeline stage
 constexpr int kApplyStages = 4;
 constexpr int64_t kApplyBlocks = 1280;   // blocks aimed at: about two waves on an H200 at S = 4
 
-template <int S>
-struct ApplyTile {
-  static constexpr int M = (2 + S) * S;
+// A pipeline stage of the per-column passes below: TT tokens' h and dh [TT][S][COLS] and da [TT][COLS] on the block's
+// columns d0 … d0+COLS−1, and their coefficient rows [TT][W] (from the coefficient kernel).
+template <int S, int COLS, int TT>
+struct ColumnStage {
   static constexpr int W = row_width(S);
-  static constexpr int h_floats = kApplyTT * S * 32;  // [TT][S][32], as dh
-  static constexpr int stage_floats = 2 * h_floats + kApplyTT * 32 + kApplyTT * W;
-  static constexpr size_t smem_bytes = sizeof(float) * kApplyStages * stage_floats;
+  static constexpr int h_floats = TT * S * COLS;
+  static constexpr int floats = 2 * h_floats + TT * COLS + TT * W;
+  float* base;  // the stage's buffer in shared memory
+  __device__ float* h() const { return base; }
+  __device__ float* dh() const { return base + h_floats; }
+  __device__ float* da() const { return base + 2 * h_floats; }
+  __device__ float* rows() const { return base + 2 * h_floats + TT * COLS; }
+
+  // The copies of the tokens tt0 …, left of them inside the block's range, by NT threads (VEC: 16-byte copies); a
+  // missing dh or da and everything out of range is zero-filled. Trip counts are fixed at compile time, offsets
+  // inside the stage in 32 bits (a stage spans TT·S rows of D floats) from 64-bit stage bases.
+  template <bool VEC, int NT>
+  __device__ __forceinline__ void load(const float* h, const float* dh, const float* da, const float* rows,
+                                       int64_t tt0, int left, int64_t d0, int64_t D) const {
+    constexpr int V = VEC ? 4 : 1, PR = COLS / V;
+    constexpr int NHV = TT * S * PR, NA = TT * PR, NR = TT * (W / V);
+    const int64_t SD = S * D;
+    const float* h_st = h + tt0 * SD + d0;
+    const float* dh_st = dh ? dh + tt0 * SD + d0 : h;
+    const float* da_st = da ? da + tt0 * D + d0 : h;
+    const float* rw_st = rows + tt0 * W;
+#pragma unroll
+    for (int q = 0; q < (NHV + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NHV % NT && idx >= NHV) break;  // (a copy out of range would still zero-fill shared memory)
+      const int r = idx / PR, c = (idx % PR) * V;  // r = token·S + stream
+      const bool in = r / S < left && d0 + c < D;
+      const int off = r * static_cast<int>(D) + c;
+      cp_async_f<VEC>(this->h() + r * COLS + c, in ? h_st + off : h, in);
+      cp_async_f<VEC>(this->dh() + r * COLS + c, in && dh ? dh_st + off : h, in && dh);
+    }
+#pragma unroll
+    for (int q = 0; q < (NA + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NA % NT && idx >= NA) break;
+      const int r = idx / PR, c = (idx % PR) * V;
+      const bool in = da && r < left && d0 + c < D;
+      cp_async_f<VEC>(this->da() + r * COLS + c, in ? da_st + r * static_cast<int>(D) + c : h, in);
+    }
+#pragma unroll
+    for (int q = 0; q < (NR + NT - 1) / NT; ++q) {
+      const int idx = threadIdx.x + q * NT;
+      if (NR % NT && idx >= NR) break;
+      const int r = idx / (W / V), c = (idx % (W / V)) * V;
+      const bool in = r < left;
+      cp_async_f<VEC>(this->rows() + r * W + c, in ? rw_st + r * W + c : h, in);
+    }
+  }
 };
+
+// The stages of a per-column pass over the tokens t0 … t1−1 of its block, TT a stage, in a cp.async pipeline of
+// STAGES buffers (smem: STAGES·Stage::floats floats): each stage's copies are issued STAGES − 1 stages ahead of
+// use(stage, first token, count of tokens).
+template <int STAGES, class Stage, bool VEC, int NT, int TT, class Use>
+__device__ __forceinline__ void column_stages(float* smem, const float* h, const float* dh, const float* da,
+                                              const float* rows, int64_t t0, int64_t t1, int64_t d0, int64_t D,
+                                              Use&& use) {
+  const int nst = t1 > t0 ? static_cast<int>((t1 - t0 + TT - 1) / TT) : 0;
+  auto stage = [&](int i) { return Stage{smem + (i % STAGES) * Stage::floats}; };
+  auto load = [&](int i) {
+    const int64_t tt0 = t0 + int64_t(i) * TT;
+    stage(i).template load<VEC, NT>(h, dh, da, rows, tt0, static_cast<int>(min(int64_t(TT), t1 - tt0)), d0, D);
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < nst) load(i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nst; ++i) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (i + STAGES - 1 < nst) load(i + STAGES - 1);
+    cp_async_commit();
+    const int64_t tt0 = t0 + int64_t(i) * TT;
+    use(stage(i), tt0, static_cast<int>(min(int64_t(TT), t1 - tt0)));
+  }
+  cp_async_wait<0>();
+}
+
+template <int S>
+using ApplyStage = ColumnStage<S, 32, kApplyTT>;
 
 // Token blocks of the apply kernel (each ≥ 64 tokens), tpb tokens each.
 struct ApplyPlan {
@@ -767,57 +845,12 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
     mhc_bwd_apply_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
                          const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh,
                          float* __restrict__ part, int64_t T, int64_t D, int64_t tpb) {
-  using P = ApplyTile<S>;
-  constexpr int M = P::M, W = P::W, P0 = row_dm(S), TT = kApplyTT, NT = 32 * S;
+  constexpr int M = (2 + S) * S, W = row_width(S), P0 = row_dm(S);
   extern __shared__ __align__(16) float smem[];
   const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
   const int64_t SD = S * D, d0 = int64_t(blockIdx.x) * 32, d = d0 + lane, b = blockIdx.y;
   const int64_t t0 = b * tpb, t1 = min(T, t0 + tpb);
   const bool ok = d < D, has_da = da != nullptr;
-  const int nst = t1 > t0 ? static_cast<int>((t1 - t0 + TT - 1) / TT) : 0;
-  auto hs = [&](int bf) { return smem + bf * P::stage_floats; };
-  auto dhs = [&](int bf) { return hs(bf) + P::h_floats; };
-  auto das = [&](int bf) { return dhs(bf) + P::h_floats; };
-  auto rws = [&](int bf) { return das(bf) + TT * 32; };
-
-  // The copies of stage i: trip counts fixed at compile time, offsets inside the stage in 32 bits (a stage spans
-  // TT·S rows of D floats) from 64-bit stage bases.
-  auto load = [&](int bf, int i) {
-    constexpr int V = VEC ? 4 : 1, PR = 32 / V;
-    const int64_t tt0 = t0 + int64_t(i) * TT;
-    const int left = static_cast<int>(min(int64_t(TT), t1 - tt0));  // tokens of the stage inside the block's range
-    const float* h_st = h + tt0 * SD + d0;
-    const float* dh_st = dh ? dh + tt0 * SD + d0 : h;
-    const float* da_st = has_da ? da + tt0 * D + d0 : h;
-    const float* rw_st = rows + tt0 * W;
-    constexpr int NHV = TT * S * PR, NA = TT * PR, NR = TT * (W / V);
-#pragma unroll
-    for (int q = 0; q < (NHV + NT - 1) / NT; ++q) {
-      const int idx = threadIdx.x + q * NT;
-      if (NHV % NT && idx >= NHV) break;  // (a copy out of range would still zero-fill shared memory)
-      const int r = idx / PR, c = (idx % PR) * V;  // r = token·S + stream
-      const bool in = r / S < left && d0 + c < D;
-      const int off = r * static_cast<int>(D) + c;
-      cp_async_f<VEC>(hs(bf) + r * 32 + c, in ? h_st + off : h, in);
-      cp_async_f<VEC>(dhs(bf) + r * 32 + c, in && dh ? dh_st + off : h, in && dh);
-    }
-#pragma unroll
-    for (int q = 0; q < (NA + NT - 1) / NT; ++q) {
-      const int idx = threadIdx.x + q * NT;
-      if (NA % NT && idx >= NA) break;
-      const int r = idx / PR, c = (idx % PR) * V;
-      const bool in = has_da && r < left && d0 + c < D;
-      cp_async_f<VEC>(das(bf) + r * 32 + c, in ? da_st + r * static_cast<int>(D) + c : h, in);
-    }
-#pragma unroll
-    for (int q = 0; q < (NR + NT - 1) / NT; ++q) {
-      const int idx = threadIdx.x + q * NT;
-      if (NR % NT && idx >= NR) break;
-      const int r = idx / (W / V), c = (idx % (W / V)) * V;
-      const bool in = r < left;
-      cp_async_f<VEC>(rws(bf) + r * W + c, in ? rw_st + r * W + c : h, in);
-    }
-  };
 
   float f[M], acc[M];
 #pragma unroll
@@ -825,68 +858,55 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
   const float w = ok && has_da ? norm_w[d] : 0.0f;
   float dnw = 0.0f;
 
+  column_stages<kApplyStages, ApplyStage<S>, VEC, 32 * S, kApplyTT>(
+      smem, h, dh, da, rows, t0, t1, d0, D, [&](const ApplyStage<S>& st, int64_t tt0, int cnt) {
+        const float* hb = st.h();
+        const float* dhb = st.dh();
+        const float* ab = st.da();
+        const float* rb = st.rows();
+        float* dh_st = dh ? dh + (tt0 * S + s) * D + d : nullptr;  // this thread's element at the first token
+        // Unrolled over the stage's tokens: every shared-memory offset below is then a constant.
 #pragma unroll
-  for (int i = 0; i < kApplyStages - 1; ++i) {
-    if (i < nst) load(i, i);
-    cp_async_commit();
-  }
-  for (int i = 0; i < nst; ++i) {
-    cp_async_wait<kApplyStages - 2>();
-    __syncthreads();
-    const int nx = i + kApplyStages - 1;
-    if (nx < nst) load(nx % kApplyStages, nx);
-    cp_async_commit();
-    const int bf = i % kApplyStages;
-    const float* hb = hs(bf);
-    const float* dhb = dhs(bf);
-    const float* ab = das(bf);
-    const float* rb = rws(bf);
-    const int64_t tt0 = t0 + int64_t(i) * TT;
-    const int cnt = static_cast<int>(min(int64_t(TT), t1 - tt0));
-    float* dh_st = dh ? dh + (tt0 * S + s) * D + d : nullptr;  // this thread's dh element at the stage's first token
-    // Unrolled over the stage's tokens: every shared-memory offset below is then a constant.
+        for (int tt = 0; tt < kApplyTT; ++tt) {
+          if (tt >= cnt) break;
+          const float* rw = rb + tt * W;
+          const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
+          const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
+          const float hv = hb[(tt * S + s) * 32 + lane];
+          float dx = 0.0f;
+          if (has_da) {
+            float pr[S], hs2[S];
 #pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      if (tt >= cnt) break;
-      const float* rw = rb + tt * W;
-      const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
-      const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
-      const float hv = hb[(tt * S + s) * 32 + lane];
-      float dx = 0.0f;
-      if (has_da) {
-        float pr[S], hs2[S];
+            for (int s2 = 0; s2 < S; s2 += 4) {
+              const float4 p4 = *reinterpret_cast<const float4*>(rw + 4 + s2);  // pre, padded to 4
 #pragma unroll
-        for (int s2 = 0; s2 < S; s2 += 4) {
-          const float4 p4 = *reinterpret_cast<const float4*>(rw + 4 + s2);  // pre, padded to 4
+              for (int u = 0; u < 4; ++u)
+                if (s2 + u < S) pr[s2 + u] = comp(p4, u);
+            }
 #pragma unroll
-          for (int u = 0; u < 4; ++u)
-            if (s2 + u < S) pr[s2 + u] = comp(p4, u);
-        }
-#pragma unroll
-        for (int s2 = 0; s2 < S; ++s2) hs2[s2] = hb[(tt * S + s2) * 32 + lane];
-        const float x = collapse_of<S>(pr, hs2);
-        const float g = ab[tt * 32 + lane];
-        dx = norm_dx(r2, w, g, c2, x);
-        if (PARAMS && s == 0) dnw += g * x * r2;
-      }
-      const float v = hv * r1;
-      float df = 0.0f;
-#pragma unroll
-      for (int j = 0; j < M; j += 4) {
-        const float4 d4 = *reinterpret_cast<const float4*>(rw + P0 + j);  // rows are 16-byte aligned
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (j + u < M) {
-            const float dmj = comp(d4, u);
-            df = __fmaf_rn(dmj, f[j + u], df);
-            if constexpr (PARAMS) acc[j + u] = fmaf(dmj, v, acc[j + u]);
+            for (int s2 = 0; s2 < S; ++s2) hs2[s2] = hb[(tt * S + s2) * 32 + lane];
+            const float x = collapse_of<S>(pr, hs2);
+            const float g = ab[tt * 32 + lane];
+            dx = norm_dx(r2, w, g, c2, x);
+            if (PARAMS && s == 0) dnw += g * x * r2;
           }
-      }
-      const float dhv = dh_update(dhb[(tt * S + s) * 32 + lane], has_da, rw[4 + s], dx, r1, c1, df, hv);
-      if (ok && dh) dh_st[tt * SD] = dhv;
-    }
-  }
-  cp_async_wait<0>();
+          const float v = hv * r1;
+          float df = 0.0f;
+#pragma unroll
+          for (int j = 0; j < M; j += 4) {
+            const float4 d4 = *reinterpret_cast<const float4*>(rw + P0 + j);  // rows are 16-byte aligned
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+              if (j + u < M) {
+                const float dmj = comp(d4, u);
+                df = __fmaf_rn(dmj, f[j + u], df);
+                if constexpr (PARAMS) acc[j + u] = fmaf(dmj, v, acc[j + u]);
+              }
+          }
+          const float dhv = dh_update(dhb[(tt * S + s) * 32 + lane], has_da, rw[4 + s], dx, r1, c1, df, hv);
+          if (ok && dh) dh_st[tt * SD] = dhv;
+        }
+      });
 
   if (!PARAMS || !ok) return;
   float* out = part + b * (M * SD + D);
@@ -906,12 +926,7 @@ constexpr int kDhCols = 128, kDhTT = 4, kDhStages = 3;
 constexpr int64_t kDhBlocks = 800;  // blocks aimed at: about two waves of three blocks an SM on an H200
 
 template <int S>
-struct DhTile {
-  static constexpr int W = row_width(S);
-  static constexpr int h_floats = kDhTT * S * kDhCols;  // [TT][S][128], as dh
-  static constexpr int stage_floats = 2 * h_floats + kDhTT * kDhCols + kDhTT * W;
-  static constexpr size_t smem_bytes = sizeof(float) * kDhStages * stage_floats;
-};
+using DhStage = ColumnStage<S, kDhCols, kDhTT>;
 
 ApplyPlan dh_plan(int64_t T, int64_t D) {
   const int64_t dtiles = ceil_div(D, kDhCols);
@@ -926,56 +941,12 @@ __global__ void __launch_bounds__(kDhCols, 3)
                       const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh, int64_t T,
                       int64_t D, int64_t tpb) {
   static_assert(S <= 4, "fn's columns of every stream in registers");
-  using P = DhTile<S>;
-  constexpr int M = (2 + S) * S, W = P::W, P0 = row_dm(S), TT = kDhTT, NT = kDhCols;
+  constexpr int M = (2 + S) * S, W = row_width(S), P0 = row_dm(S);
   extern __shared__ __align__(16) float smem[];
   const int c = threadIdx.x;
   const int64_t SD = S * D, d0 = int64_t(blockIdx.x) * kDhCols, d = d0 + c, b = blockIdx.y;
   const int64_t t0 = b * tpb, t1 = min(T, t0 + tpb);
   const bool ok = d < D, has_da = da != nullptr;
-  const int nst = t1 > t0 ? static_cast<int>((t1 - t0 + TT - 1) / TT) : 0;
-  auto hs = [&](int bf) { return smem + bf * P::stage_floats; };
-  auto dhs = [&](int bf) { return hs(bf) + P::h_floats; };
-  auto das = [&](int bf) { return dhs(bf) + P::h_floats; };
-  auto rws = [&](int bf) { return das(bf) + TT * kDhCols; };
-
-  // The copies of stage i (as the per-stream kernel's, on 128-column rows).
-  auto load = [&](int bf, int i) {
-    constexpr int V = VEC ? 4 : 1, PR = kDhCols / V;
-    const int64_t tt0 = t0 + int64_t(i) * TT;
-    const int left = static_cast<int>(min(int64_t(TT), t1 - tt0));
-    const float* h_st = h + tt0 * SD + d0;
-    const float* dh_st = dh + tt0 * SD + d0;
-    const float* da_st = has_da ? da + tt0 * D + d0 : h;
-    const float* rw_st = rows + tt0 * W;
-    constexpr int NHV = TT * S * PR, NA = TT * PR, NR = TT * (W / V);
-#pragma unroll
-    for (int q = 0; q < (NHV + NT - 1) / NT; ++q) {
-      const int idx = threadIdx.x + q * NT;
-      if (NHV % NT && idx >= NHV) break;
-      const int r = idx / PR, cc = (idx % PR) * V;  // r = token·S + stream
-      const bool in = r / S < left && d0 + cc < D;
-      const int off = r * static_cast<int>(D) + cc;
-      cp_async_f<VEC>(hs(bf) + r * kDhCols + cc, in ? h_st + off : h, in);
-      cp_async_f<VEC>(dhs(bf) + r * kDhCols + cc, in ? dh_st + off : h, in);
-    }
-#pragma unroll
-    for (int q = 0; q < (NA + NT - 1) / NT; ++q) {
-      const int idx = threadIdx.x + q * NT;
-      if (NA % NT && idx >= NA) break;
-      const int r = idx / PR, cc = (idx % PR) * V;
-      const bool in = has_da && r < left && d0 + cc < D;
-      cp_async_f<VEC>(das(bf) + r * kDhCols + cc, in ? da_st + r * static_cast<int>(D) + cc : h, in);
-    }
-#pragma unroll
-    for (int q = 0; q < (NR + NT - 1) / NT; ++q) {
-      const int idx = threadIdx.x + q * NT;
-      if (NR % NT && idx >= NR) break;
-      const int r = idx / (W / V), cc = (idx % (W / V)) * V;
-      const bool in = r < left;
-      cp_async_f<VEC>(rws(bf) + r * W + cc, in ? rw_st + r * W + cc : h, in);
-    }
-  };
 
   float f[S][M];
 #pragma unroll
@@ -984,57 +955,45 @@ __global__ void __launch_bounds__(kDhCols, 3)
     for (int j = 0; j < M; ++j) f[s][j] = ok ? fn[j * SD + s * D + d] : 0.0f;
   const float w = ok && has_da ? norm_w[d] : 0.0f;
 
+  column_stages<kDhStages, DhStage<S>, VEC, kDhCols, kDhTT>(
+      smem, h, dh, da, rows, t0, t1, d0, D, [&](const DhStage<S>& st, int64_t tt0, int cnt) {
+        const float* hb = st.h();
+        const float* dhb = st.dh();
+        const float* ab = st.da();
+        const float* rb = st.rows();
+        float* dh_st = dh + tt0 * SD + d;  // this thread's element of stream 0 at the stage's first token
 #pragma unroll
-  for (int i = 0; i < kDhStages - 1; ++i) {
-    if (i < nst) load(i, i);
-    cp_async_commit();
-  }
-  for (int i = 0; i < nst; ++i) {
-    cp_async_wait<kDhStages - 2>();
-    __syncthreads();
-    const int nx = i + kDhStages - 1;
-    if (nx < nst) load(nx % kDhStages, nx);
-    cp_async_commit();
-    const int bf = i % kDhStages;
-    const float* hb = hs(bf);
-    const float* dhb = dhs(bf);
-    const float* ab = das(bf);
-    const float* rb = rws(bf);
-    const int64_t tt0 = t0 + int64_t(i) * TT;
-    const int cnt = static_cast<int>(min(int64_t(TT), t1 - tt0));
-    float* dh_st = dh + tt0 * SD + d;  // this thread's element of stream 0 at the stage's first token
+        for (int tt = 0; tt < kDhTT; ++tt) {
+          if (tt >= cnt) break;
+          const float* rw = rb + tt * W;
+          const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
+          const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
+          float pr[S], hv[S];
+          const float4 p4 = *reinterpret_cast<const float4*>(rw + 4);  // pre, padded to 4
 #pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      if (tt >= cnt) break;
-      const float* rw = rb + tt * W;
-      const float4 k4 = *reinterpret_cast<const float4*>(rw);  // r1, c1, r2, c2
-      const float r1 = k4.x, c1 = k4.y, r2 = k4.z, c2 = k4.w;
-      float pr[S], hv[S];
-      const float4 p4 = *reinterpret_cast<const float4*>(rw + 4);  // pre, padded to 4
+          for (int s = 0; s < S; ++s) pr[s] = comp(p4, s), hv[s] = hb[(tt * S + s) * kDhCols + c];
+          float dx = 0.0f;
+          if (has_da) dx = norm_dx(r2, w, ab[tt * kDhCols + c], c2, collapse_of<S>(pr, hv));
+          float df[S];
 #pragma unroll
-      for (int s = 0; s < S; ++s) pr[s] = comp(p4, s), hv[s] = hb[(tt * S + s) * kDhCols + c];
-      float dx = 0.0f;
-      if (has_da) dx = norm_dx(r2, w, ab[tt * kDhCols + c], c2, collapse_of<S>(pr, hv));
-      float df[S];
+          for (int s = 0; s < S; ++s) df[s] = 0.0f;
 #pragma unroll
-      for (int s = 0; s < S; ++s) df[s] = 0.0f;
+          for (int j = 0; j < M; j += 4) {
+            const float4 d4 = *reinterpret_cast<const float4*>(rw + P0 + j);  // rows are 16-byte aligned
 #pragma unroll
-      for (int j = 0; j < M; j += 4) {
-        const float4 d4 = *reinterpret_cast<const float4*>(rw + P0 + j);  // rows are 16-byte aligned
+            for (int u = 0; u < 4; ++u)
+              if (j + u < M)
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (j + u < M)
+                for (int s = 0; s < S; ++s) df[s] = __fmaf_rn(comp(d4, u), f[s][j + u], df[s]);
+          }
+          if (ok) {
 #pragma unroll
-            for (int s = 0; s < S; ++s) df[s] = __fmaf_rn(comp(d4, u), f[s][j + u], df[s]);
-      }
-      if (ok) {
-#pragma unroll
-        for (int s = 0; s < S; ++s)
-          dh_st[tt * SD + s * D] = dh_update(dhb[(tt * S + s) * kDhCols + c], has_da, pr[s], dx, r1, c1, df[s], hv[s]);
-      }
-    }
-  }
-  cp_async_wait<0>();
+            for (int s = 0; s < S; ++s)
+              dh_st[tt * SD + s * D] =
+                  dh_update(dhb[(tt * S + s) * kDhCols + c], has_da, pr[s], dx, r1, c1, df[s], hv[s]);
+          }
+        }
+      });
 }
 
 // ---- mHC pre, kernel 4: the parameter gradients ----
@@ -1149,7 +1108,7 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
       const ApplyPlan dp = dh_plan(T, D);
       const bool vec = D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows);
       auto kernel = vec ? mhc_bwd_dh_kernel<S, true> : mhc_bwd_dh_kernel<S, false>;
-      const size_t smem = DhTile<S>::smem_bytes;
+      const size_t smem = sizeof(float) * kDhStages * DhStage<S>::floats;
       allow_smem(kernel, smem);
       kernel<<<dim3(static_cast<unsigned>(dp.dtiles), static_cast<unsigned>(dp.blocks)), kDhCols, smem, st>>>(
           h, p.fn, p.norm_w, da, rows, dh, T, D, dp.tpb);
@@ -1166,7 +1125,7 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
         return params ? (vec ? mhc_bwd_apply_kernel<S, true, true> : mhc_bwd_apply_kernel<S, false, true>)
                       : (vec ? mhc_bwd_apply_kernel<S, true, false> : mhc_bwd_apply_kernel<S, false, false>);
     }();
-    const size_t smem = ApplyTile<S>::smem_bytes;
+    const size_t smem = sizeof(float) * kApplyStages * ApplyStage<S>::floats;
     allow_smem(kernel, smem);
     kernel<<<dim3(static_cast<unsigned>(ap.dtiles), static_cast<unsigned>(ap.blocks)), 32 * S, smem, st>>>(
         h, p.fn, p.norm_w, da, rows, dh, part, T, D, ap.tpb);
