@@ -83,6 +83,16 @@ struct Params {
   bool accumulate;  // add into dq, dk, dv, dg, dbeta; else write them (inter writes dq, dk, dg first, intra dv, dβ)
 };
 
+// e^x as __expf forms it (ex2.approx of x·log2(e)), with results below 2^−126 flushed to zero: without the flush
+// ex2.approx needs a range check and two rescalings around it, three more instructions an exponential in loops that
+// are issue-bound (the pairs within a block in prep and intra). Every exponential here is of a non-positive decay
+// difference or a gate, so the flushed values are below fp32's normal range, far under the products' 1e-5.
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269502f));
+  return y;
+}
+
 // ---- Split bf16 and tensor-core products ----
 
 __device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
@@ -360,7 +370,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
       const float g0 = sg[i * KP + d], g1 = sg[i * KP + d + 1];  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
       const float l0 = sg[(kC - 1) * KP + d], l1 = sg[(kC - 1) * KP + d + 1];
-      put2(wkd + i * K + d, kC * K, sk[i * KP + d] * __expf(l0 - g0), sk[i * KP + d + 1] * __expf(l1 - g1));
+      put2(wkd + i * K + d, kC * K, sk[i * KP + d] * exp_ftz(l0 - g0), sk[i * KP + d + 1] * exp_ftz(l1 - g1));
       st2(ws + lay.G() + i * K + d, g0, g1);
     }
   }
@@ -387,7 +397,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             // min(…, 0) only matters for the pair above the diagonal of a diagonal tile, which is dropped
-            const float e = __expf(fminf(gi[a] - gj[b], 0.0f)) * kj[b];
+            const float e = exp_ftz(fminf(gi[a] - gj[b], 0.0f)) * kj[b];
             s[a][b] = fmaf(qi[a], e, s[a][b]);
             m[a][b] = fmaf(ki[a], e, m[a][b]);
           }
@@ -418,13 +428,13 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       __syncthreads();  // the scratch is no longer read
       for (int idx = tid; idx < r0 * K / 2; idx += NTH) {
         const int j = idx / (K / 2), d = 2 * (idx - j * (K / 2));
-        put2(xs + j * KS + d, pl, sk[j * KP + d] * __expf(sg[r0 * KP + d] - sg[j * KP + d]),
-             sk[j * KP + d + 1] * __expf(sg[r0 * KP + d + 1] - sg[j * KP + d + 1]));
+        put2(xs + j * KS + d, pl, sk[j * KP + d] * exp_ftz(sg[r0 * KP + d] - sg[j * KP + d]),
+             sk[j * KP + d + 1] * exp_ftz(sg[r0 * KP + d + 1] - sg[j * KP + d + 1]));
       }
       for (int idx = tid; idx < 16 * K / 2; idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
-        const float e0 = __expf(sg[i * KP + d] - sg[r0 * KP + d]);
-        const float e1 = __expf(sg[i * KP + d + 1] - sg[r0 * KP + d + 1]);
+        const float e0 = exp_ftz(sg[i * KP + d] - sg[r0 * KP + d]);
+        const float e1 = exp_ftz(sg[i * KP + d + 1] - sg[r0 * KP + d + 1]);
         put2(xs + (48 + il) * KS + d, pl, sq[i * KP + d] * e0, sq[i * KP + d + 1] * e1);
         put2(xs + (64 + il) * KS + d, pl, sk[i * KP + d] * e0, sk[i * KP + d + 1] * e1);
       }
@@ -512,7 +522,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
           const float b = sb[i];
           float kg[4];
 #pragma unroll
-          for (int x = 0; x < 4; ++x) kg[x] = sk[i * KP + d + x] * (b * __expf(sg[i * KP + d + x]));
+          for (int x = 0; x < 4; ++x) kg[x] = sk[i * KP + d + x] * (b * exp_ftz(sg[i * KP + d + x]));
           put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w));
           put4(sKg + i * KS + d, pX, make_float4(kg[0], kg[1], kg[2], kg[3]));
         });
@@ -550,8 +560,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     bf16* sQk = sDo + 2 * pX;  // [C, CS] Aqk
     for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
-      put2(sQg + i * KS + d, pX, sq[i * KP + d] * __expf(sg[i * KP + d]),
-           sq[i * KP + d + 1] * __expf(sg[i * KP + d + 1]));
+      put2(sQg + i * KS + d, pX, sq[i * KP + d] * exp_ftz(sg[i * KP + d]),
+           sq[i * KP + d + 1] * exp_ftz(sg[i * KP + d + 1]));
     }
     stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n);
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
@@ -644,7 +654,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
       }
     if (s_on) {
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) eg[hf] = __expf(ws[lay.gl() + sr + gq + 8 * hf]);
+      for (int hf = 0; hf < 2; ++hf) eg[hf] = exp_ftz(ws[lay.gl() + sr + gq + 8 * hf]);
 #pragma unroll
       for (int nt = 0; nt < ST::NT; ++nt)
 #pragma unroll
@@ -730,7 +740,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
       }
     if (s_on) {
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) eg[hf] = __expf(ws[lay.gl() + sr + gq + 8 * hf]);
+      for (int hf = 0; hf < 2; ++hf) eg[hf] = exp_ftz(ws[lay.gl() + sr + gq + 8 * hf]);
 #pragma unroll
       for (int nt = 0; nt < ST::NT; ++nt)
 #pragma unroll
@@ -785,14 +795,14 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
 
 template <int K>
 struct InterSmem {
-  static constexpr int KS = K + 8;
-  static constexpr size_t bytes = size_t(2 * K * KS + 4 * kC * KS) * 2 + size_t(5 * K) * 4;
+  static constexpr int KS = K + 8, FS = K + 8;  // FS: row stride of the fp32 [C, K] staging of dq and dk
+  static constexpr size_t bytes = size_t(2 * K * KS + 4 * kC * KS) * 2 + size_t(5 * K + kC * FS) * 4;
 };
 
 template <int K>
 __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params p) {
   constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
-  constexpr int KS = K + 8, pX = kC * KS, pS = K * KS;
+  constexpr int KS = K + 8, FS = InterSmem<K>::FS, pX = kC * KS, pS = K * KS;
   using OT = WarpTile<kC, K, 1, NW>;   // the [C, K] outputs: rows 16·(w % 4) …, columns K/CG·(w / 4) …
   using CT = WarpTile<kC, kC, 1, NW>;  // dAqk: rows 16·(w % 4) …, columns 64/CG·(w / 4) …
   constexpr int NT = OT::NT;
@@ -804,6 +814,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   bf16* so = sx + 2 * pX;                                    // [C, KS] dO
   float* sdir = reinterpret_cast<float*>(so + 2 * pX);       // [K] rowsum(S0∘dSe)
   float* scol = sdir + K;                                    // [4, K] Σ over a row tile of dKd∘Kd
+  float* sst = scol + 4 * K;                                 // [C, FS] dq's, then dk's terms, for add_tile
   float* sdg = reinterpret_cast<float*>(smem);               // [C, K] dΓ, at the end (over S and sx)
   const int64_t c = blockIdx.x, h = blockIdx.y, H = p.H, HK = H * K;
   const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c];
@@ -818,6 +829,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC);
   stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n);
   __syncthreads();
+  // dq and dk leave through sst: a thread's accumulator elements are pairs on 8 rows of a warp, 16-byte rows of the
+  // staged tile whole rows (add_tile), so the global accesses are a quarter as many and whole sectors.
   {  // dW = −du·S0ᵀ (into its slot, split) and dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ = dQg∘Qg (du and dO as two m-tiles)
     float acc[2][NT][4] = {};
     mma3<2, NT, false, true>(acc, sx + r0 * KS, KS, 2 * pX, pX, sS + c0 * KS, KS, pS, 0, K / 16);
@@ -825,17 +838,15 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
     constexpr int NG = group_of<NT>();
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += NG) {
-      float2 g2[NG][2], q2[NG][2], o2[NG][2];  // Γ, q and dq at this thread's elements
+      float2 g2[NG][2], q2[NG][2];  // Γ and q at this thread's elements
 #pragma unroll
       for (int j = 0; j < NG; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
-          const int64_t e = base + int64_t(i) * HK + d;
           const bool in = i < n;
           g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
-          q2[j][hf] = in ? ld2(p.q + e) : make_float2(0.0f, 0.0f);
-          o2[j][hf] = in && p.accumulate ? ld2(p.dq + e) : make_float2(0.0f, 0.0f);
+          q2[j][hf] = in ? ld2(p.q + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
       for (int j = 0; j < NG; ++j)
@@ -843,14 +854,16 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
         for (int hf = 0; hf < 2; ++hf) {
           const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
           put2(wdW + i * K + d, kC * K, -acc[0][nt][2 * hf], -acc[0][nt][2 * hf + 1]);
-          const float d0 = acc[1][nt][2 * hf] * __expf(g2[j][hf].x), d1 = acc[1][nt][2 * hf + 1] * __expf(g2[j][hf].y);
+          const float d0 = acc[1][nt][2 * hf] * exp_ftz(g2[j][hf].x);
+          const float d1 = acc[1][nt][2 * hf + 1] * exp_ftz(g2[j][hf].y);
           dG[nt][2 * hf] = d0 * q2[j][hf].x;  // zero on rows ≥ n (q = 0 there)
           dG[nt][2 * hf + 1] = d1 * q2[j][hf].y;
-          if (i < n) st2(p.dq + base + int64_t(i) * HK + d, o2[j][hf].x + d0, o2[j][hf].y + d1);
+          st2(sst + i * FS + d, d0, d1);
         }
     }
   }
-  __syncthreads();  // S0 and du no longer read
+  __syncthreads();  // S0 and du no longer read; dq's terms staged
+  add_tile<K, NTH>(p.dq + base, HK, sst, FS, n, p.accumulate);
   // dSe over S0 in place (each thread rewrites what it reads), with rowsum(S0∘dSe) on the way: the K/4 threads of a
   // row are neighbours within a warp. u over du.
   static_assert(32 % (K / 4) == 0, "whole rows of the staging per warp");
@@ -874,18 +887,16 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
     constexpr int NG = group_of<NT>();
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += NG) {
-      float2 g2[NG][2], l2[NG], k2[NG][2], o2[NG][2];  // Γ, γ, k and dk at this thread's elements
+      float2 g2[NG][2], l2[NG], k2[NG][2];  // Γ, γ and k at this thread's elements
 #pragma unroll
       for (int j = 0; j < NG; ++j) {
         l2[j] = ld2(ws + lay.gl() + c0 + 8 * (n0 + j) + 2 * tq);
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
-          const int64_t e = base + int64_t(i) * HK + d;
           const bool in = i < n;
           g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
-          k2[j][hf] = in ? ld2(p.k + e) : make_float2(0.0f, 0.0f);
-          o2[j][hf] = in && p.accumulate ? ld2(p.dk + e) : make_float2(0.0f, 0.0f);
+          k2[j][hf] = in ? ld2(p.k + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
         }
       }
 #pragma unroll
@@ -895,14 +906,14 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
-          const float e0 = __expf(l2[j].x - g2[j][hf].x), e1 = __expf(l2[j].y - g2[j][hf].y);
+          const float e0 = exp_ftz(l2[j].x - g2[j][hf].x), e1 = exp_ftz(l2[j].y - g2[j][hf].y);
           const float a0 = acc[0][nt][2 * hf], a1 = acc[0][nt][2 * hf + 1];
           const float kd0 = k2[j][hf].x * e0, kd1 = k2[j][hf].y * e1;  // zero on rows ≥ n (k = 0 there)
           dG[nt][2 * hf] -= a0 * kd0;
           dG[nt][2 * hf + 1] -= a1 * kd1;
           colp[nt][0] = fmaf(a0, kd0, colp[nt][0]);
           colp[nt][1] = fmaf(a1, kd1, colp[nt][1]);
-          if (i < n) st2(p.dk + base + int64_t(i) * HK + d, o2[j][hf].x + a0 * e0, o2[j][hf].y + a1 * e1);
+          st2(sst + i * FS + d, a0 * e0, a1 * e1);
         }
       }
     }
@@ -930,17 +941,18 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
       s += __shfl_xor_sync(0xffffffffu, s, 16);
       if (gq == 0) scol[rt * K + c0 + 8 * nt + 2 * tq + e] = s;
     }
-  __syncthreads();  // dSe and u no longer read
+  __syncthreads();  // dSe and u no longer read; dk's terms staged
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
       st2(sdg + (r0 + gq + 8 * hf) * K + c0 + 8 * nt + 2 * tq, dG[nt][2 * hf], dG[nt][2 * hf + 1]);
+  add_tile<K, NTH>(p.dk + base, HK, sst, FS, n, p.accumulate);
   __syncthreads();
   // Per column d: dγ, then the reverse cumsum of dΓ over the rows, in place; then into dg.
   for (int d = tid; d < K; d += NTH) {
     float dgam = scol[d] + scol[K + d] + scol[2 * K + d] + scol[3 * K + d];
-    dgam = fmaf(__expf(ws[lay.gl() + d]), sdir[d], dgam);
+    dgam = fmaf(exp_ftz(ws[lay.gl() + d]), sdir[d], dgam);
     float run = 0.0f;
     for (int i = n - 1; i >= 0; --i) {
       run += sdg[i * K + d];
@@ -966,15 +978,17 @@ struct IntraSmem {
   static constexpr int G = 0, q = F, k = 2 * F, qkf = 3 * F, mf = 3 * F + FC, qks = 3 * F + 2 * FC, ms = qks + CSB,
                        xs = ms + CSB, end5 = xs + 96 * KS * 4;
   static constexpr int misc = end14 > end5 ? end14 : end5;  // β [C], dβ partials [CG, C]
+  static constexpr int dv = end14;  // fp32 [C, FS] staging of dv's terms, phases 1–4 (past their matrices)
   static constexpr size_t bytes = size_t(misc) + (1 + CG) * kC * 4;
   static_assert(mf >= T1 + CSB, "dM clears A and T1");
+  static_assert(dv + F <= misc, "dv's staging clears β");
 };
 
 template <int K>
 __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params p) {
   using L = IntraSmem<K>;
   constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
-  constexpr int KS = K + 8, pX = kC * KS, pC = kC * kCS, pS = 96 * KS;
+  constexpr int KS = K + 8, FS = L::FS, pX = kC * KS, pC = kC * kCS, pS = 96 * KS;
   using OT = WarpTile<kC, K, 1, NW>;
   using CT = WarpTile<kC, kC, 1, NW>;
   constexpr int NT = OT::NT, CG = OT::CG;
@@ -985,7 +999,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   auto flp = [&](int off) { return reinterpret_cast<float*>(smem + off); };
   bf16 *sA = bfp(L::A), *sdu = bfp(L::du), *sT1 = bfp(L::T1), *sdW = bfp(L::dW), *sbv = bfp(L::bv),
        *sbk = bfp(L::bk), *sdA = bfp(L::dA);
-  float *fG = flp(L::G), *fq = flp(L::q), *fk = flp(L::k), *fqk = flp(L::qkf), *fm = flp(L::mf);
+  float *fG = flp(L::G), *fq = flp(L::q), *fk = flp(L::k), *fqk = flp(L::qkf), *fm = flp(L::mf), *fdv = flp(L::dv);
   bf16 *sqk = bfp(L::qks), *sms = bfp(L::ms), *sx = bfp(L::xs);
   float* sb = flp(L::misc);  // [C] β
   float* sdb = sb + kC;      // [CG, C] dβ, per column group
@@ -1024,27 +1038,27 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
       },
       [&](int r, int cc, const VB& a) {
         put4(sbk + r * KS + cc, pX,
-             make_float4(a.b * a.x.x * __expf(a.g.x), a.b * a.x.y * __expf(a.g.y), a.b * a.x.z * __expf(a.g.z),
-                         a.b * a.x.w * __expf(a.g.w)));
+             make_float4(a.b * a.x.x * exp_ftz(a.g.x), a.b * a.x.y * exp_ftz(a.g.y), a.b * a.x.z * exp_ftz(a.g.z),
+                         a.b * a.x.w * exp_ftz(a.g.w)));
       });
   cp_async_wait<0>();
   __syncthreads();
   // Aᵀ is upper triangular: row tile rt needs the k-steps rt …; rows ≥ n of du and dW are zero.
+  // dv, dq and dk leave through fp32 staging tiles (add_tile: whole 16-byte rows, a quarter of the accesses of the
+  // accumulators' pairs on 8 rows a warp).
   {  // d(βv) = Aᵀ·du: dv += β·d(βv), dβ += rowsum(v∘d(βv))
     float acc[1][NT][4] = {}, rs[2] = {0.0f, 0.0f};
     mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdu + c0, KS, pX, rt, nb);
     constexpr int NG = group_of<NT>();
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += NG) {
-      float2 v2[NG][2], o2[NG][2];  // v and dv at this thread's elements
+      float2 v2[NG][2];  // v at this thread's elements
 #pragma unroll
       for (int j = 0; j < NG; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
-          const int64_t e = base + int64_t(i) * HK + d;
-          v2[j][hf] = i < n ? ld2(p.v + e) : make_float2(0.0f, 0.0f);
-          o2[j][hf] = i < n && p.accumulate ? ld2(p.dv + e) : make_float2(0.0f, 0.0f);
+          v2[j][hf] = i < n ? ld2(p.v + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
       for (int j = 0; j < NG; ++j)
@@ -1053,7 +1067,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
           const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
           const float a0 = acc[0][nt][2 * hf], a1 = acc[0][nt][2 * hf + 1];
           rs[hf] = fmaf(v2[j][hf].x, a0, fmaf(v2[j][hf].y, a1, rs[hf]));
-          if (i < n) st2(p.dv + base + int64_t(i) * HK + d, o2[j][hf].x + sb[i] * a0, o2[j][hf].y + sb[i] * a1);
+          st2(fdv + i * FS + d, sb[i] * a0, sb[i] * a1);
         }
     }
     add_rows(sdbh, r0, rs);
@@ -1071,7 +1085,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         if (i < n) {
           const int64_t e = base + int64_t(i) * HK + d;
           const float2 g2 = ld2(ws + lay.G() + i * K + d), k2 = ld2(p.k + e);
-          const float eg[2] = {__expf(g2.x), __expf(g2.y)}, kg[2] = {k2.x * eg[0], k2.y * eg[1]};
+          const float eg[2] = {exp_ftz(g2.x), exp_ftz(g2.y)}, kg[2] = {k2.x * eg[0], k2.y * eg[1]};
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             const float a = acc[0][nt][2 * hf + b], dkg = sb[i] * a;
@@ -1098,6 +1112,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
       }
   }
   __syncthreads();
+  add_tile<K, NTH>(p.dv + base, HK, fdv, FS, n, p.accumulate);  // read before phase 5's scratch covers it
   {  // Phase 3: T1 = Aᵀ·dA (over du; rows ≥ n of dA are zero)
     float acc[1][CT::NT][4] = {};
     mma3<1, CT::NT, true, false>(acc, sA + r0, kCS, 16, pC, sdA + j0, kCS, pC, rt, nb);
@@ -1139,7 +1154,6 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   //   dq_i += X_i, dk_i += Y_i, dk_j += Z_j, dΓ_i += q_i X_i + k_i Y_i, dΓ_j −= k_j Z_j.
   // Γ, q, k and dAqk staged; then, for X and Y across blocks, the scratch rows 8·bi·(bi − 1) + j hold
   // k_j e^(Γ_r − Γ_j), j < r = 16·bi, for the row blocks bi = 1 … 3.
-  constexpr int FS = L::FS;
   {
     struct GQK {
       float4 g, q, k;
@@ -1169,7 +1183,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     const int row = idx / (K / 2), d = 2 * (idx - row * (K / 2));
     const int bi = row < 16 ? 1 : (row < 48 ? 2 : 3), j = row - 8 * bi * (bi - 1), r = 16 * bi;
     const float2 kj = ld2(fk + j * FS + d), gj = ld2(fG + j * FS + d), gr = ld2(fG + r * FS + d);
-    put2(sx + row * KS + d, pS, kj.x * __expf(gr.x - gj.x), kj.y * __expf(gr.y - gj.y));
+    put2(sx + row * KS + d, pS, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y));
   }
   __syncthreads();
   // Pairs within the warp's own 16-row block, the decay element by element: for row m = r0 + l and this thread's row
@@ -1206,7 +1220,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           const int hf = x >> 1, b = x & 1;
-          const float e = __expf(-fabsf(gi[pn][x] - gm[b])), t = km[b] * e;
+          const float e = exp_ftz(-fabsf(gi[pn][x] - gm[b])), t = km[b] * e;
           X[pn][x] = fmaf(cx[hf], t, X[pn][x]);
           Y[pn][x] = fmaf(cy[hf], t, Y[pn][x]);
           Z[pn][x] = fmaf(fmaf(cz[hf], qm[b], cw[hf] * km[b]), e, Z[pn][x]);
@@ -1242,7 +1256,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         for (int hf = 0; hf < 2; ++hf) {
           const int d = c0 + 8 * nt + 2 * tq, at = (r0 + gq + 8 * hf) * FS + d;
           const float2 g2 = ld2(fG + at), gr = ld2(fG + r0 * FS + d), o2 = ld2((which ? fk : fq) + at);
-          const float y[2] = {acc[0][nt][2 * hf] * __expf(g2.x - gr.x), acc[0][nt][2 * hf + 1] * __expf(g2.y - gr.y)};
+          const float y[2] = {acc[0][nt][2 * hf] * exp_ftz(g2.x - gr.x), acc[0][nt][2 * hf + 1] * exp_ftz(g2.y - gr.y)};
           const float o[2] = {o2.x, o2.y};
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
@@ -1260,7 +1274,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     const int r = 16 * br + l, s = 16 * br;
     const float2 gr = ld2(fG + r * FS + d), gs = ld2(fG + s * FS + d), qr = ld2(fq + r * FS + d),
                  kr = ld2(fk + r * FS + d);
-    const float e0 = __expf(gr.x - gs.x), e1 = __expf(gr.y - gs.y);
+    const float e0 = exp_ftz(gr.x - gs.x), e1 = exp_ftz(gr.y - gs.y);
     put2(sx + (32 * (br - 1) + l) * KS + d, pS, qr.x * e0, qr.y * e1);
     put2(sx + (32 * (br - 1) + 16 + l) * KS + d, pS, kr.x * e0, kr.y * e1);
   }
@@ -1280,7 +1294,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         for (int hf = 0; hf < 2; ++hf) {
           const int d = c0 + 8 * nt + 2 * tq, at = (r0 + gq + 8 * hf) * FS + d;
           const float2 g2 = ld2(fG + at), gs = ld2(fG + s * FS + d), k2 = ld2(fk + at);
-          const float z[2] = {acc[0][nt][2 * hf] * __expf(gs.x - g2.x), acc[0][nt][2 * hf + 1] * __expf(gs.y - g2.y)};
+          const float z[2] = {acc[0][nt][2 * hf] * exp_ftz(gs.x - g2.x), acc[0][nt][2 * hf + 1] * exp_ftz(gs.y - g2.y)};
           const float ki[2] = {k2.x, k2.y};
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
@@ -1290,36 +1304,19 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         }
     }
   }
-  __syncthreads();  // q no longer read: dΓ takes its place
-  float* fdg = fq;
-  constexpr int NG = group_of<NT>();
+  __syncthreads();  // Γ, q and k no longer read: dq, dΓ and dk take their places
+  float *fdq = fG, *fdg = fq, *fdk = fk;
 #pragma unroll
-  for (int n0 = 0; n0 < NT; n0 += NG) {
-    float2 oq[NG][2], ok[NG][2];  // dq and dk at this thread's elements
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int j = 0; j < NG; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
-        const int64_t e = base + int64_t(i) * HK + d;
-        oq[j][hf] = i < n ? ld2(p.dq + e) : make_float2(0.0f, 0.0f);
-        ok[j][hf] = i < n ? ld2(p.dk + e) : make_float2(0.0f, 0.0f);
-      }
-#pragma unroll
-    for (int j = 0; j < NG; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
-        if (i < n) {
-          const int64_t e = base + int64_t(i) * HK + d;
-          st2(p.dq + e, oq[j][hf].x + dq[nt][2 * hf], oq[j][hf].y + dq[nt][2 * hf + 1]);
-          st2(p.dk + e, ok[j][hf].x + dk[nt][2 * hf], ok[j][hf].y + dk[nt][2 * hf + 1]);
-        }
-        st2(fdg + i * FS + d, dG[nt][2 * hf], dG[nt][2 * hf + 1]);
-      }
-  }
+    for (int hf = 0; hf < 2; ++hf) {
+      const int at = (r0 + gq + 8 * hf) * FS + c0 + 8 * nt + 2 * tq;
+      st2(fdq + at, dq[nt][2 * hf], dq[nt][2 * hf + 1]);
+      st2(fdk + at, dk[nt][2 * hf], dk[nt][2 * hf + 1]);
+      st2(fdg + at, dG[nt][2 * hf], dG[nt][2 * hf + 1]);
+    }
   __syncthreads();
-  // The reverse cumsum of dΓ over the rows, in place per column d; then into dg.
+  // The reverse cumsum of dΓ over the rows, in place per column d; dq and dk added meanwhile; then dΓ into dg.
   for (int d = tid; d < K; d += NTH) {
     float run = 0.0f;
     for (int i = n - 1; i >= 0; --i) {
@@ -1327,6 +1324,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
       fdg[i * FS + d] = run;
     }
   }
+  add_tile<K, NTH>(p.dq + base, HK, fdq, FS, n);
+  add_tile<K, NTH>(p.dk + base, HK, fdk, FS, n);
   __syncthreads();
   add_tile<K, NTH>(p.dg + base, HK, fdg, FS, n);
   for (int i = tid; i < n; i += NTH) {
