@@ -190,28 +190,21 @@ __device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int
 
 // ---- Staging into shared memory ----
 
-// Asynchronous 4-byte copies global → shared (cp.async, so that padded fp32 rows need no alignment): a whole staging
-// loop is in flight at once, without registers; complete after sync_staged().
-__device__ __forceinline__ void cp_async4(float* dst, const float* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+// dst[r·ld + c] = src[r·lds + c] for r < ROWS, c < COLS (16-byte aligned rows, ld and lds multiples of 4) by
+// 16-byte cp.async, a whole staging loop in flight at once without registers; rows ≥ valid are zero-filled.
+// Complete after sync_staged().
+template <int ROWS, int COLS, int NTH>
+__device__ __forceinline__ void stage(float* dst, int ld, const float* src, int64_t lds, int valid) {
+  constexpr int c4 = COLS / 4;
+  static_assert(COLS % 4 == 0, "whole 16-byte pieces");
+  for (int idx = threadIdx.x; idx < ROWS * c4; idx += NTH) {
+    const int r = idx / c4, c = 4 * (idx - r * c4);
+    cp_async16(dst + r * ld + c, r < valid ? src + r * lds + c : src, r < valid);
+  }
 }
 __device__ __forceinline__ void sync_staged() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
-}
-
-// dst[r·ld + c] = src[r·lds + c] for r < rows, c < cols, asynchronously; rows ≥ valid are zeroed directly.
-template <int NTH>
-__device__ __forceinline__ void stage(float* dst, int ld, const float* src, int64_t lds, int rows, int cols,
-                                     int valid) {
-  for (int idx = threadIdx.x; idx < rows * cols; idx += NTH) {
-    const int r = idx / cols, c = idx - r * cols;
-    if (r < valid) {
-      cp_async4(dst + r * ld + c, src + r * lds + c);
-    } else {
-      dst[r * ld + c] = 0.0f;
-    }
-  }
 }
 
 // Visits the ROWS × COLS elements of a matrix four columns at a time, in batches of about 32 loaded floats per
@@ -320,7 +313,7 @@ constexpr int chunk_warps() {
 
 template <int K>
 struct PrepSmem {
-  static constexpr int KP = K + 1, KS = K + 8;
+  static constexpr int KP = K + 4, KS = K + 8;  // KP: 16-byte rows (staged and read as float4)
   static constexpr int floats = 3 * kC * KP + 2 * kC * kCP + kC;  // Γ, k, q; A, Aqk (fp32); β
   static constexpr int cross = 2 * 80 * KS;                         // split [80, KS]
   static constexpr int factors = 2 * kC * kCS + 4 * kC * KS;        // split [C, CS] and two split [C, KS]
@@ -330,7 +323,7 @@ struct PrepSmem {
 template <int K>
 __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p) {
   constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
-  constexpr int KP = K + 1, KS = K + 8, pX = kC * KS, pC = kC * kCS;
+  constexpr int KP = PrepSmem<K>::KP, KS = K + 8, pX = kC * KS, pC = kC * kCS;
   using OT = WarpTile<kC, K, 1, NW>;
   static_assert(OT::RT * OT::CG == NW, "every warp has a tile of the [C, K] outputs");
   extern __shared__ __align__(16) unsigned char smem[];
@@ -348,9 +341,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
   const Layout lay{K};
   float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
-  stage<NTH>(sg, KP, p.g + base, HK, kC, K, n);
-  stage<NTH>(sk, KP, p.k + base, HK, kC, K, n);
-  stage<NTH>(sq, KP, p.q + base, HK, kC, K, n);
+  stage<kC, K, NTH>(sg, KP, p.g + base, HK, n);
+  stage<kC, K, NTH>(sk, KP, p.k + base, HK, n);
+  stage<kC, K, NTH>(sq, KP, p.q + base, HK, n);
   for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   sync_staged();
   for (int d = tid; d < K; d += NTH)
@@ -368,10 +361,10 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     bf16* wkd = reinterpret_cast<bf16*>(ws + lay.Kd());
     for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
-      const float g0 = sg[i * KP + d], g1 = sg[i * KP + d + 1];  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
-      const float l0 = sg[(kC - 1) * KP + d], l1 = sg[(kC - 1) * KP + d + 1];
-      put2(wkd + i * K + d, kC * K, sk[i * KP + d] * exp_ftz(l0 - g0), sk[i * KP + d + 1] * exp_ftz(l1 - g1));
-      st2(ws + lay.G() + i * K + d, g0, g1);
+      const float2 g = ld2(sg + i * KP + d);  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
+      const float2 l = ld2(sg + (kC - 1) * KP + d), k2 = ld2(sk + i * KP + d);
+      put2(wkd + i * K + d, kC * K, k2.x * exp_ftz(l.x - g.x), k2.y * exp_ftz(l.y - g.y));
+      st2(ws + lay.G() + i * K + d, g.x, g.y);
     }
   }
   for (int d = tid; d < K; d += NTH) ws[lay.gl() + d] = sg[(kC - 1) * KP + d];
@@ -384,23 +377,27 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     const int i0 = 16 * blk + RI * ti, j0 = 16 * blk + 2 * tj;
     if (j0 < i0 + RI && i0 < n) {
       float s[RI][2] = {}, m[RI][2] = {};
-#pragma unroll 2
-      for (int d = 0; d < K; ++d) {
-        float gi[RI], ki[RI], qi[RI];
+      // Four elements d … d + 3 a load (float4), summed in order of d.
+#pragma unroll 1
+      for (int d = 0; d < K; d += 4) {
+        float4 gi[RI], ki[RI], qi[RI];
 #pragma unroll
         for (int a = 0; a < RI; ++a)
-          gi[a] = sg[(i0 + a) * KP + d], ki[a] = sk[(i0 + a) * KP + d], qi[a] = sq[(i0 + a) * KP + d];
-        const float gj[2] = {sg[j0 * KP + d], sg[(j0 + 1) * KP + d]};
-        const float kj[2] = {sk[j0 * KP + d], sk[(j0 + 1) * KP + d]};
+          gi[a] = ld4(sg + (i0 + a) * KP + d), ki[a] = ld4(sk + (i0 + a) * KP + d), qi[a] = ld4(sq + (i0 + a) * KP + d);
+        const float4 gj[2] = {ld4(sg + j0 * KP + d), ld4(sg + (j0 + 1) * KP + d)};
+        const float4 kj[2] = {ld4(sk + j0 * KP + d), ld4(sk + (j0 + 1) * KP + d)};
+        auto at = [](const float4& v, int x) { return x == 0 ? v.x : (x == 1 ? v.y : (x == 2 ? v.z : v.w)); };
 #pragma unroll
-        for (int a = 0; a < RI; ++a)
+        for (int x = 0; x < 4; ++x)
 #pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            // min(…, 0) only matters for the pair above the diagonal of a diagonal tile, which is dropped
-            const float e = exp_ftz(fminf(gi[a] - gj[b], 0.0f)) * kj[b];
-            s[a][b] = fmaf(qi[a], e, s[a][b]);
-            m[a][b] = fmaf(ki[a], e, m[a][b]);
-          }
+          for (int a = 0; a < RI; ++a)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              // min(…, 0) only matters for the pair above the diagonal of a diagonal tile, which is dropped
+              const float e = exp_ftz(fminf(at(gi[a], x) - at(gj[b], x), 0.0f)) * at(kj[b], x);
+              s[a][b] = fmaf(at(qi[a], x), e, s[a][b]);
+              m[a][b] = fmaf(at(ki[a], x), e, m[a][b]);
+            }
       }
 #pragma unroll
       for (int a = 0; a < RI; ++a)
@@ -428,15 +425,16 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       __syncthreads();  // the scratch is no longer read
       for (int idx = tid; idx < r0 * K / 2; idx += NTH) {
         const int j = idx / (K / 2), d = 2 * (idx - j * (K / 2));
-        put2(xs + j * KS + d, pl, sk[j * KP + d] * exp_ftz(sg[r0 * KP + d] - sg[j * KP + d]),
-             sk[j * KP + d + 1] * exp_ftz(sg[r0 * KP + d + 1] - sg[j * KP + d + 1]));
+        const float2 kj = ld2(sk + j * KP + d), gj = ld2(sg + j * KP + d), gr = ld2(sg + r0 * KP + d);
+        put2(xs + j * KS + d, pl, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y));
       }
       for (int idx = tid; idx < 16 * K / 2; idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
-        const float e0 = exp_ftz(sg[i * KP + d] - sg[r0 * KP + d]);
-        const float e1 = exp_ftz(sg[i * KP + d + 1] - sg[r0 * KP + d + 1]);
-        put2(xs + (48 + il) * KS + d, pl, sq[i * KP + d] * e0, sq[i * KP + d + 1] * e1);
-        put2(xs + (64 + il) * KS + d, pl, sk[i * KP + d] * e0, sk[i * KP + d + 1] * e1);
+        const float2 gi = ld2(sg + i * KP + d), gr = ld2(sg + r0 * KP + d);
+        const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
+        const float e0 = exp_ftz(gi.x - gr.x), e1 = exp_ftz(gi.y - gr.y);
+        put2(xs + (48 + il) * KS + d, pl, qi.x * e0, qi.y * e1);
+        put2(xs + (64 + il) * KS + d, pl, ki.x * e0, ki.y * e1);
       }
       __syncthreads();
       if (warp < 2 * ib) {
@@ -520,11 +518,11 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
         n, [&](int i, int d) { return ld4(p.v + base + int64_t(i) * HK + d); },
         [&](int i, int d, float4 v) {
           const float b = sb[i];
-          float kg[4];
-#pragma unroll
-          for (int x = 0; x < 4; ++x) kg[x] = sk[i * KP + d + x] * (b * exp_ftz(sg[i * KP + d + x]));
+          const float4 k4 = ld4(sk + i * KP + d), g4 = ld4(sg + i * KP + d);
           put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w));
-          put4(sKg + i * KS + d, pX, make_float4(kg[0], kg[1], kg[2], kg[3]));
+          put4(sKg + i * KS + d, pX,
+               make_float4(k4.x * (b * exp_ftz(g4.x)), k4.y * (b * exp_ftz(g4.y)), k4.z * (b * exp_ftz(g4.z)),
+                           k4.w * (b * exp_ftz(g4.w))));
         });
     __syncthreads();
     // A is lower triangular: row tile rt needs the k-steps 0 … rt.
@@ -560,8 +558,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     bf16* sQk = sDo + 2 * pX;  // [C, CS] Aqk
     for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
-      put2(sQg + i * KS + d, pX, sq[i * KP + d] * exp_ftz(sg[i * KP + d]),
-           sq[i * KP + d + 1] * exp_ftz(sg[i * KP + d + 1]));
+      const float2 qi = ld2(sq + i * KP + d), gi = ld2(sg + i * KP + d);
+      put2(sQg + i * KS + d, pX, qi.x * exp_ftz(gi.x), qi.y * exp_ftz(gi.y));
     }
     stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n);
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
