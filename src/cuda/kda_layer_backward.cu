@@ -27,8 +27,11 @@ int64_t num_parts(int64_t T) { return std::min<int64_t>(ceil_div(T, kPartTokens)
 // Grid of a warp-per-row kernel of 256 threads, capped (the kernels stride over rows).
 unsigned warp_grid(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>(ceil_div(rows * 32, 256), 1 << 20)); }
 
-// Accurate forms (expf, not __expf): these gradients are compared with the CPU at 1e-4.
-__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
+// The fast forms (__expf, __fdividef: a few ulp, ~1e-6 relative, against the CPU's 1e-4 bound on these gradients;
+// the forward's SiLU is __expf's too). The accurate expf and IEEE division cost the conv + norm backward a sixth of its
+// time and the gate backward two fifths (H200, slice4_lora_step_T4096: 2.03 -> 1.74 and 0.61 -> 0.36 ms over 3 layers).
+// As x → −∞ the denominator overflows to +∞ and σ is 0, as it should be.
+__device__ __forceinline__ float sigm(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 // SiLU'(x) from s = sigm(x).
 __device__ __forceinline__ float silu_grad(float x, float s) { return s * (1.0f + x * (1.0f - s)); }
 
