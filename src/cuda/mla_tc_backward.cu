@@ -19,6 +19,7 @@
 // warpgroup MMAs instead (still fixed-order sums, each output element added once); the stats pass and 64/64 stay
 // on the mma.sync kernels.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/backward_kernels.h"
 #include "cuda/kernels.h"
@@ -470,22 +471,67 @@ __global__ void __launch_bounds__(kThreads, 1)
 // cuda/wgmma.cuh. dq is added to once per element after the walk, as query_kernel does.
 constexpr int kWgRows = 128;
 
-// The output of a 64 × N warpgroup product, row hf of this thread's two (accumulators acc[4nt + 2hf + e], columns
-// 8nt + 2tq + e), from out = the row's column 2tq: added to fp32 (add_row) or stored as bf16, each sum rounded once.
-template <int N>
-__device__ __forceinline__ void add_row(float* out, const float* acc, int hf) {
+// The epilogue of the warpgroup kernels: each output tile goes through shared memory (free once the walk is done),
+// so that the block writes whole rows with 16-byte accesses instead of the accumulators' 4- or 8-byte pairs on 8 rows
+// a warp (the scattered stores were 8 % of the key pass's warp time and 7.5 % of the dq pass's). bf16 outputs are
+// stored, fp32 ones added to, each sum rounded once as before.
+//
+// Row stride of a staged tile of W columns (W a multiple of 64): W + 8 elements, so bf16 rows 16 bytes and fp32 rows
+// 32 bytes past a multiple of 128: the pairs of a warp (of a half-warp for 8-byte ones) fall in distinct banks.
+template <int W>
+constexpr int staged_ld() {
+  return W + 8;
+}
+// A warpgroup's 64 × N product (acc[4nt + 2hf + e] = row 16wr + gq + 8hf, column 8nt + 2tq + e) into the tile at
+// column c0 (row stride LD elements).
+template <int N, int LD, class E>
+__device__ __forceinline__ void acc_to_tile(E* tile, int c0, const float* acc, int wr) {
+  const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
 #pragma unroll
-  for (int nt = 0; nt < N / 8; ++nt) {
-    out[8 * nt] += acc[4 * nt + 2 * hf];
-    out[8 * nt + 1] += acc[4 * nt + 2 * hf + 1];
+  for (int hf = 0; hf < 2; ++hf) {
+    E* row = tile + (16 * wr + gq + 8 * hf) * LD + c0 + 2 * tq;
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) {
+      const float a = acc[4 * nt + 2 * hf], b = acc[4 * nt + 2 * hf + 1];
+      if constexpr (std::is_same_v<E, float>) *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(a, b);
+      else *reinterpret_cast<__nv_bfloat162*>(row + 8 * nt) = __floats2bfloat162_rn(a, b);
+    }
   }
 }
-template <int N>
-__device__ __forceinline__ void store_row_bf16(bf16* out, const float* acc, int hf) {
+// Rows r < R of the tile (W columns, row stride LD) to out(r) (16-byte aligned; null: skipped) by the block's
+// kThreads threads, 16 bytes each: bf16 stored; fp32 added, a batch of loads in flight before its stores.
+template <int R, int W, int LD, class E, class Out>
+__device__ __forceinline__ void tile_to_rows(const E* tile, Out out) {
+  constexpr int per = 16 / static_cast<int>(sizeof(E)), pieces = W / per, n = R * pieces / kThreads;
+  static_assert(W % per == 0 && (R * pieces) % kThreads == 0, "whole rounds of 16-byte pieces");
+  constexpr int B = std::is_same_v<E, float> ? 8 : 1;
+  static_assert(n % B == 0, "whole batches");
+#pragma unroll 1
+  for (int i0 = 0; i0 < n; i0 += B) {
+    E* o[B];
+    float4 x[B];
 #pragma unroll
-  for (int nt = 0; nt < N / 8; ++nt)
-    *reinterpret_cast<__nv_bfloat162*>(out + 8 * nt) =
-        __floats2bfloat162_rn(acc[4 * nt + 2 * hf], acc[4 * nt + 2 * hf + 1]);
+    for (int b = 0; b < B; ++b) {
+      const int i = threadIdx.x + (i0 + b) * kThreads, r = i / pieces, c = (i - r * pieces) * per;
+      o[b] = out(r);
+      if (o[b]) o[b] += c;
+      x[b] = *reinterpret_cast<const float4*>(tile + r * LD + c);
+    }
+    if constexpr (std::is_same_v<E, float>) {
+      float4 y[B];
+#pragma unroll
+      for (int b = 0; b < B; ++b) y[b] = o[b] ? *reinterpret_cast<const float4*>(o[b]) : x[b];
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        if (o[b])
+          *reinterpret_cast<float4*>(o[b]) = make_float4(y[b].x + x[b].x, y[b].y + x[b].y, y[b].z + x[b].z,
+                                                         y[b].w + x[b].w);
+    } else {
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        if (o[b]) *reinterpret_cast<float4*>(o[b]) = x[b];
+    }
+  }
 }
 
 template <int DQK, int DV>
@@ -598,14 +644,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     kt = nkt;
   }
   cp_async_wait<0>();  // no tile: q and do copies still in flight
+  __syncthreads();     // every warpgroup is done with the tiles in shared memory
 
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    if (!qi[hf].valid) continue;
-    const int64_t at = (qi[hf].t * NH + h) * DQK + 2 * tq;
-    if (dq16) store_row_bf16<DQK>(dq16 + at, acc, hf);
-    else add_row<DQK>(dq + at, acc, hf);
-  }
+  constexpr int LD = staged_ld<DQK>();
+  auto epilogue = [&](auto* out) {
+    using E = std::remove_pointer_t<decltype(out)>;
+    static_assert(kWgRows * LD * sizeof(E) <= L::bytes - 1024, "the staged tile fits");
+    E* tile = reinterpret_cast<E*>(smem);
+    acc_to_tile<DQK, LD>(tile + 64 * wg * LD, 0, acc, wq);
+    __syncthreads();
+    tile_to_rows<kWgRows, DQK, LD>(tile, [&](int r) { return r0 + r < T ? out + ((r0 + r) * NH + h) * DQK : nullptr; });
+  };
+  if (dq16) epilogue(dq16);
+  else epilogue(dq);
 }
 
 // ---- Hopper (sm_90a): the key-major pass on warpgroup MMAs, for dqk = dv = D (128 or 256) ----
@@ -735,15 +786,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     qt = nqt;
   }
   cp_async_wait<0>();  // no tile: k and v copies still in flight
+  __syncthreads();     // every warpgroup is done with the tiles in shared memory
 
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int64_t j = j0 + 16 * wr + gq + 8 * hf;
-    if (j >= T) continue;
-    const int64_t at = (j * NH + h) * DKV + (wg == 0 ? DQK : 0) + 2 * tq;
-    if (dkv16) store_row_bf16<D>(dkv16 + at, acc, hf);
-    else add_row<D>(dkv + at, acc, hf);
-  }
+  // The tile [64 keys][dk | dv]: warpgroup 1's dk, warpgroup 0's dv.
+  constexpr int LD = staged_ld<DKV>();
+  auto epilogue = [&](auto* out) {
+    using E = std::remove_pointer_t<decltype(out)>;
+    static_assert(kTile * LD * sizeof(E) <= L::bytes - 1024, "the staged tile fits");
+    E* tile = reinterpret_cast<E*>(smem);
+    acc_to_tile<D, LD>(tile, wg == 0 ? DQK : 0, acc, wr);
+    __syncthreads();
+    tile_to_rows<kTile, DKV, LD>(tile, [&](int r) { return j0 + r < T ? out + ((j0 + r) * NH + h) * DKV : nullptr; });
+  };
+  if (dkv16) epilogue(dkv16);
+  else epilogue(dkv);
 }
 
 struct Layout {
