@@ -475,13 +475,6 @@ constexpr int kWgRows = 128;
 // so that the block writes whole rows with 16-byte accesses instead of the accumulators' 4- or 8-byte pairs on 8 rows
 // a warp (the scattered stores were 8 % of the key pass's warp time and 7.5 % of the dq pass's). bf16 outputs are
 // stored, fp32 ones added to, each sum rounded once as before.
-//
-// Row stride of a staged tile of W columns (W a multiple of 64): W + 8 elements, so bf16 rows 16 bytes and fp32 rows
-// 32 bytes past a multiple of 128: the pairs of a warp (of a half-warp for 8-byte ones) fall in distinct banks.
-template <int W>
-constexpr int staged_ld() {
-  return W + 8;
-}
 // A warpgroup's 64 × N product (acc[4nt + 2hf + e] = row 16wr + gq + 8hf, column 8nt + 2tq + e) into the tile at
 // column c0 (row stride LD elements).
 template <int N, int LD, class E>
@@ -532,6 +525,20 @@ __device__ __forceinline__ void tile_to_rows(const E* tile, Out out) {
         if (o[b]) *reinterpret_cast<float4*>(o[b]) = x[b];
     }
   }
+}
+// The epilogue: this warpgroup's 64 × N accumulators into rows row0 … and columns c0 … of an R × W tile at the start
+// of shared memory (ROOM bytes free there), then the tile's row r to out + ((first + r)·NH + h)·W where first + r < T.
+// The tile's row stride is W + 8 elements (W a multiple of 64): bf16 rows 16 bytes and fp32 rows 32 bytes past a
+// multiple of 128, so that the pairs of a warp (of a half-warp for 8-byte ones) fall in distinct banks.
+template <int R, int W, int N, int ROOM, class E>
+__device__ __forceinline__ void write_staged(unsigned char* smem, int row0, int c0, const float* acc, int wr, E* out,
+                                             int64_t first, int64_t T, int64_t NH, int64_t h) {
+  constexpr int LD = W + 8;
+  static_assert(R * LD * sizeof(E) <= ROOM, "the staged tile fits");
+  E* tile = reinterpret_cast<E*>(smem);
+  acc_to_tile<N, LD>(tile + row0 * LD, c0, acc, wr);
+  __syncthreads();
+  tile_to_rows<R, W, LD>(tile, [&](int r) { return first + r < T ? out + ((first + r) * NH + h) * W : nullptr; });
 }
 
 template <int DQK, int DV>
@@ -646,17 +653,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait<0>();  // no tile: q and do copies still in flight
   __syncthreads();     // every warpgroup is done with the tiles in shared memory
 
-  constexpr int LD = staged_ld<DQK>();
-  auto epilogue = [&](auto* out) {
-    using E = std::remove_pointer_t<decltype(out)>;
-    static_assert(kWgRows * LD * sizeof(E) <= L::bytes - 1024, "the staged tile fits");
-    E* tile = reinterpret_cast<E*>(smem);
-    acc_to_tile<DQK, LD>(tile + 64 * wg * LD, 0, acc, wq);
-    __syncthreads();
-    tile_to_rows<kWgRows, DQK, LD>(tile, [&](int r) { return r0 + r < T ? out + ((r0 + r) * NH + h) * DQK : nullptr; });
-  };
-  if (dq16) epilogue(dq16);
-  else epilogue(dq);
+  constexpr int room = L::bytes - 1024;
+  if (dq16) write_staged<kWgRows, DQK, DQK, room>(smem, 64 * wg, 0, acc, wq, dq16, r0, T, NH, h);
+  else write_staged<kWgRows, DQK, DQK, room>(smem, 64 * wg, 0, acc, wq, dq, r0, T, NH, h);
 }
 
 // ---- Hopper (sm_90a): the key-major pass on warpgroup MMAs, for dqk = dv = D (128 or 256) ----
@@ -789,17 +788,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();     // every warpgroup is done with the tiles in shared memory
 
   // The tile [64 keys][dk | dv]: warpgroup 1's dk, warpgroup 0's dv.
-  constexpr int LD = staged_ld<DKV>();
-  auto epilogue = [&](auto* out) {
-    using E = std::remove_pointer_t<decltype(out)>;
-    static_assert(kTile * LD * sizeof(E) <= L::bytes - 1024, "the staged tile fits");
-    E* tile = reinterpret_cast<E*>(smem);
-    acc_to_tile<D, LD>(tile, wg == 0 ? DQK : 0, acc, wr);
-    __syncthreads();
-    tile_to_rows<kTile, DKV, LD>(tile, [&](int r) { return j0 + r < T ? out + ((j0 + r) * NH + h) * DKV : nullptr; });
-  };
-  if (dkv16) epilogue(dkv16);
-  else epilogue(dkv);
+  constexpr int room = L::bytes - 1024, c0 = DQK;
+  if (dkv16) write_staged<kTile, DKV, D, room>(smem, 0, wg == 0 ? c0 : 0, acc, wr, dkv16, j0, T, NH, h);
+  else write_staged<kTile, DKV, D, room>(smem, 0, wg == 0 ? c0 : 0, acc, wr, dkv, j0, T, NH, h);
 }
 
 struct Layout {
