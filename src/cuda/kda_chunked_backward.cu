@@ -827,8 +827,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC);
   stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n);
   __syncthreads();
-  // dq and dk leave through sst: a thread's accumulator elements are pairs on 8 rows of a warp, 16-byte rows of the
-  // staged tile whole rows (add_tile), so the global accesses are a quarter as many and whole sectors.
+  // dq and dk leave through sst: the accumulators are pairs on 8 rows a warp, while add_tile moves the staged tile in
+  // 16-byte pieces along whole rows, a quarter of the global accesses and in whole sectors.
   {  // dW = −du·S0ᵀ (into its slot, split) and dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ = dQg∘Qg (du and dO as two m-tiles)
     float acc[2][NT][4] = {};
     mma3<2, NT, false, true>(acc, sx + r0 * KS, KS, 2 * pX, pX, sS + c0 * KS, KS, pS, 0, K / 16);
@@ -1042,8 +1042,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   cp_async_wait<0>();
   __syncthreads();
   // Aᵀ is upper triangular: row tile rt needs the k-steps rt …; rows ≥ n of du and dW are zero.
-  // dv, dq and dk leave through fp32 staging tiles (add_tile: whole 16-byte rows, a quarter of the accesses of the
-  // accumulators' pairs on 8 rows a warp).
+  // dv, dq and dk leave through fp32 staging tiles (add_tile: 16-byte pieces along whole rows, a quarter of the
+  // global accesses of the accumulators' pairs on 8 rows a warp).
   {  // d(βv) = Aᵀ·du: dv += β·d(βv), dβ += rowsum(v∘d(βv))
     float acc[1][NT][4] = {}, rs[2] = {0.0f, 0.0f};
     mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdu + c0, KS, pX, rt, nb);
