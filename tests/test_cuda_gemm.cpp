@@ -416,6 +416,34 @@ TEST_P(CudaGroupedGemm, ManyExpertsInTheSchedule) {
   EXPECT_LE(test::max_rel_error(got.data(), want.data(), want.size()), 1e-3);
 }
 
+// Experts with an odd number of M tiles (3, 5 and 1; short last tiles of 44, 12 and 64 rows) beside even ones, over
+// three N tiles of the widest kernels (N = 600, I = 296): the paired schedule's last-tile units go between its weight
+// pairs, and a last tile of at most 64 rows loads half an A tile. fp32 and w_kn fp32 at ~1e-6, SwiGLU at bf16.
+TEST_P(CudaGroupedGemm, OddTileCountsOverSeveralNTiles) {
+  const std::vector<int> rows{300, 64, 524, 0, 129, 12, 385, 256};
+  for (bool w_kn : {false, true}) {
+    const Problem p = make_problem(rows, 600, 136, 1.0f, w_kn ? 93 : 91);
+    const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, kernel(), 0.0f, {.w_kn = w_kn});
+    ASSERT_EQ(got.size(), size_t(p.n) * p.N);
+    const std::vector<float> want = reference(p);
+    const double err = test::norm_rel_error(got.data(), want.data(), want.size());
+    const double max_err = test::max_rel_error(got.data(), want.data(), want.size());
+    std::printf("[grouped_gemm %s] odd M tiles, 3 N tiles%s: norm rel err %.3g, max rel err %.3g\n",
+                cuda::grouped_gemm_kernel_name(kernel()), w_kn ? " (w_kn)" : "", err, max_err);
+    EXPECT_LE(err, 1e-4);
+    EXPECT_LE(max_err, 1e-3);
+  }
+  const int I = 296;  // 2I a multiple of 16, as the SwiGLU epilogue needs
+  const Problem g = make_problem(rows, 2 * I, 136, 1.0f, 95);
+  const std::vector<float> act = run_gpu(g, GroupedEpilogue::kSwiGLU, kernel(), 10.0f);
+  ASSERT_EQ(act.size(), size_t(g.n) * I);
+  const std::vector<float> want = swiglu_reference(reference(g), g.n, I, 10.0f);
+  const double err = test::norm_rel_error(act.data(), want.data(), want.size());
+  std::printf("[grouped_gemm %s] odd M tiles, swiglu: norm rel err %.3g\n", cuda::grouped_gemm_kernel_name(kernel()),
+              err);
+  EXPECT_LE(err, 1e-2);
+}
+
 // ---- The w_kn form: C = A·W_e with W_e [K, N] (the backward's dact = dout·W_down_e and dxp = dgu·W_gu_e). The
 // problems keep W as [E, N, K] for the reference and upload each W_e transposed, so the reference is unchanged.
 

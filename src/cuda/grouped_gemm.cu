@@ -553,7 +553,9 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 // the waits at CTA scope, and the skipped MMAs of empty halves):
 //   - an expert's M tiles 2i and 2i + 1 with the same N tile share the weight tile (the routed experts get ~T·k/E
 //     rows each, often a little over 128, so that the one-CTA kernel reads most weight slabs twice);
-//   - an expert's last (or only) M tile with N tiles 2j and 2j + 1 shares the A tile.
+//   - an expert's last (or only) M tile with N tiles 2j and 2j + 1 shares the A tile (with an odd number of M tiles
+//     above one, its unit comes right after the pairs of those N tiles: it reads their weight slabs from L2);
+//   - a tile of at most 64 rows loads only the first half of its A tile (its second warpgroup runs no MMAs).
 // The weights come through a tensor map over all experts at once (GroupedGemm::W_all: the experts back to back);
 // the SwiGLU epilogue's gate/up interleave (b_row) is a 5-d map, [expert][8-row block][gate|up][8 rows][K] read as
 // (K, 8, 2, blocks, E). Rows past an expert's end are read (the next expert's, or zeros past n) and not stored.
@@ -586,10 +588,16 @@ __device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict
   const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2;
   int mt, nt;
   bool shared_b;
-  if (local < pairs * n_tiles) {  // N tile major, the M pair inner: the pairs reading one weight slab side by side
+  if (!(mtiles & 1)) {  // N tile major, the M pair inner: the pairs reading one weight slab side by side
     nt = local / pairs, mt = 2 * (local % pairs) + rank, shared_b = true;
   } else {
-    nt = 2 * (local - pairs * n_tiles) + rank, mt = mtiles - 1, shared_b = false;
+    // With a last odd M tile, the units go by N-tile pairs: the M pairs of N tiles 2j and 2j + 1, then the last M
+    // tile's unit over both, so that it reads the weight slabs while the pairs have them in L2 (after all the pairs,
+    // as before, it read the expert's weights from memory once more).
+    const int j = local / (2 * pairs + 1), w = local - j * (2 * pairs + 1);
+    const int in_group = 2 * j + 1 < n_tiles ? 2 * pairs : pairs;  // the group's pair units (one N tile at the end)
+    if (w < in_group) nt = 2 * j + w / pairs, mt = 2 * (w % pairs) + rank, shared_b = true;
+    else nt = 2 * j + rank, mt = mtiles - 1, shared_b = false;
   }
   return PairTile{lo, nt, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM, shared_b};
 }
@@ -641,12 +649,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if (kt < KT) {
           if (tid != 0) continue;
           const int k0 = kt * C::BK;
-          mbar_arrive_expect_tx(full, C::stage_bytes);
+          // A tile of at most 64 rows: its second half, whose consumer warpgroup runs no MMAs, is not loaded.
+          const bool half_a = tl.rows <= 64;
+          mbar_arrive_expect_tx(full, C::stage_bytes - (half_a ? 8192 : 0));
           const bool sh_b = tl.shared_b;  // else the A tile is the shared one
           if (sh_b) {
             tma_load_2d(a_s, &map_a, full, k0, row0);
-            tma_load_2d(a_s + 8192, &map_a, full, k0, row0 + 64);
-          } else {
+            if (!half_a) tma_load_2d(a_s + 8192, &map_a, full, k0, row0 + 64);
+          } else if (rank == 0 || !half_a) {
             tma_load_2d_mc(a_s + rank * 8192, &map_a, full, k0, row0 + 64 * static_cast<int>(rank), 3);
           }
           if constexpr (KN) {  // four 64-column blocks of k rows
