@@ -170,69 +170,73 @@ std::vector<float> swiglu_inputs(int64_t n, int64_t I, float L) {
   return gu;
 }
 
+// I = 24 takes the kernel's four-columns-at-a-time form, I = 10 the scalar one.
 TEST(CudaBackwardMoe, SwigluBackwardMatchesCpuMlpBackward) {
-  const int64_t n = 37 * 3, I = 24;
-  const float L = 7.0f;
-  const std::vector<float> gu = swiglu_inputs(n, I, L);
-  const std::vector<float> dact = test::randn(n * I, 12);
-  const std::vector<float> gpu = cuda_testing::swiglu_backward(gu, dact, n, I, L);
+  for (const int64_t I : {24, 10}) {
+    SCOPED_TRACE("I " + std::to_string(I));
+    const int64_t n = 37 * 3;
+    const float L = 7.0f;
+    const std::vector<float> gu = swiglu_inputs(n, I, L);
+    const std::vector<float> dact = test::randn(n * I, 12);
+    const std::vector<float> gpu = cuda_testing::swiglu_backward(gu, dact, n, I, L);
 
-  // mlp_backward on x = I [n, n]: gate·x = gateᵀ, so gate[c, t] = gu[t, c] (up likewise); with dy = I the gradient
-  // of act is down itself, so down = dact; and dgate = dgᵀ (dup = duᵀ).
-  MlpWeights w{Tensor({I, n}), Tensor({I, n}), Tensor({n, I})};
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < I; ++c) {
-      w.gate.data[c * n + t] = gu[t * 2 * I + c];
-      w.up.data[c * n + t] = gu[t * 2 * I + I + c];
-    }
-  w.down.data = dact;
-  MlpWeights dw = zeros_like(w);
-  const std::vector<float> x = identity(n);
-  mlp_backward(w, L, x.data(), n, n, x.data(), nullptr, dw);
-  std::vector<float> ref(n * 2 * I);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < I; ++c) {
-      ref[t * 2 * I + c] = dw.gate.data[c * n + t];
-      ref[t * 2 * I + I + c] = dw.up.data[c * n + t];
-    }
-  expect_bf16_close(gpu, ref, "dgu");
-
-  // The clamps are active on both halves and give exact zeros; the boundary values pass.
-  int gate_clamped = 0, up_clamped = 0;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < I; ++c) {
-      const float g = gu[t * 2 * I + c], u = gu[t * 2 * I + I + c];
-      if (g > L) {
-        ++gate_clamped;
-        EXPECT_EQ(gpu[t * 2 * I + c], 0.0f);
+    // mlp_backward on x = I [n, n]: gate·x = gateᵀ, so gate[c, t] = gu[t, c] (up likewise); with dy = I the gradient
+    // of act is down itself, so down = dact; and dgate = dgᵀ (dup = duᵀ).
+    MlpWeights w{Tensor({I, n}), Tensor({I, n}), Tensor({n, I})};
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < I; ++c) {
+        w.gate.data[c * n + t] = gu[t * 2 * I + c];
+        w.up.data[c * n + t] = gu[t * 2 * I + I + c];
       }
-      if (u > L || u < -L) {
-        ++up_clamped;
-        EXPECT_EQ(gpu[t * 2 * I + I + c], 0.0f);
+    w.down.data = dact;
+    MlpWeights dw = zeros_like(w);
+    const std::vector<float> x = identity(n);
+    mlp_backward(w, L, x.data(), n, n, x.data(), nullptr, dw);
+    std::vector<float> ref(n * 2 * I);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < I; ++c) {
+        ref[t * 2 * I + c] = dw.gate.data[c * n + t];
+        ref[t * 2 * I + I + c] = dw.up.data[c * n + t];
       }
-    }
-  EXPECT_GE(gate_clamped, 5);
-  EXPECT_GE(up_clamped, 10);
+    expect_bf16_close(gpu, ref, "dgu");
 
-  // Under expert parallelism only the first rows_held rows are this rank's: the others' gu and dact are never
-  // computed here (NaN below stands for whatever the arena holds) and their gradient is zero; the held rows' bits
-  // are unchanged.
-  std::vector<float> gu_ep = gu, dact_ep = dact;
-  const int64_t held = 40;
-  for (int64_t i = held * 2 * I; i < n * 2 * I; ++i) gu_ep[i] = NAN;
-  for (int64_t i = held * I; i < n * I; ++i) dact_ep[i] = NAN;
-  const std::vector<float> ep = cuda_testing::swiglu_backward(gu_ep, dact_ep, n, I, L, static_cast<int32_t>(held));
-  ASSERT_EQ(ep.size(), gpu.size());
-  for (int64_t i = 0; i < n * 2 * I; ++i) {
-    if (i < held * 2 * I)
-      ASSERT_EQ(ep[i], gpu[i]) << "held row element " << i;
-    else
-      ASSERT_EQ(ep[i], 0.0f) << "other rank's row element " << i;
+    // The clamps are active on both halves and give exact zeros; the boundary values pass.
+    int gate_clamped = 0, up_clamped = 0;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < I; ++c) {
+        const float g = gu[t * 2 * I + c], u = gu[t * 2 * I + I + c];
+        if (g > L) {
+          ++gate_clamped;
+          EXPECT_EQ(gpu[t * 2 * I + c], 0.0f);
+        }
+        if (u > L || u < -L) {
+          ++up_clamped;
+          EXPECT_EQ(gpu[t * 2 * I + I + c], 0.0f);
+        }
+      }
+    EXPECT_GE(gate_clamped, 5);
+    EXPECT_GE(up_clamped, 10);
+
+    // Under expert parallelism only the first rows_held rows are this rank's: the others' gu and dact are never
+    // computed here (NaN below stands for whatever the arena holds) and their gradient is zero; the held rows' bits
+    // are unchanged.
+    std::vector<float> gu_ep = gu, dact_ep = dact;
+    const int64_t held = 40;
+    for (int64_t i = held * 2 * I; i < n * 2 * I; ++i) gu_ep[i] = NAN;
+    for (int64_t i = held * I; i < n * I; ++i) dact_ep[i] = NAN;
+    const std::vector<float> ep = cuda_testing::swiglu_backward(gu_ep, dact_ep, n, I, L, static_cast<int32_t>(held));
+    ASSERT_EQ(ep.size(), gpu.size());
+    for (int64_t i = 0; i < n * 2 * I; ++i) {
+      if (i < held * 2 * I)
+        ASSERT_EQ(ep[i], gpu[i]) << "held row element " << i;
+      else
+        ASSERT_EQ(ep[i], 0.0f) << "other rank's row element " << i;
+    }
+    EXPECT_NE(gpu[0 * 2 * I + 0], 0.0f);
+    EXPECT_NE(gpu[1 * 2 * I + 1], 0.0f);
+    EXPECT_NE(gpu[2 * 2 * I + I + 2], 0.0f);
+    EXPECT_NE(gpu[3 * 2 * I + I + 3], 0.0f);
   }
-  EXPECT_NE(gpu[0 * 2 * I + 0], 0.0f);
-  EXPECT_NE(gpu[1 * 2 * I + 1], 0.0f);
-  EXPECT_NE(gpu[2 * 2 * I + I + 2], 0.0f);
-  EXPECT_NE(gpu[3 * 2 * I + I + 3], 0.0f);
 }
 
 // ---- MoE combine and gather ----

@@ -132,24 +132,51 @@ __global__ void embedding_backward_kernel(const int32_t* tok, const float* dh, f
 
 // ---- Clamped SwiGLU: act = silu(min(g, L))·clamp(u, −L, L) ----
 
-__global__ void swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float L,
-                                       const int32_t* rows_held) {
+// dgate and dup of one element. The min / clamp pass the gradient at exactly ±L (torch.clamp's convention), and also
+// where g or u is NaN the comparisons fail and give 0, as the CPU's.
+__device__ __forceinline__ void swiglu_grad(float g, float u, float da, float L, bf16& dg, bf16& du) {
+  const float gc = fminf(g, L), uc = fminf(fmaxf(u, -L), L);
+  const float sg = 1.0f / (1.0f + expf(-gc));
+  dg = __float2bfloat16(g <= L ? da * uc * (sg * (1.0f + gc * (1.0f - sg))) : 0.0f);
+  du = __float2bfloat16((u >= -L && u <= L) ? da * (gc * sg) : 0.0f);
+}
+
+// Blocks over rows (grid-stride), threads over a row's columns; VEC (I a multiple of 4, gu and dact 16-byte aligned,
+// dgu 8-byte aligned): four columns at a time, 16-byte loads of gate, up and dact and 8-byte stores.
+template <bool VEC>
+__global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu,
+                                                                   int64_t n, int64_t I, float L,
+                                                                   const int32_t* rows_held) {
   const int64_t held = rows_held ? *rows_held : n;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * I; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / I, c = i % I;
-    if (r >= held) {  // another rank's row: its gu was never computed here
-      dgu[r * 2 * I + c] = dgu[r * 2 * I + I + c] = __float2bfloat16(0.0f);
-      continue;
+  constexpr int W = VEC ? 4 : 1;
+  const int cols = static_cast<int>(I / W);
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* g_row = gu + r * 2 * I;
+    const float* da_row = dact + r * I;
+    bf16* dg_row = dgu + r * 2 * I;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      if constexpr (VEC) {
+        __align__(8) bf16 dg[4], du[4];
+        if (r >= held) {  // another rank's row: its gu was never computed here
+          for (int j = 0; j < 4; ++j) dg[j] = du[j] = __float2bfloat16(0.0f);
+        } else {
+          const float4 g = reinterpret_cast<const float4*>(g_row)[c];
+          const float4 u = reinterpret_cast<const float4*>(g_row + I)[c];
+          const float4 da = reinterpret_cast<const float4*>(da_row)[c];
+          swiglu_grad(g.x, u.x, da.x, L, dg[0], du[0]);
+          swiglu_grad(g.y, u.y, da.y, L, dg[1], du[1]);
+          swiglu_grad(g.z, u.z, da.z, L, dg[2], du[2]);
+          swiglu_grad(g.w, u.w, da.w, L, dg[3], du[3]);
+        }
+        reinterpret_cast<uint2*>(dg_row)[c] = *reinterpret_cast<const uint2*>(dg);
+        reinterpret_cast<uint2*>(dg_row + I)[c] = *reinterpret_cast<const uint2*>(du);
+      } else {
+        bf16 dg = __float2bfloat16(0.0f), du = dg;
+        if (r < held) swiglu_grad(g_row[c], g_row[I + c], da_row[c], L, dg, du);
+        dg_row[c] = dg;
+        dg_row[I + c] = du;
+      }
     }
-    const float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c], da = dact[i];
-    const float gc = fminf(g, L), uc = fminf(fmaxf(u, -L), L);
-    const float sg = 1.0f / (1.0f + expf(-gc));
-    // The min / clamp pass the gradient at exactly ±L (torch.clamp's convention), and also where g or u is NaN the
-    // comparisons fail and give 0, as the CPU's.
-    const float dg = g <= L ? da * uc * (sg * (1.0f + gc * (1.0f - sg))) : 0.0f;
-    const float du = (u >= -L && u <= L) ? da * (gc * sg) : 0.0f;
-    dgu[r * 2 * I + c] = __float2bfloat16(dg);
-    dgu[r * 2 * I + I + c] = __float2bfloat16(du);
   }
 }
 
@@ -288,7 +315,11 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
                      cudaStream_t st, const int32_t* rows_held) {
   if (n * I <= 0) return;
-  swiglu_backward_kernel<<<grid_for(n * I), kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
+  const bool vec = I % 4 == 0 && reinterpret_cast<uintptr_t>(gu) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dact) % 16 == 0 && reinterpret_cast<uintptr_t>(dgu) % 8 == 0;
+  const int grid = static_cast<int>(std::min<int64_t>(n, 65535));
+  if (vec) swiglu_backward_kernel<true><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
+  else swiglu_backward_kernel<false><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
