@@ -416,6 +416,108 @@ TEST(CudaGroupedLoraRouting, CapturedGraphMatchesEager) {
   EXPECT_TRUE(same_bits(eager, replay)) << "graph replay differs from the eager run";
 }
 
+// Two adapters on the same rows and input (an MoE layer's gate and up, both on x, on the two halves of dy = dgu):
+// grouped_lora_factor2 / grouped_lora_backward2 give the bits of one call per adapter, at ranks 8 and 16 (one
+// padded rank, RP 16) and 24 and 32 (RP 32), with dx and without, over uneven experts (empty, one row, several
+// tiles). Every output buffer starts from the same values in both runs (u and gs poisoned, the sums random). And
+// with `overwrite`, the gradients are set instead of added to.
+TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
+  const std::vector<int> rows{0, 5, 130, 0, 64, 200, 1};
+  const int E = static_cast<int>(rows.size()), in = 200, out = 136;
+  std::vector<int32_t> off{0};
+  for (int r : rows) off.push_back(off.back() + r);
+  const int64_t n = off.back() + 3, ldx = in + 8, lddy = 2 * out, lddx = in;  // 3 rows of another rank
+  for (const int r : {8, 16, 24, 32})
+    for (const bool with_dx : {true, false}) {
+      SCOPED_TRACE("r " + std::to_string(r) + (with_dx ? " with dx" : " without dx"));
+      const int ldr = cuda::grouped_lora_ld(r);
+      const unsigned seed = 100 + r;
+      const std::vector<uint16_t> x = to_bf16(test::randn(n * ldx, seed));
+      const std::vector<uint16_t> dy = to_bf16(test::randn(n * lddy, seed + 1));
+      std::vector<uint16_t> ab[4];  // A0, B0, A1, B1
+      for (int i = 0; i < 4; ++i)
+        ab[i] = to_bf16(test::randn(int64_t(E) * r * (i % 2 ? out : in), seed + 2 + i, i % 2 ? 0.05f : 0.07f));
+      const std::vector<float> g0 = test::randn(int64_t(E) * r * (in + out) * 2, seed + 6, 0.1f);
+      const std::vector<float> zero(g0.size(), 0.0f), nan(g0.size(), poison32());
+      const std::vector<float> dx0 = test::randn(n * lddx, seed + 7);
+      // paired: the two-part forms; overwrite: onto gradients that start as NaN.
+      auto run = [&](bool paired, const std::vector<float>& grads0, bool overwrite = false) {
+        DevBuf dx_(x.size() * 2), ddy(dy.size() * 2), doff(off.size() * 4), dxo(dx0.size() * 4), grads(g0.size() * 4),
+            u(2 * n * ldr * 2), gs(2 * n * ldr * 2), w(4 * ab[0].size() * 2 + 4 * ab[1].size() * 2),
+            ptrs(6 * E * sizeof(void*));
+        upload(dx_, x), upload(ddy, dy), upload(doff, off), upload(dxo, dx0), upload(grads, grads0);
+        EXPECT_EQ(cudaMemset(u.p, 0xFF, u.bytes), cudaSuccess);
+        EXPECT_EQ(cudaMemset(gs.p, 0xFF, gs.bytes), cudaSuccess);
+        std::vector<const void*> p(6 * E);  // A0[E], B0[E], A1[E], B1[E], then dA0 | dB0 | dA1 | dB1 as float*
+        cuda::bf16* wp = w.as<cuda::bf16>();
+        for (int i = 0; i < 4; ++i) {
+          EXPECT_EQ(cudaMemcpy(wp, ab[i].data(), ab[i].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+          const int64_t each = int64_t(r) * (i % 2 ? out : in);
+          for (int e = 0; e < E; ++e) p[i * E + e] = wp + e * each;
+          wp += ab[i].size();
+        }
+        std::vector<float*> gp(4 * E);
+        float* gq = grads.as<float>();
+        for (int i = 0; i < 4; ++i) {
+          const int64_t each = int64_t(r) * (i % 2 ? out : in);
+          for (int e = 0; e < E; ++e) gp[i * E + e] = gq + e * each;
+          gq += E * each;
+        }
+        DevBuf gptr(4 * E * sizeof(void*));
+        upload(ptrs, p), upload(gptr, gp);
+        const auto* pa = ptrs.as<const cuda::bf16* const>();
+        float* const* pg = gptr.as<float* const>();
+        const cuda::GroupedLora a0{doff.as<int32_t>(), E, r, in, out, pa, pa + E, 1.5f};
+        const cuda::GroupedLora a1{doff.as<int32_t>(), E, r, in, out, pa + 2 * E, pa + 3 * E, 1.5f};
+        EXPECT_TRUE(cuda::grouped_lora_pairable(a0, a1));
+        cuda::bf16 *u0 = u.as<cuda::bf16>(), *u1 = u0 + n * ldr, *gs0 = gs.as<cuda::bf16>(), *gs1 = gs0 + n * ldr;
+        const cuda::bf16 *xb = dx_.as<cuda::bf16>(), *dyb = ddy.as<cuda::bf16>();
+        float* dxp = with_dx ? dxo.as<float>() : nullptr;
+        if (paired) {
+          cuda::grouped_lora_factor2(a0, a1, xb, ldx, n, u0, u1, nullptr);
+          cuda::grouped_lora_backward2(a0, a1, pg, pg + E, pg + 2 * E, pg + 3 * E, xb, ldx, u0, u1, dyb, lddy, n, gs0,
+                                       gs1, dxp, lddx, 0, out, nullptr, overwrite);
+        } else {
+          cuda::grouped_lora_factor(a0, xb, ldx, n, u0, nullptr);
+          cuda::grouped_lora_factor(a1, xb, ldx, n, u1, nullptr);
+          cuda::grouped_lora_backward(a0, pg, pg + E, xb, ldx, u0, dyb, lddy, n, gs0, dxp, lddx, 0, nullptr,
+                                      overwrite);
+          cuda::grouped_lora_backward(a1, pg + 2 * E, pg + 3 * E, xb, ldx, u1, dyb, lddy, n, gs1, dxp, lddx, out,
+                                      nullptr, overwrite);
+        }
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<uint16_t> uu = download<uint16_t>(u, 2 * n * ldr), gg = download<uint16_t>(gs, 2 * n * ldr);
+        const std::vector<float> dd = download<float>(dxo, dx0.size()), gr = download<float>(grads, g0.size());
+        std::vector<uint32_t> all;
+        for (uint16_t v : uu) all.push_back(v);
+        for (uint16_t v : gg) all.push_back(v);
+        for (float v : dd) all.push_back(bits(v));
+        for (float v : gr) all.push_back(bits(v));
+        return all;
+      };
+      const std::vector<uint32_t> one = run(false, g0), two = run(true, g0);
+      ASSERT_EQ(one.size(), two.size());
+      size_t differ = 0;
+      for (size_t i = 0; i < one.size(); ++i) differ += one[i] != two[i];
+      EXPECT_EQ(differ, 0u) << "of " << one.size() << " output values";
+      // Overwriting NaN gradients gives the sums added onto zeros (equal values: 0 + (−0) is +0), the empty experts'
+      // zeros included; both forms.
+      const std::vector<uint32_t> from_zero = run(false, zero);
+      for (const bool paired : {false, true}) {
+        const std::vector<uint32_t> over = run(paired, nan, true);
+        ASSERT_EQ(over.size(), from_zero.size());
+        const size_t grads_at = from_zero.size() - g0.size();
+        size_t bad = 0;
+        for (size_t i = 0; i < over.size(); ++i) {
+          float a, b;
+          std::memcpy(&a, &over[i], 4), std::memcpy(&b, &from_zero[i], 4);
+          bad += i < grads_at ? over[i] != from_zero[i] : !(a == b);
+        }
+        EXPECT_EQ(bad, 0u) << (paired ? "paired" : "one call each") << ", overwriting";
+      }
+    }
+}
+
 // No rows: nothing is launched and nothing is touched.
 TEST(CudaGroupedLoraRouting, NoRowsIsANoOp) {
   const Host h = make_host(Case{"empty", {0, 0, 0}, 0, 16, 64, 64, 64, 64, 0, 64}, 41);

@@ -11,6 +11,7 @@
 // kernel is checked one by one at 1e-4 against the CPU in the CudaBackward* suites.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -351,6 +352,49 @@ TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
       std::printf("[cuda recompute lora] %s%s: adapters' gradients %.3g from recompute all\n", at.c_str(), policy,
                   std::sqrt(diff / norm));
     }
+  }
+}
+
+// The grouped per-expert adapters' gradients are not cleared by zero_grads but overwritten by the next backward
+// (LoraState::overwritten); the others are cleared and added to. Both kinds then behave as cleared gradients: a
+// second backward adds (twice the first, up to the order of the atomic additions upstream), zero_grads and a
+// backward give the first again (up to the same), and gradients read after zero_grads with no backward are zeros. Per-expert adapters at rank 4 (the grouped kernels after the GEMMs) and 16 (folded), and
+// shared ones.
+TEST(CudaTrain, LoraGradientsAccumulateAndZero) {
+  for (const auto& [experts, rank] : {std::pair{LoraExperts::PerExpert, int64_t{4}},
+                                      std::pair{LoraExperts::PerExpert, int64_t{16}},
+                                      std::pair{LoraExperts::Shared, int64_t{4}}}) {
+    SCOPED_TRACE(std::string(experts == LoraExperts::Shared ? "shared" : "per-expert") + " rank " +
+                 std::to_string(rank));
+    LoraOnGpu t("bf16_stable", experts, rank);
+    CudaModel& gpu = t.gpu;
+    auto grads = [&] {
+      LoraAdapter a = test::without_gradients(t.lora);
+      gpu.lora_gradients(a);
+      std::vector<float> v;
+      for (const LoraModule& mod : a.modules())
+        for (const Tensor* g : {&mod.dA, &mod.dB}) v.insert(v.end(), g->data.begin(), g->data.end());
+      return v;
+    };
+    gpu.zero_grads();
+    const std::vector<float> none = grads();
+    ASSERT_FALSE(none.empty());
+    EXPECT_TRUE(std::all_of(none.begin(), none.end(), [](float x) { return x == 0.0f; }));
+    const double l1 = gpu.forward_backward(t.batch);
+    const std::vector<float> once = grads();
+    EXPECT_EQ(gpu.forward_backward(t.batch), l1);
+    std::vector<float> doubled = once;
+    for (float& x : doubled) x *= 2.0f;
+    const std::vector<float> twice = grads();
+    EXPECT_LE(test::norm_rel_error(twice.data(), doubled.data(), doubled.size()), 1e-2);
+    gpu.zero_grads();
+    EXPECT_EQ(gpu.forward_backward(t.batch), l1);
+    const std::vector<float> again = grads();
+    EXPECT_LE(test::norm_rel_error(again.data(), once.data(), once.size()), 1e-2);
+    gpu.zero_grads();  // and once more with nothing run in between: still zeros
+    gpu.zero_grads();
+    const std::vector<float> zeros = grads();
+    EXPECT_TRUE(std::all_of(zeros.begin(), zeros.end(), [](float x) { return x == 0.0f; }));
   }
 }
 

@@ -92,18 +92,21 @@ constexpr int down_stage_elems() {
   return (kBM + RP) * kDownLd;
 }
 
-template <int RP, bool kFlatW>
+template <int RP, bool kFlatW, int PARTS = 1>
 __global__ void __launch_bounds__(kDownThreads)
     down_kernel(const bf16* __restrict__ X, int64_t ldx, const int32_t* __restrict__ offsets, int E,
-                const bf16* const* __restrict__ W, int r, int K, float scale, bf16* __restrict__ P, int ldp) {
+                const bf16* const* __restrict__ W, int r, int K, float scale, bf16* __restrict__ P, int ldp,
+                const bf16* const* __restrict__ W1 = nullptr, bf16* __restrict__ P1 = nullptr) {
+  static_assert(PARTS == 1 || (PARTS == 2 && !kFlatW), "two parts: A_e factors only");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
-  constexpr int NT = RP / 8, STAGE = down_stage_elems<RP>();
+  constexpr int NT = PARTS * RP / 8, STAGE = down_stage_elems<PARTS * RP>();
   int e, rows;
   int64_t row0;
   if (!find_tile<kDownThreads>(offsets, E, blockIdx.x, reinterpret_cast<int*>(smem_raw), e, row0, rows)) return;
   __syncthreads();  // s_start (the same shared memory as the stages) has been read by every thread
   const bf16* We = W[e];
+  const bf16* We1 = PARTS == 2 ? W1[e] : nullptr;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int KT = (K + kDownBK - 1) / kDownBK;
 
@@ -123,11 +126,12 @@ __global__ void __launch_bounds__(kDownThreads)
         const bool v = p * 8 < valid;
         cp_async16(ws + p * 8, v ? We + int64_t(k0) * r + p * 8 : We, v);
       }
-    } else {
-      for (int p = tid; p < RP * (kDownBK / 8); p += kDownThreads) {
-        const int j = p / (kDownBK / 8), c = p % (kDownBK / 8) * 8;
-        const bool v = j < r && k0 + c < K;
-        cp_async16(ws + j * kDownLd + c, v ? We + int64_t(j) * K + k0 + c : We, v);
+    } else {  // part q's rows at q·RP (rows j ≥ r of each zero-filled)
+      for (int p = tid; p < PARTS * RP * (kDownBK / 8); p += kDownThreads) {
+        const int j = p / (kDownBK / 8), c = p % (kDownBK / 8) * 8, q = j / RP, jj = j % RP;
+        const bf16* Wq = q ? We1 : We;
+        const bool v = jj < r && k0 + c < K;
+        cp_async16(ws + j * kDownLd + c, v ? Wq + int64_t(jj) * K + k0 + c : We, v);
       }
     }
   };
@@ -180,16 +184,16 @@ __global__ void __launch_bounds__(kDownThreads)
     }
   }
   if (!active) return;
-  // Columns r … ldp − 1 of P are written as zeros (ldp ≤ RP).
+  // Columns r … ldp − 1 of P are written as zeros (ldp ≤ RP); part q's columns go to its own P.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = warp * 16 + g + 8 * h;
     if (row >= rows) continue;
-    bf16* out = P + (row0 + row) * ldp;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int col = nt * 8 + 2 * t4;
+      const int q = nt * 8 / RP, col = nt * 8 % RP + 2 * t4;
       if (col >= ldp) continue;
+      bf16* out = (q ? P1 : P) + (row0 + row) * ldp;
       store_bf16x2(out + col, col < r ? scale * acc[nt][2 * h] : 0.0f,
                    col + 1 < r ? scale * acc[nt][2 * h + 1] : 0.0f);
     }
@@ -339,8 +343,9 @@ __global__ void __launch_bounds__(kUpThreads, 2)
 // One block per (column tile of kGradBQ, expert): M = q (four warps × 32), N = j, K = the expert's rows, walked in
 // order from offsets[e] in chunks of kGradBK through a cp.async pipeline (X chunks read with ldmatrix.trans as the
 // transposed A operand, P chunks [row][j] with ldmatrix.trans as B). Rows past the expert and columns past Q or ldp
-// zero-fill. The block is the only writer of its G_e elements (one read-add-write each, after the sum), and its sum
-// runs over the chunks in order with a fixed MMA order inside: the bits depend on the expert's rows alone.
+// zero-fill. The block is the only writer of its G_e elements (one read-add-write each, after the sum, or with
+// `overwrite` one store of the sum: zeros for an expert without rows), and its sum runs over the chunks in order with
+// a fixed MMA order inside: the bits depend on the expert's rows alone.
 constexpr int kGradThreads = 128;
 constexpr int kGradBQ = 128;
 constexpr int kGradBK = 32;
@@ -352,16 +357,19 @@ constexpr int grad_smem_bytes() {
   return kGradStages * kGradBK * (kGradLdX + RP + 8) * 2;
 }
 
-template <int RP, bool kJMajor>
+// PARTS = 2: two gradients over the same X, G_e from P and G1_e from P1 (both [n, ldp]), as two launches would form
+// them (each column j's sum is the same chain of MMAs), from one pass over X.
+template <int RP, bool kJMajor, int PARTS = 1>
 __global__ void __launch_bounds__(kGradThreads)
     grad_kernel(const bf16* __restrict__ X, int64_t ldx, const bf16* __restrict__ P, int ldp,
-                const int32_t* __restrict__ offsets, float* const* __restrict__ G, int r, int Q) {
+                const int32_t* __restrict__ offsets, float* const* __restrict__ G, int r, int Q, bool overwrite,
+                const bf16* __restrict__ P1 = nullptr, float* const* __restrict__ G1 = nullptr) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
-  constexpr int LDP = RP + 8, NT = RP / 8, STAGE = kGradBK * (kGradLdX + LDP);
+  constexpr int LDP = PARTS * RP + 8, NT = PARTS * RP / 8, STAGE = kGradBK * (kGradLdX + LDP);
   const int e = blockIdx.y;
-  const int r0 = offsets[e], rows = offsets[e + 1] - r0;
-  if (rows <= 0) return;
+  const int r0 = offsets[e], rows = max(offsets[e + 1] - r0, 0);
+  if (rows == 0 && !overwrite) return;  // (overwriting: an expert without rows gets zeros)
   const int q0 = blockIdx.x * kGradBQ;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int KT = (rows + kGradBK - 1) / kGradBK;
@@ -376,10 +384,10 @@ __global__ void __launch_bounds__(kGradThreads)
       const bool v = rr + row < rows && q0 + c < Q;
       cp_async16(xs + row * kGradLdX + c, v ? X + int64_t(r0 + rr + row) * ldx + q0 + c : X, v);
     }
-    for (int p = tid; p < kGradBK * (RP / 8); p += kGradThreads) {
-      const int row = p / (RP / 8), c = p % (RP / 8) * 8;
-      const bool v = rr + row < rows && c < ldp;
-      cp_async16(ps + row * LDP + c, v ? P + int64_t(r0 + rr + row) * ldp + c : P, v);
+    for (int p = tid; p < kGradBK * (PARTS * RP / 8); p += kGradThreads) {  // part q's columns at q·RP
+      const int row = p / (PARTS * RP / 8), c = p % (PARTS * RP / 8) * 8, q = c / RP, cc = c % RP;
+      const bool v = rr + row < rows && cc < ldp;
+      cp_async16(ps + row * LDP + c, v ? (q ? P1 : P) + int64_t(r0 + rr + row) * ldp + cc : P, v);
     }
   };
 
@@ -420,6 +428,7 @@ __global__ void __launch_bounds__(kGradThreads)
     }
   }
   float* Ge = G[e];
+  float* Ge1 = PARTS == 2 ? G1[e] : nullptr;
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -430,10 +439,10 @@ __global__ void __launch_bounds__(kGradThreads)
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int j = nt * 8 + 2 * t4 + c;
+          const int part = nt * 8 / RP, j = nt * 8 % RP + 2 * t4 + c;
           if (j >= r) continue;
-          float* p = Ge + (kJMajor ? int64_t(j) * Q + q : int64_t(q) * r + j);
-          *p += acc[mi][nt][2 * h + c];
+          float* p = (part ? Ge1 : Ge) + (kJMajor ? int64_t(j) * Q + q : int64_t(q) * r + j);
+          *p = overwrite ? acc[mi][nt][2 * h + c] : *p + acc[mi][nt][2 * h + c];
         }
     }
 }
@@ -465,16 +474,17 @@ struct SmemOptIn {
 // Blocks for the row tiles of n rows over E experts (see kBM).
 unsigned row_tile_blocks(int64_t n, int E) { return static_cast<unsigned>(ceil_div(n, kBM) + E); }
 
-template <int RP, bool kFlatW>
+template <int RP, bool kFlatW, int PARTS = 1>
 void launch_down(const bf16* X, int64_t ldx, const int32_t* offsets, int E, const bf16* const* W, int r, int K,
-                 float scale, bf16* P, int64_t n, cudaStream_t st) {
+                 float scale, bf16* P, int64_t n, cudaStream_t st, const bf16* const* W1 = nullptr,
+                 bf16* P1 = nullptr) {
   static SmemOptIn opt;
   // The tile scan's start array shares the stages' memory.
-  const int smem = std::max<int>(kDownStages * down_stage_elems<RP>() * 2, (E + 1) * 4);
-  const auto kernel = down_kernel<RP, kFlatW>;
+  const int smem = std::max<int>(kDownStages * down_stage_elems<PARTS * RP>() * 2, (E + 1) * 4);
+  const auto kernel = down_kernel<RP, kFlatW, PARTS>;
   opt.ensure(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<row_tile_blocks(n, E), kDownThreads, smem, st>>>(X, ldx, offsets, E, W, r, K, scale, P,
-                                                            grouped_lora_ld(r));
+                                                            grouped_lora_ld(r), W1, P1);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -490,15 +500,15 @@ void launch_up(const bf16* P, const int32_t* offsets, int E, const bf16* const* 
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
-template <int RP, bool kJMajor>
+template <int RP, bool kJMajor, int PARTS = 1>
 void launch_grad(const bf16* X, int64_t ldx, const bf16* P, const int32_t* offsets, int E, float* const* G, int r,
-                 int Q, cudaStream_t st) {
+                 int Q, bool overwrite, cudaStream_t st, const bf16* P1 = nullptr, float* const* G1 = nullptr) {
   static SmemOptIn opt;
-  const int smem = grad_smem_bytes<RP>();
-  const auto kernel = grad_kernel<RP, kJMajor>;
+  const int smem = grad_smem_bytes<PARTS * RP>();
+  const auto kernel = grad_kernel<RP, kJMajor, PARTS>;
   opt.ensure(reinterpret_cast<const void*>(kernel), smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(Q, kGradBQ)), static_cast<unsigned>(E));
-  kernel<<<grid, kGradThreads, smem, st>>>(X, ldx, P, grouped_lora_ld(r), offsets, G, r, Q);
+  kernel<<<grid, kGradThreads, smem, st>>>(X, ldx, P, grouped_lora_ld(r), offsets, G, r, Q, overwrite, P1, G1);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -556,7 +566,7 @@ void grouped_lora_factor(const GroupedLora& g, const bf16* x, int64_t ldx, int64
 
 void grouped_lora_backward(const GroupedLora& g, float* const* dA, float* const* dB, const bf16* x, int64_t ldx,
                            const bf16* u, const bf16* dy, int64_t lddy, int64_t n, bf16* gs, float* dx,
-                           int64_t lddx, int64_t col0, cudaStream_t stream) {
+                           int64_t lddx, int64_t col0, cudaStream_t stream, bool overwrite) {
   check_common(g, n, col0);
   check(ldx >= g.in && ldx % 8 == 0 && aligned(x, 16), "grouped_lora_backward: x needs 16-byte aligned rows (ldx ",
         ldx, ", in ", g.in, ")");
@@ -565,14 +575,76 @@ void grouped_lora_backward(const GroupedLora& g, float* const* dA, float* const*
   check(!dx || (lddx >= g.in && lddx % 2 == 0 && aligned(dx, 8)), "grouped_lora_backward: dx needs 8-byte aligned "
         "rows (lddx ", lddx, ", in ", g.in, ")");
   check(aligned(u, 16) && aligned(gs, 16), "grouped_lora_backward: u and gs must be 16-byte aligned");
-  if (n == 0 || g.E == 0) return;
+  if (g.E == 0 || (n == 0 && !overwrite)) return;
   const bf16* dyc = dy + col0;
   with_rank(g.r, [&](auto rp) {
     constexpr int RP = decltype(rp)::value;
-    launch_grad<RP, false>(dyc, lddy, u, g.offsets, g.E, dB, g.r, g.out, stream);
+    launch_grad<RP, false>(dyc, lddy, u, g.offsets, g.E, dB, g.r, g.out, overwrite, stream);
+    if (n == 0) {  // overwriting: the zeros of dA and dB alone
+      launch_grad<RP, true>(x, ldx, gs, g.offsets, g.E, dA, g.r, g.in, overwrite, stream);
+      return;
+    }
     launch_down<RP, true>(dyc, lddy, g.offsets, g.E, g.B, g.r, g.out, g.scale, gs, n, stream);
-    launch_grad<RP, true>(x, ldx, gs, g.offsets, g.E, dA, g.r, g.in, stream);
+    launch_grad<RP, true>(x, ldx, gs, g.offsets, g.E, dA, g.r, g.in, overwrite, stream);
     if (dx) launch_up<RP, false>(gs, g.offsets, g.E, g.A, g.r, g.in, dx, lddx, n, stream);
+  });
+}
+
+bool grouped_lora_pairable(const GroupedLora& g0, const GroupedLora& g1) {
+  return g0.offsets == g1.offsets && g0.E == g1.E && g0.r == g1.r && g0.r <= 32 && g0.in == g1.in &&
+         g0.scale == g1.scale;
+}
+
+void grouped_lora_factor2(const GroupedLora& g0, const GroupedLora& g1, const bf16* x, int64_t ldx, int64_t n,
+                          bf16* u0, bf16* u1, cudaStream_t stream) {
+  check(grouped_lora_pairable(g0, g1), "grouped_lora_factor2: the adapters differ in rows, rank (≤ 32), input or "
+        "scale");
+  check_common(g0, n, 0);
+  check(ldx >= g0.in && ldx % 8 == 0 && aligned(x, 16), "grouped_lora_factor2: x needs 16-byte aligned rows (ldx ",
+        ldx, ", in ", g0.in, ")");
+  check(aligned(u0, 16) && aligned(u1, 16), "grouped_lora_factor2: u0 and u1 must be 16-byte aligned");
+  if (n == 0 || g0.E == 0) return;
+  with_rank(g0.r, [&](auto rp) {
+    constexpr int RP = decltype(rp)::value;
+    if constexpr (RP <= 32)
+      launch_down<RP, false, 2>(x, ldx, g0.offsets, g0.E, g0.A, g0.r, g0.in, g0.scale, u0, n, stream, g1.A, u1);
+  });
+}
+
+void grouped_lora_backward2(const GroupedLora& g0, const GroupedLora& g1, float* const* dA0, float* const* dB0,
+                            float* const* dA1, float* const* dB1, const bf16* x, int64_t ldx, const bf16* u0,
+                            const bf16* u1, const bf16* dy, int64_t lddy, int64_t n, bf16* gs0, bf16* gs1, float* dx,
+                            int64_t lddx, int64_t col0_0, int64_t col0_1, cudaStream_t stream, bool overwrite) {
+  check(grouped_lora_pairable(g0, g1), "grouped_lora_backward2: the adapters differ in rows, rank (≤ 32), input or "
+        "scale");
+  check_common(g0, n, col0_0);
+  check_common(g1, n, col0_1);
+  check(ldx >= g0.in && ldx % 8 == 0 && aligned(x, 16), "grouped_lora_backward2: x needs 16-byte aligned rows (ldx ",
+        ldx, ", in ", g0.in, ")");
+  check(lddy >= col0_0 + g0.out && lddy >= col0_1 + g1.out && lddy % 8 == 0 && aligned(dy, 16),
+        "grouped_lora_backward2: dy needs 16-byte aligned rows holding both adapters' columns (lddy ", lddy, ")");
+  check(!dx || (lddx >= g0.in && lddx % 2 == 0 && aligned(dx, 8)), "grouped_lora_backward2: dx needs 8-byte aligned "
+        "rows (lddx ", lddx, ", in ", g0.in, ")");
+  check(aligned(u0, 16) && aligned(u1, 16) && aligned(gs0, 16) && aligned(gs1, 16),
+        "grouped_lora_backward2: u0, u1, gs0 and gs1 must be 16-byte aligned");
+  if (g0.E == 0 || (n == 0 && !overwrite)) return;
+  const bf16 *dy0 = dy + col0_0, *dy1 = dy + col0_1;
+  with_rank(g0.r, [&](auto rp) {
+    constexpr int RP = decltype(rp)::value;
+    if constexpr (RP <= 32) {
+      launch_grad<RP, false>(dy0, lddy, u0, g0.offsets, g0.E, dB0, g0.r, g0.out, overwrite, stream);
+      launch_grad<RP, false>(dy1, lddy, u1, g1.offsets, g1.E, dB1, g1.r, g1.out, overwrite, stream);
+      if (n > 0) {
+        launch_down<RP, true>(dy0, lddy, g0.offsets, g0.E, g0.B, g0.r, g0.out, g0.scale, gs0, n, stream);
+        launch_down<RP, true>(dy1, lddy, g1.offsets, g1.E, g1.B, g1.r, g1.out, g1.scale, gs1, n, stream);
+      }
+      launch_grad<RP, true, 2>(x, ldx, gs0, g0.offsets, g0.E, dA0, g0.r, g0.in, overwrite, stream, gs1, dA1);
+      if (n == 0) return;
+      if (dx) {
+        launch_up<RP, false>(gs0, g0.offsets, g0.E, g0.A, g0.r, g0.in, dx, lddx, n, stream);
+        launch_up<RP, false>(gs1, g1.offsets, g1.E, g1.A, g1.r, g1.in, dx, lddx, n, stream);
+      }
+    }
   });
 }
 

@@ -80,8 +80,24 @@ void grouped_lora_forward(const GroupedLora& g, const bf16* x, int64_t ldx, int6
 // dB_e += dyᵀ·u_e, gs [n, ldr] = bf16(scale · dy·B_e) (written; workspace), dA_e += gs_eᵀ·x_e, and dx (fp32, row
 // stride lddx, even) += gs·A_e when dx is not null. dA and dB are [E] device arrays of device pointers to each
 // expert's fp32 [r, in] and [out, r] gradients. Alignment as the forward's (dy, gs 16 bytes; dx 8 bytes).
+// overwrite: dA_e and dB_e are set to the sums instead of added to (zeros for an expert without rows; for a first
+// backward onto gradients not cleared).
 void grouped_lora_backward(const GroupedLora& g, float* const* dA, float* const* dB, const bf16* x, int64_t ldx,
                            const bf16* u, const bf16* dy, int64_t lddy, int64_t n, bf16* gs, float* dx,
-                           int64_t lddx, int64_t col0, cudaStream_t stream);
+                           int64_t lddx, int64_t col0, cudaStream_t stream, bool overwrite = false);
+
+// Two adapters on the same rows and input x (an MoE layer's gate and up projections): g0 and g1 agree in offsets,
+// E, r, in and scale (grouped_lora_pairable). The forms below give exactly the bits of the calls above on each, the
+// sums over x's rows (u's and dA's) made in one pass over x instead of two.
+bool grouped_lora_pairable(const GroupedLora& g0, const GroupedLora& g1);
+// grouped_lora_factor of both: u0 and u1 [n, ldr].
+void grouped_lora_factor2(const GroupedLora& g0, const GroupedLora& g1, const bf16* x, int64_t ldx, int64_t n,
+                          bf16* u0, bf16* u1, cudaStream_t stream);
+// grouped_lora_backward of g0 (its output's gradient at dy's columns col0_0 …) and then of g1 (at col0_1 …).
+void grouped_lora_backward2(const GroupedLora& g0, const GroupedLora& g1, float* const* dA0, float* const* dB0,
+                            float* const* dA1, float* const* dB1, const bf16* x, int64_t ldx, const bf16* u0,
+                            const bf16* u1, const bf16* dy, int64_t lddy, int64_t n, bf16* gs0, bf16* gs1, float* dx,
+                            int64_t lddx, int64_t col0_0, int64_t col0_1, cudaStream_t stream,
+                            bool overwrite = false);
 
 }  // namespace nextlm::cuda

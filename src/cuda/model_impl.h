@@ -343,6 +343,11 @@ struct LoraState {
   std::vector<DAdapter*> order;  // in the host adapter's module order
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;  // (kind, layer, expert, rank) of each, that order
   size_t grads_at = 0, grads_bytes = 0;  // every gradient buffer lies in base's bytes [grads_at, + grads_bytes)
+  // The gradients of the per-expert adapters that run grouped (their backward can overwrite instead of add), as
+  // sorted, merged byte ranges of base, and the other gradients' ranges: zero_grads clears only those and marks the
+  // grouped ones unwritten; the next backward overwrites them, or a reader of the gradients clears them first.
+  std::vector<std::pair<size_t, size_t>> overwritten, cleared;
+  bool unwritten = false;
   // The device optimizer (CudaModel::start_lora_optimizer), when started: per tensor of the host adapter's params()
   // order (each module's A, then B) its fp32 value, moments and descriptor (cuda/optim.h), in one allocation.
   struct Optimizer {

@@ -15,6 +15,7 @@
 // replicated tensors that feed only a rank's heads stay partial (dist::gather_gradients sums them; the router's,
 // partial over EP, gradients() sums).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -421,49 +422,105 @@ class Step {
       if (const DAdapter* ad = adapter(i, k); ad && (ad->r % 8 != 0 || ad->r > 64 / parts)) return false;
     return true;
   }
+  // Whether layer i's grouped adapters of `kinds` are a pair ({gate, up}, both present) that the one-pass forms take
+  // (grouped_lora_pairable): their sums over the shared input x then read it once.
+  bool paired(size_t i, std::initializer_list<LoraKind> kinds, const int32_t* offsets) const {
+    if (kinds.size() != 2 || !adapter(i, kinds.begin()[0]) || !adapter(i, kinds.begin()[1])) return false;
+    return grouped_lora_pairable(grouped_lora(i, kinds.begin()[0], offsets),
+                                 grouped_lora(i, kinds.begin()[1], offsets));
+  }
   // Forward of folded adapters: each one's u = bf16(scale · in·A_eᵀ) (kept for the backward), and the low-rank
   // parts (u, B_e) that the projection's grouped GEMM adds to its output columns.
   GroupedLowRank expert_adapters_factor(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
     const bf16* in = down ? x.act : x.xp;
+    std::array<bf16*, 2> u{};  // by position in kinds
+    int j = 0;
+    for (LoraKind k : kinds) {
+      if (const DAdapter* ad = adapter(i, k)) u[j] = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
+      ++j;
+    }
+    if (paired(i, kinds, x.offsets)) {
+      grouped_lora_factor2(grouped_lora(i, kinds.begin()[0], x.offsets), grouped_lora(i, kinds.begin()[1], x.offsets),
+                           in, down ? I : D, n, u[0], u[1], m_.stream);
+    } else {
+      j = 0;
+      for (LoraKind k : kinds) {
+        if (u[j]) grouped_lora_factor(grouped_lora(i, k, x.offsets), in, down ? I : D, n, u[j], m_.stream);
+        ++j;
+      }
+    }
     GroupedLowRank lr;
+    j = 0;
     for (LoraKind k : kinds) {
       const DAdapter* ad = adapter(i, k);
+      bf16* uj = u[j++];
       if (!ad) continue;
-      const int ld = grouped_lora_ld(static_cast<int>(ad->r));
-      bf16* u = m_.arena.alloc<bf16>(n * ld);
-      grouped_lora_factor(grouped_lora(i, k, x.offsets), in, down ? I : D, n, u, m_.stream);
-      lora_u_[site_][{ad, in}] = u;
+      lora_u_[site_][{ad, in}] = uj;
       const int p = lr.parts++;
-      lr.U[p] = u, lr.ldu[p] = ld, lr.r[p] = static_cast<int>(ad->r);
+      lr.U[p] = uj, lr.ldu[p] = grouped_lora_ld(static_cast<int>(ad->r)), lr.r[p] = static_cast<int>(ad->r);
       lr.V[p] = m_.lora->layers[i].grouped[static_cast<int>(k)].B;
       lr.c0[p] = static_cast<int>(ad->col0), lr.width[p] = static_cast<int>(ad->out);
     }
     return lr;
   }
+  // The grouped adapters' backward on layer i (grouped_lora_backward each, or grouped_lora_backward2 for a pair):
+  // their weight gradients (overwritten when zero_grads left them unwritten: LoraState::overwritten), and dx += gs·A_e
+  // when dx is given. Returns each kind's gs (null for a kind without one).
+  std::array<bf16*, 2> grouped_adapters_backward(size_t i, const MoeActs& x, std::initializer_list<LoraKind> kinds,
+                                                 const bf16* dy, float* dx) {
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
+    const bool down = *kinds.begin() == LoraKind::ExpertDown;
+    const bf16* in = down ? x.act : x.xp;
+    const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
+    std::array<bf16*, 2> gs{};
+    std::array<const bf16*, 2> u{};
+    int j = 0;
+    for (LoraKind k : kinds) {
+      if (const DAdapter* ad = adapter(i, k)) {
+        const auto& site_u = lora_u_[site_];
+        const auto it = site_u.find({ad, in});
+        check(it != site_u.end(), "LoRA backward without its forward");
+        u[j] = it->second;
+        gs[j] = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
+      }
+      ++j;
+    }
+    const auto& grouped = m_.lora->layers[i].grouped;
+    if (paired(i, kinds, x.offsets)) {
+      const LoraKind k0 = kinds.begin()[0], k1 = kinds.begin()[1];
+      const LayerLora::Grouped &g0 = grouped[static_cast<int>(k0)], &g1 = grouped[static_cast<int>(k1)];
+      grouped_lora_backward2(grouped_lora(i, k0, x.offsets), grouped_lora(i, k1, x.offsets), g0.dA, g0.dB, g1.dA,
+                             g1.dB, in, ld_in, u[0], u[1], dy, ld_out, n, gs[0], gs[1], dx, ld_in, adapter(i, k0)->col0,
+                             adapter(i, k1)->col0, m_.stream, m_.lora->unwritten);
+      return gs;
+    }
+    j = 0;
+    for (LoraKind k : kinds) {
+      if (gs[j]) {
+        const LayerLora::Grouped& g = grouped[static_cast<int>(k)];
+        grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, ld_in, u[j], dy, ld_out, n, gs[j], dx,
+                              ld_in, adapter(i, k)->col0, m_.stream, m_.lora->unwritten);
+      }
+      ++j;
+    }
+    return gs;
+  }
   // Backward of folded adapters: their weight gradients, and the low-rank parts (gs = bf16(scale · dy·B_e), A_e)
   // that the input-gradient grouped GEMM adds (dx += gs·A_e).
   GroupedLowRank expert_adapters_backward_factor(size_t i, const MoeActs& x, std::initializer_list<LoraKind> kinds,
                                                  const bf16* dy) {
-    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
-    const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = down ? x.act : x.xp;
+    const std::array<bf16*, 2> gs = grouped_adapters_backward(i, x, kinds, dy, nullptr);
     GroupedLowRank lr;
+    int j = 0;
     for (LoraKind k : kinds) {
       const DAdapter* ad = adapter(i, k);
+      bf16* gj = gs[j++];
       if (!ad) continue;
-      const auto& site_u = lora_u_[site_];
-      const auto it = site_u.find({ad, in});
-      check(it != site_u.end(), "LoRA backward without its forward");
-      const LayerLora::Grouped& g = m_.lora->layers[i].grouped[static_cast<int>(k)];
-      const int ld = grouped_lora_ld(static_cast<int>(ad->r));
-      bf16* gs = m_.arena.alloc<bf16>(n * ld);
-      grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, down ? I : D, it->second, dy,
-                            down ? D : 2 * I, n, gs, nullptr, 0, ad->col0, m_.stream);
       const int p = lr.parts++;
-      lr.U[p] = gs, lr.ldu[p] = ld, lr.r[p] = static_cast<int>(ad->r);
-      lr.V[p] = g.A;
+      lr.U[p] = gj, lr.ldu[p] = grouped_lora_ld(static_cast<int>(ad->r)), lr.r[p] = static_cast<int>(ad->r);
+      lr.V[p] = m_.lora->layers[i].grouped[static_cast<int>(k)].A;
     }
     return lr;
   }
@@ -485,18 +542,7 @@ class Step {
       return;
     }
     if (grouped_adapters(i, kinds)) {
-      const int64_t n = T() * c_.num_experts_per_tok;
-      for (LoraKind k : kinds) {
-        const DAdapter* ad = adapter(i, k);
-        if (!ad) continue;
-        const auto& site_u = lora_u_[site_];
-        const auto it = site_u.find({ad, in});
-        check(it != site_u.end(), "LoRA backward without its forward");
-        const LayerLora::Grouped& g = m_.lora->layers[i].grouped[static_cast<int>(k)];
-        bf16* gs = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
-        grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, ld_in, it->second, dy, ld_out, n, gs, dx,
-                              ld_in, ad->col0, m_.stream);
-      }
+      grouped_adapters_backward(i, x, kinds, dy, dx);
       return;
     }
     for (int64_t e = 0; e < m_.local_experts; ++e) {
@@ -1396,13 +1442,23 @@ void download(const float* d, Tensor& t, int64_t first_element = 0) {
 
 namespace {
 
-// The device's gradients (the model's and the adapters') set to zero, in stream order.
+// The device's gradients (the model's and the adapters') set to zero, in stream order; those of the grouped
+// per-expert adapters only marked unwritten (the next backward overwrites them: LoraState::overwritten).
 void zero_device_grads(CudaModel::Impl& m) {
   if (m.grads)
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
-  if (m.lora && m.lora->grads_bytes)
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + m.lora->grads_at, 0, m.lora->grads_bytes,
-                                      m.stream));
+  if (!m.lora) return;
+  for (const auto& [at, bytes] : m.lora->cleared)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, m.stream));
+  m.lora->unwritten = !m.lora->overwritten.empty();
+}
+
+// Before the adapters' gradients are read: those zero_grads left unwritten (no backward since) set to zero.
+void settle_lora_grads(const CudaModel::Impl& m) {
+  if (!m.lora || !m.lora->unwritten) return;
+  for (const auto& [at, bytes] : m.lora->overwritten)
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, m.stream));
+  m.lora->unwritten = false;
 }
 
 // One forward + backward under the policy's current flags.
@@ -1429,6 +1485,7 @@ double forward_backward_once(CudaModel::Impl& m, const PackedBatch& batch) {
   }
   cuda::Step step(m, p, *m.grads);
   const double loss = step.run(row_weight);
+  if (m.lora) m.lora->unwritten = false;  // the backward wrote the grouped adapters' gradients
   m.end_timing();
   m.finish_profile();
   return loss;
@@ -1632,6 +1689,46 @@ void group_expert_adapters(const ModelConfig& c, cuda::LoraState& st) {
   }
 }
 
+// LoraState::overwritten and cleared: the gradients of the per-expert adapters whose backward runs grouped (as
+// Step::grouped_adapters decides: not shared by the experts, and every kind of the projection's group that has
+// adapters grouped) and the rest of the gradients' range.
+void overwritten_grads(cuda::LoraState& st) {
+  std::vector<std::pair<size_t, size_t>> over;
+  const char* base = static_cast<const char*>(st.base);
+  for (const cuda::LayerLora& ll : st.layers) {
+    if (ll.shared_experts) continue;
+    for (const std::vector<LoraKind>& group :
+         {std::vector<LoraKind>{LoraKind::ExpertGate, LoraKind::ExpertUp}, std::vector<LoraKind>{LoraKind::ExpertDown}}) {
+      bool grouped = true;
+      for (LoraKind k : group)
+        grouped = grouped && (ll.kinds[static_cast<int>(k)].empty() || ll.grouped[static_cast<int>(k)].A);
+      if (!grouped) continue;
+      for (LoraKind k : group)
+        for (const cuda::DAdapter& d : ll.kinds[static_cast<int>(k)]) {
+          over.emplace_back(reinterpret_cast<const char*>(d.dA) - base, size_t(d.r * d.in) * sizeof(float));
+          over.emplace_back(reinterpret_cast<const char*>(d.dB) - base, size_t(d.out * d.r) * sizeof(float));
+        }
+    }
+  }
+  std::sort(over.begin(), over.end());
+  st.overwritten.clear();
+  for (const auto& [at, bytes] : over) {
+    if (!st.overwritten.empty() && st.overwritten.back().first + st.overwritten.back().second == at)
+      st.overwritten.back().second += bytes;
+    else
+      st.overwritten.emplace_back(at, bytes);
+  }
+  st.cleared.clear();
+  size_t at = st.grads_at;
+  for (const auto& [o, bytes] : st.overwritten) {
+    check(o >= at && o + bytes <= st.grads_at + st.grads_bytes, "LoRA: an adapter gradient outside the gradients");
+    if (o > at) st.cleared.emplace_back(at, o - at);
+    at = o + bytes;
+  }
+  if (st.grads_at + st.grads_bytes > at) st.cleared.emplace_back(at, st.grads_at + st.grads_bytes - at);
+  st.unwritten = false;
+}
+
 }  // namespace
 
 void CudaModel::set_lora(const LoraAdapter& adapter) {
@@ -1755,6 +1852,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
     }
     NEXTLM_CUDA_CHECK(cudaMemset(st->base, 0, std::max<size_t>(bytes, 1)));
     group_expert_adapters(c, *st);
+    overwritten_grads(*st);
     m.lora = std::move(st);
   }
   m.lora->opt.reset();  // the host's values replace the device optimizer's
@@ -1781,6 +1879,7 @@ void CudaModel::lora_gradients(LoraAdapter& adapter) const {
   std::vector<LoraModule>& mods = adapter.modules();
   check(mods.size() == m.lora->order.size(), "LoRA gradients: the adapter has ", mods.size(), " modules, the device ",
         m.lora->order.size());
+  settle_lora_grads(m);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   // On a shard: the shares summed over their group (in a device temporary), then this rank's piece added at its
   // place weighted 1/copies, so that what the world's ranks add sums to the gradient.
@@ -1899,6 +1998,7 @@ double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, d
   Impl& m = *impl_;
   check(m.lora && m.lora->opt, "no device LoRA optimizer (start_lora_optimizer)");
   cuda::LoraState::Optimizer& opt = *m.lora->opt;
+  settle_lora_grads(m);
   const int count = static_cast<int>(opt.host.size());
   const float scale = static_cast<float>(grad_scale);
   cuda::grad_sq_norm(opt.params, count, opt.chunks, scale, opt.sq, opt.workspace, m.stream);
