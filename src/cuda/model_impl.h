@@ -335,6 +335,14 @@ struct LayerLora {
     float* const* dB = nullptr;
   };
   std::array<Grouped, kNumLoraKinds> grouped;
+  // Whether the adapters of `kinds` run grouped: per expert, and every kind of them that has adapters grouped (the
+  // training step's choice, and so which gradients its backward overwrites: LoraState::overwritten).
+  bool runs_grouped(std::initializer_list<LoraKind> ks) const {
+    if (shared_experts) return false;
+    for (LoraKind k : ks)
+      if (!kinds[static_cast<int>(k)].empty() && !grouped[static_cast<int>(k)].A) return false;
+    return true;
+  }
 };
 struct LoraState {
   void* base = nullptr;  // one allocation for every adapter's buffers

@@ -347,11 +347,7 @@ class Step {
   }
   // Whether every per-expert adapter of `kinds` on layer i runs grouped (all experts in one launch, no host sync).
   bool grouped_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
-    const LayerLora& ll = m_.lora->layers[i];
-    if (ll.shared_experts) return false;
-    for (LoraKind k : kinds)
-      if (!ll.kinds[static_cast<int>(k)].empty() && !ll.grouped[static_cast<int>(k)].A) return false;
-    return true;
+    return m_.lora->layers[i].runs_grouped(kinds);
   }
   GroupedLora grouped_lora(size_t i, LoraKind k, const int32_t* offsets) const {
     const DAdapter& a = m_.lora->layers[i].kinds[static_cast<int>(k)][0];
@@ -1689,26 +1685,23 @@ void group_expert_adapters(const ModelConfig& c, cuda::LoraState& st) {
   }
 }
 
-// LoraState::overwritten and cleared: the gradients of the per-expert adapters whose backward runs grouped (as
-// Step::grouped_adapters decides: not shared by the experts, and every kind of the projection's group that has
-// adapters grouped) and the rest of the gradients' range.
+// LoraState::overwritten and cleared: the gradients of the per-expert adapters whose backward runs grouped (the
+// expert projections' groups that LayerLora::runs_grouped, as the step's backward takes them) and the rest of the
+// gradients' range.
 void overwritten_grads(cuda::LoraState& st) {
   std::vector<std::pair<size_t, size_t>> over;
   const char* base = static_cast<const char*>(st.base);
+  auto take = [&](const cuda::LayerLora& ll, std::initializer_list<LoraKind> group) {
+    if (!ll.runs_grouped(group)) return;
+    for (LoraKind k : group)
+      for (const cuda::DAdapter& d : ll.kinds[static_cast<int>(k)]) {
+        over.emplace_back(reinterpret_cast<const char*>(d.dA) - base, size_t(d.r * d.in) * sizeof(float));
+        over.emplace_back(reinterpret_cast<const char*>(d.dB) - base, size_t(d.out * d.r) * sizeof(float));
+      }
+  };
   for (const cuda::LayerLora& ll : st.layers) {
-    if (ll.shared_experts) continue;
-    for (const std::vector<LoraKind>& group :
-         {std::vector<LoraKind>{LoraKind::ExpertGate, LoraKind::ExpertUp}, std::vector<LoraKind>{LoraKind::ExpertDown}}) {
-      bool grouped = true;
-      for (LoraKind k : group)
-        grouped = grouped && (ll.kinds[static_cast<int>(k)].empty() || ll.grouped[static_cast<int>(k)].A);
-      if (!grouped) continue;
-      for (LoraKind k : group)
-        for (const cuda::DAdapter& d : ll.kinds[static_cast<int>(k)]) {
-          over.emplace_back(reinterpret_cast<const char*>(d.dA) - base, size_t(d.r * d.in) * sizeof(float));
-          over.emplace_back(reinterpret_cast<const char*>(d.dB) - base, size_t(d.out * d.r) * sizeof(float));
-        }
-    }
+    take(ll, {LoraKind::ExpertGate, LoraKind::ExpertUp});
+    take(ll, {LoraKind::ExpertDown});
   }
   std::sort(over.begin(), over.end());
   st.overwritten.clear();
