@@ -81,7 +81,8 @@ __device__ __forceinline__ void store_bf16x2(bf16* p, float a, float b) {
 // k0·r·2 is a multiple of 128), copied as is and read element by element (r need not be a multiple of 8), masked to
 // j < r. Columns past K zero-fill in both X and W, so stale shared memory never meets a product. The r sums of a
 // row are complete in the warp that owns the row: scale and bf16 rounding happen once, on the full fp32 sum, as
-// train.cu's scaled_bf16 does after the GEMM.
+// train.cu's scaled_bf16 does after the GEMM. PARTS = 2 (A_e factors only): two adapters' A_e on the same X (W and
+// W1), their rows side by side in a stage, into P and P1; each column's sum is the chain of MMAs one launch makes.
 constexpr int kDownThreads = 128;
 constexpr int kDownBK = 64;
 constexpr int kDownStages = 3;
