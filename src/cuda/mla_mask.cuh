@@ -6,6 +6,15 @@
 
 namespace nextlm::cuda {
 
+// 2^x by ex2.approx with results below 2^−126 flushed to zero. exp2f is the same instruction for x ≥ −126 (the same
+// bits) and rescales around it below, a range check and two multiplies more per exponential in the softmax loops.
+// The probabilities it flushes are below fp32's normal range, far under anything a sum of them can show.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Bits for positions p … p+63 that fall in [0, len).
 __device__ __forceinline__ uint64_t range64(int64_t p, int64_t len) {
   const int64_t a = p < 0 ? -p : 0, b = len - p;  // in-window bit range [a, min(b, 64))

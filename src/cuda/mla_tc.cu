@@ -36,7 +36,8 @@ struct MlaLayout {
 
 // One thread's two query rows (g and g + 8 of its warp's 16; the first is `first`), as both kernels hold them.
 struct MlaRows {
-  int64_t row[2], s0[2], len[2];
+  int64_t row[2];
+  int32_t s0[2], len[2];  // as seq_start and seq_len hold them
   bool valid[2], uniform[2];  // uniform: an empty selection (equal weights over the sequence)
 
   __device__ void load(int64_t first, int64_t T, const int32_t* count, const int32_t* seq_start,
@@ -55,23 +56,25 @@ struct MlaRows {
     for (int hf = 0; hf < 2; ++hf)
       if (valid[hf]) {
         atomicMin(reinterpret_cast<unsigned long long*>(lo), static_cast<unsigned long long>(s0[hf]));
-        const int64_t end = uniform[hf] ? s0[hf] + len[hf] : row[hf] + 1;
+        const int64_t end = uniform[hf] ? int64_t(s0[hf]) + len[hf] : row[hf] + 1;
         atomicMax(reinterpret_cast<unsigned long long*>(hi), static_cast<unsigned long long>(end));
       }
   }
-  // The rows' selected keys among j0 … j0 + 63.
+  // Issues the reads of the mask words the rows' bits for keys j0 … j0 + 63 come from (bits_from combines them).
+  __device__ void prefetch(int64_t j0, const uint32_t* mask, int64_t words, MaskWindow mw[2]) const {
+    for (int hf = 0; hf < 2; ++hf)
+      if (valid[hf] && !uniform[hf]) mw[hf].load(mask + row[hf] * words, words, j0 - s0[hf]);
+  }
+  // The rows' selected keys among j0 … j0 + 63, from the words prefetch(j0, …) read.
+  __device__ void bits_from(int64_t j0, const MaskWindow mw[2], uint64_t out[2]) const {
+    for (int hf = 0; hf < 2; ++hf)
+      out[hf] = !valid[hf] ? 0 : uniform[hf] ? range64(j0 - s0[hf], len[hf]) : mw[hf].bits();
+  }
+  // Both at once.
   __device__ void bits(int64_t j0, const uint32_t* mask, int64_t words, uint64_t out[2]) const {
-    for (int hf = 0; hf < 2; ++hf) {
-      if (!valid[hf]) {
-        out[hf] = 0;
-      } else if (uniform[hf]) {
-        out[hf] = range64(j0 - s0[hf], len[hf]);
-      } else {
-        MaskWindow mw;
-        mw.load(mask + row[hf] * words, words, j0 - s0[hf]);
-        out[hf] = mw.bits();
-      }
-    }
+    MaskWindow mw[2];
+    prefetch(j0, mask, words, mw);
+    bits_from(j0, mw, out);
   }
   // o = oc / l in bf16 and, when lse2 is given, the log2-domain log-sum-exp (0 for a row without keys, as the
   // backward's stats pass forms it). oc[4nt + 2hf + e] = (row hf, value column 8nt + 2tq + e).
@@ -91,44 +94,56 @@ struct MlaRows {
   }
 };
 
-// One key block's step of the online softmax for a thread's two rows: s[4nt + 2hf + e] holds the scores of (row hf,
-// key 8nt + 2tq + e) and leaves as probabilities (masked by bits, scaled to the log2 domain; 0 for every key of an
-// empty selection: equal weights); m and l are the running max and sum, and the output accumulators oc (same
-// layout, DV/8 n-tiles) are rescaled to the new max.
+// One key block's step of the online softmax for row hf of a thread's two, but for the output: s[4nt + 2hf + e]
+// holds the scores of (row hf, key 8nt + 2tq + e) and leaves as probabilities (masked by bits, scaled to the log2
+// domain; 0 for every key of an empty selection: equal weights); m and l are the running max and sum. Returns the
+// factor that takes the row's output accumulators to the new max.
+__device__ __forceinline__ float softmax_row(float* s, int hf, uint64_t bits, bool uniform, float& m, float& l,
+                                             float scale_log2, int tq) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = s[4 * nt + 2 * hf + e];
+      x = (bits >> (8 * nt + 2 * tq + e)) & 1 ? (uniform ? 0.0f : x * scale_log2) : -INFINITY;
+      mx = fmaxf(mx, x);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mnew = fmaxf(m, mx);
+  const float alpha = mnew == -INFINITY ? 1.0f : exp2_ftz(m - mnew);  // m = −inf → 0
+  const float ms = mnew == -INFINITY ? 0.0f : mnew;  // no key yet: every x is −inf, and 2^−inf = 0
+  float sum = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = s[4 * nt + 2 * hf + e];
+      x = exp2_ftz(x - ms);  // −inf → 0
+      sum += x;
+    }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  l = l * alpha + sum;
+  m = mnew;
+  return alpha;
+}
+
+// Row hf of the output accumulators oc (the layout of s, DV/8 n-tiles) times alpha.
+template <int DV>
+__device__ __forceinline__ void rescale_row(float* oc, int hf, float alpha) {
+#pragma unroll
+  for (int nt = 0; nt < DV / 8; ++nt) oc[4 * nt + 2 * hf] *= alpha, oc[4 * nt + 2 * hf + 1] *= alpha;
+}
+
+// The whole step of the online softmax for both rows but for adding P·V: the output rescaled at once.
 template <int DV>
 __device__ __forceinline__ void softmax_block(float* s, float* oc, const uint64_t bits[2], const bool uniform[2],
                                               float m[2], float l[2], float scale_log2, int tq) {
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * nt + 2 * hf + e];
-        x = (bits[hf] >> (8 * nt + 2 * tq + e)) & 1 ? (uniform[hf] ? 0.0f : x * scale_log2) : -INFINITY;
-        mx = fmaxf(mx, x);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mnew = fmaxf(m[hf], mx);
-    const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m[hf] - mnew);  // m = −inf → 0
-    float sum = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * nt + 2 * hf + e];
-        x = x == -INFINITY ? 0.0f : exp2f(x - mnew);
-        sum += x;
-      }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    l[hf] = l[hf] * alpha + sum;
-    m[hf] = mnew;
-#pragma unroll
-    for (int nt = 0; nt < DV / 8; ++nt) oc[4 * nt + 2 * hf] *= alpha, oc[4 * nt + 2 * hf + 1] *= alpha;
-  }
+  for (int hf = 0; hf < 2; ++hf) rescale_row<DV>(oc, hf, softmax_row(s, hf, bits[hf], uniform[hf], m[hf], l[hf],
+                                                                     scale_log2, tq));
 }
 
 template <int DQK, int DV>
@@ -225,21 +240,40 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Hopper (sm_90a): the same attention on warpgroup MMAs ----
 // Each block takes 128 consecutive packed tokens (two warpgroups of 64 rows) and one head. Q stays in shared memory
-// for the whole walk; K and V blocks of 64 keys go through a two-stage cp.async pipeline, the next selected block
-// loading while the current one is used. S = Q·Kᵀ is wgmma m64n64k16 from shared memory (Q and K both K-major);
-// P, rounded to bf16, goes from the score accumulators straight into the A registers of O += P·V (m64n{DV}k16, V read
-// N-major). Masking, the online softmax and the outputs are those of mla_tc_kernel, row for row.
+// for the whole walk; K and V of the selected key blocks (64 keys) go through two buffers each, filled by cp.async.
+// S = Q·Kᵀ is wgmma m64n64k16 from shared memory (Q and K both K-major); P, rounded to bf16, goes from the score
+// accumulators into the A registers of O += P·V (m64n{DV}k16, V read N-major). Masking, the online softmax and the
+// outputs are those of mla_tc_kernel, row for row.
+// Software pipelined (flash-attention 3's intra-warpgroup overlap): while the tensor cores run P·V of block i, the
+// warpgroup runs the softmax of block i + 1, whose scores were issued just before; the output is rescaled to block
+// i + 1's max once P·V of block i is done, so the sums are those of the plain order (score, softmax and rescale, P·V
+// per block), bit for bit. Iteration i reads K of block i + 1 and V of block i, and refills the buffers iteration
+// i − 1 finished: K of block i + 2 where block i's K was, V of block i + 1 where block i − 1's V was, so each copy has
+// a whole iteration to land. The mask words of the next candidate block are read an iteration ahead too.
 // Shared memory, every matrix in the 128-byte-swizzle layout of cuda/wgmma.cuh: Q as DQK/64 slabs of [128 rows][64],
-// then per stage K as DQK/64 slabs of [64 keys][64] and V as DV/64 blocks of [64 keys][64 value columns].
+// then two K buffers (DQK/64 slabs of [64 keys][64]) and two V buffers (DV/64 blocks of [64 keys][64 value columns]).
 constexpr int kWgRows = 128, kWgThreads = 256;
 
 template <int DQK, int DV>
 struct WgLayout {
   static constexpr int q_bytes = kWgRows * DQK * 2, k_bytes = kKeys * DQK * 2, v_bytes = kKeys * DV * 2;
-  static constexpr int stage_bytes = k_bytes + v_bytes;
-  static constexpr int bytes = q_bytes + 2 * stage_bytes + 1024;  // + slack to align the tiles to 1024 bytes
-  static_assert(DQK % 64 == 0 && (DV == 128 || DV == 256));
+  static constexpr int k_off(int b) { return q_bytes + b * k_bytes; }
+  static constexpr int v_off(int b) { return q_bytes + 2 * k_bytes + b * v_bytes; }
+  static constexpr int bytes = q_bytes + 2 * (k_bytes + v_bytes) + 1024;  // + slack to align the tiles to 1024 bytes
+  static_assert(DQK % 64 == 0 && (DV == 128 || DV == 256) && k_bytes % 1024 == 0 && v_bytes % 1024 == 0);
 };
+
+// s = Q·Kᵀ for the warpgroup's 64 rows of Q at qs (a tile of kWgRows rows) and the 64 keys at ks, issued and
+// committed.
+template <int DQK>
+__device__ __forceinline__ void issue_scores(float* s, uint32_t qs, uint32_t ks) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+  fence_regs<32>(s);
+  wgmma_fence();
+  wgmma_scores<DQK>(s, qs, kWgRows, ks, kKeys);
+  wgmma_commit();
+}
 
 template <int DQK, int DV>
 __global__ void __launch_bounds__(kWgThreads, 1)
@@ -261,10 +295,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   if (tid == 0) key_lo = INT64_MAX, key_hi = 0;
 
   sw128_load_rows<kWgRows, DQK, kWgThreads>(smem, q, DQK, 0, r0, T, NH, h);
-  auto load_kv = [&](int64_t j0, int stage) {
-    unsigned char* ks = smem + L::q_bytes + stage * L::stage_bytes;
-    sw128_load_rows<kKeys, DQK, kWgThreads>(ks, kv, DKV, 0, j0, T, NH, h);
-    sw128_load_rows<kKeys, DV, kWgThreads>(ks + L::k_bytes, kv, DKV, DQK, j0, T, NH, h);
+  auto load_k = [&](int64_t j0, int b) {
+    sw128_load_rows<kKeys, DQK, kWgThreads>(smem + L::k_off(b), kv, DKV, 0, j0, T, NH, h);
+  };
+  auto load_v = [&](int64_t j0, int b) {
+    sw128_load_rows<kKeys, DV, kWgThreads>(smem + L::v_off(b), kv, DKV, DQK, j0, T, NH, h);
   };
 
   MlaRows rw;
@@ -274,16 +309,24 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __syncthreads();
   const int64_t klo = key_lo, khi = key_hi;
 
-  // The first key block from j0 on that some row of the block selects (khi if none), with this thread's rows' bits
-  // for it. Block-wide: a barrier per block looked at, at least one.
-  auto next_selected = [&](int64_t j0, uint64_t bits[2]) {
-    for (;; j0 += kKeys) {
+  // The candidate block pj (block-uniform) and this thread's mask words for it, read ahead of their use.
+  MaskWindow pw[2];
+  int64_t pj = klo;
+  auto prefetch = [&](int64_t j0) {
+    pj = j0;
+    if (j0 < khi) rw.prefetch(j0, mask, words, pw);
+  };
+  // The first block from the candidate on that some row of the block selects (khi if none), with this thread's rows'
+  // bits for it. Block-wide: a barrier per block looked at, at least one.
+  auto resolve = [&](uint64_t out[2]) {
+    for (;;) {
       bool any = false;
-      if (j0 < khi) {
-        rw.bits(j0, mask, words, bits);
-        any = (bits[0] | bits[1]) != 0;
+      if (pj < khi) {
+        rw.bits_from(pj, pw, out);
+        any = (out[0] | out[1]) != 0;
       }
-      if (__syncthreads_or(any) || j0 >= khi) return j0 < khi ? j0 : khi;
+      if (__syncthreads_or(any) || pj >= khi) return pj < khi ? pj : khi;
+      prefetch(pj + kKeys);
     }
   };
 
@@ -291,34 +334,58 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
   for (int i = 0; i < NO; ++i) oc[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  uint64_t bits[2], next_bits[2];
-  int64_t j0 = next_selected(klo, bits);
-  if (j0 < khi) load_kv(j0, 0);
+  float s[32];                     // scores, then probabilities: s[4nt + 2hf + e] = (row hf, key 8nt + 2tq + e)
+  uint32_t p[4][4];                // the probabilities of the block whose P·V is next, as wgmma A registers
+  uint64_t b0[2], b1[2], b2[2];    // this thread's rows' bits for blocks 0 (then i), i + 1 and i + 2
+  const uint32_t qs = smem_s + wg * 64 * 128;
+
+  prefetch(klo);
+  int64_t j0 = resolve(b0);
+  if (j0 < khi) load_k(j0, 0), load_v(j0, 0);
+  prefetch(j0 + kKeys);
+  int64_t j1 = resolve(b1);
+  if (j1 < khi) load_k(j1, 1);
   cp_async_commit();  // with the Q tile
-  for (int stage = 0; j0 < khi; stage ^= 1) {
+  prefetch(j1 + kKeys);
+  if (j0 < khi) {  // block 0's scores and probabilities (the output is still zero: no rescale)
     cp_async_wait<0>();
     fence_proxy_async();
-    // Its barrier makes this stage visible to every thread and finds every warpgroup done with the other stage.
-    const int64_t j1 = next_selected(j0 + kKeys, next_bits);
-    if (j1 < khi) load_kv(j1, stage ^ 1);
-    cp_async_commit();
-
-    const uint32_t qs = smem_s + wg * 64 * 128;
-    const uint32_t ks = smem_s + L::q_bytes + stage * L::stage_bytes, vs = ks + L::k_bytes;
-    // Scores of the warpgroup's 64 rows against the 64 keys: s[4nt + 2hf + e] = (row hf, key 8nt + 2tq + e).
-    float s[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
-    fence_regs<32>(s);
-    wgmma_fence();
-    wgmma_scores<DQK>(s, qs, kWgRows, ks, kKeys);
-    wgmma_commit();
+    __syncthreads();
+    issue_scores<DQK>(s, qs, smem_s + L::k_off(0));
     wgmma_wait<0>();
     fence_regs<32>(s);
-    softmax_block<DV>(s, oc, bits, rw.uniform, m, l, scale_log2, tq);
-    wgmma_tile_product<DV>(oc, s, vs);  // o += P·V, P from the score accumulators of the same thread
-    j0 = j1;
-    bits[0] = next_bits[0], bits[1] = next_bits[1];
+    for (int hf = 0; hf < 2; ++hf) softmax_row(s, hf, b0[hf], rw.uniform[hf], m[hf], l[hf], scale_log2, tq);
+    pack_tile(p, s);
+  }
+  for (int i = 0; j0 < khi; ++i) {
+    cp_async_wait<0>();  // K of block i + 1 and V of block i, issued an iteration ago
+    fence_proxy_async();
+    // Its barrier makes them visible to every thread and finds every warpgroup done with iteration i − 1.
+    const int64_t j2 = resolve(b2);
+    if (j2 < khi) load_k(j2, i & 1);
+    if (j1 < khi) load_v(j1, (i + 1) & 1);
+    cp_async_commit();
+    prefetch(j2 + kKeys);
+    // Block i + 1's scores, also past the last block (on a stale K buffer, unused): ptxas serialises wgmma under a
+    // branch it cannot prove warpgroup-uniform.
+    const bool next = j1 < khi;
+    issue_scores<DQK>(s, qs, smem_s + L::k_off((i + 1) & 1));
+    wgmma_tile_issue<DV>(oc, p, smem_s + L::v_off(i & 1));  // o += P·V of block i
+    wgmma_wait<1>();
+    fence_regs<32>(s);
+    float alpha[2] = {1.0f, 1.0f};
+    if (next)  // while P·V runs
+      for (int hf = 0; hf < 2; ++hf)
+        alpha[hf] = softmax_row(s, hf, b1[hf], rw.uniform[hf], m[hf], l[hf], scale_log2, tq);
+    wgmma_wait<0>();
+    fence_regs<NO>(oc);
+    fence_regs<16>(&p[0][0]);
+    if (next) {
+      for (int hf = 0; hf < 2; ++hf) rescale_row<DV>(oc, hf, alpha[hf]);
+      pack_tile(p, s);
+    }
+    j0 = j1, j1 = j2;
+    b1[0] = b2[0], b1[1] = b2[1];
   }
   cp_async_wait<0>();
   rw.store<DV>(oc, m, l, o, lse2, NH, h, tq);

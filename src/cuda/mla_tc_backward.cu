@@ -147,7 +147,7 @@ __device__ __forceinline__ void p_ds(const uint64_t* bits, const int32_t* cnt, c
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int j = 8 * nt + 2 * tq + e;
-        p[e] = (bw >> j) & 1 ? exp2f(s[nt][2 * hf + e] * sl - l2) : 0.0f;
+        p[e] = (bw >> j) & 1 ? exp2_ftz(s[nt][2 * hf + e] * sl - l2) : 0.0f;
         ds[e] = p[e] * (dp[nt][2 * hf + e] - Dr) * scale;
       }
       const int off = r * PS + kc + 8 * nt + 2 * tq;
@@ -252,13 +252,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float mnew = fmaxf(m[hf], mx);
           if (mnew == -INFINITY) continue;  // no key of this row yet (the same in the whole quad)
-          const float alpha = exp2f(m[hf] - mnew);  // m = −inf → 0
+          const float alpha = exp2_ftz(m[hf] - mnew);  // m = −inf → 0
           float se = 0.0f, sed = 0.0f;
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float p = exp2f(x[nt][e] - mnew);  // −inf → 0
+              const float p = exp2_ftz(x[nt][e] - mnew);  // −inf → 0
               se += p;
               sed = fmaf(p, dp[nt][2 * hf + e], sed);
             }
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float M = fmaxf(m[hf], mst[r]);
         float ls = 0.0f, D = 0.0f;
         if (M != -INFINITY) {
-          const float a0 = exp2f(m[hf] - M), a1 = exp2f(mst[r] - M);
+          const float a0 = exp2_ftz(m[hf] - M), a1 = exp2_ftz(mst[r] - M);
           const float lt = l[hf] * a0 + lst[r] * a1, dt = dn[hf] * a0 + dst[r] * a1;
           ls = M + log2f(lt);
           D = dt / lt;
@@ -643,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 4 * nt + 2 * hf + e;
-          const float p = (bits >> (8 * nt + 2 * tq + e)) & 1 ? exp2f(s[i] * sl[hf] - lse2[hf]) : 0.0f;
+          const float p = (bits >> (8 * nt + 2 * tq + e)) & 1 ? exp2_ftz(s[i] * sl[hf] - lse2[hf]) : 0.0f;
           s[i] = p * (dp[i] - Dr[hf]) * scale;
         }
     }
@@ -762,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const int i = 4 * nt + 2 * hf + e;
-            x[i] = (bc >> (16 * wr + gq + 8 * hf)) & 1 ? exp2f(x[i] * sl - l2) : 0.0f;
+            x[i] = (bc >> (16 * wr + gq + 8 * hf)) & 1 ? exp2_ftz(x[i] * sl - l2) : 0.0f;
             Ps[i * 128 + xt] = x[i];
           }
         }

@@ -296,21 +296,32 @@ __device__ __forceinline__ void wgmma_scores(float* s, uint32_t a, int a_rows, u
                        sw128_desc(b + (kk >> 2) * (b_rows * 128) + (kk & 3) * 32));
 }
 
-// acc (64 × N, N/2 per thread) += X·B and waits for it: X the 64 × 64 tile held as a score product's accumulators
-// (x[4nt + 2hf + e]), rounded to bf16 into wgmma's A registers 16 columns a k step; B 64 × N read N-major at `b`
-// (k rows of 128 bytes, 64-column blocks 64·128 bytes apart).
-template <int N>
-__device__ __forceinline__ void wgmma_tile_product(float* acc, const float* x, uint32_t b) {
-  uint32_t xa[4][4];
+// A 64 × 64 tile held as a score product's accumulators (x[4nt + 2hf + e]) rounded to bf16 as wgmma's A registers,
+// 16 columns a k step.
+__device__ __forceinline__ void pack_tile(uint32_t (&xa)[4][4], const float* x) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
     for (int i = 0; i < 4; ++i) xa[kk][i] = pack_bf16(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
-  fence_regs<N / 2>(acc);
-  wgmma_fence();
+}
+
+// acc (64 × N, N/2 per thread) += X·B, issued and committed as one group (the caller fences before and waits): X the
+// packed tile (pack_tile), B 64 × N read N-major at `b` (k rows of 128 bytes, 64-column blocks 64·128 bytes apart).
+template <int N>
+__device__ __forceinline__ void wgmma_tile_issue(float* acc, const uint32_t (&xa)[4][4], uint32_t b) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_rs<N, 1>(acc, xa[kk], sw128_mn_desc(b + kk * 2048, 64 * 128));
   wgmma_commit();
+}
+
+// acc += X·B as wgmma_tile_issue, X the score accumulators x (rounded to bf16), and waits for it.
+template <int N>
+__device__ __forceinline__ void wgmma_tile_product(float* acc, const float* x, uint32_t b) {
+  uint32_t xa[4][4];
+  pack_tile(xa, x);
+  fence_regs<N / 2>(acc);
+  wgmma_fence();
+  wgmma_tile_issue<N>(acc, xa, b);
   wgmma_wait<0>();
   fence_regs<N / 2>(acc);
   fence_regs<16>(&xa[0][0]);
