@@ -144,6 +144,7 @@ struct RunOptions {
   const std::vector<float>* base = nullptr;  // C before the call (fp32 [n, N], for kF32Add); else poisoned
   const LowRankHost* low_rank = nullptr;     // uploaded and set as GroupedGemm::low_rank
   std::vector<float>* pre = nullptr;         // kSwiGLU: GroupedGemm::pre's output, fp32 [n, N]
+  std::vector<float>* pre16 = nullptr;       // kSwiGLU: GroupedGemm::pre16's output, bf16 [n, N] widened
   bool w_all = true;                         // set GroupedGemm::W_all (the experts are back to back either way)
 };
 
@@ -216,11 +217,21 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
     EXPECT_EQ(cudaMemset(dPre.p, 0xFF, size_t(p.n) * p.N * 4), cudaSuccess);
     g.pre = dPre.as<float>();
   }
+  DevBuf dPre16(opt.pre16 ? size_t(p.n) * p.N * 2 : 0);
+  if (opt.pre16) {
+    EXPECT_EQ(cudaMemset(dPre16.p, 0xFF, size_t(p.n) * p.N * 2), cudaSuccess);
+    g.pre16 = dPre16.as<cuda::bf16>();
+  }
   cuda::grouped_gemm(g, dWs.as<int32_t>(), nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (opt.pre) {
     opt.pre->resize(size_t(p.n) * p.N);
     EXPECT_EQ(cudaMemcpy(opt.pre->data(), dPre.p, opt.pre->size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  if (opt.pre16) {
+    std::vector<uint16_t> b(size_t(p.n) * p.N);
+    EXPECT_EQ(cudaMemcpy(b.data(), dPre16.p, b.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    *opt.pre16 = widen(b);
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 
@@ -551,6 +562,9 @@ TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
     g.epilogue = GroupedEpilogue::kSwiGLU;
     g.pre = reinterpret_cast<float*>(16);
     EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);  // the kept pre-activations: wgmma only
+    g.pre = nullptr;
+    g.pre16 = reinterpret_cast<cuda::bf16*>(16);
+    EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
     return;
   }
   auto check = [&](const std::vector<float>& got, const std::vector<float>& want, double tol, const char* what) {
@@ -568,6 +582,12 @@ TEST_P(CudaGroupedGemm, LowRankTermInTheAccumulators) {
   check(run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), 7.0f, {.low_rank = &gate_up, .pre = &pre}),
         swiglu_reference(want, p.n, I, 7.0f), 1e-2, "gate|up swiglu");
   check(pre, want, 1e-4, "gate|up swiglu's kept pre-activations");
+  // The same kept in bf16: the fp32 ones rounded, bit for bit (and the act unchanged).
+  std::vector<float> pre16;
+  const std::vector<float> act =
+      run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), 7.0f, {.low_rank = &gate_up, .pre = &pre});
+  EXPECT_EQ(run_gpu(p, GroupedEpilogue::kSwiGLU, kernel(), 7.0f, {.low_rank = &gate_up, .pre16 = &pre16}), act);
+  EXPECT_EQ(pre16, widen(to_bf16(pre)));
 
   const LowRankHost one = make_low_rank(p, {64}, {8}, {2 * I - 24}, false, 77);
   want = reference(p);

@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "cuda/testing_moe_backward.h"
 #include "model/backward.h"
@@ -236,6 +237,16 @@ TEST(CudaBackwardMoe, SwigluBackwardMatchesCpuMlpBackward) {
     EXPECT_NE(gpu[1 * 2 * I + 1], 0.0f);
     EXPECT_NE(gpu[2 * 2 * I + I + 2], 0.0f);
     EXPECT_NE(gpu[3 * 2 * I + I + 3], 0.0f);
+
+    // gu and dact in bf16 (what the training step keeps): the fp32 form's result on the rounded values, bit for bit.
+    std::vector<float> gu_r = gu, dact_r = dact;
+    for (float& x : gu_r) x = bf16_round(x);
+    for (float& x : dact_r) x = bf16_round(x);
+    for (const auto& [g16, d16] : {std::pair{true, false}, std::pair{false, true}, std::pair{true, true}}) {
+      SCOPED_TRACE(std::string(g16 ? "gu bf16 " : "gu fp32 ") + (d16 ? "dact bf16" : "dact fp32"));
+      EXPECT_EQ(cuda_testing::swiglu_backward(gu, dact, n, I, L, -1, g16, d16),
+                cuda_testing::swiglu_backward(g16 ? gu_r : gu, d16 ? dact_r : dact, n, I, L));
+    }
   }
 }
 
@@ -311,22 +322,38 @@ TEST(CudaBackwardMoe, WeightsBackwardFromTheDownInputEqualsDyDotOut) {
       else
         EXPECT_EQ(ep[j], got[j]) << "choice " << j;
     }
+    // dact in bf16: the fp32 form's result on the rounded values, bit for bit.
+    std::vector<float> dact_r = dact;
+    for (float& x : dact_r) x = bf16_round(x);
+    EXPECT_EQ(cuda_testing::moe_weights_backward(act, dact, slot_of, w, T, k, I, -1, true),
+              cuda_testing::moe_weights_backward(act, dact_r, slot_of, w, T, k, I));
   }
 }
 
+// D = 300 and 1300 take the kernel's four-columns-a-thread form (1300: over two passes of the block), 45 the scalar
+// one; dxp in fp32 and in bf16.
 TEST(CudaBackwardMoe, GatherBackwardMatchesCpu) {
-  const int64_t T = 37, k = 3, D = 300;  // D over one block of threads
-  const std::vector<int32_t> slot_of = random_slots(T, k, 17);
-  const std::vector<float> dxp = test::randn(T * k * D, 18), init = test::randn(T * D, 19);
-  std::vector<float> gpu = init;
-  cuda_testing::moe_gather_backward(dxp, slot_of, gpu, T, k, D);
-  std::vector<float> ref = init, dg(T * D), dr(T * D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t d = 0; d < D; ++d) ref[t * D + d] += dxp[slot_of[t * k + i] * D + d];
-  for (int64_t i = 0; i < T * D; ++i) dg[i] = gpu[i] - init[i], dr[i] = ref[i] - init[i];
-  EXPECT_LE(test::norm_rel_error(gpu.data(), ref.data(), ref.size()), 1e-5);
-  EXPECT_LE(test::norm_rel_error(dg.data(), dr.data(), dr.size()), 1e-5);
+  for (const int64_t D : {300, 1300, 45}) {
+    SCOPED_TRACE("D " + std::to_string(D));
+    const int64_t T = 37, k = 3;
+    const std::vector<int32_t> slot_of = random_slots(T, k, 17);
+    const std::vector<float> dxp = test::randn(T * k * D, 18), init = test::randn(T * D, 19);
+    std::vector<float> gpu = init;
+    cuda_testing::moe_gather_backward(dxp, slot_of, gpu, T, k, D);
+    std::vector<float> ref = init, dg(T * D), dr(T * D);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t d = 0; d < D; ++d) ref[t * D + d] += dxp[slot_of[t * k + i] * D + d];
+    for (int64_t i = 0; i < T * D; ++i) dg[i] = gpu[i] - init[i], dr[i] = ref[i] - init[i];
+    EXPECT_LE(test::norm_rel_error(gpu.data(), ref.data(), ref.size()), 1e-5);
+    EXPECT_LE(test::norm_rel_error(dg.data(), dr.data(), dr.size()), 1e-5);
+    // In bf16: the fp32 form's result on the rounded values, bit for bit.
+    std::vector<float> dxp_r = dxp, got16 = init, want16 = init;
+    for (float& x : dxp_r) x = bf16_round(x);
+    cuda_testing::moe_gather_backward(dxp, slot_of, got16, T, k, D, true);
+    cuda_testing::moe_gather_backward(dxp_r, slot_of, want16, T, k, D);
+    EXPECT_EQ(got16, want16);
+  }
 }
 
 // ---- Router weights ----

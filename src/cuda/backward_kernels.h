@@ -58,11 +58,18 @@ void softmax_xent_backward(const float* logits, const int32_t* target, const flo
 void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int64_t T, int64_t S, int64_t D,
                         int64_t pad_id, cudaStream_t st);
 
-// Backward of swiglu (kernels.h) from gu [n, 2I] (gate | up, fp32) and dact [n, I] (fp32): dgu [n, 2I] written in
-// bf16 (the input of the two GEMMs that follow). Zero gradient where a clamp is active (gate > L; up outside
-// [−L, L]), passing at exactly ±L, as torch.clamp. rows_held (device, optional): rows from *rows_held on belong to
-// other ranks' experts (expert parallelism; gu and dact are not read there) and get a zero gradient.
+// Backward of swiglu (kernels.h) from gu [n, 2I] (gate | up) and dact [n, I], each fp32 or bf16 (widened: the same
+// arithmetic): dgu [n, 2I] written in bf16 (the input of the two GEMMs that follow). Zero gradient where a clamp is
+// active (gate > L; up outside [−L, L]), passing at exactly ±L, as torch.clamp. rows_held (device, optional): rows
+// from *rows_held on belong to other ranks' experts (expert parallelism; gu and dact are not read there) and get a
+// zero gradient.
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st, const int32_t* rows_held = nullptr);
+void swiglu_backward(const bf16* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st, const int32_t* rows_held = nullptr);
+void swiglu_backward(const float* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st, const int32_t* rows_held = nullptr);
+void swiglu_backward(const bf16* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
                      cudaStream_t st, const int32_t* rows_held = nullptr);
 
 // Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]) for the experts' outputs: dout [T·k, D] written
@@ -78,9 +85,15 @@ void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* 
 void moe_weights_backward(const bf16* act, const float* dact, const int32_t* slot_of, const float* weights,
                           float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
                           const int32_t* rows_held = nullptr);
+// The same with dact in bf16.
+void moe_weights_backward(const bf16* act, const bf16* dact, const int32_t* slot_of, const float* weights,
+                          float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
+                          const int32_t* rows_held = nullptr);
 
-// Backward of gather_rows for the MoE: dx[t] += Σ_i dxp[slot_of[t, i]] in i order. dxp [T·k, D].
+// Backward of gather_rows for the MoE: dx[t] += Σ_i dxp[slot_of[t, i]] in i order. dxp [T·k, D], fp32 or bf16.
 void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+                         cudaStream_t st);
+void moe_gather_backward(const bf16* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
                          cudaStream_t st);
 
 // Backward of the routing weights (moe_route; the chosen experts are constants): from the router logits [T, E] and

@@ -308,7 +308,8 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 // block j): acc[4j + 2h + c] = (row 16·wq + g + 8h, column 8j + 2·t4 + c) of the warpgroup's 64 × BN.
 template <int BN>
 __device__ __forceinline__ void store_wg_tile(const float* acc, int wg, int wq, int lane, int rows, int64_t row0,
-                                              int nt, bool glu, int N, int epi, float L, void* Cout, float* pre) {
+                                              int nt, bool glu, int N, int epi, float L, void* Cout, void* pre,
+                                              bool pre16) {
   const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -325,9 +326,12 @@ __device__ __forceinline__ void store_wg_tile(const float* acc, int wg, int wq, 
         const float g0 = acc[8 * q + 2 * h], g1 = acc[8 * q + 2 * h + 1];
         const float u0 = acc[8 * q + 4 + 2 * h], u1 = acc[8 * q + 4 + 2 * h + 1];
         store_bf16x2(out + col, swiglu(g0, u0, L), swiglu(g1, u1, L));
-        if (pre) {
-          *reinterpret_cast<float2*>(pre + row * N + col) = make_float2(g0, g1);
-          *reinterpret_cast<float2*>(pre + row * N + I + col) = make_float2(u0, u1);
+        if (pre && pre16) {
+          store_bf16x2(static_cast<bf16*>(pre) + row * N + col, g0, g1);
+          store_bf16x2(static_cast<bf16*>(pre) + row * N + I + col, u0, u1);
+        } else if (pre) {
+          *reinterpret_cast<float2*>(static_cast<float*>(pre) + row * N + col) = make_float2(g0, g1);
+          *reinterpret_cast<float2*>(static_cast<float*>(pre) + row * N + I + col) = make_float2(u0, u1);
         }
       }
     } else {
@@ -425,7 +429,7 @@ template <class C, bool KN>
 __global__ void __launch_bounds__(kThreads, C::MINB)
     grouped_gemm_wgmma_kernel(const bf16* __restrict__ A, const int32_t* __restrict__ offsets, const bf16* const* W,
                               void* Cout, const int32_t* __restrict__ start, int E, int N, int K, int epi, float L,
-                              GroupedLowRank lr, float* __restrict__ pre) {
+                              GroupedLowRank lr, void* __restrict__ pre, bool pre16) {
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
   const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
   unsigned char* smem = wg_smem_raw + pad;
@@ -539,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
     cp_async_wait<0>();
     __syncthreads();
 
-    store_wg_tile<BN>(acc, wg, wq, lane, rows, row0, nt, glu, N, epi, L, Cout, pre);
+    store_wg_tile<BN>(acc, wg, wq, lane, rows, row0, nt, glu, N, epi, L, Cout, pre, pre16);
   }
 }
 
@@ -607,7 +611,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const bf16* __restrict__ A, const int32_t* __restrict__ offsets, void* Cout,
                             const int32_t* __restrict__ start, int E, int N, int K, int n_tiles, int epi, float L,
-                            GroupedLowRank lr, float* __restrict__ pre) {
+                            GroupedLowRank lr, void* __restrict__ pre, bool pre16) {
   using C = TmaCfg;
   constexpr int S = C::STAGES, BN = C::BN, NACC = C::NACC;
   extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
@@ -745,7 +749,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         mbar_arrive_cluster(empty, 0);
         mbar_arrive_cluster(empty, 1);
       }
-      store_wg_tile<BN>(acc, cw, wq, lane, tl.rows, tl.row0, tl.nt, glu, N, epi, L, Cout, pre);
+      store_wg_tile<BN>(acc, cw, wq, lane, tl.rows, tl.row0, tl.nt, glu, N, epi, L, Cout, pre,
+                        pre16);
     }
   }
   cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
@@ -767,6 +772,9 @@ int n_tiles_of(const GroupedGemm& g) {
   return g.epilogue == GroupedEpilogue::kSwiGLU ? static_cast<int>(ceil_div(g.N / 2, C::BN / 2))
                                                 : static_cast<int>(ceil_div(g.N, C::BN));
 }
+
+// The pre-activation output of g, fp32 (pre) or bf16 (pre16), or null.
+void* pre_of(const GroupedGemm& g) { return g.pre16 ? static_cast<void*>(g.pre16) : static_cast<void*>(g.pre); }
 
 template <class C, bool kWgmma, bool KN>
 void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
@@ -791,7 +799,8 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   }
   if constexpr (kWgmma) {
     kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
-                                                  static_cast<int>(g.epilogue), g.limit, g.low_rank, g.pre);
+                                                  static_cast<int>(g.epilogue), g.limit, g.low_rank, pre_of(g),
+                                                  g.pre16 != nullptr);
   } else {
     kernel<<<grid, kThreads, C::smem_bytes, st>>>(g.A, g.offsets, g.W, g.C, start, g.E, g.N, g.K,
                                                   static_cast<int>(g.epilogue), g.limit);
@@ -880,7 +889,8 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   cfg.gridDim = dim3(static_cast<unsigned>(2 * clusters));
   NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN>, map_a, map_b, g.A, g.offsets, g.C,
                                        static_cast<const int32_t*>(start), g.E, g.N, g.K, n_tiles,
-                                       static_cast<int>(g.epilogue), g.limit, g.low_rank, g.pre));
+                                       static_cast<int>(g.epilogue), g.limit, g.low_rank, pre_of(g),
+                                       g.pre16 != nullptr));
 }
 
 template <bool KN>
@@ -943,8 +953,9 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
   check(g.E >= 1 && g.n >= 0 && g.n < (int64_t{1} << 31), "grouped_gemm: bad E ", g.E, " or n ", g.n);
   check(!g.w_kn || g.epilogue != GroupedEpilogue::kSwiGLU,
         "grouped_gemm: the SwiGLU epilogue needs W as [N, K] (w_kn = false); with w_kn use kF32, kF32Add or kBf16");
-  check(!g.pre || (g.epilogue == GroupedEpilogue::kSwiGLU && grouped_gemm_is_wgmma(g.kernel)),
+  check(!(g.pre || g.pre16) || (g.epilogue == GroupedEpilogue::kSwiGLU && grouped_gemm_is_wgmma(g.kernel)),
         "grouped_gemm: the pre-activation output comes with the SwiGLU epilogue of a wgmma kernel");
+  check(!(g.pre && g.pre16), "grouped_gemm: the pre-activations go to pre or to pre16, not both");
   const GroupedLowRank& lr = g.low_rank;
   if (lr.parts) {
     check(lr.parts <= 2 && grouped_gemm_is_wgmma(g.kernel),

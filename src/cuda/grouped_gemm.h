@@ -113,6 +113,8 @@ struct GroupedGemm {
   // kSwiGLU on a wgmma kernel: also store the pre-activations, fp32 [n, N] (gate columns, then up), as kF32 would —
   // what training's backward keeps — beside the act.
   float* pre = nullptr;
+  // The same rounded to bf16 ([n, N] bf16) instead, half the bytes (pre and pre16 are not both set).
+  bf16* pre16 = nullptr;
   // true: `workspace` already holds this GEMM's schedule, made by the previous grouped_gemm on it, for which
   // grouped_gemm_same_schedule(previous, this) held (then only the GEMM is enqueued).
   bool schedule_ready = false;

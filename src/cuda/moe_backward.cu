@@ -141,18 +141,28 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float da, float L,
   du = __float2bfloat16((u >= -L && u <= L) ? da * (gc * sg) : 0.0f);
 }
 
-// Blocks over rows (grid-stride), threads over a row's columns; VEC (I a multiple of 4, gu and dact 16-byte aligned,
-// dgu 8-byte aligned): four columns at a time, 16-byte loads of gate, up and dact and 8-byte stores.
-template <bool VEC>
-__global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(const float* gu, const float* dact, bf16* dgu,
-                                                                   int64_t n, int64_t I, float L,
-                                                                   const int32_t* rows_held) {
+// An element, and four consecutive elements at p (16-byte aligned for fp32, 8-byte for bf16), widened to fp32.
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const bf16* p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+
+// Blocks over rows (grid-stride), threads over a row's columns; G and A are the element types of gu and dact (fp32
+// or bf16, widened on load: the same arithmetic). VEC (I a multiple of 4, gu and dact 16-byte aligned, dgu 8-byte
+// aligned): four columns at a time, one load each of gate, up and dact and 8-byte stores.
+template <class G, class A, bool VEC>
+__global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(const G* gu, const A* dact, bf16* dgu, int64_t n,
+                                                                   int64_t I, float L, const int32_t* rows_held) {
   const int64_t held = rows_held ? *rows_held : n;
   constexpr int W = VEC ? 4 : 1;
   const int cols = static_cast<int>(I / W);
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
-    const float* g_row = gu + r * 2 * I;
-    const float* da_row = dact + r * I;
+    const G* g_row = gu + r * 2 * I;
+    const A* da_row = dact + r * I;
     bf16* dg_row = dgu + r * 2 * I;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
       if constexpr (VEC) {
@@ -160,9 +170,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(const float* 
         if (r >= held) {  // another rank's row: its gu was never computed here
           for (int j = 0; j < 4; ++j) dg[j] = du[j] = __float2bfloat16(0.0f);
         } else {
-          const float4 g = reinterpret_cast<const float4*>(g_row)[c];
-          const float4 u = reinterpret_cast<const float4*>(g_row + I)[c];
-          const float4 da = reinterpret_cast<const float4*>(da_row)[c];
+          const float4 g = load4(g_row + 4 * c), u = load4(g_row + I + 4 * c), da = load4(da_row + 4 * c);
           swiglu_grad(g.x, u.x, da.x, L, dg[0], du[0]);
           swiglu_grad(g.y, u.y, da.y, L, dg[1], du[1]);
           swiglu_grad(g.z, u.z, da.z, L, dg[2], du[2]);
@@ -172,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(const float* 
         reinterpret_cast<uint2*>(dg_row + I)[c] = *reinterpret_cast<const uint2*>(du);
       } else {
         bf16 dg = __float2bfloat16(0.0f), du = dg;
-        if (r < held) swiglu_grad(g_row[c], g_row[I + c], da_row[c], L, dg, du);
+        if (r < held) swiglu_grad(widen(g_row[c]), widen(g_row[I + c]), widen(da_row[c]), L, dg, du);
         dg_row[c] = dg;
         dg_row[I + c] = du;
       }
@@ -213,8 +221,8 @@ __global__ void moe_combine_backward_kernel(const float* dy, const int32_t* slot
 // One warp per (token, choice) j, slot p = slot_of[j]: dweights[j] = act[p]·dact[p] / w[j], in a fixed order (zero
 // where w[j] is zero, or where p is another rank's row: p ≥ *rows_held). VEC (I a multiple of 8, act 16-byte and
 // dact 32-byte aligned rows): eight elements a lane at a time.
-template <bool VEC>
-__global__ void moe_weights_backward_kernel(const bf16* act, const float* dact, const int32_t* slot_of,
+template <class A, bool VEC>
+__global__ void moe_weights_backward_kernel(const bf16* act, const A* dact, const int32_t* slot_of,
                                             const float* weights, float* dweights, int64_t T, int64_t k, int64_t I,
                                             const int32_t* rows_held) {
   const int lane = threadIdx.x & 31;
@@ -228,12 +236,12 @@ __global__ void moe_weights_backward_kernel(const bf16* act, const float* dact, 
       continue;
     }
     const bf16* a = act + p * I;
-    const float* g = dact + p * I;
+    const A* g = dact + p * I;
     float acc = 0.0f;
     if constexpr (VEC) {
       for (int64_t c = 8 * lane; c < I; c += 256) {
         const uint4 a8 = *reinterpret_cast<const uint4*>(a + c);
-        const float4 g0 = *reinterpret_cast<const float4*>(g + c), g1 = *reinterpret_cast<const float4*>(g + c + 4);
+        const float4 g0 = load4(g + c), g1 = load4(g + c + 4);
         const uint32_t w4[4] = {a8.x, a8.y, a8.z, a8.w};
         const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
 #pragma unroll
@@ -243,21 +251,37 @@ __global__ void moe_weights_backward_kernel(const bf16* act, const float* dact, 
         }
       }
     } else {
-      for (int64_t c = lane; c < I; c += 32) acc = fmaf(__bfloat162float(a[c]), g[c], acc);
+      for (int64_t c = lane; c < I; c += 32) acc = fmaf(__bfloat162float(a[c]), widen(g[c]), acc);
     }
     acc = warp_sum(acc);
     if (lane == 0) dweights[j] = acc / w;
   }
 }
 
-__global__ void moe_gather_backward_kernel(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k,
+// A block a token (grid-stride), threads over its columns, each sum in choice order. VEC (D a multiple of 4, dxp and
+// dx 16-byte aligned for fp32 dxp, 8-byte for bf16): four columns a thread at a time.
+template <class P, bool VEC>
+__global__ void moe_gather_backward_kernel(const P* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k,
                                            int64_t D) {
-  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < k; ++i) acc += dxp[static_cast<int64_t>(slot_of[t * k + i]) * D + d];
-      dx[t * D + d] += acc;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    if constexpr (VEC) {
+      for (int64_t d = 4 * threadIdx.x; d < D; d += 4 * blockDim.x) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int64_t i = 0; i < k; ++i) {
+          const float4 v = load4(dxp + static_cast<int64_t>(slot_of[t * k + i]) * D + d);
+          acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+        }
+        float4& o = *reinterpret_cast<float4*>(dx + t * D + d);
+        o.x += acc.x, o.y += acc.y, o.z += acc.z, o.w += acc.w;
+      }
+    } else {
+      for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < k; ++i) acc += widen(dxp[static_cast<int64_t>(slot_of[t * k + i]) * D + d]);
+        dx[t * D + d] += acc;
+      }
     }
+  }
 }
 
 // ---- Router weights ----
@@ -312,15 +336,67 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
+namespace {
+
+template <class G, class A>
+void launch_swiglu_backward(const G* gu, const A* dact, bf16* dgu, int64_t n, int64_t I, float limit, cudaStream_t st,
+                            const int32_t* rows_held) {
+  if (n * I <= 0) return;
+  const bool vec = I % 4 == 0 && reinterpret_cast<uintptr_t>(gu) % (4 * sizeof(G)) == 0 &&
+                   reinterpret_cast<uintptr_t>(dact) % (4 * sizeof(A)) == 0 &&
+                   reinterpret_cast<uintptr_t>(dgu) % 8 == 0;
+  const int grid = static_cast<int>(std::min<int64_t>(n, 65535));
+  if (vec) swiglu_backward_kernel<G, A, true><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
+  else swiglu_backward_kernel<G, A, false><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class A>
+void launch_weights_backward(const bf16* act, const A* dact, const int32_t* slot_of, const float* weights,
+                             float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
+                             const int32_t* rows_held) {
+  if (T * k <= 0) return;
+  const bool vec = I % 8 == 0 && reinterpret_cast<uintptr_t>(act) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dact) % (8 * sizeof(A)) == 0;
+  const int grid = grid_for(T * k, kThreads / 32);
+  if (vec)
+    moe_weights_backward_kernel<A, true><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
+                                                                    rows_held);
+  else
+    moe_weights_backward_kernel<A, false><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
+                                                                     rows_held);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class P>
+void launch_gather_backward(const P* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+                            cudaStream_t st) {
+  if (T <= 0 || D <= 0) return;
+  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dxp) % (4 * sizeof(P)) == 0 &&
+                   reinterpret_cast<uintptr_t>(dx) % 16 == 0;
+  const int grid = static_cast<int>(std::min<int64_t>(T, 65535));
+  if (vec) moe_gather_backward_kernel<P, true><<<grid, kThreads, 0, st>>>(dxp, slot_of, dx, T, k, D);
+  else moe_gather_backward_kernel<P, false><<<grid, kThreads, 0, st>>>(dxp, slot_of, dx, T, k, D);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
 void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
                      cudaStream_t st, const int32_t* rows_held) {
-  if (n * I <= 0) return;
-  const bool vec = I % 4 == 0 && reinterpret_cast<uintptr_t>(gu) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(dact) % 16 == 0 && reinterpret_cast<uintptr_t>(dgu) % 8 == 0;
-  const int grid = static_cast<int>(std::min<int64_t>(n, 65535));
-  if (vec) swiglu_backward_kernel<true><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
-  else swiglu_backward_kernel<false><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
+}
+void swiglu_backward(const bf16* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st, const int32_t* rows_held) {
+  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
+}
+void swiglu_backward(const float* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st, const int32_t* rows_held) {
+  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
+}
+void swiglu_backward(const bf16* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
+                     cudaStream_t st, const int32_t* rows_held) {
+  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
 }
 
 void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* weights, bf16* dout, int64_t T,
@@ -339,25 +415,21 @@ void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* 
 void moe_weights_backward(const bf16* act, const float* dact, const int32_t* slot_of, const float* weights,
                           float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
                           const int32_t* rows_held) {
-  if (T * k <= 0) return;
-  const bool vec =
-      I % 8 == 0 && reinterpret_cast<uintptr_t>(act) % 16 == 0 && reinterpret_cast<uintptr_t>(dact) % 32 == 0;
-  const int grid = grid_for(T * k, kThreads / 32);
-  if (vec)
-    moe_weights_backward_kernel<true><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
-                                                                 rows_held);
-  else
-    moe_weights_backward_kernel<false><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
-                                                                  rows_held);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  launch_weights_backward(act, dact, slot_of, weights, dweights, T, k, I, st, rows_held);
+}
+void moe_weights_backward(const bf16* act, const bf16* dact, const int32_t* slot_of, const float* weights,
+                          float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
+                          const int32_t* rows_held) {
+  launch_weights_backward(act, dact, slot_of, weights, dweights, T, k, I, st, rows_held);
 }
 
 void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
                          cudaStream_t st) {
-  if (T <= 0 || D <= 0) return;
-  moe_gather_backward_kernel<<<static_cast<int>(std::min<int64_t>(T, 65535)), kThreads, 0, st>>>(dxp, slot_of, dx, T,
-                                                                                                 k, D);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  launch_gather_backward(dxp, slot_of, dx, T, k, D, st);
+}
+void moe_gather_backward(const bf16* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+                         cudaStream_t st) {
+  launch_gather_backward(dxp, slot_of, dx, T, k, D, st);
 }
 
 void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,

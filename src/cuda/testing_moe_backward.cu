@@ -39,11 +39,16 @@ void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float
 }
 
 std::vector<float> swiglu_backward(const std::vector<float>& gu, const std::vector<float>& dact, int64_t n, int64_t I,
-                                   float limit, int32_t rows_held) {
-  Buf dg = upload(gu), da = upload(dact), held = upload(std::vector<int32_t>{rows_held});
+                                   float limit, int32_t rows_held, bool gu16, bool dact16) {
+  Buf dg = gu16 ? upload(to_bf16(gu)) : upload(gu), da = dact16 ? upload(to_bf16(dact)) : upload(dact);
+  Buf held = upload(std::vector<int32_t>{rows_held});
   Buf out = poisoned<cuda::bf16>(n * 2 * I);
-  cuda::swiglu_backward(dg.as<float>(), da.as<float>(), out.as<cuda::bf16>(), n, I, limit, nullptr,
-                        rows_held >= 0 ? held.as<int32_t>() : nullptr);
+  const int32_t* h = rows_held >= 0 ? held.as<int32_t>() : nullptr;
+  cuda::bf16* o = out.as<cuda::bf16>();
+  if (gu16 && dact16) cuda::swiglu_backward(dg.as<cuda::bf16>(), da.as<cuda::bf16>(), o, n, I, limit, nullptr, h);
+  else if (gu16) cuda::swiglu_backward(dg.as<cuda::bf16>(), da.as<float>(), o, n, I, limit, nullptr, h);
+  else if (dact16) cuda::swiglu_backward(dg.as<float>(), da.as<cuda::bf16>(), o, n, I, limit, nullptr, h);
+  else cuda::swiglu_backward(dg.as<float>(), da.as<float>(), o, n, I, limit, nullptr, h);
   finish();
   return widen(download<cuda::bf16>(out));
 }
@@ -59,20 +64,27 @@ std::vector<float> moe_combine_backward(const std::vector<float>& dy, const std:
 
 std::vector<float> moe_weights_backward(const std::vector<float>& act, const std::vector<float>& dact,
                                         const std::vector<int32_t>& slot_of, const std::vector<float>& weights,
-                                        int64_t T, int64_t k, int64_t I, int32_t rows_held) {
-  Buf da = upload(to_bf16(act)), dd = upload(dact), ds = upload(slot_of), dw = upload(weights);
+                                        int64_t T, int64_t k, int64_t I, int32_t rows_held, bool dact16) {
+  Buf da = upload(to_bf16(act)), dd = dact16 ? upload(to_bf16(dact)) : upload(dact), ds = upload(slot_of),
+      dw = upload(weights);
   Buf held = upload(std::vector<int32_t>{rows_held}), out = poisoned<float>(T * k);
-  cuda::moe_weights_backward(da.as<cuda::bf16>(), dd.as<float>(), ds.as<int32_t>(), dw.as<float>(), out.as<float>(),
-                             T, k, I, nullptr, rows_held >= 0 ? held.as<int32_t>() : nullptr);
+  const int32_t* h = rows_held >= 0 ? held.as<int32_t>() : nullptr;
+  if (dact16)
+    cuda::moe_weights_backward(da.as<cuda::bf16>(), dd.as<cuda::bf16>(), ds.as<int32_t>(), dw.as<float>(),
+                               out.as<float>(), T, k, I, nullptr, h);
+  else
+    cuda::moe_weights_backward(da.as<cuda::bf16>(), dd.as<float>(), ds.as<int32_t>(), dw.as<float>(),
+                               out.as<float>(), T, k, I, nullptr, h);
   finish();
   return download<float>(out);
 }
 
 void moe_gather_backward(const std::vector<float>& dxp, const std::vector<int32_t>& slot_of, std::vector<float>& dx,
-                         int64_t T, int64_t k, int64_t D) {
-  Buf dp = upload(dxp), ddx = upload(dx);
+                         int64_t T, int64_t k, int64_t D, bool dxp16) {
+  Buf dp = dxp16 ? upload(to_bf16(dxp)) : upload(dxp), ddx = upload(dx);
   Buf ds = upload(slot_of);
-  cuda::moe_gather_backward(dp.as<float>(), ds.as<int32_t>(), ddx.as<float>(), T, k, D, nullptr);
+  if (dxp16) cuda::moe_gather_backward(dp.as<cuda::bf16>(), ds.as<int32_t>(), ddx.as<float>(), T, k, D, nullptr);
+  else cuda::moe_gather_backward(dp.as<float>(), ds.as<int32_t>(), ddx.as<float>(), T, k, D, nullptr);
   finish();
   dx = download<float>(ddx);
 }

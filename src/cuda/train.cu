@@ -113,6 +113,7 @@ struct MlpActs {
 };
 struct MoeActs {
   float *logits, *weights, *gu, *out;
+  bf16* gu16 = nullptr;  // the pre-activations in bf16 instead of gu, where the GEMM's epilogue makes the act
   // offsets [El + 1]: this rank's experts' row ranges in the permuted order (El = all E unless expert-parallel;
   // then the other ranks' choices come after them, from row *rows_held on)
   int32_t *experts, *slot_of, *offsets;
@@ -617,8 +618,8 @@ class Step {
   // allocates them with core_buffers), so that its recomputation skips the recurrence or the attention, the costly
   // and small part of the sub-layer: the tensor-core recurrence's bf16 o (kda_o16) or the fp32 one's o (kda_o); the
   // MLA attention's bf16 o and, on tensor cores, its rows' log-sum-exp. Likewise a recomputed MoE site's routed
-  // experts' fp32 gate|up pre-activations and bf16 act where the policy keeps the experts (moe_forward). Null while
-  // no site's are wanted (the core runs into the arena).
+  // experts' gate|up pre-activations (fp32, or bf16 in the first half where the GEMM makes the act) and bf16 act
+  // where the policy keeps the experts (moe_forward). Null while no site's are wanted (the core runs into the arena).
   struct CoreOut {
     bf16* kda_o16 = nullptr;
     float* kda_o = nullptr;
@@ -944,6 +945,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   // GEMM again; it makes the gate and up adapters' u alone.
   const bool experts_kept = core_.moe_gu != nullptr, reuse = experts_kept && recompute_;
   x.gu = experts_kept ? core_.moe_gu : nullptr;
+  x.gu16 = nullptr;
   x.act = experts_kept ? core_.moe_act : ar.alloc<bf16>(n * I);
   // A recomputation runs up to the act (and the down adapters' u): the output was kept, and the backward needs no
   // expert outputs (moe_weights_backward).
@@ -962,14 +964,20 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     // keeping the pre-activations for the backward, unless adapters still have to add to them afterwards.
     const bool fuse_act = (fold_gu || !has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp})) &&
                           grouped_gemm_is_wgmma(kernel);
-    // The fp32 gate|up: the GEMM's output, or with the fused act the pre-activations the backward reads (not made
-    // where the site is recomputed, unless kept: the recomputation makes them).
-    if (!x.gu && (!fuse_act || !transient_)) x.gu = ar.alloc<float>(n * 2 * I);
+    // The gate|up: the GEMM's fp32 output, or with the fused act the pre-activations the backward reads, in bf16
+    // (half the bytes written and read back; the act comes from the fp32 sums): not made where the site is
+    // recomputed, unless kept (the first half of the kept buffer holds them then), the recomputation makes them.
+    if (fuse_act) {
+      if (experts_kept) x.gu16 = reinterpret_cast<bf16*>(core_.moe_gu), x.gu = nullptr;
+      else if (!transient_) x.gu16 = ar.alloc<bf16>(n * 2 * I);
+    } else if (!x.gu) {
+      x.gu = ar.alloc<float>(n * 2 * I);
+    }
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
     gu.W_all = w.gate_up_all;
     if (fuse_act) {
-      gu.C = x.act, gu.pre = x.gu;
+      gu.C = x.act, gu.pre = x.gu, gu.pre16 = x.gu16;
       gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
     }
     if (fold_gu) gu.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp});
@@ -1056,9 +1064,10 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
   // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
   auto dx_grouped = [&](const bf16* dy, const bf16* const* W, const bf16* W_all, int64_t out_w, int64_t in_w,
-                        float* dx, const GroupedLowRank& lr) {
+                        void* dx, bool dx16, const GroupedLowRank& lr) {
     GroupedGemm g{dy, x.offsets, W, dx, n, static_cast<int>(El), static_cast<int>(in_w), static_cast<int>(out_w),
-                  GroupedEpilogue::kF32, 0.0f, static_cast<GroupedGemmKernel>(moe_expert_gemm())};
+                  dx16 ? GroupedEpilogue::kBf16 : GroupedEpilogue::kF32, 0.0f,
+                  static_cast<GroupedGemmKernel>(moe_expert_gemm())};
     g.w_kn = true;
     g.W_all = W_all;
     g.low_rank = lr;
@@ -1068,9 +1077,14 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // input-gradient GEMM's accumulators.
   const bool fold_dn = !per_expert && fold_adapters(i, {LoraKind::ExpertDown}, true),
              fold_gu = !per_expert && fold_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp}, true);
-  float* dact = El == E ? ar.alloc<float>(n * I) : zeros(n * I);
+  // dact and dxp in bf16 where the grouped GEMM writes all of them and nothing adds to them afterwards (half the
+  // bytes written and read back: the sums that read them are fp32 over bf16 inputs, as the GEMMs' own).
+  const bool dact16 = grouped && El == E && (fold_dn || !has_adapters(i, {LoraKind::ExpertDown})),
+             dxp16 = grouped && El == E && (fold_gu || !has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp}));
+  float* dact = dact16 ? nullptr : El == E ? ar.alloc<float>(n * I) : zeros(n * I);
+  bf16* dact_h = dact16 ? ar.alloc<bf16>(n * I) : nullptr;
   if (grouped)
-    dx_grouped(dout, w.down_ptrs, w.down_all, D, I, dact,
+    dx_grouped(dout, w.down_ptrs, w.down_all, D, I, dact16 ? static_cast<void*>(dact_h) : dact, dact16,
                fold_dn ? expert_adapters_backward_factor(i, x, {LoraKind::ExpertDown}, dout) : GroupedLowRank{});
   for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
     const int64_t r0 = off[e], rows = off[e + 1] - r0;
@@ -1078,14 +1092,20 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
     if (gw.experts[e].down) m_.gemm->run_dw(dout + r0 * D, D, x.act + r0 * I, I, D, I, rows, gw.experts[e].down, true);
     if (!grouped) m_.gemm->run_dx(dout + r0 * D, D, w.experts[e].down.w, D, I, dact + r0 * I, I, rows, false);
   }
-  if (!fold_dn) expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
+  if (!fold_dn && !dact16) expert_adapters_backward(i, x, off, {LoraKind::ExpertDown}, dout, dact);
   float* dweights = ar.alloc<float>(n);
-  moe_weights_backward(x.act, dact, x.slot_of, x.weights, dweights, T, k, I, st, x.rows_held);
+  if (dact16) moe_weights_backward(x.act, dact_h, x.slot_of, x.weights, dweights, T, k, I, st, x.rows_held);
+  else moe_weights_backward(x.act, dact, x.slot_of, x.weights, dweights, T, k, I, st, x.rows_held);
   bf16* dgu = ar.alloc<bf16>(n * 2 * I);
-  swiglu_backward(x.gu, dact, dgu, n, I, static_cast<float>(c_.swiglu_limit), st, x.rows_held);
-  float* dxp = El == E ? ar.alloc<float>(n * D) : zeros(n * D);
+  const float L = static_cast<float>(c_.swiglu_limit);
+  if (x.gu16 && dact16) swiglu_backward(x.gu16, dact_h, dgu, n, I, L, st, x.rows_held);
+  else if (x.gu16) swiglu_backward(x.gu16, dact, dgu, n, I, L, st, x.rows_held);
+  else if (dact16) swiglu_backward(x.gu, dact_h, dgu, n, I, L, st, x.rows_held);
+  else swiglu_backward(x.gu, dact, dgu, n, I, L, st, x.rows_held);
+  float* dxp = dxp16 ? nullptr : El == E ? ar.alloc<float>(n * D) : zeros(n * D);
+  bf16* dxp_h = dxp16 ? ar.alloc<bf16>(n * D) : nullptr;
   if (grouped)
-    dx_grouped(dgu, w.gate_up_ptrs, w.gate_up_all, 2 * I, D, dxp,
+    dx_grouped(dgu, w.gate_up_ptrs, w.gate_up_all, 2 * I, D, dxp16 ? static_cast<void*>(dxp_h) : dxp, dxp16,
                fold_gu ? expert_adapters_backward_factor(i, x, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu)
                        : GroupedLowRank{});
   for (int64_t e = 0; e < El && (!grouped || g_.linears); ++e) {
@@ -1096,8 +1116,9 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
     if (!grouped)
       m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
   }
-  if (!fold_gu) expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
-  moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
+  if (!fold_gu && !dxp16) expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
+  if (dxp16) moe_gather_backward(dxp_h, x.slot_of, da, T, k, D, st);
+  else moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
   // The router through the chosen experts' weights.
   float* dlogits = ar.alloc<float>(T * E);
   moe_route_backward(x.logits, x.experts, dweights, dlogits, T, E, k, c_.norm_topk_prob,
