@@ -568,6 +568,60 @@ TEST(CudaTrain, StackedLoraAdaptersMatchOneAtATime) {
     }
 }
 
+// Projections joined with their adapter into one GEMM ([x | u]·[W | B]ᵀ: set_lora_joining, the default) against the
+// adapter's product added by the projection's GEMM: the same loss and gradients up to the GEMMs' summation order
+// (and the MLA's q and kv rounded to bf16 from the joined sums instead of from the fp32 output: where the sums differ
+// in their last bit, an element can round to the next bf16 value; the loss moved by 2.1e-5 relative on the H200).
+// At rank 16 the narrow projections join (f_b, g_b, q_b, kv_b, the shared expert's down); at rank 4 none does (the
+// joined width would not be a multiple of 8), and nothing changes.
+TEST(CudaTrain, JoinedLoraProjectionsMatchTheAdditivePath) {
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model base = test::bf16_weights_reference(dir);
+  const PackedBatch batch = golden_batch(dir);
+  struct Restore {
+    ~Restore() { set_lora_joining(true); }
+  } restore;
+  for (const int rank : {16, 4})
+    for (const char* policy : {"all", "none"}) {
+      const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, rank);
+      CudaModel gpu(base);
+      gpu.set_train_linears(false);
+      gpu.set_recompute(parse_recompute(policy));
+      gpu.set_lora(lora);
+      const std::string at = "rank " + std::to_string(rank) + " --recompute " + policy;
+      auto run = [&](bool joined, LoraAdapter& out) {
+        set_lora_joining(joined);
+        gpu.zero_grads();
+        const int64_t before = lora_joined_projections();
+        const double loss = gpu.forward_backward(batch);
+        EXPECT_EQ(lora_joined_projections() > before, joined && rank == 16) << at;
+        gpu.lora_gradients(out);
+        return loss;
+      };
+      LoraAdapter apart = test::without_gradients(lora), joined = test::without_gradients(lora);
+      const double loss_apart = run(false, apart), loss_joined = run(true, joined);
+      EXPECT_LE(std::fabs(loss_joined - loss_apart) / std::fabs(loss_apart), 1e-4) << at;
+      if (rank == 4) {
+        EXPECT_EQ(loss_joined, loss_apart) << at;
+      }
+      std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
+      for (size_t i = 0; i < apart.modules().size(); ++i) {
+        const LoraModule &r = apart.modules()[i], &g = joined.modules()[i];
+        auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
+        for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+          for (size_t j = 0; j < rt.data.size(); ++j) {
+            ASSERT_TRUE(std::isfinite(gt.data[j])) << at;
+            acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+            acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
+          }
+      }
+      for (const auto& [kind, acc] : by_kind) {
+        ASSERT_GT(acc[1], 0.0) << kind << " " << at;
+        EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-2) << kind << " " << at;
+      }
+    }
+}
+
 // The device LoRA optimizer (start_lora_optimizer, lora_adamw_step, download_lora) takes the step the host's
 // clip_grad_norm + AdamW::step take on the same gradients: two steps, the first clipped, the second not; the norms
 // agree to 1e-9 relative and the adapters and moments to 1e-6 of each tensor's norm (fp32 ulps: the norm's double

@@ -52,6 +52,16 @@ std::atomic<bool> g_lora_stacking{true};
 std::atomic<int64_t> g_lora_stacked_groups{0};
 }  // namespace
 
+namespace {
+std::atomic<bool> g_lora_joining{true};
+std::atomic<int64_t> g_lora_joined{0};
+}  // namespace
+
+void set_lora_joining(bool on) { g_lora_joining = on; }
+bool lora_joining() { return g_lora_joining; }
+int64_t lora_joined_projections() { return g_lora_joined; }
+void note_lora_joined_projection() { ++g_lora_joined; }
+
 void set_lora_stacking(bool on) { g_lora_stacking = on; }
 bool lora_stacking() { return g_lora_stacking; }
 int64_t lora_stacked_groups() { return g_lora_stacked_groups; }

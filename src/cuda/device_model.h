@@ -47,6 +47,14 @@ void set_lora_stacking(bool on);
 bool lora_stacking();
 int64_t lora_stacked_groups();
 
+// Whether training joins a dense projection and its one adapter into one GEMM, [x | u]·[W | B]ᵀ, where the input is
+// at most 2048 wide (a KDA layer's f_b and g_b, an MLA layer's q_b and kv_b, the shared expert's down; the default),
+// in place of the adapter's product written first and the projection's GEMM adding onto it. Process-wide, for tests
+// and benchmarks; lora_joined_projections() counts the joined GEMMs run so far in this process.
+void set_lora_joining(bool on);
+bool lora_joining();
+int64_t lora_joined_projections();
+
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {
   double kl = 0;            // KL(ref ‖ ours) over the vocabulary

@@ -30,6 +30,7 @@ namespace nextlm {
 
 // Counts one stacked group of LoRA adapters (lora_stacked_groups in device_model.h); the training step calls it.
 void note_lora_stacked_group();
+void note_lora_joined_projection();
 
 namespace cuda {
 

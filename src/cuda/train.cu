@@ -53,6 +53,21 @@ __global__ void scale_to_bf16_kernel(const float* x, float s, bf16* y, int64_t n
     y[i] = __float2bfloat16(s * x[i]);
 }
 
+// dst[r, c] = src[r, c] for r < rows, c < cols (bf16, row strides ldd and lds); VEC (cols, strides and bases in
+// 16-byte units): eight columns a thread.
+template <bool VEC>
+__global__ void copy_cols_kernel(bf16* dst, int64_t ldd, const bf16* src, int64_t lds, int64_t rows, int64_t cols) {
+  const int64_t per = VEC ? cols / 8 : cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * per;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per, c = i % per;
+    if constexpr (VEC)
+      *reinterpret_cast<uint4*>(dst + r * ldd + 8 * c) = *reinterpret_cast<const uint4*>(src + r * lds + 8 * c);
+    else
+      dst[r * ldd + c] = src[r * lds + c];
+  }
+}
+
 // The vocabulary-parallel cross-entropy of rows of a logits slice [n, V] holding entries begin … begin + V − 1,
 // given each row's max gmx, Σ exp(x − gmx) gsum and target logit tl over the whole vocabulary (reduced over TP):
 // dlogits = wt·(softmax − onehot) on the slice (bf16, written), loss[r] = wt·(lse − tl) (written; 0 without a term).
@@ -291,6 +306,45 @@ class Step {
     m_.gemm->run_dw(gs, ad.r, x, ldx, ad.r, ad.in, rows, ad.dA, true);
     if (dx) m_.gemm->run_dx(gs, ad.r, ad.A, ad.r, ad.in, dx, ad.in, rows, true);
   }
+  void copy_cols(bf16* dst, int64_t ldd, const bf16* src, int64_t lds, int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    const bool vec = cols % 8 == 0 && ldd % 8 == 0 && lds % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(src) % 16 == 0;
+    const int64_t n = rows * (vec ? cols / 8 : cols);
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 8192));
+    if (vec) copy_cols_kernel<true><<<grid, 256, 0, m_.stream>>>(dst, ldd, src, lds, rows, cols);
+    else copy_cols_kernel<false><<<grid, 256, 0, m_.stream>>>(dst, ldd, src, lds, rows, cols);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
+  // A projection of layer i whose one adapter (of `kind`) covers all its outputs, y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ, as one GEMM
+  // over the joined contraction [x | u]·[W | B]ᵀ with u = s·x·Aᵀ in bf16 (the u the adapter's backward reads): one
+  // write of y, in fp32 (y) or bf16 (y16), in place of the adapter's product written first and the projection's GEMM
+  // adding onto it (a write and a read-modify-write of the fp32 output). The joined copies of x and W are made on
+  // every call (W may train), so only for inputs up to kJoinMaxIn wide, where they cost a small part of what they
+  // save. False (nothing done) where this does not apply.
+  static constexpr int64_t kJoinMaxIn = 2048;
+  bool joined_forward(size_t i, LoraKind kind, const DLinear& W, const bf16* x, int64_t ldx, float* y, bf16* y16) {
+    const DAdapter* ad = adapter(i, kind);
+    if (!lora_joining() || !ad || ad->col0 != 0 || ad->out != W.out || ad->in != W.in || W.in > kJoinMaxIn ||
+        (W.in + ad->r) % 8 != 0)
+      return false;
+    const int64_t T = this->T(), K = W.in + ad->r;
+    factors_only_ = true;
+    lora_forward(*ad, x, ldx, T, nullptr, W.out);  // u, kept for the backward
+    factors_only_ = false;
+    const LoraGroup* g = stacked(*ad);
+    const bf16* u = lora_u_[site_].at({ad, x});
+    bf16* xj = m_.arena.alloc<bf16>(T * K);
+    bf16* wj = m_.arena.alloc<bf16>(W.out * K);
+    copy_cols(xj, K, x, ldx, T, W.in);
+    copy_cols(xj + W.in, K, u, g ? g->ld() : ad->r, T, ad->r);
+    copy_cols(wj, K, W.w, W.in, W.out, W.in);
+    copy_cols(wj + W.in, K, ad->B, ad->r, W.out, ad->r);
+    if (y16) m_.gemm->run_bf16(xj, K, wj, W.out, K, y16, W.out, T);
+    else m_.gemm->run(xj, K, wj, W.out, K, y, W.out, T);
+    note_lora_joined_projection();
+    return true;
+  }
   // A projection of layer i with the adapters of `kinds` on its rows: y (fp32, row stride W.out) (+)= x·Wᵀ + ….
   // When the adapters' columns tile y's (disjoint, covering all), their rank-r products write y first and the
   // projection's GEMM adds onto it in its epilogue (the same single rounding of the two sums), in place of the
@@ -299,6 +353,7 @@ class Step {
   // adapters' read of y and little more.
   void linear_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
                       float* y, bool accumulate = false) {
+    if (!accumulate && kinds.size() == 1 && joined_forward(i, *kinds.begin(), W, x, ldx, y, nullptr)) return;
     std::vector<const DAdapter*> ads;
     for (LoraKind k : kinds)
       if (const DAdapter* ad = adapter(i, k)) ads.push_back(ad);
@@ -792,23 +847,34 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   rmsnorm_rows(x.qa, QL, w.q_a_norm, x.qr, nullptr, T, QL, eps, st);
   // The indexer's selection (frozen: no gradient), in the forward pass only.
   if (select_ && w.has_indexer) m_.indexer(w, p_, a, x.qr, sels_[i].sel, sels_[i].count, max_sel());
-  x.q = ar.alloc<float>(T * NH * dqk);
-  linear_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, x.q);
+  // q and kv: in bf16 for the tensor-core attention, straight from the joined GEMMs with adapters on q_b and kv_b
+  // (fp32 copies only for the backward's fp32 kernels, which widen the bf16 ones then); else fp32, then converted.
+  const bool tc = mla_tc_supported(dqk, dv);
+  const int64_t nq = T * NH * dqk, nkv = T * NH * (dqk + dv);
+  x.q = x.kv = nullptr;
+  x.q16 = tc ? ar.alloc<bf16>(nq) : nullptr;
+  x.kv16 = tc ? ar.alloc<bf16>(nkv) : nullptr;
+  if (!tc || !joined_forward(i, LoraKind::MlaQB, w.q_b, x.qr, QL, nullptr, x.q16)) {
+    x.q = ar.alloc<float>(nq);
+    linear_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, x.q);
+    if (tc) to_bf16(x.q, x.q16, nq, st);
+  }
   x.lat = ar.alloc<float>(T * KL);
   linear_forward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, x.lat);
   x.lat16 = ar.alloc<bf16>(T * KL);
   rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
-  x.kv = ar.alloc<float>(T * NH * (dqk + dv));
-  linear_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, x.kv);
+  if (!tc || !joined_forward(i, LoraKind::MlaKVB, w.kv_b, x.lat16, KL, nullptr, x.kv16)) {
+    x.kv = ar.alloc<float>(nkv);
+    linear_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, x.kv);
+    if (tc) to_bf16(x.kv, x.kv16, nkv, st);
+  }
   // The attention, unless this is a recomputation and the forward kept its output (core_).
   const bool core_kept = recompute_ && core_.mla_o;
   x.o = core_.mla_o ? core_.mla_o : ar.alloc<bf16>(T * NH * dv);
   const int32_t* lens = m_.empty_seen ? p_.seen_len : p_.seq_len;
-  if (mla_tc_supported(dqk, dv)) {
-    // The forward's tensor-core kernel on bf16 copies, keeping its rows' log-sum-exp for the tensor-core backward.
+  if (tc) {
+    // The forward's tensor-core kernel on bf16 q and kv, keeping its rows' log-sum-exp for the tensor-core backward.
     const int64_t words = mla_mask_words(p_.max_len);
-    x.q16 = half(x.q, T * NH * dqk);
-    x.kv16 = half(x.kv, T * NH * (dqk + dv));
     x.lse2 = core_.mla_lse2 ? core_.mla_lse2 : ar.alloc<float>(T * NH);
     if (!core_kept)
       mla_sparse_attention_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, x.o, ar.alloc<uint32_t>(T * words),
@@ -853,18 +919,31 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   } else {
     dq = zeros(T * NH * dqk), dkv = zeros(T * NH * (dqk + dv));
   }
+  // The fp32 kernels' q and kv: the forward's, or where it made them in bf16 alone (joined_forward), those widened
+  // (the values the forward's attention ran on).
+  const float *q32 = x.q, *kv32 = x.kv;
+  if (!use_tc && !q32) {
+    float* w32 = ar.alloc<float>(T * NH * dqk);
+    bf16_to_f32(x.q16, w32, T * NH * dqk, st);
+    q32 = w32;
+  }
+  if (!use_tc && !kv32) {
+    float* w32 = ar.alloc<float>(T * NH * (dqk + dv));
+    bf16_to_f32(x.kv16, w32, T * NH * (dqk + dv), st);
+    kv32 = w32;
+  }
   if (use_tc) {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(mla_sparse_attention_backward_tc_workspace_bytes(T, NH, p_.max_len, dqk, dv)));
     mla_sparse_attention_backward_tc(x.q16, x.kv16, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
                                      max_sel(), p_.max_len, work, st, x.lse2, x.o, dq16, dkv16);
   } else if (!tiled_dims || mla_backward_use_scatter(selected, causal)) {
-    mla_sparse_attention_backward_scatter(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
+    mla_sparse_attention_backward_scatter(q32, kv32, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv,
                                           max_sel(), st);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(mla_sparse_attention_backward_workspace_bytes(T, NH, p_.max_len)));
-    mla_sparse_attention_backward(x.q, x.kv, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv, max_sel(),
+    mla_sparse_attention_backward(q32, kv32, sel, count, p_.seq_start, lens, dO, dq, dkv, T, NH, dqk, dv, max_sel(),
                                   p_.max_len, work, st);
   }
   // kv = kv_b(RMSNorm(kv_a(a)))
