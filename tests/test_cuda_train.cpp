@@ -19,10 +19,12 @@
 #include <fstream>
 #include <array>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <iterator>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <random>
 
 #include "core/error.h"
@@ -519,6 +521,49 @@ TEST(CudaTrain, SmallWeightGradientsOnlyWhenAsked) {
   EXPECT_LE(std::sqrt(diff / norm), 1e-2);
 }
 
+// A LoRA step on the golden's base with random per-expert adapters at `rank` under `policy`, run with a
+// process-wide switch off and then on (set(false), set(true)): the losses within loss_tol relative, and each kind's
+// adapter gradients (dA and dB together) within 1e-2 of the first run's; `count` (a process-wide counter) grows in a
+// run exactly when grows(on). Returns the two losses.
+std::pair<double, double> lora_switch_runs(const Model& base, const PackedBatch& batch, int rank, const char* policy,
+                                           const std::function<void(bool)>& set, const std::function<int64_t()>& count,
+                                           const std::function<bool(bool)>& grows, double loss_tol) {
+  const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, rank);
+  CudaModel gpu(base);
+  gpu.set_train_linears(false);
+  gpu.set_recompute(parse_recompute(policy));
+  gpu.set_lora(lora);
+  const std::string at = "rank " + std::to_string(rank) + " --recompute " + policy;
+  auto run = [&](bool on, LoraAdapter& out) {
+    set(on);
+    gpu.zero_grads();
+    const int64_t before = count();
+    const double loss = gpu.forward_backward(batch);
+    EXPECT_EQ(count() > before, grows(on)) << at << (on ? " on" : " off");
+    gpu.lora_gradients(out);
+    return loss;
+  };
+  LoraAdapter off = test::without_gradients(lora), on = test::without_gradients(lora);
+  const double loss_off = run(false, off), loss_on = run(true, on);
+  EXPECT_LE(std::fabs(loss_on - loss_off) / std::fabs(loss_off), loss_tol) << at;
+  std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
+  for (size_t i = 0; i < off.modules().size(); ++i) {
+    const LoraModule &r = off.modules()[i], &g = on.modules()[i];
+    auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
+    for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+      for (size_t j = 0; j < rt.data.size(); ++j) {
+        EXPECT_TRUE(std::isfinite(gt.data[j])) << at;
+        acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+        acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
+      }
+  }
+  for (const auto& [kind, acc] : by_kind) {
+    EXPECT_GT(acc[1], 0.0) << kind << " " << at;
+    EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-2) << kind << " " << at;
+  }
+  return {loss_off, loss_on};
+}
+
 // The dense adapters that read one input, stacked (one GEMM for their u, one for their dA, one for their dx: the
 // default) against one at a time: the same loss and gradients up to the GEMMs' summation order, at rank 4 and 16,
 // with every sub-layer kept and recomputed; and the groups were stacked (KDA or MLA attention in every layer, the
@@ -531,41 +576,9 @@ TEST(CudaTrain, StackedLoraAdaptersMatchOneAtATime) {
     ~Restore() { set_lora_stacking(true); }
   } restore;
   for (const int rank : {4, 16})
-    for (const char* policy : {"all", "none"}) {
-      const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, rank);
-      CudaModel gpu(base);
-      gpu.set_train_linears(false);
-      gpu.set_recompute(parse_recompute(policy));
-      gpu.set_lora(lora);
-      auto run = [&](bool stacked, LoraAdapter& out) {
-        set_lora_stacking(stacked);
-        gpu.zero_grads();
-        const int64_t groups = lora_stacked_groups();
-        const double loss = gpu.forward_backward(batch);
-        EXPECT_EQ(lora_stacked_groups() > groups, stacked) << "rank " << rank << " --recompute " << policy;
-        gpu.lora_gradients(out);
-        return loss;
-      };
-      LoraAdapter one = test::without_gradients(lora), stacked = test::without_gradients(lora);
-      const double loss_one = run(false, one), loss_stacked = run(true, stacked);
-      const std::string at = "rank " + std::to_string(rank) + " --recompute " + policy;
-      EXPECT_LE(std::fabs(loss_stacked - loss_one) / std::fabs(loss_one), 1e-5) << at;
-      std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
-      for (size_t i = 0; i < one.modules().size(); ++i) {
-        const LoraModule &r = one.modules()[i], &g = stacked.modules()[i];
-        auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
-        for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
-          for (size_t j = 0; j < rt.data.size(); ++j) {
-            ASSERT_TRUE(std::isfinite(gt.data[j])) << at;
-            acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
-            acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
-          }
-      }
-      for (const auto& [kind, acc] : by_kind) {
-        ASSERT_GT(acc[1], 0.0) << kind << " " << at;
-        EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-2) << kind << " " << at;
-      }
-    }
+    for (const char* policy : {"all", "none"})
+      lora_switch_runs(base, batch, rank, policy, set_lora_stacking, lora_stacked_groups,
+                       [](bool on) { return on; }, 1e-5);
 }
 
 // Projections joined with their adapter into one GEMM ([x | u]·[W | B]ᵀ: set_lora_joining, the default) against the
@@ -583,41 +596,11 @@ TEST(CudaTrain, JoinedLoraProjectionsMatchTheAdditivePath) {
   } restore;
   for (const int rank : {16, 4})
     for (const char* policy : {"all", "none"}) {
-      const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, rank);
-      CudaModel gpu(base);
-      gpu.set_train_linears(false);
-      gpu.set_recompute(parse_recompute(policy));
-      gpu.set_lora(lora);
-      const std::string at = "rank " + std::to_string(rank) + " --recompute " + policy;
-      auto run = [&](bool joined, LoraAdapter& out) {
-        set_lora_joining(joined);
-        gpu.zero_grads();
-        const int64_t before = lora_joined_projections();
-        const double loss = gpu.forward_backward(batch);
-        EXPECT_EQ(lora_joined_projections() > before, joined && rank == 16) << at;
-        gpu.lora_gradients(out);
-        return loss;
-      };
-      LoraAdapter apart = test::without_gradients(lora), joined = test::without_gradients(lora);
-      const double loss_apart = run(false, apart), loss_joined = run(true, joined);
-      EXPECT_LE(std::fabs(loss_joined - loss_apart) / std::fabs(loss_apart), 1e-4) << at;
+      const auto [apart, joined] = lora_switch_runs(
+          base, batch, rank, policy, set_lora_joining, lora_joined_projections,
+          [rank](bool on) { return on && rank == 16; }, 1e-4);
       if (rank == 4) {
-        EXPECT_EQ(loss_joined, loss_apart) << at;
-      }
-      std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
-      for (size_t i = 0; i < apart.modules().size(); ++i) {
-        const LoraModule &r = apart.modules()[i], &g = joined.modules()[i];
-        auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
-        for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
-          for (size_t j = 0; j < rt.data.size(); ++j) {
-            ASSERT_TRUE(std::isfinite(gt.data[j])) << at;
-            acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
-            acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
-          }
-      }
-      for (const auto& [kind, acc] : by_kind) {
-        ASSERT_GT(acc[1], 0.0) << kind << " " << at;
-        EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-2) << kind << " " << at;
+        EXPECT_EQ(joined, apart) << "rank 4 --recompute " << policy;
       }
     }
 }

@@ -63,14 +63,10 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
 // active (gate > L; up outside [−L, L]), passing at exactly ±L, as torch.clamp. rows_held (device, optional): rows
 // from *rows_held on belong to other ranks' experts (expert parallelism; gu and dact are not read there) and get a
 // zero gradient.
-void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held = nullptr);
-void swiglu_backward(const bf16* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held = nullptr);
-void swiglu_backward(const float* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held = nullptr);
-void swiglu_backward(const bf16* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held = nullptr);
+// G and A: float or bf16 (instantiated for the four pairs).
+template <class G, class A>
+void swiglu_backward(const G* gu, const A* dact, bf16* dgu, int64_t n, int64_t I, float limit, cudaStream_t st,
+                     const int32_t* rows_held = nullptr);
 
 // Backward of moe_combine (y[t] += Σ_i w[t, i]·out[slot_of[t, i]]) for the experts' outputs: dout [T·k, D] written
 // in bf16 (row slot_of[t, i] = w[t, i]·dy[t]). The weights' gradient dy[t]·out[slot_of[t, i]] is
@@ -82,18 +78,15 @@ void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* 
 // [T, k] written from act [T·k, I] (bf16, the down projection's input) and dact [T·k, I]; zero where w is zero (a
 // zero weight is a sigmoid that underflowed, whose logit gets no gradient either way) and, under expert parallelism,
 // for rows from *rows_held on (other ranks' experts).
-void moe_weights_backward(const bf16* act, const float* dact, const int32_t* slot_of, const float* weights,
-                          float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
-                          const int32_t* rows_held = nullptr);
-// The same with dact in bf16.
-void moe_weights_backward(const bf16* act, const bf16* dact, const int32_t* slot_of, const float* weights,
+// A: float or bf16.
+template <class A>
+void moe_weights_backward(const bf16* act, const A* dact, const int32_t* slot_of, const float* weights,
                           float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
                           const int32_t* rows_held = nullptr);
 
-// Backward of gather_rows for the MoE: dx[t] += Σ_i dxp[slot_of[t, i]] in i order. dxp [T·k, D], fp32 or bf16.
-void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
-                         cudaStream_t st);
-void moe_gather_backward(const bf16* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+// Backward of gather_rows for the MoE: dx[t] += Σ_i dxp[slot_of[t, i]] in i order. dxp [T·k, D], P float or bf16.
+template <class P>
+void moe_gather_backward(const P* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
                          cudaStream_t st);
 
 // Backward of the routing weights (moe_route; the chosen experts are constants): from the router logits [T, E] and

@@ -336,11 +336,9 @@ void embedding_backward(const int32_t* tok, const float* dh, float* dembed, int6
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
-namespace {
-
 template <class G, class A>
-void launch_swiglu_backward(const G* gu, const A* dact, bf16* dgu, int64_t n, int64_t I, float limit, cudaStream_t st,
-                            const int32_t* rows_held) {
+void swiglu_backward(const G* gu, const A* dact, bf16* dgu, int64_t n, int64_t I, float limit, cudaStream_t st,
+                     const int32_t* rows_held) {
   if (n * I <= 0) return;
   const bool vec = I % 4 == 0 && reinterpret_cast<uintptr_t>(gu) % (4 * sizeof(G)) == 0 &&
                    reinterpret_cast<uintptr_t>(dact) % (4 * sizeof(A)) == 0 &&
@@ -350,54 +348,14 @@ void launch_swiglu_backward(const G* gu, const A* dact, bf16* dgu, int64_t n, in
   else swiglu_backward_kernel<G, A, false><<<grid, kThreads, 0, st>>>(gu, dact, dgu, n, I, limit, rows_held);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
-
-template <class A>
-void launch_weights_backward(const bf16* act, const A* dact, const int32_t* slot_of, const float* weights,
-                             float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
-                             const int32_t* rows_held) {
-  if (T * k <= 0) return;
-  const bool vec = I % 8 == 0 && reinterpret_cast<uintptr_t>(act) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(dact) % (8 * sizeof(A)) == 0;
-  const int grid = grid_for(T * k, kThreads / 32);
-  if (vec)
-    moe_weights_backward_kernel<A, true><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
-                                                                    rows_held);
-  else
-    moe_weights_backward_kernel<A, false><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
-                                                                     rows_held);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <class P>
-void launch_gather_backward(const P* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
-                            cudaStream_t st) {
-  if (T <= 0 || D <= 0) return;
-  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dxp) % (4 * sizeof(P)) == 0 &&
-                   reinterpret_cast<uintptr_t>(dx) % 16 == 0;
-  const int grid = static_cast<int>(std::min<int64_t>(T, 65535));
-  if (vec) moe_gather_backward_kernel<P, true><<<grid, kThreads, 0, st>>>(dxp, slot_of, dx, T, k, D);
-  else moe_gather_backward_kernel<P, false><<<grid, kThreads, 0, st>>>(dxp, slot_of, dx, T, k, D);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
-}
-
-}  // namespace
-
-void swiglu_backward(const float* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held) {
-  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
-}
-void swiglu_backward(const bf16* gu, const float* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held) {
-  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
-}
-void swiglu_backward(const float* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held) {
-  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
-}
-void swiglu_backward(const bf16* gu, const bf16* dact, bf16* dgu, int64_t n, int64_t I, float limit,
-                     cudaStream_t st, const int32_t* rows_held) {
-  launch_swiglu_backward(gu, dact, dgu, n, I, limit, st, rows_held);
-}
+template void swiglu_backward(const float*, const float*, bf16*, int64_t, int64_t, float, cudaStream_t,
+                              const int32_t*);
+template void swiglu_backward(const bf16*, const float*, bf16*, int64_t, int64_t, float, cudaStream_t,
+                              const int32_t*);
+template void swiglu_backward(const float*, const bf16*, bf16*, int64_t, int64_t, float, cudaStream_t,
+                              const int32_t*);
+template void swiglu_backward(const bf16*, const bf16*, bf16*, int64_t, int64_t, float, cudaStream_t,
+                              const int32_t*);
 
 void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* weights, bf16* dout, int64_t T,
                           int64_t k, int64_t D, cudaStream_t st) {
@@ -412,25 +370,40 @@ void moe_combine_backward(const float* dy, const int32_t* slot_of, const float* 
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
-void moe_weights_backward(const bf16* act, const float* dact, const int32_t* slot_of, const float* weights,
+template <class A>
+void moe_weights_backward(const bf16* act, const A* dact, const int32_t* slot_of, const float* weights,
                           float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
                           const int32_t* rows_held) {
-  launch_weights_backward(act, dact, slot_of, weights, dweights, T, k, I, st, rows_held);
+  if (T * k <= 0) return;
+  const bool vec = I % 8 == 0 && reinterpret_cast<uintptr_t>(act) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dact) % (8 * sizeof(A)) == 0;
+  const int grid = grid_for(T * k, kThreads / 32);
+  if (vec)
+    moe_weights_backward_kernel<A, true><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
+                                                                    rows_held);
+  else
+    moe_weights_backward_kernel<A, false><<<grid, kThreads, 0, st>>>(act, dact, slot_of, weights, dweights, T, k, I,
+                                                                     rows_held);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
-void moe_weights_backward(const bf16* act, const bf16* dact, const int32_t* slot_of, const float* weights,
-                          float* dweights, int64_t T, int64_t k, int64_t I, cudaStream_t st,
-                          const int32_t* rows_held) {
-  launch_weights_backward(act, dact, slot_of, weights, dweights, T, k, I, st, rows_held);
-}
+template void moe_weights_backward(const bf16*, const float*, const int32_t*, const float*, float*, int64_t, int64_t,
+                                   int64_t, cudaStream_t, const int32_t*);
+template void moe_weights_backward(const bf16*, const bf16*, const int32_t*, const float*, float*, int64_t, int64_t,
+                                   int64_t, cudaStream_t, const int32_t*);
 
-void moe_gather_backward(const float* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
+template <class P>
+void moe_gather_backward(const P* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
                          cudaStream_t st) {
-  launch_gather_backward(dxp, slot_of, dx, T, k, D, st);
+  if (T <= 0 || D <= 0) return;
+  const bool vec = D % 4 == 0 && reinterpret_cast<uintptr_t>(dxp) % (4 * sizeof(P)) == 0 &&
+                   reinterpret_cast<uintptr_t>(dx) % 16 == 0;
+  const int grid = static_cast<int>(std::min<int64_t>(T, 65535));
+  if (vec) moe_gather_backward_kernel<P, true><<<grid, kThreads, 0, st>>>(dxp, slot_of, dx, T, k, D);
+  else moe_gather_backward_kernel<P, false><<<grid, kThreads, 0, st>>>(dxp, slot_of, dx, T, k, D);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
-void moe_gather_backward(const bf16* dxp, const int32_t* slot_of, float* dx, int64_t T, int64_t k, int64_t D,
-                         cudaStream_t st) {
-  launch_gather_backward(dxp, slot_of, dx, T, k, D, st);
-}
+template void moe_gather_backward(const float*, const int32_t*, float*, int64_t, int64_t, int64_t, cudaStream_t);
+template void moe_gather_backward(const bf16*, const int32_t*, float*, int64_t, int64_t, int64_t, cudaStream_t);
 
 void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,
                         int64_t T, int64_t E, int64_t k, bool norm, float scale, cudaStream_t st) {
