@@ -627,7 +627,7 @@ class Step {
                     const bf16* dy16, float* da);
   void moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y);
   void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da);
-  double head_backward(const float* h, const float* row_weight, float* dh);
+  void head_backward(const float* h, const float* row_weight, float* dh, double* loss_rows);
 
   // Selection buffers: each full-indexer DSA layer's own, which it and the layer after it attend over.
   int64_t max_sel() const { return c_.index_topk + c_.index_kpool - 1; }
@@ -1235,9 +1235,9 @@ void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, con
   m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
 }
 
-// The loss from the final streams h [T, S, D] in row blocks of the lm_head (at most 1 GiB of fp32 logits), with
-// dL/dh added into dh and the head's gradients into g_.
-double Step::head_backward(const float* h, const float* row_weight, float* dh) {
+// Each row's loss into loss_rows [T] (device) from the final streams h [T, S, D], in row blocks of the lm_head (at
+// most 1 GiB of fp32 logits), with dL/dh added into dh and the head's gradients into g_.
+void Step::head_backward(const float* h, const float* row_weight, float* dh, double* loss_rows) {
   // V: this rank's vocabulary rows (all of them unless vocabulary-parallel).
   const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, V = m_.vocab_rows;
   const float eps = static_cast<float>(c_.rms_norm_eps);
@@ -1246,7 +1246,6 @@ double Step::head_backward(const float* h, const float* row_weight, float* dh) {
   bf16* hn = ar.alloc<bf16>(T * D);
   stream_mean_norm(h, m_.final_norm, hn, T, S, D, eps, st);
   float* dhn = zeros(T * D);
-  double* loss_rows = ar.alloc<double>(T);
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{1} << 30) / (V * 4)));
   float* logits = ar.alloc<float>(block * V);
   bf16* dlogits = ar.alloc<bf16>(block * V);
@@ -1274,10 +1273,6 @@ double Step::head_backward(const float* h, const float* row_weight, float* dh) {
   m_.all_reduce(m_.tp_comm, dhn, T * D);  // each rank's vocabulary rows' share
   float* work = ar.alloc<float>(rmsnorm_backward_workspace_floats(T, D) + T * D);
   stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st);
-  std::vector<double> host(T);
-  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(host.data(), loss_rows, T * sizeof(double), cudaMemcpyDeviceToHost, st));
-  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
-  return std::accumulate(host.begin(), host.end(), 0.0);
 }
 
 double Step::run(const float* row_weight) {
@@ -1285,6 +1280,9 @@ double Step::run(const float* row_weight) {
   const size_t Lyr = m_.layers.size();
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
+  // The rows' losses, read once the backward is queued (reading them after the head would leave the GPU idle while
+  // the host waits for them and then starts queueing the backward: 0.14 ms a step).
+  double* loss_rows = ar.alloc<double>(T);
   // Kept for the backward: the streams entering every site, and each full indexer's selection.
   std::vector<float*> site_h(2 * Lyr);
   for (float*& s : site_h) s = ar.alloc<float>(TSD);
@@ -1376,7 +1374,7 @@ double Step::run(const float* row_weight) {
   m_.mark_end("train: forward");
   const Arena::Mark head_mark = ar.mark();
   m_.mark_begin("train: head");
-  const double loss = head_backward(h, row_weight, dh);
+  head_backward(h, row_weight, dh, loss_rows);
   m_.mark_end("train: head");
   ar.rewind(head_mark);
 
@@ -1440,7 +1438,10 @@ double Step::run(const float* row_weight) {
     }
     embedding_backward(tok, dh, g_.embed, T, S, D, pad, st);
   }
-  return loss;
+  std::vector<double> host(T);
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(host.data(), loss_rows, T * sizeof(double), cudaMemcpyDeviceToHost, st));
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+  return std::accumulate(host.begin(), host.end(), 0.0);
 }
 
 // Carves the gradients out of one zeroed allocation, laid out as the weights; without `linears`, those of the
