@@ -254,6 +254,7 @@ void CudaModel::set_weights(const Model& model) {
   // A cudaMemcpy from pageable memory may return before its last DMA lands, and the model's stream does not wait
   // for the legacy stream's copies: wait for them here.
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
+  if (m.lora) m.lora->clear_joined();  // copies of the old projections
 }
 
 double CudaModel::last_forward_ms() const { return impl_->last_ms; }

@@ -641,13 +641,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       tma_prefetch_map(&map_b);
     }
     // L2 policies: the weights are streamed (each slab read once from memory, or twice within a moment for an odd
-    // last M tile), so they go first; the A rows are read again by the other N tiles' clusters. In the input-gradient
-    // GEMMs (KN) those rows are kept (evict_last): there they come from memory ~5x otherwise. In the forward, kept
-    // A rows helped less than they cost the kernels after (which found less of L2 theirs), so there they are
-    // normal. Kernel traces of the LoRA step (H200, 3 runs each): the 6 input-gradient launches 15.38 -> 14.34 ms
-    // with both policies, 14.67 ms with the weights' alone; the forward launches unchanged.
-    const uint64_t pol_b = l2_policy_evict_first();
-    const uint64_t pol_a = KN ? l2_policy_evict_last() : l2_policy_evict_normal();
+    // last M tile), so they go first, and the A rows, which the other N tiles' clusters read again, stay longer. In
+    // kernel traces of the LoRA step (H200, 3 runs each) the 6 input-gradient launches took 15.38 -> 14.67 ms, the
+    // rest alike. Keeping the A rows too (evict_last) made those launches 14.34 ms but the kernels after them
+    // (the KDA and MLA backward) about as much slower: the kept lines hold L2 after the GEMM is done.
+    const uint64_t pol_b = l2_policy_evict_first(), pol_a = l2_policy_evict_normal();
     uint32_t it = 0;
     for (int u = cid; u < total && (tid == 0 || lr.parts > 0); u += clusters) {
       const PairTile tl = locate_pair(u, start, offsets, E, n_tiles, static_cast<int>(rank));

@@ -370,7 +370,22 @@ struct LoraState {
   };
   std::unique_ptr<Optimizer> opt;
   void* grouped_ptrs = nullptr;  // the LayerLora::Grouped arrays
+  // Joined weights [W | B…] of the frozen projections that run joined with their adapters (train.cu's
+  // joined_forward), by the projection's W: W's columns copied once, the adapters' B refreshed on every use.
+  // set_weights clears them.
+  struct Joined {
+    bf16* w = nullptr;
+    int64_t K = 0;  // row stride: W's input width + the joined u's width
+  };
+  std::map<const bf16*, Joined> joined;
+  size_t joined_bytes = 0;
+  void clear_joined() {
+    for (auto& [key, j] : joined) cudaFree(j.w);
+    joined.clear();
+    joined_bytes = 0;
+  }
   ~LoraState() {
+    clear_joined();
     cudaFree(base);
     cudaFree(grouped_ptrs);
   }

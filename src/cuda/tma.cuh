@@ -56,15 +56,10 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
 }
 
 // L2 cache policies for the loads below (PTX "createpolicy"): evict_first for data read once (streamed weights),
-// evict_last for data that other CTAs read again soon, evict_normal for neither.
+// evict_normal for the rest.
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {
   uint64_t p;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ uint64_t l2_policy_evict_last() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
   return p;
 }
 __device__ __forceinline__ uint64_t l2_policy_evict_normal() {

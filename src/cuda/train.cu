@@ -316,30 +316,79 @@ class Step {
     else copy_cols_kernel<false><<<grid, 256, 0, m_.stream>>>(dst, ldd, src, lds, rows, cols);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
-  // A projection of layer i whose one adapter (of `kind`) covers all its outputs, y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ, as one GEMM
-  // over the joined contraction [x | u]·[W | B]ᵀ with u = s·x·Aᵀ in bf16 (the u the adapter's backward reads): one
-  // write of y, in fp32 (y) or bf16 (y16), in place of the adapter's product written first and the projection's GEMM
-  // adding onto it (a write and a read-modify-write of the fp32 output). The joined copies of x and W are made on
-  // every call (W may train), so only for inputs up to kJoinMaxIn wide, where they cost a small part of what they
-  // save. False (nothing done) where this does not apply.
+  // A projection of layer i whose adapters (of `kinds`) tile its outputs, y = x·Wᵀ + Σ s·(x·Aᵀ)·Bᵀ, as one GEMM over
+  // the joined contraction [x | u]·[W | B]ᵀ, u = s·x·Aᵀ in bf16 (the u the adapters' backward reads): one write of
+  // y, in fp32 (y) or bf16 (y16), in place of the adapters' products written first and the projection's GEMM adding
+  // onto them (a write and a read of the fp32 output more). Several adapters join where they are members of one
+  // stacked group (their u side by side): u is the group's, and each adapter's B sits in its rows at its member's
+  // columns (zeros elsewhere: the other members' u, or members on other projections, add nothing).
+  // It joins where the fp32 output it saves (written and read, 8 bytes an element) outweighs the copy of x (read
+  // and written, 4 bytes an element): 2·out > in. The joined weights of a frozen base are kept (LoraState::joined,
+  // up to kJoinCacheBytes; W copied once, B on every call: it trains); with a trained base they are copied on every
+  // call, and only for inputs up to kJoinMaxIn wide, where that copy costs a small part of what joining saves.
+  // False (nothing done) where this does not apply.
   static constexpr int64_t kJoinMaxIn = 2048;
-  bool joined_forward(size_t i, LoraKind kind, const DLinear& W, const bf16* x, int64_t ldx, float* y, bf16* y16) {
-    const DAdapter* ad = adapter(i, kind);
-    if (!lora_joining() || !ad || ad->col0 != 0 || ad->out != W.out || ad->in != W.in || W.in > kJoinMaxIn ||
-        (W.in + ad->r) % 8 != 0)
+  static constexpr size_t kJoinCacheBytes = size_t{4} << 30;
+  bool joined_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
+                      float* y, bf16* y16) {
+    const bool keep = !m_.train_linears;
+    if (!lora_joining() || !m_.lora || 2 * W.out <= W.in || W.in % 8 != 0 || (!keep && W.in > kJoinMaxIn))
       return false;
-    const int64_t T = this->T(), K = W.in + ad->r;
+    std::vector<const DAdapter*> ads;
+    for (LoraKind k : kinds) {
+      if (m_.lora->layers[i].kinds[static_cast<int>(k)].size() > 1) return false;
+      if (const DAdapter* ad = adapter(i, k)) {
+        if (ad->in != W.in || (!ads.empty() && ad->r != ads[0]->r)) return false;
+        ads.push_back(ad);
+      }
+    }
+    if (!adapters_tile(ads, W.out)) return false;
+    const int64_t T = this->T(), r = ads[0]->r;
     factors_only_ = true;
-    lora_forward(*ad, x, ldx, T, nullptr, W.out);  // u, kept for the backward
+    for (const DAdapter* ad : ads) lora_forward(*ad, x, ldx, T, nullptr, W.out);  // u, kept for the backward
     factors_only_ = false;
-    const LoraGroup* g = stacked(*ad);
-    const bf16* u = lora_u_[site_].at({ad, x});
+    // The joined u: the group's [T, n·r] (ads its members), or the one adapter's [T, r].
+    const LoraGroup* g = stacked(*ads[0]);
+    for (const DAdapter* ad : ads)
+      if (stacked(*ad) != g) return false;
+    if (!g && ads.size() > 1) return false;
+    // u's columns padded to a multiple of 8 (zeros in x and W there), for 16-byte rows.
+    const int64_t Ku = g ? g->ld() : r, Kp = ceil_div(Ku, int64_t{8}) * 8, K = W.in + Kp;
+    const bf16* u = lora_u_[site_].at({g ? g->ads[0] : ads[0], x});
+    auto member = [&](const DAdapter* ad) { return g ? lora_member_[site_].at(ad).second : int64_t{0}; };
+    LoraState& ls = *m_.lora;
+    bf16* wj = nullptr;
+    if (keep) {
+      auto it = ls.joined.find(W.w);
+      if (it != ls.joined.end() && it->second.K != K) {
+        cudaFree(it->second.w);  // (a stream-ordered use of it ran before: cudaFree waits for the device)
+        ls.joined_bytes -= static_cast<size_t>(W.out * it->second.K) * sizeof(bf16);
+        ls.joined.erase(it);
+        it = ls.joined.end();
+      }
+      if (it == ls.joined.end()) {
+        const size_t bytes = static_cast<size_t>(W.out * K) * sizeof(bf16);
+        if (ls.joined_bytes + bytes > kJoinCacheBytes) return false;
+        bf16* w = nullptr;
+        NEXTLM_CUDA_CHECK(cudaMalloc(&w, bytes));
+        copy_cols(w, K, W.w, W.in, W.out, W.in);
+        it = ls.joined.emplace(W.w, LoraState::Joined{w, K}).first;
+        ls.joined_bytes += bytes;
+      }
+      wj = it->second.w;
+    } else {
+      wj = m_.arena.alloc<bf16>(W.out * K);
+      copy_cols(wj, K, W.w, W.in, W.out, W.in);
+    }
+    // u's columns: zeros, then each adapter's B in its rows (a kept copy may hold another layout's B there, as when
+    // the same projection ran before with its adapters not stacked).
+    NEXTLM_CUDA_CHECK(cudaMemset2DAsync(wj + W.in, K * sizeof(bf16), 0, Kp * sizeof(bf16), W.out, m_.stream));
+    for (const DAdapter* ad : ads) copy_cols(wj + ad->col0 * K + W.in + member(ad) * r, K, ad->B, r, ad->out, r);
     bf16* xj = m_.arena.alloc<bf16>(T * K);
-    bf16* wj = m_.arena.alloc<bf16>(W.out * K);
     copy_cols(xj, K, x, ldx, T, W.in);
-    copy_cols(xj + W.in, K, u, g ? g->ld() : ad->r, T, ad->r);
-    copy_cols(wj, K, W.w, W.in, W.out, W.in);
-    copy_cols(wj + W.in, K, ad->B, ad->r, W.out, ad->r);
+    copy_cols(xj + W.in, K, u, Ku, T, Ku);
+    if (Kp != Ku)
+      NEXTLM_CUDA_CHECK(cudaMemset2DAsync(xj + W.in + Ku, K * sizeof(bf16), 0, (Kp - Ku) * sizeof(bf16), T, m_.stream));
     if (y16) m_.gemm->run_bf16(xj, K, wj, W.out, K, y16, W.out, T);
     else m_.gemm->run(xj, K, wj, W.out, K, y, W.out, T);
     note_lora_joined_projection();
@@ -353,7 +402,7 @@ class Step {
   // adapters' read of y and little more.
   void linear_forward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
                       float* y, bool accumulate = false) {
-    if (!accumulate && kinds.size() == 1 && joined_forward(i, *kinds.begin(), W, x, ldx, y, nullptr)) return;
+    if (!accumulate && joined_forward(i, kinds, W, x, ldx, y, nullptr)) return;
     std::vector<const DAdapter*> ads;
     for (LoraKind k : kinds)
       if (const DAdapter* ad = adapter(i, k)) ads.push_back(ad);
@@ -854,7 +903,7 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   x.q = x.kv = nullptr;
   x.q16 = tc ? ar.alloc<bf16>(nq) : nullptr;
   x.kv16 = tc ? ar.alloc<bf16>(nkv) : nullptr;
-  if (!tc || !joined_forward(i, LoraKind::MlaQB, w.q_b, x.qr, QL, nullptr, x.q16)) {
+  if (!tc || !joined_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, nullptr, x.q16)) {
     x.q = ar.alloc<float>(nq);
     linear_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, x.q);
     if (tc) to_bf16(x.q, x.q16, nq, st);
@@ -863,7 +912,7 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   linear_forward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, x.lat);
   x.lat16 = ar.alloc<bf16>(T * KL);
   rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
-  if (!tc || !joined_forward(i, LoraKind::MlaKVB, w.kv_b, x.lat16, KL, nullptr, x.kv16)) {
+  if (!tc || !joined_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, nullptr, x.kv16)) {
     x.kv = ar.alloc<float>(nkv);
     linear_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, x.kv);
     if (tc) to_bf16(x.kv, x.kv16, nkv, st);
