@@ -358,10 +358,10 @@ TEST(CudaTrain, LoraGradientsUnderEveryRecomputePolicy) {
 }
 
 // The grouped per-expert adapters' gradients are not cleared by zero_grads but overwritten by the next backward
-// (LoraState::overwritten); the others are cleared and added to. Both kinds then behave as cleared gradients: a
-// second backward adds (twice the first, up to the order of the atomic additions upstream), zero_grads and a
-// backward give the first again (up to the same), and gradients read after zero_grads with no backward are zeros. Per-expert adapters at rank 4 (the grouped kernels after the GEMMs) and 16 (folded), and
-// shared ones.
+// (LoraState::overwritten); the others are cleared and added to. Both kinds then behave as cleared gradients: a second
+// backward adds (twice the first, up to the order of the atomic additions upstream), zero_grads and a backward give the
+// first again (up to the same), and gradients read after zero_grads with no backward are zeros. Per-expert adapters at
+// rank 4 (the grouped kernels after the GEMMs) and 16 (folded), and shared ones.
 TEST(CudaTrain, LoraGradientsAccumulateAndZero) {
   for (const auto& [experts, rank] : {std::pair{LoraExperts::PerExpert, int64_t{4}},
                                       std::pair{LoraExperts::PerExpert, int64_t{16}},

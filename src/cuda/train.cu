@@ -370,7 +370,10 @@ class Step {
         const size_t bytes = static_cast<size_t>(W.out * K) * sizeof(bf16);
         if (ls.joined_bytes + bytes > kJoinCacheBytes) return false;
         bf16* w = nullptr;
-        NEXTLM_CUDA_CHECK(cudaMalloc(&w, bytes));
+        if (cudaMalloc(&w, bytes) != cudaSuccess) {  // a full card: the additive path, which needs no copy
+          (void)cudaGetLastError();
+          return false;
+        }
         copy_cols(w, K, W.w, W.in, W.out, W.in);
         it = ls.joined.emplace(W.w, LoraState::Joined{w, K}).first;
         ls.joined_bytes += bytes;
@@ -388,7 +391,8 @@ class Step {
     copy_cols(xj, K, x, ldx, T, W.in);
     copy_cols(xj + W.in, K, u, Ku, T, Ku);
     if (Kp != Ku)
-      NEXTLM_CUDA_CHECK(cudaMemset2DAsync(xj + W.in + Ku, K * sizeof(bf16), 0, (Kp - Ku) * sizeof(bf16), T, m_.stream));
+      NEXTLM_CUDA_CHECK(
+          cudaMemset2DAsync(xj + W.in + Ku, K * sizeof(bf16), 0, (Kp - Ku) * sizeof(bf16), T, m_.stream));
     if (y16) m_.gemm->run_bf16(xj, K, wj, W.out, K, y16, W.out, T);
     else m_.gemm->run(xj, K, wj, W.out, K, y, W.out, T);
     note_lora_joined_projection();
