@@ -596,16 +596,18 @@ TEST(CudaTrain, StackedLoraAdaptersMatchOneAtATime) {
 // in their last bit, an element can round to the next bf16 value; the loss moved by 2.1e-5 relative on the H200).
 // Single adapters join (f_b, g_b, q_b, kv_b, the shared expert's down), and so do stacked groups on one projection
 // (q|k|v, the MLPs' gate|up, q_a and kv_a alone), at rank 16 and at rank 4 (u's columns padded to 8).
-TEST(CudaTrain, JoinedLoraProjectionsMatchTheAdditivePath) {
+// JoiningCase: the golden's base and batch for these tests, which switch joining (on again when they end).
+struct JoiningCase {
   const std::string dir = test::golden_dir("bf16_stable");
   const Model base = test::bf16_weights_reference(dir);
   const PackedBatch batch = golden_batch(dir);
-  struct Restore {
-    ~Restore() { set_lora_joining(true); }
-  } restore;
+  ~JoiningCase() { set_lora_joining(true); }
+};
+TEST(CudaTrain, JoinedLoraProjectionsMatchTheAdditivePath) {
+  const JoiningCase c;
   for (const int rank : {16, 4})
     for (const char* policy : {"all", "none"})
-      lora_switch_runs(base, batch, rank, policy, set_lora_joining, lora_joined_projections,
+      lora_switch_runs(c.base, c.batch, rank, policy, set_lora_joining, lora_joined_projections,
                        [](bool on) { return on; }, 1e-4);
 }
 
@@ -614,23 +616,18 @@ TEST(CudaTrain, JoinedLoraProjectionsMatchTheAdditivePath) {
 // the second forward's loss agrees within 5 % of what the first update moved it (a stale B would leave about half
 // of that move out).
 TEST(CudaTrain, JoinedLoraWeightsFollowTheAdapterUpdates) {
-  const std::string dir = test::golden_dir("bf16_stable");
-  const Model base = test::bf16_weights_reference(dir);
-  const PackedBatch batch = golden_batch(dir);
-  struct Restore {
-    ~Restore() { set_lora_joining(true); }
-  } restore;
-  const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, 16);
+  const JoiningCase c;
+  const LoraAdapter lora = test::random_lora(c.base.config(), LoraExperts::PerExpert, 16);
   auto two_steps = [&](bool on) {
     set_lora_joining(on);
-    CudaModel gpu(base);
+    CudaModel gpu(c.base);
     gpu.set_train_linears(false);
     gpu.set_lora(lora);
     gpu.start_lora_optimizer(lora);
     std::array<double, 2> loss{};
     for (int s = 0; s < 2; ++s) {
       gpu.zero_grads();
-      loss[s] = gpu.forward_backward(batch);
+      loss[s] = gpu.forward_backward(c.batch);
       gpu.lora_adamw_step(AdamWOptions{}, 1e-2, s + 1, 1.0, 1e9);
     }
     return loss;
