@@ -375,7 +375,7 @@ struct LoraState {
   // set_weights clears them.
   struct Joined {
     bf16* w = nullptr;
-    int64_t K = 0;  // row stride: W's input width + the joined u's width
+    int64_t K = 0;  // row stride: W's input width + the joined u's width (padded to a multiple of 8)
   };
   std::map<const bf16*, Joined> joined;
   size_t joined_bytes = 0;
