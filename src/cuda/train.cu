@@ -904,23 +904,20 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   // (fp32 copies only for the backward's fp32 kernels, which widen the bf16 ones then); else fp32, then converted.
   const bool tc = mla_tc_supported(dqk, dv);
   const int64_t nq = T * NH * dqk, nkv = T * NH * (dqk + dv);
-  x.q = x.kv = nullptr;
-  x.q16 = tc ? ar.alloc<bf16>(nq) : nullptr;
-  x.kv16 = tc ? ar.alloc<bf16>(nkv) : nullptr;
-  if (!tc || !joined_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, nullptr, x.q16)) {
-    x.q = ar.alloc<float>(nq);
-    linear_forward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, x.q);
-    if (tc) to_bf16(x.q, x.q16, nq, st);
-  }
+  auto project = [&](LoraKind kind, const DLinear& W, const bf16* in, int64_t ld, int64_t n, float*& y32, bf16*& y16) {
+    y32 = nullptr;
+    y16 = tc ? ar.alloc<bf16>(n) : nullptr;
+    if (tc && joined_forward(i, {kind}, W, in, ld, nullptr, y16)) return;
+    y32 = ar.alloc<float>(n);
+    linear_forward(i, {kind}, W, in, ld, y32);
+    if (tc) to_bf16(y32, y16, n, st);
+  };
+  project(LoraKind::MlaQB, w.q_b, x.qr, QL, nq, x.q, x.q16);
   x.lat = ar.alloc<float>(T * KL);
   linear_forward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, x.lat);
   x.lat16 = ar.alloc<bf16>(T * KL);
   rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
-  if (!tc || !joined_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, nullptr, x.kv16)) {
-    x.kv = ar.alloc<float>(nkv);
-    linear_forward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, x.kv);
-    if (tc) to_bf16(x.kv, x.kv16, nkv, st);
-  }
+  project(LoraKind::MlaKVB, w.kv_b, x.lat16, KL, nkv, x.kv, x.kv16);
   // The attention, unless this is a recomputation and the forward kept its output (core_).
   const bool core_kept = recompute_ && core_.mla_o;
   x.o = core_.mla_o ? core_.mla_o : ar.alloc<bf16>(T * NH * dv);
@@ -974,17 +971,13 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   }
   // The fp32 kernels' q and kv: the forward's, or where it made them in bf16 alone (joined_forward), those widened
   // (the values the forward's attention ran on).
-  const float *q32 = x.q, *kv32 = x.kv;
-  if (!use_tc && !q32) {
-    float* w32 = ar.alloc<float>(T * NH * dqk);
-    bf16_to_f32(x.q16, w32, T * NH * dqk, st);
-    q32 = w32;
-  }
-  if (!use_tc && !kv32) {
-    float* w32 = ar.alloc<float>(T * NH * (dqk + dv));
-    bf16_to_f32(x.kv16, w32, T * NH * (dqk + dv), st);
-    kv32 = w32;
-  }
+  auto widened = [&](const float* y32, const bf16* y16, int64_t n) -> const float* {
+    if (use_tc || y32) return y32;
+    float* w32 = ar.alloc<float>(n);
+    bf16_to_f32(y16, w32, n, st);
+    return w32;
+  };
+  const float *q32 = widened(x.q, x.q16, T * NH * dqk), *kv32 = widened(x.kv, x.kv16, T * NH * (dqk + dv));
   if (use_tc) {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(mla_sparse_attention_backward_tc_workspace_bytes(T, NH, p_.max_len, dqk, dv)));
