@@ -582,6 +582,7 @@ struct PairTile {
   int e, nt, rows;
   int64_t row0;
   bool shared_b;
+  bool last_b, last_a;  // no later unit reads this CTA's weight tile / A tile
 };
 __device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict__ start,
                                                 const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
@@ -591,19 +592,25 @@ __device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict
   const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
   const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2;
   int mt, nt;
-  bool shared_b;
+  bool shared_b, last_b, last_a;
   if (!(mtiles & 1)) {  // N tile major, the M pair inner: the pairs reading one weight slab side by side
     nt = local / pairs, mt = 2 * (local % pairs) + rank, shared_b = true;
+    last_b = local % pairs == pairs - 1, last_a = nt == n_tiles - 1;
   } else {
     // With a last odd M tile, the units go by N-tile pairs: the M pairs of N tiles 2j and 2j + 1, then the last M
     // tile's unit over both, so that it reads the weight slabs while the pairs have them in L2 (after all the pairs,
     // as before, it read the expert's weights from memory once more).
     const int j = local / (2 * pairs + 1), w = local - j * (2 * pairs + 1);
     const int in_group = 2 * j + 1 < n_tiles ? 2 * pairs : pairs;  // the group's pair units (one N tile at the end)
-    if (w < in_group) nt = 2 * j + w / pairs, mt = 2 * (w % pairs) + rank, shared_b = true;
-    else nt = 2 * j + rank, mt = mtiles - 1, shared_b = false;
+    if (w < in_group) {
+      nt = 2 * j + w / pairs, mt = 2 * (w % pairs) + rank, shared_b = true;
+      last_b = false, last_a = nt == n_tiles - 1;
+    } else {
+      nt = 2 * j + rank, mt = mtiles - 1, shared_b = false;
+      last_b = true, last_a = 2 * j + 2 >= n_tiles;
+    }
   }
-  return PairTile{lo, nt, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM, shared_b};
+  return PairTile{lo, nt, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM, shared_b, last_b, last_a};
 }
 
 template <bool KN>
@@ -640,15 +647,19 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       tma_prefetch_map(&map_a);
       tma_prefetch_map(&map_b);
     }
-    // L2 policies: the weights are streamed (each slab read once from memory, or twice within a moment for an odd
-    // last M tile), so they go first, and the A rows, which the other N tiles' clusters read again, stay longer. In
-    // kernel traces of the LoRA step (H200, 3 runs each) the 6 input-gradient launches took 15.38 -> 14.67 ms, the
-    // rest alike. Keeping the A rows too (evict_last) made those launches 14.34 ms but the kernels after them
-    // (the KDA and MLA backward) about as much slower: the kept lines hold L2 after the GEMM is done.
-    const uint64_t pol_b = l2_policy_evict_first(), pol_a = l2_policy_evict_normal();
+    // L2 policies, per unit: an operand tile that a later unit reads again (a weight tile by the next M pair or the
+    // odd M tile's unit, an A tile by the next N tiles) is loaded evict_last, and by its last reader evict_first,
+    // which lowers those lines again, so that they do not hold L2 after the GEMM. Against weights always
+    // evict_first and A rows evict_normal (kernel traces of the LoRA step on the H200, 3 runs each): the 6
+    // input-gradient launches 14.60 -> 14.16 ms, the 6 forward ones 15.15 -> 14.86 ms, the kernels after them alike
+    // within the runs' spread (the KDA backward's prep +0.08 ms). Before that, evict_last on every A load made the
+    // input-gradient launches faster too, but the KDA and MLA backward kernels after them ~1.2 ms slower: nothing
+    // lowered the lines.
+    const uint64_t p_first = l2_policy_evict_first(), p_last = l2_policy_evict_last();
     uint32_t it = 0;
     for (int u = cid; u < total && (tid == 0 || lr.parts > 0); u += clusters) {
       const PairTile tl = locate_pair(u, start, offsets, E, n_tiles, static_cast<int>(rank));
+      const uint64_t pol_b = tl.last_b ? p_first : p_last, pol_a = tl.last_a ? p_first : p_last;
       const int row0 = static_cast<int>(tl.row0);
       for (int kt = 0; kt < KTT; ++kt, ++it) {
         const int st = static_cast<int>(it % S);

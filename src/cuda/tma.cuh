@@ -55,16 +55,16 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// L2 cache policies for the loads below (PTX "createpolicy"): evict_first for data read once (streamed weights),
-// evict_normal for the rest.
+// L2 cache policies for the loads below (PTX "createpolicy"): evict_first for data read once (or for the last time),
+// evict_last for data read again soon.
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {
   uint64_t p;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
   return p;
 }
-__device__ __forceinline__ uint64_t l2_policy_evict_normal() {
+__device__ __forceinline__ uint64_t l2_policy_evict_last() {
   uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
   return p;
 }
 
