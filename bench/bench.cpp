@@ -47,6 +47,8 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "device: %s\n", dev.c_str());
   // NEXTLM_MOE_GEMM: the MoE expert GEMM of every device model in this process (see set_moe_expert_gemm).
   if (const char* m = std::getenv("NEXTLM_MOE_GEMM")) nextlm::set_moe_expert_gemm(std::atoi(m));
+  // NEXTLM_MOE_GEMM_DX: the variant of training's input-gradient expert GEMMs (see set_moe_expert_gemm_dx).
+  if (const char* m = std::getenv("NEXTLM_MOE_GEMM_DX")) nextlm::set_moe_expert_gemm_dx(std::atoi(m));
   // NEXTLM_LORA_FOLD: where the routed experts' LoRA adapters run in training (see set_expert_lora_fold).
   if (const char* m = std::getenv("NEXTLM_LORA_FOLD")) nextlm::set_expert_lora_fold(std::atoi(m));
   if (only == "parity") return nextlm::bench::slice4_parity(argc - 2, argv + 2);

@@ -277,8 +277,8 @@ void moe_grouped_gemm_dx_case(const std::string& name) {
                   ok ? "ok" : "CHECK FAILED", cuda::grouped_gemm_kernel_name(kern), tf, da_ms, dx_ms, tf_dense,
                   dense_da_ms, dense_dx_ms, 100.0 * dense_ms / ours, loop_ms, loop_ms / ours, bytes / kBytesPerMs,
                   2.0 * E * 3 * I * D / 1e9, min_rows, max_rows, err_da, err_dx);
-    // As in moe_grouped_gemm: the variant the model runs (set_moe_expert_gemm) carries the case's name.
-    const std::string case_name = v == moe_expert_gemm() ? name : name + "_" + cuda::grouped_gemm_kernel_name(kern);
+    // As in moe_grouped_gemm: the variant training runs (set_moe_expert_gemm_dx) carries the case's name.
+    const std::string case_name = v == moe_expert_gemm_dx() ? name : name + "_" + cuda::grouped_gemm_kernel_name(kern);
     std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", case_name.c_str(),
                 ours, flops / kFlopsPerMs, note);
     std::fflush(stdout);

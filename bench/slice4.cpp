@@ -608,6 +608,7 @@ void slice4_lora_step_case(const std::string& name) {
                         : "; device_memory_gib: the GPU's memory in use after the steps (weights, adapters and their "
                           "AdamW state, the arena)")}};
   if (!par) line["device_memory_gib"] = r.memory_gib;
+  line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx();
   if (par) {
     line["mfu"] = std::round(needed / (ms * kPeakFlopsPerMs * std::lcm(tp, ep)) * 1e4) / 1e4;
     line["peer"] = "nextlm on one GPU, same run";

@@ -29,6 +29,7 @@
 
 #include "core/error.h"
 #include "cuda/device_model.h"
+#include "cuda/grouped_gemm.h"
 #include "io/safetensors.h"
 #include "model/lora.h"
 #include "model/optim.h"
@@ -790,6 +791,25 @@ TEST(CudaTrain, TrainCliLearnsOnTheGpu) {
   EXPECT_EQ(sc.rc, 0) << sc.err;
 }
 
+
+// The input-gradient expert GEMMs' variant: by default the forward's, the TMA kernel's clusters of two as clusters of
+// four; set apart, it stays so whatever the forward's; a mode that is no grouped GEMM kernel is refused.
+TEST(CudaTrain, MoeInputGradientGemmVariant) {
+  struct Restore {
+    int fwd = moe_expert_gemm();
+    ~Restore() { set_moe_expert_gemm(fwd), set_moe_expert_gemm_dx(-2); }
+  } restore;
+  set_moe_expert_gemm(5);
+  EXPECT_EQ(moe_expert_gemm_dx(), 6);
+  set_moe_expert_gemm(3);
+  EXPECT_EQ(moe_expert_gemm_dx(), 3);
+  set_moe_expert_gemm_dx(5);
+  EXPECT_EQ(moe_expert_gemm_dx(), 5);
+  set_moe_expert_gemm(6);
+  EXPECT_EQ(moe_expert_gemm_dx(), 5);
+  for (const int bad : {-3, -1, cuda::kGroupedGemmKernels}) EXPECT_THROW(set_moe_expert_gemm_dx(bad), Error) << bad;
+  EXPECT_EQ(moe_expert_gemm_dx(), 5);
+}
 
 // LoRA on the device: the adapters' gradients from each projection's input and output gradient (the base frozen)
 // against the CPU's, which come from the full weight gradient of the merged model (LoraAdapter::backward), per-expert

@@ -37,6 +37,23 @@ void set_moe_expert_gemm(int mode) {
 int moe_expert_gemm() { return g_moe_expert_gemm; }
 
 namespace {
+int g_moe_expert_gemm_dx = -2;  // the forward's variant, the TMA kernel's in clusters of four (moe_expert_gemm_dx)
+}  // namespace
+
+void set_moe_expert_gemm_dx(int mode) {
+  check(mode >= -2 && mode != -1 && mode < cuda::kGroupedGemmKernels, "MoE input-gradient GEMM: mode must be -2 "
+        "(follow the forward's) or a grouped GEMM kernel 0..", cuda::kGroupedGemmKernels - 1, ", got ", mode);
+  g_moe_expert_gemm_dx = mode;
+}
+int moe_expert_gemm_dx() {
+  if (g_moe_expert_gemm_dx >= 0) return g_moe_expert_gemm_dx;
+  const int fwd = g_moe_expert_gemm;
+  return fwd == static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256)
+             ? static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256c4)
+             : fwd;
+}
+
+namespace {
 int g_expert_lora_fold = 2;
 }  // namespace
 

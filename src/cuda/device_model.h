@@ -26,10 +26,16 @@ class Comm;
 std::string cuda_device_name(int device = 0);
 
 // How the MoE experts run, process-wide (for benchmarks): a cuda::GroupedGemmKernel variant of the grouped GEMM
-// (src/cuda/grouped_gemm.h: no host sync, SwiGLU fused; the default is 4, wgmma 128×256, the fastest on the H200),
-// or −1 for one cuBLASLt GEMM per expert after a host sync of the expert boundaries.
+// (src/cuda/grouped_gemm.h: no host sync, SwiGLU fused; the default is 5, the TMA kernel in clusters of two, the
+// fastest on the H200), or −1 for one cuBLASLt GEMM per expert after a host sync of the expert boundaries.
 void set_moe_expert_gemm(int mode);
 int moe_expert_gemm();
+// The variant of training's input-gradient GEMMs (the weights read as [K, N]) when the forward's is a grouped GEMM:
+// set apart (0 … kGroupedGemmKernels − 1), or by default (−2) the forward's, except that the TMA kernel in clusters of
+// two (5) runs there in clusters of four (6). On the H200 the clusters of four made the input-gradient pair
+// (moe_grouped_gemm_dx_skewed) faster, 5.04/5.03 → 4.87/4.82 ms, and the forward pair slower, 4.88/4.87 → 5.08 ms.
+void set_moe_expert_gemm_dx(int mode);
+int moe_expert_gemm_dx();
 
 // Where the routed experts' per-expert LoRA adapters run in training, process-wide (for benchmarks and tests), when
 // the grouped GEMM is a wgmma kernel and the ranks fit (cuda::GroupedGemm::low_rank): 0 after each GEMM (the grouped

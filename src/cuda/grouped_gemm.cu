@@ -54,15 +54,17 @@ using Cfg0 = Cfg<128, 128, 32, 4, 2>;
 using Cfg1 = Cfg<128, 128, 64, 3, 2>;
 using Cfg2 = Cfg<128, 256, 32, 4, 1>;
 
-// Units per expert of the paired schedule (the TMA kernel below) for m M tiles of n N tiles: ⌊m/2⌋·n weight-sharing
-// pairs, and with m odd ⌈n/2⌉ A-sharing pairs (the second tile of the last one past N when n is odd: it stores
-// nothing).
+// Units per expert of the cluster schedules (the TMA kernel below) for m M tiles of n N tiles. Clusters of two:
+// ⌊m/2⌋·n weight-sharing pairs, and with m odd ⌈n/2⌉ A-sharing pairs (the second tile of the last one past N when n
+// is odd: it stores nothing). Clusters of four: ⌊m/2⌋·⌈n/2⌉ units of 2 × 2 tiles, and with m odd ⌈n/4⌉ units of the
+// last M tile with four N tiles (tiles past N store nothing).
 __device__ __forceinline__ int paired_units(int m, int n) { return m / 2 * n + (m & 1) * ((n + 1) / 2); }
+__device__ __forceinline__ int quad_units(int m, int n) { return m / 2 * ((n + 1) / 2) + (m & 1) * ((n + 3) / 4); }
 
-// start[e] = Σ_{e' < e} tiles(e'), start[E] = total, with tiles(e) = ceil(rows_e / BM) · n_tiles (paired: the units
-// of two tiles of the TMA kernel, paired_units).
+// start[e] = Σ_{e' < e} tiles(e'), start[E] = total, with tiles(e) = ceil(rows_e / BM) · n_tiles, or with clusters
+// of cl = 2 or 4 CTAs (the TMA kernel) the units of paired_units or quad_units (cl = 1: single tiles).
 __global__ void __launch_bounds__(kScanThreads) schedule_kernel(const int32_t* __restrict__ offsets, int E, int BM,
-                                                                int n_tiles, bool paired, int32_t* __restrict__ start) {
+                                                                int n_tiles, int cl, int32_t* __restrict__ start) {
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage tmp;
   int carry = 0;
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(kScanThreads) schedule_kernel(const int32_t* _
     const int e = base + threadIdx.x;
     const int rows = e < E ? offsets[e + 1] - offsets[e] : 0;
     const int m = (rows + BM - 1) / BM;
-    const int tiles = paired ? paired_units(m, n_tiles) : m * n_tiles;
+    const int tiles = cl == 4 ? quad_units(m, n_tiles) : (cl == 2 ? paired_units(m, n_tiles) : m * n_tiles);
     int excl, total;
     Scan(tmp).ExclusiveSum(tiles, excl, total);
     if (e < E) start[e] = carry + excl;
@@ -548,24 +550,31 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Hopper with TMA and clusters of two CTAs (kWgmmaTma128x256): the 128 × 256 wgmma tile of grouped_gemm_wgmma_kernel,
-// its operands loaded by the tensor memory accelerator from a producer warpgroup into 4 stages (the same swizzled
-// layouts: TMA's 128-byte swizzle writes them), two consumer warpgroups running the MMAs and the epilogue. The two CTAs
-// of a cluster work on a pair of tiles that share an operand, loading half of it each and multicasting it to both, so
-// that L2 serves it once (measured on the H200: no faster than each CTA loading its whole tiles, 4.80 against 4.82 ms
-// on moe_grouped_gemm_skewed; what made the kernel faster than the cp.async one is the producer/consumer split, with
-// the waits at CTA scope, and the skipped MMAs of empty halves):
+// Hopper with TMA and clusters of two or four CTAs (kWgmmaTma128x256, kWgmmaTma128x256c4): the 128 × 256 wgmma
+// tile of grouped_gemm_wgmma_kernel, its operands loaded by the tensor memory accelerator from a producer warpgroup
+// into 4 stages (the same swizzled layouts: TMA's 128-byte swizzle writes them), two consumer warpgroups running the
+// MMAs and the epilogue. The CTAs of a cluster work on tiles that share operands, each loading a part of a shared
+// tile and multicasting it to the CTAs that read it, so that L2 serves it once. Clusters of two (measured on the
+// H200: no faster than each CTA loading its whole tiles, 4.80 against 4.82 ms on moe_grouped_gemm_skewed; what made
+// the kernel faster than the cp.async one is the producer/consumer split, with the waits at CTA scope, and the
+// skipped MMAs of empty halves):
 //   - an expert's M tiles 2i and 2i + 1 with the same N tile share the weight tile (the routed experts get ~T·k/E
 //     rows each, often a little over 128, so that the one-CTA kernel reads most weight slabs twice);
 //   - an expert's last (or only) M tile with N tiles 2j and 2j + 1 shares the A tile (with an odd number of M tiles
-//     above one, its unit comes right after the pairs of those N tiles: it reads their weight slabs from L2);
-//   - a tile of at most 64 rows loads only the first half of its A tile (its second warpgroup runs no MMAs).
+//     above one, its unit comes right after the pairs of those N tiles: it reads their weight slabs from L2).
+// Clusters of four (rank r), where the kernel's limit is L2's traffic and the A tiles are a fifth to a third of it:
+//   - M tiles 2i + (r & 1) with N tiles 2j + (r >> 1): each weight tile is shared by two M tiles and each A tile by
+//     two N tiles, both halved among their two readers;
+//   - the last odd (or only) M tile with N tiles 4j + r: its A tile shared by the four, its halves loaded by ranks 0
+//     and 1, each weight tile loaded whole by its CTA.
+// In both, a tile of at most 64 rows loads only the first half of its A tile (its second warpgroup runs no MMAs).
 // The weights come through a tensor map over all experts at once (GroupedGemm::W_all: the experts back to back);
 // the SwiGLU epilogue's gate/up interleave (b_row) is a 5-d map, [expert][8-row block][gate|up][8 rows][K] read as
 // (K, 8, 2, blocks, E). Rows past an expert's end are read (the next expert's, or zeros past n) and not stored.
-// Barriers per stage: `full` (the producer's arrival with the stage's bytes, completed by the copies of both CTAs)
-// and `empty` (one arrival of every consumer warp of both CTAs: a copy of either CTA may then refill the stage in
-// both). The low-rank term's k-tile goes through cp.async from the producer warpgroup, into its own CTA only.
+// Barriers per stage: `full` (the producer's arrival with the stage's bytes, completed by the copies landing in this
+// CTA, its own and the others' multicasts) and `empty` (one arrival of every consumer warp of the cluster: a copy of
+// any CTA may then refill the stage in the CTAs it writes). The low-rank term's k-tile goes through cp.async from
+// the producer warpgroup, into its own CTA only.
 
 constexpr int kTmaThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers (64 rows each)
 
@@ -574,18 +583,22 @@ struct TmaCfg {
   static constexpr int a_bytes = BM * 128, b_bytes = BN * 128, stage_bytes = a_bytes + b_bytes;
   static constexpr int smem_bytes = STAGES * stage_bytes + 1024 + 2 * STAGES * 8;  // + alignment, the barriers
   static constexpr int NACC = BN / 2;
-  static constexpr int empty_arrivals = 2 * 8;  // the consumer warps of both CTAs
 };
 
-// CTA `rank`'s tile of the cluster's unit u; shared_b: the pair shares the weight tile, else the A tile.
-struct PairTile {
+// A CTA's tile of its cluster's unit, and how its operands arrive. A: a_mask 0, this CTA loads its whole A tile;
+// else it loads the 64-row half a_half (none: −1) and multicasts it to a_mask. W likewise: w_mask 0, its whole
+// weight tile; else the half w_half, multicast to w_mask.
+struct ClusterTile {
   int e, nt, rows;
   int64_t row0;
-  bool shared_b;
   bool last_b, last_a;  // no later unit reads this CTA's weight tile / A tile
+  uint16_t a_mask, w_mask;
+  int a_half, w_half;
 };
-__device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict__ start,
-                                                const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
+
+// Clusters of two: unit u's tile for CTA `rank`.
+__device__ __forceinline__ ClusterTile locate_pair(int u, const int32_t* __restrict__ start,
+                                                   const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
   constexpr int BM = TmaCfg::BM;
   const int lo = owner_of(u, start, E);
   const int local = u - start[lo];
@@ -610,10 +623,52 @@ __device__ __forceinline__ PairTile locate_pair(int u, const int32_t* __restrict
       last_b = true, last_a = 2 * j + 2 >= n_tiles;
     }
   }
-  return PairTile{lo, nt, min(BM, rows_e - mt * BM), row_begin + int64_t(mt) * BM, shared_b, last_b, last_a};
+  return ClusterTile{lo,     nt,
+                     min(BM, rows_e - mt * BM),
+                     row_begin + int64_t(mt) * BM,
+                     last_b, last_a,
+                     uint16_t(shared_b ? 0 : 3), uint16_t(shared_b ? 3 : 0),
+                     shared_b ? -1 : rank, shared_b ? rank : -1};
 }
 
-template <bool KN>
+// Clusters of four: unit u's tile for CTA `rank`. An expert's units go by groups of four N tiles 4j … 4j + 3: the M
+// pairs with N tiles 4j, 4j + 1, then with 4j + 2, 4j + 3, then (m odd) the last M tile's unit over the four, so
+// that it reads their weight slabs while they are in L2.
+__device__ __forceinline__ ClusterTile locate_quad(int u, const int32_t* __restrict__ start,
+                                                   const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
+  constexpr int BM = TmaCfg::BM;
+  const int lo = owner_of(u, start, E);
+  const int local = u - start[lo];
+  const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
+  const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2, odd = mtiles & 1;
+  const int j = local / (2 * pairs + odd), w = local - j * (2 * pairs + odd);  // every group but the last is whole
+  const int in_group = (n_tiles - 4 * j > 2 ? 2 : 1) * pairs;                  // the group's 2 × 2 units
+  ClusterTile t;
+  int mt;
+  if (w < in_group) {
+    const int np = w / pairs, i = w - np * pairs;
+    t.nt = 4 * j + 2 * np + (rank >> 1), mt = 2 * i + (rank & 1);
+    t.last_b = i == pairs - 1 && !odd, t.last_a = 4 * j + 2 * np + 2 >= n_tiles;
+    t.w_mask = uint16_t(3 << (rank & 2)), t.w_half = rank & 1;
+    t.a_mask = uint16_t(5 << (rank & 1)), t.a_half = rank >> 1;
+  } else {
+    t.nt = 4 * j + rank, mt = mtiles - 1;
+    t.last_b = true, t.last_a = 4 * j + 4 >= n_tiles;
+    t.w_mask = 0, t.w_half = -1;
+    t.a_mask = 15, t.a_half = rank < 2 ? rank : -1;
+  }
+  t.e = lo, t.rows = min(BM, rows_e - mt * BM), t.row0 = row_begin + int64_t(mt) * BM;
+  return t;
+}
+
+template <int CL>
+__device__ __forceinline__ ClusterTile locate_unit(int u, const int32_t* __restrict__ start,
+                                                   const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
+  if constexpr (CL == 4) return locate_quad(u, start, offsets, E, n_tiles, rank);
+  else return locate_pair(u, start, offsets, E, n_tiles, rank);
+}
+
+template <bool KN, int CL>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const bf16* __restrict__ A, const int32_t* __restrict__ offsets, void* Cout,
@@ -631,16 +686,21 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const bool glu = !KN && epi == static_cast<int>(GroupedEpilogue::kSwiGLU);
   const int total = start[E];
   const int KT = (K + C::BK - 1) / C::BK, KTT = KT + (lr.parts > 0);
-  const int cid = static_cast<int>(blockIdx.x >> 1), clusters = static_cast<int>(gridDim.x >> 1);
+  const int cid = static_cast<int>(blockIdx.x) / CL, clusters = static_cast<int>(gridDim.x) / CL;
+  // A consumer warp's release of a stage: one arrival on that stage's `empty` barrier in every CTA of the cluster.
+  const auto release = [](uint32_t empty) {
+#pragma unroll
+    for (int c = 0; c < CL; ++c) mbar_arrive_cluster(empty, c);
+  };
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, C::empty_arrivals);
+      mbar_init(empty0 + 8 * s, CL * 8);  // the consumer warps of the cluster
     }
     mbar_init_fence();
   }
-  cluster_sync();  // both CTAs' barriers exist before any copy or remote arrival reaches them
+  cluster_sync();  // every CTA's barriers exist before any copy or remote arrival reaches them
 
   if (wg == 0) {
     if (tid == 0) {
@@ -658,7 +718,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const uint64_t p_first = l2_policy_evict_first(), p_last = l2_policy_evict_last();
     uint32_t it = 0;
     for (int u = cid; u < total && (tid == 0 || lr.parts > 0); u += clusters) {
-      const PairTile tl = locate_pair(u, start, offsets, E, n_tiles, static_cast<int>(rank));
+      const ClusterTile tl = locate_unit<CL>(u, start, offsets, E, n_tiles, static_cast<int>(rank));
       const uint64_t pol_b = tl.last_b ? p_first : p_last, pol_a = tl.last_a ? p_first : p_last;
       const int row0 = static_cast<int>(tl.row0);
       for (int kt = 0; kt < KTT; ++kt, ++it) {
@@ -672,35 +732,35 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           const int k0 = kt * C::BK;
           // A tile of at most 64 rows: its second half, whose consumer warpgroup runs no MMAs, is not loaded.
           const bool half_a = tl.rows <= 64;
+          // Every CTA reading this A tile skips the half alike (the tile's rows are the same for all of them).
           mbar_arrive_expect_tx(full, C::stage_bytes - (half_a ? 8192 : 0));
-          const bool sh_b = tl.shared_b;  // else the A tile is the shared one
-          if (sh_b) {
+          if (!tl.a_mask) {
             tma_load_2d(a_s, &map_a, full, k0, row0, pol_a);
             if (!half_a) tma_load_2d(a_s + 8192, &map_a, full, k0, row0 + 64, pol_a);
-          } else if (rank == 0 || !half_a) {
-            tma_load_2d_mc(a_s + rank * 8192, &map_a, full, k0, row0 + 64 * static_cast<int>(rank), 3,
-                           pol_a);
+          } else if (tl.a_half == 0 || (tl.a_half == 1 && !half_a)) {
+            tma_load_2d_mc(a_s + tl.a_half * 8192, &map_a, full, k0, row0 + 64 * tl.a_half, tl.a_mask, pol_a);
           }
+          const bool sh_b = tl.w_mask != 0;  // this CTA loads the half w_half of its weight tile for w_mask
           if constexpr (KN) {  // four 64-column blocks of k rows
             for (int j = 0; j < 4; ++j) {
               const int n0 = tl.nt * BN + 64 * j;
               if (!sh_b) tma_load_3d(b_s + j * 8192, &map_b, full, n0, k0, tl.e, pol_b);
-              else if (j / 2 == static_cast<int>(rank))
-                tma_load_3d_mc(b_s + j * 8192, &map_b, full, n0, k0, tl.e, 3, pol_b);
+              else if (j / 2 == tl.w_half)
+                tma_load_3d_mc(b_s + j * 8192, &map_b, full, n0, k0, tl.e, tl.w_mask, pol_b);
             }
           } else if (glu) {  // two halves of eight 8-row gate|up block pairs
             for (int h = 0; h < 2; ++h) {
               const int b0 = tl.nt * 16 + 8 * h;
               if (!sh_b) tma_load_5d(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e, pol_b);
-              else if (h == static_cast<int>(rank))
-                tma_load_5d_mc(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e, 3, pol_b);
+              else if (h == tl.w_half)
+                tma_load_5d_mc(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e, tl.w_mask, pol_b);
             }
           } else {  // two halves of 128 weight rows
             for (int h = 0; h < 2; ++h) {
               const int n0 = tl.nt * BN + 128 * h;
               if (!sh_b) tma_load_3d(b_s + h * 16384, &map_b, full, k0, n0, tl.e, pol_b);
-              else if (h == static_cast<int>(rank))
-                tma_load_3d_mc(b_s + h * 16384, &map_b, full, k0, n0, tl.e, 3, pol_b);
+              else if (h == tl.w_half)
+                tma_load_3d_mc(b_s + h * 16384, &map_b, full, k0, n0, tl.e, tl.w_mask, pol_b);
             }
           }
         } else {  // the low-rank k-tile: this CTA's alone, by the whole warpgroup
@@ -720,17 +780,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const int cw = wg - 1, wq = warp & 3;
     uint32_t it = 0;
     for (int u = cid; u < total; u += clusters) {
-      const PairTile tl = locate_pair(u, start, offsets, E, n_tiles, static_cast<int>(rank));
+      const ClusterTile tl = locate_unit<CL>(u, start, offsets, E, n_tiles, static_cast<int>(rank));
       // No rows in this warpgroup's half (a short last M tile): no MMAs, the stages passed on. (The role split
       // already runs the warpgroups apart, so this costs no wgmma serialisation here, unlike in the one-role kernel.)
       if (cw * 64 >= tl.rows) {
         for (int kt = 0; kt < KTT; ++kt, ++it) {
           const int st = static_cast<int>(it % S);
           mbar_wait(full0 + 8 * st, (it / S) & 1);
-          if (lane == 0) {
-            mbar_arrive_cluster(empty0 + 8 * st, 0);
-            mbar_arrive_cluster(empty0 + 8 * st, 1);
-          }
+          if (lane == 0) release(empty0 + 8 * st);
         }
         continue;
       }
@@ -754,24 +811,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         wgmma_commit();
         wgmma_wait<1>();  // the MMAs of the previous k-tile are done: its stage is free in both CTAs
         fence_regs<NACC>(acc);
-        if (kt > 0 && lane == 0) {
-          const uint32_t empty = empty0 + 8 * ((it - 1) % S);
-          mbar_arrive_cluster(empty, 0);
-          mbar_arrive_cluster(empty, 1);
-        }
+        if (kt > 0 && lane == 0) release(empty0 + 8 * ((it - 1) % S));
       }
       wgmma_wait<0>();
       fence_regs<NACC>(acc);
-      if (lane == 0) {
-        const uint32_t empty = empty0 + 8 * ((it - 1) % S);
-        mbar_arrive_cluster(empty, 0);
-        mbar_arrive_cluster(empty, 1);
-      }
+      if (lane == 0) release(empty0 + 8 * ((it - 1) % S));
       store_wg_tile<BN>(acc, cw, wq, lane, tl.rows, tl.row0, tl.nt, glu, N, epi, L, Cout, pre,
                         pre16);
     }
   }
-  cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
+  cluster_sync();  // no CTA leaves while another may still arrive on its barriers
 }
 
 // Per-device state set up on the first call, so that later calls (and CUDA graph captures) make no attribute calls.
@@ -798,7 +847,7 @@ template <class C, bool kWgmma, bool KN>
 void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const int n_tiles = n_tiles_of<C>(g);
   if (!g.schedule_ready) {
-    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, false, start);
+    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, 1, start);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   // Each non-empty expert wastes at most one partial M tile, so the tile count is at most this.
@@ -851,12 +900,12 @@ CUtensorMap tensor_map(const void* base, int rank, const cuuint64_t* dims, const
   return m;
 }
 
-template <bool KN>
+template <bool KN, int CL>
 void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   using C = TmaCfg;
   const int n_tiles = n_tiles_of<C>(g);
   if (!g.schedule_ready) {
-    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, true, start);
+    schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, CL, start);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   const cuuint64_t K = static_cast<cuuint64_t>(g.K), N = static_cast<cuuint64_t>(g.N), E = static_cast<cuuint64_t>(g.E);
@@ -884,28 +933,28 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   cfg.stream = st;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  attr[0].val.clusterDim.x = CL, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr, cfg.numAttrs = 1;
-  // The clusters that fit at once (a GPC with an odd number of free SMs leaves one idle): a persistent grid of more
-  // would run the excess in a second wave, each with a full share of the units.
+  // The clusters that fit at once (a GPC whose free SMs are not a multiple of CL leaves the rest idle): a persistent
+  // grid of more would run the excess in a second wave, each with a full share of the units.
   const int dev = current_device();
   static std::atomic<uint64_t> set{0};
   static int resident[kMaxDevices];
   if (!(set.load(std::memory_order_acquire) >> dev & 1)) {
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tma_kernel<KN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           C::smem_bytes));
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tma_kernel<KN, CL>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem_bytes));
     cfg.gridDim = dim3(static_cast<unsigned>(sm_count()));
     int n = 0;
-    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_tma_kernel<KN>, &cfg));
-    check(n >= 1, "grouped_gemm: the TMA kernel's clusters of two do not fit on this device");
+    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_tma_kernel<KN, CL>, &cfg));
+    check(n >= 1, "grouped_gemm: the TMA kernel's clusters of ", CL, " do not fit on this device");
     resident[dev] = n;
     set.fetch_or(uint64_t{1} << dev, std::memory_order_release);
   }
   // Each non-empty expert has at most one odd M tile, so the units are at most this.
   const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
   const int clusters = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(bound, resident[dev])));
-  cfg.gridDim = dim3(static_cast<unsigned>(2 * clusters));
-  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN>, map_a, map_b, g.A, g.offsets, g.C,
+  cfg.gridDim = dim3(static_cast<unsigned>(CL * clusters));
+  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN, CL>, map_a, map_b, g.A, g.offsets, g.C,
                                        static_cast<const int32_t*>(start), g.E, g.N, g.K, n_tiles,
                                        static_cast<int>(g.epilogue), g.limit, g.low_rank, pre_of(g),
                                        g.pre16 != nullptr));
@@ -920,7 +969,11 @@ void dispatch(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
     case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmmaTma128x256:
-      if (g.W_all) launch_tma<KN>(g, workspace, stream);
+      if (g.W_all) launch_tma<KN, 2>(g, workspace, stream);
+      else launch<WgCfg1, true, KN>(g, workspace, stream);
+      break;
+    case GroupedGemmKernel::kWgmmaTma128x256c4:
+      if (g.W_all) launch_tma<KN, 4>(g, workspace, stream);
       else launch<WgCfg1, true, KN>(g, workspace, stream);
       break;
     default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
@@ -937,6 +990,7 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel k) {
     case GroupedGemmKernel::kWgmma128x128: return "wgmma128x128x64_s3";
     case GroupedGemmKernel::kWgmma128x256: return "wgmma128x256x64_s4";
     case GroupedGemmKernel::kWgmmaTma128x256: return "wgmma_tma128x256x64_s4_c2";
+    case GroupedGemmKernel::kWgmmaTma128x256c4: return "wgmma_tma128x256x64_s4_c4";
   }
   return "?";
 }
@@ -945,15 +999,16 @@ int64_t grouped_gemm_workspace_ints(int E) { return int64_t(E) + 1; }
 
 namespace {
 
-// (BM, N tiles, paired units) of g's schedule.
-std::tuple<int, int, bool> schedule_shape(const GroupedGemm& g) {
+// (BM, N tiles, CTAs a unit: 1, or the TMA kernel's clusters) of g's schedule.
+std::tuple<int, int, int> schedule_shape(const GroupedGemm& g) {
   switch (g.kernel) {
-    case GroupedGemmKernel::kMma128x128x32: return {Cfg0::BM, n_tiles_of<Cfg0>(g), false};
-    case GroupedGemmKernel::kMma128x128x64: return {Cfg1::BM, n_tiles_of<Cfg1>(g), false};
-    case GroupedGemmKernel::kMma128x256x32: return {Cfg2::BM, n_tiles_of<Cfg2>(g), false};
-    case GroupedGemmKernel::kWgmma128x128: return {WgCfg0::BM, n_tiles_of<WgCfg0>(g), false};
-    case GroupedGemmKernel::kWgmma128x256: return {WgCfg1::BM, n_tiles_of<WgCfg1>(g), false};
-    case GroupedGemmKernel::kWgmmaTma128x256: return {TmaCfg::BM, n_tiles_of<TmaCfg>(g), g.W_all != nullptr};
+    case GroupedGemmKernel::kMma128x128x32: return {Cfg0::BM, n_tiles_of<Cfg0>(g), 1};
+    case GroupedGemmKernel::kMma128x128x64: return {Cfg1::BM, n_tiles_of<Cfg1>(g), 1};
+    case GroupedGemmKernel::kMma128x256x32: return {Cfg2::BM, n_tiles_of<Cfg2>(g), 1};
+    case GroupedGemmKernel::kWgmma128x128: return {WgCfg0::BM, n_tiles_of<WgCfg0>(g), 1};
+    case GroupedGemmKernel::kWgmma128x256: return {WgCfg1::BM, n_tiles_of<WgCfg1>(g), 1};
+    case GroupedGemmKernel::kWgmmaTma128x256: return {TmaCfg::BM, n_tiles_of<TmaCfg>(g), g.W_all ? 2 : 1};
+    case GroupedGemmKernel::kWgmmaTma128x256c4: return {TmaCfg::BM, n_tiles_of<TmaCfg>(g), g.W_all ? 4 : 1};
   }
   fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
 }

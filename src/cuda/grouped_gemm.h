@@ -60,6 +60,8 @@ enum class GroupedEpilogue {
 //   kWgmmaTma128x256: the same tile and MMAs, operands loaded by TMA from a producer warpgroup, CTAs in clusters of
 //                   two that share an operand tile (two M tiles of an expert the weight tile, two N tiles the A tile)
 //                   and multicast it; needs GroupedGemm::W_all (else it runs as kWgmma128x256)
+//   kWgmmaTma128x256c4: the same in clusters of four: 2 × 2 tiles (two M tiles share each weight tile, two N tiles
+//                   each A tile), or an expert's last odd M tile with four N tiles sharing its A tile
 // Every variant takes w_kn: the mma.sync ones read the [BK][BN] weight tile with ldmatrix.trans, the wgmma ones give
 // it to the MMA as an N-major (transposed) operand.
 enum class GroupedGemmKernel {
@@ -69,12 +71,13 @@ enum class GroupedGemmKernel {
   kWgmma128x128 = 3,
   kWgmma128x256 = 4,
   kWgmmaTma128x256 = 5,
+  kWgmmaTma128x256c4 = 6,
 };
-constexpr int kGroupedGemmKernels = 6;
+constexpr int kGroupedGemmKernels = 7;
 // Whether k is a warpgroup-MMA variant (the ones that take GroupedGemm::low_rank and GroupedGemm::pre).
 inline bool grouped_gemm_is_wgmma(GroupedGemmKernel k) {
   return k == GroupedGemmKernel::kWgmma128x128 || k == GroupedGemmKernel::kWgmma128x256 ||
-         k == GroupedGemmKernel::kWgmmaTma128x256;
+         k == GroupedGemmKernel::kWgmmaTma128x256 || k == GroupedGemmKernel::kWgmmaTma128x256c4;
 }
 const char* grouped_gemm_kernel_name(GroupedGemmKernel k);
 

@@ -517,7 +517,7 @@ class Step {
   // (GroupedGemm::low_rank): grouped adapters, a wgmma kernel, and ranks that fit its one extra k-tile.
   // backward: for the input-gradient GEMMs (set_expert_lora_fold decides which folds run).
   bool fold_adapters(size_t i, std::initializer_list<LoraKind> kinds, bool backward = false) const {
-    const int kernel = moe_expert_gemm();
+    const int kernel = moe_expert_gemm() < 0 ? -1 : backward ? moe_expert_gemm_dx() : moe_expert_gemm();
     if (expert_lora_fold() < (backward ? 2 : 1) || !has_adapters(i, kinds) || !grouped_adapters(i, kinds) ||
         kernel < 0 || !grouped_gemm_is_wgmma(static_cast<GroupedGemmKernel>(kernel)))
       return false;
@@ -1192,7 +1192,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
                         void* dx, bool dx16, const GroupedLowRank& lr) {
     GroupedGemm g{dy, x.offsets, W, dx, n, static_cast<int>(El), static_cast<int>(in_w), static_cast<int>(out_w),
                   dx16 ? GroupedEpilogue::kBf16 : GroupedEpilogue::kF32, 0.0f,
-                  static_cast<GroupedGemmKernel>(moe_expert_gemm())};
+                  static_cast<GroupedGemmKernel>(moe_expert_gemm_dx())};
     g.w_kn = true;
     g.W_all = W_all;
     g.low_rank = lr;
