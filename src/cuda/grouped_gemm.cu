@@ -596,19 +596,32 @@ struct ClusterTile {
   int a_half, w_half;
 };
 
+// The expert of unit u of a cluster schedule (start from schedule_kernel), u's index among that expert's units, the
+// expert's first row, its rows and its M tiles.
+struct UnitExpert {
+  int e, local, row_begin, rows, mtiles;
+};
+__device__ __forceinline__ UnitExpert unit_expert(int u, const int32_t* __restrict__ start,
+                                                  const int32_t* __restrict__ offsets, int E) {
+  const int e = owner_of(u, start, E), row_begin = offsets[e], rows = offsets[e + 1] - row_begin;
+  return UnitExpert{e, u - start[e], row_begin, rows, (rows + TmaCfg::BM - 1) / TmaCfg::BM};
+}
+// t's expert, and its rows from M tile mt of ue's expert on.
+__device__ __forceinline__ void place_tile(ClusterTile& t, const UnitExpert& ue, int mt) {
+  t.e = ue.e, t.rows = min(TmaCfg::BM, ue.rows - mt * TmaCfg::BM), t.row0 = ue.row_begin + int64_t(mt) * TmaCfg::BM;
+}
+
 // Clusters of two: unit u's tile for CTA `rank`.
 __device__ __forceinline__ ClusterTile locate_pair(int u, const int32_t* __restrict__ start,
                                                    const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
-  constexpr int BM = TmaCfg::BM;
-  const int lo = owner_of(u, start, E);
-  const int local = u - start[lo];
-  const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
-  const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2;
-  int mt, nt;
-  bool shared_b, last_b, last_a;
+  const UnitExpert ue = unit_expert(u, start, offsets, E);
+  const int local = ue.local, mtiles = ue.mtiles, pairs = mtiles / 2;
+  ClusterTile t;
+  int mt;
+  bool shared_b;
   if (!(mtiles & 1)) {  // N tile major, the M pair inner: the pairs reading one weight slab side by side
-    nt = local / pairs, mt = 2 * (local % pairs) + rank, shared_b = true;
-    last_b = local % pairs == pairs - 1, last_a = nt == n_tiles - 1;
+    t.nt = local / pairs, mt = 2 * (local % pairs) + rank, shared_b = true;
+    t.last_b = local % pairs == pairs - 1, t.last_a = t.nt == n_tiles - 1;
   } else {
     // With a last odd M tile, the units go by N-tile pairs: the M pairs of N tiles 2j and 2j + 1, then the last M
     // tile's unit over both, so that it reads the weight slabs while the pairs have them in L2 (after all the pairs,
@@ -616,19 +629,18 @@ __device__ __forceinline__ ClusterTile locate_pair(int u, const int32_t* __restr
     const int j = local / (2 * pairs + 1), w = local - j * (2 * pairs + 1);
     const int in_group = 2 * j + 1 < n_tiles ? 2 * pairs : pairs;  // the group's pair units (one N tile at the end)
     if (w < in_group) {
-      nt = 2 * j + w / pairs, mt = 2 * (w % pairs) + rank, shared_b = true;
-      last_b = false, last_a = nt == n_tiles - 1;
+      t.nt = 2 * j + w / pairs, mt = 2 * (w % pairs) + rank, shared_b = true;
+      t.last_b = false, t.last_a = t.nt == n_tiles - 1;
     } else {
-      nt = 2 * j + rank, mt = mtiles - 1, shared_b = false;
-      last_b = true, last_a = 2 * j + 2 >= n_tiles;
+      t.nt = 2 * j + rank, mt = mtiles - 1, shared_b = false;
+      t.last_b = true, t.last_a = 2 * j + 2 >= n_tiles;
     }
   }
-  return ClusterTile{lo,     nt,
-                     min(BM, rows_e - mt * BM),
-                     row_begin + int64_t(mt) * BM,
-                     last_b, last_a,
-                     uint16_t(shared_b ? 0 : 3), uint16_t(shared_b ? 3 : 0),
-                     shared_b ? -1 : rank, shared_b ? rank : -1};
+  // The pair shares the weight tile (each CTA loads a half) or the A tile.
+  t.w_mask = shared_b ? 3 : 0, t.w_half = shared_b ? rank : -1;
+  t.a_mask = shared_b ? 0 : 3, t.a_half = shared_b ? -1 : rank;
+  place_tile(t, ue, mt);
+  return t;
 }
 
 // Clusters of four: unit u's tile for CTA `rank`. An expert's units go by groups of four N tiles 4j … 4j + 3: the M
@@ -636,13 +648,10 @@ __device__ __forceinline__ ClusterTile locate_pair(int u, const int32_t* __restr
 // that it reads their weight slabs while they are in L2.
 __device__ __forceinline__ ClusterTile locate_quad(int u, const int32_t* __restrict__ start,
                                                    const int32_t* __restrict__ offsets, int E, int n_tiles, int rank) {
-  constexpr int BM = TmaCfg::BM;
-  const int lo = owner_of(u, start, E);
-  const int local = u - start[lo];
-  const int row_begin = offsets[lo], rows_e = offsets[lo + 1] - row_begin;
-  const int mtiles = (rows_e + BM - 1) / BM, pairs = mtiles / 2, odd = mtiles & 1;
-  const int j = local / (2 * pairs + odd), w = local - j * (2 * pairs + odd);  // every group but the last is whole
-  const int in_group = (n_tiles - 4 * j > 2 ? 2 : 1) * pairs;                  // the group's 2 × 2 units
+  const UnitExpert ue = unit_expert(u, start, offsets, E);
+  const int pairs = ue.mtiles / 2, odd = ue.mtiles & 1;
+  const int j = ue.local / (2 * pairs + odd), w = ue.local - j * (2 * pairs + odd);  // all groups but the last whole
+  const int in_group = (n_tiles - 4 * j > 2 ? 2 : 1) * pairs;                        // the group's 2 × 2 units
   ClusterTile t;
   int mt;
   if (w < in_group) {
@@ -652,12 +661,12 @@ __device__ __forceinline__ ClusterTile locate_quad(int u, const int32_t* __restr
     t.w_mask = uint16_t(3 << (rank & 2)), t.w_half = rank & 1;
     t.a_mask = uint16_t(5 << (rank & 1)), t.a_half = rank >> 1;
   } else {
-    t.nt = 4 * j + rank, mt = mtiles - 1;
+    t.nt = 4 * j + rank, mt = ue.mtiles - 1;
     t.last_b = true, t.last_a = 4 * j + 4 >= n_tiles;
     t.w_mask = 0, t.w_half = -1;
     t.a_mask = 15, t.a_half = rank < 2 ? rank : -1;
   }
-  t.e = lo, t.rows = min(BM, rows_e - mt * BM), t.row0 = row_begin + int64_t(mt) * BM;
+  place_tile(t, ue, mt);
   return t;
 }
 
