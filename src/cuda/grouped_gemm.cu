@@ -562,7 +562,9 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 //     rows each, often a little over 128, so that the one-CTA kernel reads most weight slabs twice);
 //   - an expert's last (or only) M tile with N tiles 2j and 2j + 1 shares the A tile (with an odd number of M tiles
 //     above one, its unit comes right after the pairs of those N tiles: it reads their weight slabs from L2).
-// Clusters of four (rank r), where the kernel's limit is L2's traffic and the A tiles are a fifth to a third of it:
+// Clusters of four (rank r), to halve the A tiles' share of the L2 traffic (a fifth to a third of it in clusters of
+// two); on the H200 faster on the w_kn passes and slower on the forward ones (set_moe_expert_gemm_dx in
+// cuda/device_model.h has the figures):
 //   - M tiles 2i + (r & 1) with N tiles 2j + (r >> 1): each weight tile is shared by two M tiles and each A tile by
 //     two N tiles, both halved among their two readers;
 //   - the last odd (or only) M tile with N tiles 4j + r: its A tile shared by the four, its halves loaded by ranks 0
@@ -818,7 +820,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             wgmma_k16<BN, 0>(acc, sw128_desc(a_s + ks * 32), sw128_desc(b_s + ks * 32));
         }
         wgmma_commit();
-        wgmma_wait<1>();  // the MMAs of the previous k-tile are done: its stage is free in both CTAs
+        wgmma_wait<1>();  // the MMAs of the previous k-tile are done: its stage is free in every CTA
         fence_regs<NACC>(acc);
         if (kt > 0 && lane == 0) release(empty0 + 8 * ((it - 1) % S));
       }
