@@ -170,10 +170,26 @@ TEST_P(CudaBackwardKdaChunked, MatchesCpuOnPackedSequences) {
 }
 
 // Strong decays (g down to −5 a step, so cumulative gates down to about −300 within a chunk): the decays are formed
-// as exp(Γ_i − Γ_j) ≤ 1, never as a quotient of exponentials that would overflow.
+// as exp(Γ_i − Γ_j) ≤ 1, or within a block as a product of factors within e^±60, never as a quotient of
+// exponentials that would overflow.
 TEST_P(CudaBackwardKdaChunked, StrongDecays) {
   const int64_t K = GetParam(), H = 2;
   const Case c = make_case({130, 64, 7}, H, K, 400 + static_cast<unsigned>(K), 5.0f);
+  const auto gpu = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
+  auto cpu = zeros(c.cu.back(), H, K);
+  cpu_backward(c, cpu);
+  expect_close(gpu, cpu);
+}
+
+// The pairs within a 16-row block run on tensor cores with the decay split at the block's middle row, unless a
+// column decays by more than 60 over half a block somewhere in the chunk: then that chunk and head form them element
+// by element. Head 0 here decays by at most 0.5 a step (split), head 1 by up to 40 (about 20 a step on average:
+// element by element), in one call; both against the CPU.
+TEST_P(CudaBackwardKdaChunked, NarrowAndWideDecaysInOneCall) {
+  const int64_t K = GetParam(), H = 2;
+  Case c = make_case({130, 64, 7}, H, K, 450 + static_cast<unsigned>(K), 0.5f);
+  for (int64_t r = 0; r < c.cu.back(); ++r)
+    for (int64_t d = 0; d < K; ++d) c.g[(r * H + 1) * K + d] *= 80.0f;
   const auto gpu = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
   auto cpu = zeros(c.cu.back(), H, K);
   cpu_backward(c, cpu);

@@ -5,9 +5,11 @@
 // Per chunk (rows i < n, S0 the state entering it, Γ the in-chunk cumulative log decay, γ = Γ of its last row):
 //   M = strict_lower(k·decay·kᵀ), A = (I + diag(β)·M)⁻¹, U = A·(β v), W = A·(β k∘e^Γ),
 //   u = U − W·S0,  o = (q∘e^Γ)·S0 + Aqk·u (Aqk = lower(q·decay·kᵀ)),  S_end = e^γ∘S0 + (k∘e^(γ−Γ))ᵀ·u,
-// with decay[i, j, d] = exp(Γ[i, d] − Γ[j, d]) ≤ 1 (j ≤ i): within a 16-row block formed element by element, across
-// blocks split at a block boundary r (j < r ≤ i) into exp(Γ_i − Γ_r)·exp(Γ_r − Γ_j), both ≤ 1, so no exponent
-// overflows for any g ≤ 0 and the cross-block sums are plain products. The backward, with dSe the gradient of S_end:
+// with decay[i, j, d] = exp(Γ[i, d] − Γ[j, d]) ≤ 1 (j ≤ i): across blocks of 16 rows split at a block boundary r
+// (j < r ≤ i) into exp(Γ_i − Γ_r)·exp(Γ_r − Γ_j), both ≤ 1, so no exponent overflows for any g ≤ 0 and the
+// cross-block sums are plain products; within a block split at its middle row (factors within e^±60) where the
+// chunk's decays allow it (kDiagSpan: any safe gate with lb ≥ −7.5), else formed element by element. The backward,
+// with dSe the gradient of S_end:
 //   du = Aqkᵀ·dO + Kd·dSe,  dS0 = Qgᵀ·dO + e^γ∘dSe − Wᵀ·du   (sequential over chunks, value columns apart; the
 //                                                             products with dO are formed beforehand, in parallel)
 //   dW = −du·S0ᵀ, dQg = dO·S0ᵀ, dKd = u·dSeᵀ, dγ ∋ e^γ∘rowsum(S0∘dSe), dAqk = lower(dO·uᵀ)  (kernel "inter")
@@ -24,15 +26,17 @@
 // Precision. Every matrix product runs on tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulation) in split
 // bf16: an operand x is held as x_hi = bf16(x) and x_lo = bf16(x − x_hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
 // (three MMAs; about 16 mantissa bits, ~1e-5 relative per product, where plain bf16 or tf32 products would cost
-// 1e-3 … 1e-2 in the gradients). On tensor cores: U, W, the cross-block parts of Aqk and M, Qgᵀ·dO and Aqkᵀ·dO (prep);
-// W·S and Kdᵀ·u (fwd_state); Kd·dSe and Wᵀ·du (bwd_state); du·S0ᵀ, dO·S0ᵀ, u·dSeᵀ and dO·uᵀ (inter); Aᵀ·du, Aᵀ·dW,
-// dA, Aᵀ·dA, (Aᵀ·dA)·Aᵀ and the cross-block products through the decay (intra). In fp32 on CUDA cores: the cumulative
-// gates, the pairs within a 16-row block (their decay taken element by element), the inverse A, and every
-// element-wise step. The chunked form is thus expected ~1e-5 (norm-relative) from the recurrent one instead of within
-// fp32 rounding of it; the tests and the bench hold it to 1e-4. Every output element is written by one thread with
-// sums in a fixed order (no atomics; an MMA's sum order is fixed too): reproducible run to run. Kernels of one call
-// run in stream order, so inter and intra both add into dq, dk and dg without a race; without accumulate, inter's
-// contributions are the first (stored, not added) and intra's dv and dβ are stored.
+// 1e-3 … 1e-2 in the gradients). On tensor cores: U, W, Aqk and M (within a block where its decay is split, across
+// blocks always), Qgᵀ·dO and Aqkᵀ·dO (prep); W·S and Kdᵀ·u (fwd_state); Kd·dSe and Wᵀ·du (bwd_state); du·S0ᵀ,
+// dO·S0ᵀ, u·dSeᵀ and dO·uᵀ (inter); Aᵀ·du, Aᵀ·dW, dA, Aᵀ·dA, (Aᵀ·dA)·Aᵀ and the products through the decay, as Aqk
+// and M (intra). In fp32 on CUDA cores: the cumulative gates, the pairs within a block whose decay is not split
+// (element by element) and intra's pairs i = j, the inverse A, and every element-wise step. The chunked form is thus
+// expected ~1e-5 (norm-relative) from the recurrent one instead of within fp32 rounding of it (dg ~2e-5 since the
+// split within blocks, 8.5e-6 before, at T = 4096 in kda_bwd_T4096_H64); the tests and the bench hold it to 1e-4.
+// Every output element is written by one thread with sums in a fixed order (no atomics; an MMA's sum order is fixed
+// too): reproducible run to run. Kernels of one call run in stream order, so inter and intra both add into dq, dk
+// and dg without a race; without accumulate, inter's contributions are the first (stored, not added) and intra's dv
+// and dβ are stored.
 #include "cuda/backward_kernels.h"
 #include "cuda/mma.cuh"
 
@@ -86,11 +90,23 @@ struct Params {
 // e^x as __expf forms it (ex2.approx of x·log2(e)), with results below 2^−126 flushed to zero: without the flush
 // ex2.approx needs a range check and two rescalings around it, three more instructions an exponential in loops that
 // are issue-bound (the pairs within a block in prep and intra). Every exponential here is of a non-positive decay
-// difference or a gate, so the flushed values are below fp32's normal range, far under the products' 1e-5.
+// difference or a gate, so the flushed values are below fp32's normal range, far under the products' 1e-5, or of a
+// difference within ±kDiagSpan (the split at a block's middle row, below), whose results are normal.
 __device__ __forceinline__ float exp_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269502f));
   return y;
+}
+
+// The pairs within a 16-row block (rows r0 … r0 + 15) run on tensor cores with the decay split at the block's middle
+// row rm = r0 + 8: e^(Γ_i − Γ_j) = e^(Γ_i − Γ_rm)·e^(Γ_rm − Γ_j), one factor per operand, each at most e^kDiagSpan
+// and at least e^−kDiagSpan (normal fp32, and their products with the other operands far from overflow) as long as
+// the decay over either half of every block stays within kDiagSpan in every column. A safe gate (g ≥ lb a step) keeps
+// it for lb ≥ −7.5 (8·|lb| ≤ 60); where a chunk's gates decay faster, its blocks form the decay element by element.
+constexpr float kDiagSpan = 60.0f;
+// Whether a column's decay over a block (Γ at its rows r0, rm and r0 + 15) is too wide for the split.
+__device__ __forceinline__ bool diag_wide(float g0, float gm, float g1) {
+  return !(g0 - gm <= kDiagSpan && gm - g1 <= kDiagSpan);
 }
 
 // ---- Split bf16 and tensor-core products ----
@@ -186,6 +202,30 @@ __device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int
     mma_tiles(acc, ah, bl);
     mma_tiles(acc, ah, bh);
   }
+}
+
+// The split (hi, lo) B fragment of one n-tile from this thread's four fp32 elements, at k = 2t, 2t + 1, 2t + 8 and
+// 2t + 9 of column g (mma.cuh's layout), formed in registers.
+__device__ __forceinline__ void split_b(uint32_t (&hi)[2], uint32_t (&lo)[2], const float (&x)[4]) {
+  const __nv_bfloat162 h0 = __floats2bfloat162_rn(x[0], x[1]), h1 = __floats2bfloat162_rn(x[2], x[3]);
+  hi[0] = bits(h0);
+  hi[1] = bits(h1);
+  lo[0] = pack_bf16(x[0] - __low2float(h0), x[1] - __high2float(h0));
+  lo[1] = pack_bf16(x[2] - __low2float(h1), x[3] - __high2float(h1));
+}
+// Zeroes the diagonal of a 16×16 A block in its fragment (entries (m, m): in a0 and a3, on the lanes g = 2t, 2t + 1).
+__device__ __forceinline__ void drop_diagonal(uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t keep = g == 2 * t ? 0xffff0000u : (g == 2 * t + 1 ? 0x0000ffffu : 0xffffffffu);
+  a[0] &= keep;
+  a[3] &= keep;
+}
+// acc += a·b on one 16×8 tile over one k-step in split bf16, in mma3's order (a_lo·b_hi, a_hi·b_lo, a_hi·b_hi).
+__device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma_bf16(acc, al, bh[0], bh[1]);
+  mma_bf16(acc, ah, bl[0], bl[1]);
+  mma_bf16(acc, ah, bh[0], bh[1]);
 }
 
 // ---- Staging into shared memory ----
@@ -315,7 +355,7 @@ template <int K>
 struct PrepSmem {
   static constexpr int KP = K + 4, KS = K + 8;  // KP: 16-byte rows (staged and read as float4)
   static constexpr int floats = 3 * kC * KP + 2 * kC * kCP + kC;  // Γ, k, q; A, Aqk (fp32); β
-  static constexpr int cross = 2 * 80 * KS;                         // split [80, KS]
+  static constexpr int cross = 2 * 128 * KS;                        // split [128, KS]
   static constexpr int factors = 2 * kC * kCS + 4 * kC * KS;        // split [C, CS] and two split [C, KS]
   static constexpr size_t bytes = size_t(floats) * 4 + size_t(cross > factors ? cross : factors) * 2;
 };
@@ -346,9 +386,13 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
   stage<kC, K, NTH>(sq, KP, p.q + base, HK, n);
   for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   sync_staged();
-  for (int d = tid; d < K; d += NTH)
+  bool wide = false;  // a block of this thread's column too wide for the split at its middle row
+  for (int d = tid; d < K; d += NTH) {
     for (int i = 1; i < kC; ++i) sg[i * KP + d] += sg[(i - 1) * KP + d];
-  __syncthreads();
+    for (int b = 0; b < kC / 16; ++b)
+      wide |= diag_wide(sg[16 * b * KP + d], sg[(16 * b + 8) * KP + d], sg[(16 * b + 15) * KP + d]);
+  }
+  const bool diag_mma = !__syncthreads_or(wide);
   // Aqk[i, j] = Σ_d q_i k_j decay (j ≤ i), M[i, j] = Σ_d k_i k_j decay (j < i); −β_i M into A for the substitution.
   // Zeros first where nothing is computed (j > i, rows ≥ n); then the element-wise factors: Kd (split) and Γ.
   for (int idx = tid; idx < kC * kC; idx += NTH) {
@@ -369,9 +413,10 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
   }
   for (int d = tid; d < K; d += NTH) ws[lay.gl() + d] = sg[(kC - 1) * KP + d];
   __syncthreads();
-  // Pairs within a 16-row block, the decay element by element: NTH/4 threads per block, each an RI×2 tile of pairs
-  // (the same sums in the same order whatever RI).
-  {
+  // Pairs within a 16-row block, the decay element by element where a block is too wide for the split (else on
+  // tensor cores, below): NTH/4 threads per block, each an RI×2 tile of pairs (the same sums in the same order
+  // whatever RI).
+  if (!diag_mma) {
     constexpr int RI = NTH >= 512 ? 1 : 2, per_blk = NTH / 4;
     const int blk = tid / per_blk, ti = (tid % per_blk) >> 3, tj = tid & 7;
     const int i0 = 16 * blk + RI * ti, j0 = 16 * blk + 2 * tj;
@@ -415,12 +460,14 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
   // Rows of block ib against the earlier rows j < r0 = 16·ib, on tensor cores, the decay split at r0 into
   // e^(Γ_i − Γ_r0)·e^(Γ_r0 − Γ_j), both ≤ 1: the split scratch holds k_j e^(Γ_r0 − Γ_j) (rows j < r0 ≤ 48), then q_i
   // and k_i times e^(Γ_i − Γ_r0) (rows 48 … 63 and 64 … 79). Warp w < 2·ib forms columns 16·(w/2) … of Aqk (even w)
-  // or M (odd w) on the block's rows.
+  // or M (odd w) on the block's rows. With diag_mma, the pairs within block ib too (from ib = 0), split at its middle
+  // row rm: k_j e^(Γ_rm − Γ_j), q_i and k_i times e^(Γ_i − Γ_rm) at rows 80 …, 96 … and 112 …; the last two warps
+  // form the block's Aqk (j ≤ i) and M (j < i), the MMA's other entries dropped.
   {
-    constexpr int pl = 80 * KS;
+    constexpr int pl = 128 * KS;
 #pragma unroll 1
-    for (int ib = 1; ib < 4; ++ib) {
-      const int r0 = 16 * ib;
+    for (int ib = diag_mma ? 0 : 1; ib < 4; ++ib) {
+      const int r0 = 16 * ib, rm = r0 + 8;
       if (r0 >= n) break;
       __syncthreads();  // the scratch is no longer read
       for (int idx = tid; idx < r0 * K / 2; idx += NTH) {
@@ -428,7 +475,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
         const float2 kj = ld2(sk + j * KP + d), gj = ld2(sg + j * KP + d), gr = ld2(sg + r0 * KP + d);
         put2(xs + j * KS + d, pl, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y));
       }
-      for (int idx = tid; idx < 16 * K / 2; idx += NTH) {
+      for (int idx = tid; idx < (ib > 0 ? 16 * K / 2 : 0); idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
         const float2 gi = ld2(sg + i * KP + d), gr = ld2(sg + r0 * KP + d);
         const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
@@ -436,7 +483,37 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
         put2(xs + (48 + il) * KS + d, pl, qi.x * e0, qi.y * e1);
         put2(xs + (64 + il) * KS + d, pl, ki.x * e0, ki.y * e1);
       }
+      for (int idx = tid; idx < (diag_mma ? 16 * K / 2 : 0); idx += NTH) {
+        const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
+        const float2 gi = ld2(sg + i * KP + d), gm = ld2(sg + rm * KP + d);
+        const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
+        const float u0 = exp_ftz(gi.x - gm.x), u1 = exp_ftz(gi.y - gm.y);  // e^(Γ_i − Γ_rm)
+        const float w0 = exp_ftz(gm.x - gi.x), w1 = exp_ftz(gm.y - gi.y);  // e^(Γ_rm − Γ_i)
+        put2(xs + (80 + il) * KS + d, pl, ki.x * w0, ki.y * w1);
+        put2(xs + (96 + il) * KS + d, pl, qi.x * u0, qi.y * u1);
+        put2(xs + (112 + il) * KS + d, pl, ki.x * u0, ki.y * u1);
+      }
       __syncthreads();
+      if (diag_mma && warp >= NW - 2) {
+        const int is_m = warp - (NW - 2);
+        float acc[1][2][4] = {};
+        mma3<1, 2, false, true>(acc, xs + (96 + 16 * is_m) * KS, KS, 0, pl, xs + 80 * KS, KS, pl, 0, K / 16);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int i = r0 + gq + 8 * (x >> 1), j = r0 + 8 * nt + 2 * tq + (x & 1);
+            const float val = acc[0][nt][x];
+            if (i < n && j <= i) {
+              if (!is_m) {
+                sqk[i * kCP + j] = val;
+              } else if (j < i) {
+                ws[lay.M() + i * kC + j] = val;
+                sa[i * kCP + j] = -sb[i] * val;
+              }
+            }
+          }
+      }
       if (warp < 2 * ib) {
         const int is_m = warp & 1, j0 = 16 * (warp >> 1);
         float acc[1][2][4] = {};
@@ -1039,8 +1116,14 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
              make_float4(a.b * a.x.x * exp_ftz(a.g.x), a.b * a.x.y * exp_ftz(a.g.y), a.b * a.x.z * exp_ftz(a.g.z),
                          a.b * a.x.w * exp_ftz(a.g.w)));
       });
+  bool wide = false;  // as prep decides it, from the same Γ
+  for (int idx = tid; idx < (kC / 16) * K; idx += NTH) {
+    const int b = idx / K, d = idx - b * K;
+    const float* gc = ws + lay.G() + d;
+    wide |= diag_wide(gc[16 * b * K], gc[(16 * b + 8) * K], gc[(16 * b + 15) * K]);
+  }
   cp_async_wait<0>();
-  __syncthreads();
+  const bool diag_mma = !__syncthreads_or(wide);
   // Aᵀ is upper triangular: row tile rt needs the k-steps rt …; rows ≥ n of du and dW are zero.
   // dv, dq and dk leave through fp32 staging tiles (add_tile: 16-byte pieces along whole rows, a quarter of the
   // global accesses of the accumulators' pairs on 8 rows a warp).
@@ -1184,62 +1267,143 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     put2(sx + row * KS + d, pS, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y));
   }
   __syncthreads();
-  // Pairs within the warp's own 16-row block, the decay element by element: for row m = r0 + l and this thread's row
-  // i, e = e^(−|Γ_i − Γ_m|) is e^(Γ_i − Γ_m) when m ≤ i (X, Y of row i) and e^(Γ_m − Γ_i) when m ≥ i (Z of row i as
-  // the earlier row). Two n-tiles a pass.
+  // Pairs within the warp's own 16-row block. With diag_mma on tensor cores, the decay split at the block's middle
+  // row rm = r0 + 8 (as in prep): X = e^(Γ_i − Γ_rm)·(dAqk·k̂), Y = e^(Γ_i − Γ_rm)·(dM·k̂) and
+  // Z = e^(Γ_rm − Γ_j)·(dAqkᵀ·q̃ + dMᵀ·k̃) over the block's 16 rows, with k̂_j = k_j e^(Γ_rm − Γ_j) and
+  // q̃_i, k̃_i = q_i, k_i times e^(Γ_i − Γ_rm) formed in registers as the B fragments; the blocks of dAqk and dM are
+  // zero above their diagonals (dM on it too), which drops the pairs j > i. The pairs i = j (decay 1) are left out of
+  // the products and added in fp32: dq_i += dAqk[i, i]·k_i, dk_i += dAqk[i, i]·q_i, and nothing to dΓ_i, where their
+  // terms q_i·X_i and −k_i·Z_i cancel exactly. Taken through the products, each with its own ~1e-5 rounding, they
+  // left that rounding of the largest pairs in dg (1.5e-4 from the recurrence under strong decays, against 1e-6).
+  if (diag_mma) {
+    if (r0 < n) {
+      const int rm = r0 + 8;
+      // X and Y, then Z; the A fragments loaded again for each n-tile (fewer registers live at once).
+#pragma unroll 1
+      for (int which = 0; which < 2; ++which) {
 #pragma unroll
-  for (int pass = 0; pass < NT / 2; ++pass) {
-    float X[2][4] = {}, Y[2][4] = {}, Z[2][4] = {}, gi[2][4];
+        for (int nt = 0; nt < NT; ++nt) {
+          uint32_t aqh[4], aql[4], amh[4], aml[4];
+          if (which == 0) {
+            load_a(aqh, sqk + r0 * kCS + r0, kCS);
+            load_a(aql, sqk + pC + r0 * kCS + r0, kCS);
+            load_a(amh, sms + r0 * kCS + r0, kCS);
+            load_a(aml, sms + pC + r0 * kCS + r0, kCS);
+          } else {
+            load_a_t(aqh, sqk + r0 * kCS + r0, kCS);
+            load_a_t(aql, sqk + pC + r0 * kCS + r0, kCS);
+            load_a_t(amh, sms + r0 * kCS + r0, kCS);
+            load_a_t(aml, sms + pC + r0 * kCS + r0, kCS);
+          }
+          drop_diagonal(aqh);
+          drop_diagonal(aql);
+          const int db = c0 + 8 * nt + gq;  // the B fragments' column
+          const float gmb = fG[rm * FS + db];
+          float b1[4], b2[4];  // k̂ (X, Y), or q̃ and k̃ (Z)
 #pragma unroll
-    for (int pn = 0; pn < 2; ++pn)
+          for (int e = 0; e < 4; ++e) {
+            const int r = r0 + 2 * tq + (e & 1) + 8 * (e >> 1), at = r * FS + db;
+            const float kr = fk[at];
+            if (which == 0) {
+              b1[e] = kr * exp_ftz(gmb - fG[at]);
+            } else {
+              const float u = exp_ftz(fG[at] - gmb);
+              b1[e] = fq[at] * u;
+              b2[e] = kr * u;
+            }
+          }
+          uint32_t bh[2], bl[2];
+          float acc[2][4] = {};
+          split_b(bh, bl, b1);
+          mma_split(acc[0], aqh, aql, bh, bl);
+          if (which == 0) {
+            mma_split(acc[1], amh, aml, bh, bl);
+          } else {
+            split_b(bh, bl, b2);
+            mma_split(acc[0], amh, aml, bh, bl);
+          }
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const float2 g2 = ld2(fG + (r0 + gq + 8 * hf) * FS + c0 + 8 * (2 * pass + pn) + 2 * tq);
-        gi[pn][2 * hf] = g2.x;
-        gi[pn][2 * hf + 1] = g2.y;
-      }
-#pragma unroll 2
-    for (int l = 0; l < 16; ++l) {
-      const int m = r0 + l;
-      float cx[2], cy[2], cz[2], cw[2];
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq, at = i * FS + d;
+            const float2 g2 = ld2(fG + at), gm2 = ld2(fG + rm * FS + d), q2 = ld2(fq + at), k2 = ld2(fk + at);
+            const float gi[2] = {g2.x, g2.y}, gm[2] = {gm2.x, gm2.y}, qi[2] = {q2.x, q2.y}, ki[2] = {k2.x, k2.y};
+            const float dii = fqk[i * kCP + i];  // dAqk[i, i]
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int il = gq + 8 * hf, i = r0 + il;
-        cx[hf] = l <= il ? fqk[i * kCP + m] : 0.0f;
-        cy[hf] = l <= il ? fm[i * kCP + m] : 0.0f;
-        cz[hf] = l >= il ? fqk[m * kCP + i] : 0.0f;
-        cw[hf] = l >= il ? fm[m * kCP + i] : 0.0f;
-      }
-#pragma unroll
-      for (int pn = 0; pn < 2; ++pn) {
-        const int d = c0 + 8 * (2 * pass + pn) + 2 * tq;
-        const float2 k2 = ld2(fk + m * FS + d), q2 = ld2(fq + m * FS + d), g2 = ld2(fG + m * FS + d);
-        const float km[2] = {k2.x, k2.y}, qm[2] = {q2.x, q2.y}, gm[2] = {g2.x, g2.y};
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int hf = x >> 1, b = x & 1;
-          const float e = exp_ftz(-fabsf(gi[pn][x] - gm[b])), t = km[b] * e;
-          X[pn][x] = fmaf(cx[hf], t, X[pn][x]);
-          Y[pn][x] = fmaf(cy[hf], t, Y[pn][x]);
-          Z[pn][x] = fmaf(fmaf(cz[hf], qm[b], cw[hf] * km[b]), e, Z[pn][x]);
+            for (int b = 0; b < 2; ++b) {
+              const int x = 2 * hf + b;
+              if (which == 0) {
+                const float u = exp_ftz(gi[b] - gm[b]), X = acc[0][x] * u, Y = acc[1][x] * u;
+                dq[nt][x] += fmaf(dii, ki[b], X);
+                dk[nt][x] += Y;
+                dG[nt][x] += qi[b] * X + ki[b] * Y;
+              } else {
+                const float Z = acc[0][x] * exp_ftz(gm[b] - gi[b]);
+                dk[nt][x] += fmaf(dii, qi[b], Z);
+                dG[nt][x] -= ki[b] * Z;
+              }
+            }
+          }
         }
       }
     }
+  }
+  // Else element by element: for row m = r0 + l and this thread's row i, e = e^(−|Γ_i − Γ_m|) is e^(Γ_i − Γ_m) when
+  // m ≤ i (X, Y of row i) and e^(Γ_m − Γ_i) when m ≥ i (Z of row i as the earlier row). Two n-tiles a pass.
+  if (!diag_mma) {
 #pragma unroll
-    for (int pn = 0; pn < 2; ++pn)
+    for (int pass = 0; pass < NT / 2; ++pass) {
+      float X[2][4] = {}, Y[2][4] = {}, Z[2][4] = {}, gi[2][4];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int nt = 2 * pass + pn, at = (r0 + gq + 8 * hf) * FS + c0 + 8 * nt + 2 * tq;
-        const float2 q2 = ld2(fq + at), k2 = ld2(fk + at);
-        const float qi[2] = {q2.x, q2.y}, ki[2] = {k2.x, k2.y};
+      for (int pn = 0; pn < 2; ++pn)
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          const int x = 2 * hf + b;
-          dq[nt][x] += X[pn][x];
-          dk[nt][x] += Y[pn][x] + Z[pn][x];
-          dG[nt][x] += qi[b] * X[pn][x] + ki[b] * (Y[pn][x] - Z[pn][x]);
+        for (int hf = 0; hf < 2; ++hf) {
+          const float2 g2 = ld2(fG + (r0 + gq + 8 * hf) * FS + c0 + 8 * (2 * pass + pn) + 2 * tq);
+          gi[pn][2 * hf] = g2.x;
+          gi[pn][2 * hf + 1] = g2.y;
+        }
+#pragma unroll 2
+      for (int l = 0; l < 16; ++l) {
+        const int m = r0 + l;
+        float cx[2], cy[2], cz[2], cw[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int il = gq + 8 * hf, i = r0 + il;
+          cx[hf] = l <= il ? fqk[i * kCP + m] : 0.0f;
+          cy[hf] = l <= il ? fm[i * kCP + m] : 0.0f;
+          cz[hf] = l >= il ? fqk[m * kCP + i] : 0.0f;
+          cw[hf] = l >= il ? fm[m * kCP + i] : 0.0f;
+        }
+#pragma unroll
+        for (int pn = 0; pn < 2; ++pn) {
+          const int d = c0 + 8 * (2 * pass + pn) + 2 * tq;
+          const float2 k2 = ld2(fk + m * FS + d), q2 = ld2(fq + m * FS + d), g2 = ld2(fG + m * FS + d);
+          const float km[2] = {k2.x, k2.y}, qm[2] = {q2.x, q2.y}, gm[2] = {g2.x, g2.y};
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int hf = x >> 1, b = x & 1;
+            const float e = exp_ftz(-fabsf(gi[pn][x] - gm[b])), t = km[b] * e;
+            X[pn][x] = fmaf(cx[hf], t, X[pn][x]);
+            Y[pn][x] = fmaf(cy[hf], t, Y[pn][x]);
+            Z[pn][x] = fmaf(fmaf(cz[hf], qm[b], cw[hf] * km[b]), e, Z[pn][x]);
+          }
         }
       }
+#pragma unroll
+      for (int pn = 0; pn < 2; ++pn)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int nt = 2 * pass + pn, at = (r0 + gq + 8 * hf) * FS + c0 + 8 * nt + 2 * tq;
+          const float2 q2 = ld2(fq + at), k2 = ld2(fk + at);
+          const float qi[2] = {q2.x, q2.y}, ki[2] = {k2.x, k2.y};
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int x = 2 * hf + b;
+            dq[nt][x] += X[pn][x];
+            dk[nt][x] += Y[pn][x] + Z[pn][x];
+            dG[nt][x] += qi[b] * X[pn][x] + ki[b] * (Y[pn][x] - Z[pn][x]);
+          }
+        }
+    }
   }
   // X and Y of row block rt ≥ 1 against the earlier rows j < r0: e^(Γ_i − Γ_r0) times dAqk (dM) · the scratch.
   if (rt >= 1 && r0 < n) {
