@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/testing_mhc_backward.h"
+#include "io/safetensors.h"
 #include "model/backward.h"
 #include "model/mhc.h"
 #include "model/norm.h"
@@ -186,6 +187,38 @@ TEST(CudaBackwardMhc, PostMatchesCpu) {
     EXPECT_LE(test::norm_rel_error(wy.data(), zy.data(), zy.size()), kTol) << "written dy " << at;
     EXPECT_LE(test::norm_rel_error(wp.data(), zp.data(), zp.size()), kTol) << "written dpost " << at;
     EXPECT_LE(test::norm_rel_error(wc.data(), zc.data(), zc.size()), kTol) << "written dcomb " << at;
+  }
+}
+
+// Training's form: dy written in bf16 (the sub-layer's GEMMs' operand) as well as in fp32 (the MoE's routing
+// weights), or in bf16 alone; the bf16 bits are to_bf16's of the fp32 dy (round to nearest even), and dh, dpost and
+// dcomb the same bits either way; vectorised and scalar widths.
+TEST(CudaBackwardMhc, PostBackwardWritesBf16Gradient) {
+  unsigned seed = 8050;
+  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{7, 4, 320}, {300, 4, 333}, {3, 4, 4096}}) {
+    HcMix mix;
+    mix.post = test::randn(T * S, ++seed);
+    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
+    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const std::vector<float> dout = test::randn(T * S * D, ++seed);
+    std::vector<float> dh(T * S * D), dy(T * D), dp(T * S), dc(T * S * S);
+    cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, dh, dy, dp, dc, false);
+    std::vector<uint16_t> expect(dy.size());
+    for (size_t e = 0; e < dy.size(); ++e) expect[e] = f32_to_bf16(dy[e]);
+    const std::string at = "T=" + std::to_string(T) + " D=" + std::to_string(D);
+    for (const bool fp32_dy : {true, false}) {
+      std::vector<float> dh2(dh.size()), dy2(dy.size(), 7.0f), dp2(dp.size()), dc2(dc.size());
+      std::vector<uint16_t> dy16;
+      cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, dh2, dy2, dp2, dc2, false, &dy16,
+                                      fp32_dy);
+      EXPECT_EQ(dy16, expect) << at << (fp32_dy ? " with fp32 dy" : " bf16 alone");
+      if (fp32_dy) {
+        EXPECT_EQ(dy2, dy) << at;
+      }
+      EXPECT_EQ(dh2, dh) << at;
+      EXPECT_EQ(dp2, dp) << at;
+      EXPECT_EQ(dc2, dc) << at;
+    }
   }
 }
 

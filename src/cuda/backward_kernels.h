@@ -35,10 +35,11 @@ void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, co
 
 // Backward of mhc_post (h_out[t, s] = post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r]) given dout [T, S, D]; h [T, S, D]
 // are the streams before the post-mix, y [T, D] the sub-layer output. dh [T, S, D], dy [T, D], dpost [T, S],
-// dcomb [T, S, S] all += …, or without accumulate all = … (no need to zero them first).
+// dcomb [T, S, S] all += …, or without accumulate all = … (no need to zero them first). dy16 (optional): dy rounded to
+// bf16 as well (as to_bf16 rounds it), the form the sub-layer's GEMMs take; dy may then be null, unless accumulating.
 void mhc_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
                        float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
-                       cudaStream_t st, bool accumulate = true);
+                       cudaStream_t st, bool accumulate = true, bf16* dy16 = nullptr);
 
 // Backward of stream_mean_norm (out[t] = RMSNorm(mean_s h[t, s]; w)) given dout [T, D]: dh [T, S, D] += …,
 // dw [D] += …. work: rmsnorm_backward_workspace_floats(T, D) + T·D floats.

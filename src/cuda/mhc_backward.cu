@@ -170,7 +170,8 @@ template <int S, bool VEC, bool ACC>
 __global__ void __launch_bounds__(kPostThreads)
     mhc_post_bwd_kernel(const float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ post,
                         const float* __restrict__ comb, const float* __restrict__ dout, float* __restrict__ dh,
-                        float* __restrict__ dy, float* __restrict__ dpost, float* __restrict__ dcomb, int64_t D) {
+                        float* __restrict__ dy, bf16* __restrict__ dy16, float* __restrict__ dpost,
+                        float* __restrict__ dcomb, int64_t D) {
   constexpr int NV = S + S * S;
   __shared__ float red[(kPostThreads / 32) * NV];
   __shared__ float sums[NV];
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kPostThreads)
         hr[s] = *reinterpret_cast<const float4*>(ht + s * D + d);
       }
       const float4 yv = *reinterpret_cast<const float4*>(y + t * D + d);
-      if (dy) {
+      if (dy || dy16) {
         float4* p = reinterpret_cast<float4*>(dy + t * D + d);
         float4 o = ACC ? *p : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -207,7 +208,12 @@ __global__ void __launch_bounds__(kPostThreads)
           for (int s = 0; s < S; ++s) v = fmaf(P[s], comp(g[s], c), v);
           (c == 0 ? o.x : c == 1 ? o.y : c == 2 ? o.z : o.w) += v;
         }
-        *p = o;
+        if (dy) *p = o;
+        if (dy16) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);
+          *reinterpret_cast<uint2*>(dy16 + t * D + d) =
+              make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        }
       }
       if (dh) {
 #pragma unroll
@@ -239,11 +245,13 @@ __global__ void __launch_bounds__(kPostThreads)
 #pragma unroll
       for (int s = 0; s < S; ++s) g[s] = gt[s * D + d], hr[s] = ht[s * D + d];
       const float yv = y[t * D + d];
-      if (dy) {
+      if (dy || dy16) {
         float v = 0.0f;
 #pragma unroll
         for (int s = 0; s < S; ++s) v = fmaf(P[s], g[s], v);
-        dy[t * D + d] = ACC ? dy[t * D + d] + v : v;
+        if (ACC) v += dy[t * D + d];
+        if (dy) dy[t * D + d] = v;
+        if (dy16) dy16[t * D + d] = __float2bfloat16_rn(v);
       }
       if (dh) {
 #pragma unroll
@@ -1141,12 +1149,13 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
 
 template <int S>
 void launch_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
-                          float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t D, bool accumulate,
-                          cudaStream_t st) {
-  const bool vec = D % 4 == 0 && aligned16(h) && aligned16(y) && aligned16(dout) && aligned16(dh) && aligned16(dy);
+                          float* dh, float* dy, bf16* dy16, float* dpost, float* dcomb, int64_t T, int64_t D,
+                          bool accumulate, cudaStream_t st) {
+  const bool vec = D % 4 == 0 && aligned16(h) && aligned16(y) && aligned16(dout) && aligned16(dh) && aligned16(dy) &&
+                   (reinterpret_cast<uintptr_t>(dy16) & 7) == 0;
   auto kernel = accumulate ? (vec ? mhc_post_bwd_kernel<S, true, true> : mhc_post_bwd_kernel<S, false, true>)
                            : (vec ? mhc_post_bwd_kernel<S, true, false> : mhc_post_bwd_kernel<S, false, false>);
-  kernel<<<static_cast<unsigned>(T), kPostThreads, 0, st>>>(h, y, post, comb, dout, dh, dy, dpost, dcomb, D);
+  kernel<<<static_cast<unsigned>(T), kPostThreads, 0, st>>>(h, y, post, comb, dout, dh, dy, dy16, dpost, dcomb, D);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1184,9 +1193,10 @@ void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, co
 
 void mhc_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
                        float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
-                       cudaStream_t st, bool accumulate) {
+                       cudaStream_t st, bool accumulate, bf16* dy16) {
   if (!T) return;
-#define CALL(S) launch_post_backward<S>(h, y, post, comb, dout, dh, dy, dpost, dcomb, T, D, accumulate, st)
+  check(!(accumulate && dy16 && !dy), "mhc_post_backward: a bf16 dy alone cannot be accumulated into");
+#define CALL(S) launch_post_backward<S>(h, y, post, comb, dout, dh, dy, dy16, dpost, dcomb, T, D, accumulate, st)
   NEXTLM_MHC_BWD_DISPATCH(S, CALL)
 #undef CALL
 }

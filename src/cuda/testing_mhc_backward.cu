@@ -43,15 +43,17 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
 void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
                        const std::vector<float>& comb, const std::vector<float>& dout, int64_t T, int64_t S, int64_t D,
                        std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,
-                       std::vector<float>& dcomb, bool accumulate) {
+                       std::vector<float>& dcomb, bool accumulate, std::vector<uint16_t>* dy16, bool fp32_dy) {
   auto out = [&](const std::vector<float>& v) { return accumulate ? upload(v) : detail::poisoned<float>(v.size()); };
   Buf gh = upload(h), gy = upload(y), gpost = upload(post), gcomb = upload(comb), gdout = upload(dout), gdh = out(dh),
-      gdy = out(dy), gdpost = out(dpost), gdcomb = out(dcomb);
+      gdy = fp32_dy ? out(dy) : Buf(0), gdpost = out(dpost), gdcomb = out(dcomb);
+  Buf gdy16 = detail::poisoned<cuda::bf16>(dy16 ? static_cast<size_t>(T * D) : 0);  // empty: null
   cuda::mhc_post_backward(ptr(gh), ptr(gy), ptr(gpost), ptr(gcomb), ptr(gdout), ptr(gdh), ptr(gdy), ptr(gdpost),
-                          ptr(gdcomb), T, S, D, nullptr, accumulate);
+                          ptr(gdcomb), T, S, D, nullptr, accumulate, gdy16.or_null<cuda::bf16>());
   finish();
   dh = download<float>(gdh);
-  dy = download<float>(gdy);
+  if (fp32_dy) dy = download<float>(gdy);
+  if (dy16) *dy16 = download<uint16_t>(gdy16);
   dpost = download<float>(gdpost);
   dcomb = download<float>(gdcomb);
 }

@@ -18,11 +18,13 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
                       std::vector<float>& dnorm_w);
 
 // cuda::mhc_post_backward: dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] are added to, or without
-// accumulate written (their device buffers then start as NaN, so an element left unwritten shows).
+// accumulate written (their device buffers then start as NaN, so an element left unwritten shows). With dy16, dy's
+// bf16 bits too (written, from NaN); with fp32_dy false the kernel gets no fp32 dy (dy is left alone).
 void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
                        const std::vector<float>& comb, const std::vector<float>& dout, int64_t T, int64_t S, int64_t D,
                        std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,
-                       std::vector<float>& dcomb, bool accumulate = true);
+                       std::vector<float>& dcomb, bool accumulate = true, std::vector<uint16_t>* dy16 = nullptr,
+                       bool fp32_dy = true);
 
 // cuda::mhc_post, the forward's post-mix: the new streams [T, S, D] from h [T, S, D] and y [T, D], in place
 // (in_place) or into a separate output; h_after gets what h's device buffer holds afterwards.

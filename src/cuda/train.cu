@@ -669,17 +669,18 @@ class Step {
   }
 
   void kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float* y);
-  void kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy, float* da);
+  void kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const bf16* dy, float* da);
   void dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* sel, const int32_t* count, DsaActs& x,
                    float* y);
   void dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
-                    const DsaActs& x, const float* dy, float* da);
+                    const DsaActs& x, const bf16* dy, float* da);
   // A dense MLP, or (shared) the shared expert of a MoE layer: their LoRA kinds differ.
   void mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpActs& x, float* y);
   void mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x,
                     const bf16* dy16, float* da);
   void moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y);
-  void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy, float* da);
+  void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
+                    const bf16* dy16, float* da);
   void head_backward(const float* h, const float* row_weight, float* dh, double* loss_rows);
 
   // Selection buffers: each full-indexer DSA layer's own, which it and the layer after it attend over.
@@ -698,7 +699,8 @@ class Step {
     MoeActs moe;
   };
   void sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y);
-  void sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, float* da);
+  // dy16: the output's gradient in bf16; dy: in fp32 as well, for the MoE alone (its routing weights' gradient).
+  void sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, const bf16* dy16, float* da);
 
   CudaModel::Impl& m_;
   const Plan& p_;
@@ -830,7 +832,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   output_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
 }
 
-void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const float* dy,
+void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const KdaActs& x, const bf16* dy,
                         float* da) {
   const int64_t T = this->T(), D = c_.hidden_size, H = c_.linear_num_heads, K = c_.linear_head_dim, HK = H * K,
                 W = c_.linear_conv_kernel_dim;
@@ -841,7 +843,7 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   cudaStream_t st = m_.stream;
   // y = o_proj(on); on = RMSNorm_K(o)·sigmoid(gate); gate = g_b(g_a(a))
   float* don = ar.alloc<float>(T * HK);
-  linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, half(dy, T * D), don, gw.o, true);
+  linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, dy, don, gw.o, true);
   float* dO = ar.alloc<float>(T * HK);
   float* dgate = ar.alloc<float>(T * HK);
   float* onw = ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K));
@@ -936,14 +938,14 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
 }
 
 void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const int32_t* sel, const int32_t* count,
-                        const DsaActs& x, const float* dy, float* da) {
+                        const DsaActs& x, const bf16* dy, float* da) {
   const int64_t T = this->T(), D = c_.hidden_size, NH = c_.num_attention_heads, dqk = c_.qk_nope_head_dim,
                 dv = c_.v_head_dim, QL = c_.q_lora_rank, KL = c_.kv_lora_rank;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
   float* dO = ar.alloc<float>(T * NH * dv);
-  linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, half(dy, T * D), dO, gw.o, true);
+  linear_backward(i, {LoraKind::MlaO}, w.o, x.o, NH * dv, dy, dO, gw.o, true);
   // The projections below take dq and dkv in bf16: the tensor-core kernel writes them so where it can (bf16_grads),
   // else they are fp32 sums, converted.
   float *dq = nullptr, *dkv = nullptr;
@@ -1156,7 +1158,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
 }
 
 void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
-                        float* da) {
+                        const bf16* dy16, float* da) {
   const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
                 I = c_.moe_intermediate_size, n = T * k;
   Arena& ar = m_.arena;
@@ -1164,7 +1166,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // y = shared(a) + Σ_i w_i·out_i. The shared expert first: its input gradient is a share over TP, summed, and (as
   // in the forward) kept by EP rank 0 alone when the groups differ; the routed experts' and the router's shares
   // are then added and summed over EP.
-  if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, half(dy, T * D), da);
+  if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da);
   if (m_.tp_comm != m_.ep_comm) {
     m_.all_reduce(m_.tp_comm, da, T * D);
     if (m_.ep_comm && m_.shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
@@ -1266,17 +1268,18 @@ void Step::sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y) 
   if (!recompute_) m_.all_reduce(m_.tp_comm, y, T() * c_.hidden_size);
 }
 
-void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, float* da) {
+void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, const bf16* dy16,
+                        float* da) {
   const DLayer& L = m_.layers[i];
   GLayer& G = g_.layers[i];
   // The input gradient is a share over TP, as the output was (the MoE reduces its own).
-  if (ffn && L.moe_layer) return moe_backward(i, L.moe, G.moe, a, x.moe, dy, da);
+  if (ffn && L.moe_layer) return moe_backward(i, L.moe, G.moe, a, x.moe, dy, dy16, da);
   if (ffn) {
-    mlp_backward(i, false, L.mlp, G.mlp, a, x.mlp, half(dy, T() * c_.hidden_size), da);
+    mlp_backward(i, false, L.mlp, G.mlp, a, x.mlp, dy16, da);
   } else if (L.kda_layer) {
-    kda_backward(i, L.kda, G.kda, a, x.kda, dy, da);
+    kda_backward(i, L.kda, G.kda, a, x.kda, dy16, da);
   } else {
-    dsa_backward(i, L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy, da);
+    dsa_backward(i, L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy16, da);
   }
   m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
 }
@@ -1452,13 +1455,15 @@ double Step::run(const float* row_weight) {
         m_.mark_end("train: recompute " + kind);
       }
       m_.mark_begin("train: backward mhc");
-      // The post-mix backward writes dh_prev, dy, dpost and dcomb whole (no zeroing first).
-      float *dy = ar.alloc<float>(T * D), *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S),
-            *da = zeros(T * D);
-      mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st, false);
+      // The post-mix backward writes dh_prev, dy (bf16, the GEMMs' operand; fp32 too for the MoE's routing
+      // weights), dpost and dcomb whole (no zeroing first).
+      float* dy = ffn && m_.layers[i].moe_layer ? ar.alloc<float>(T * D) : nullptr;
+      bf16* dy16 = ar.alloc<bf16>(T * D);
+      float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S), *da = zeros(T * D);
+      mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st, false, dy16);
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
-      sub_backward(i, ffn, s.a, s.x, dy, da);
+      sub_backward(i, ffn, s.a, s.x, dy, dy16, da);
       flush_lora_groups();
       m_.mark_end("train: backward " + kind);
       m_.mark_begin("train: backward mhc");
