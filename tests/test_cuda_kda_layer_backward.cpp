@@ -239,11 +239,23 @@ TEST_P(CudaBackwardKdaLayerGate, MatchesCpu) {
         ddt_ref[h * K + d] += df_ref[i];
       }
     }
+  const std::vector<float> ddt0 = ddt, dA0 = dA;
   const std::vector<float> df = cuda_testing::kda_gate_backward(f, dt_bias, A_log, dg, ddt, dA, T, H, K, has_bound,
                                                                 bound);
   EXPECT_CLOSE(df, df_ref);
   EXPECT_CLOSE(ddt, std::vector<float>(ddt_ref.begin(), ddt_ref.end()));
   EXPECT_CLOSE(dA, std::vector<float>(dA_ref.begin(), dA_ref.end()));
+  // df in bf16 instead (training's form, the f_b GEMMs' operand): the fp32 df's bits rounded to nearest even, and
+  // the same reductions.
+  std::vector<float> ddt16 = ddt0, dA16 = dA0;
+  std::vector<uint16_t> df16;
+  cuda_testing::kda_gate_backward(f, dt_bias, A_log, dg, ddt16, dA16, T, H, K, has_bound, bound, &df16);
+  ASSERT_EQ(df16.size(), df.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < df.size(); ++i) differ += df16[i] != f32_to_bf16(df[i]);
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(ddt16, ddt);
+  EXPECT_EQ(dA16, dA);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerGate,
@@ -315,6 +327,17 @@ TEST_P(CudaBackwardKdaLayerOutNorm, MatchesCpu) {
   EXPECT_EQ(std::memcmp(dgate_a.data(), dgate_b.data(), n * sizeof(float)), 0) << "dgate";
   EXPECT_EQ(std::memcmp(do_a.data(), do_b.data(), n * sizeof(float)), 0) << "do";
   EXPECT_EQ(std::memcmp(dw_a.data(), dw_b.data(), K * sizeof(float)), 0) << "dw";
+  // dgate in bf16 instead (training's form, the g_b GEMMs' operand): the fp32 dgate's bits rounded to nearest even,
+  // do and dw the same bits.
+  std::vector<float> do_c = do0, dw_c = dw;
+  std::vector<uint16_t> dgate16;
+  cuda_testing::kda_out_norm_backward(o, gate, w, don, do_c, dw_c, T, H, K, eps, false, true, &dgate16);
+  ASSERT_EQ(dgate16.size(), dgate_b.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < dgate_b.size(); ++i) differ += dgate16[i] != f32_to_bf16(dgate_b[i]);
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(std::memcmp(do_c.data(), do_b.data(), n * sizeof(float)), 0) << "do with bf16 dgate";
+  EXPECT_EQ(std::memcmp(dw_c.data(), dw_b.data(), K * sizeof(float)), 0) << "dw with bf16 dgate";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerOutNorm,

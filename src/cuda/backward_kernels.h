@@ -133,27 +133,29 @@ void kda_conv_norm_backward(const float* raw, const float* conv, const int32_t* 
                             bool two_pass = false);
 
 // Backward of the gate: f [T, HK] the f_b output (before dt_bias), g = kda_gate(f): dg [T, HK] → df [T, HK] written
-// (the gradient of the f_b output), ddt_bias [HK] += …, dA_log [H] += … (either null: not formed). work:
-// kda_gate_backward_workspace_floats(T, H, K) floats.
+// (the gradient of the f_b output; with df16, written there in bf16 instead, df unused), ddt_bias [HK] += …,
+// dA_log [H] += … (either null: not formed; both from the fp32 values). work: kda_gate_backward_workspace_floats(T, H,
+// K) floats.
 int64_t kda_gate_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log, const float* dg, float* df,
                        float* ddt_bias, float* dA_log, int64_t T, int64_t H, int64_t K, bool has_bound, float bound,
-                       float* work, cudaStream_t st);
+                       float* work, cudaStream_t st, bf16* df16 = nullptr);
 
 // d ← d·y·(1 − y) in place (the backward of y = sigmoid(x), for β and the output gate).
 void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t st);
 
 // Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32 (or bf16, as the tensor-core
 // recurrence writes it: the same sums as its fp32 widening), gate [T, HK] (before the sigmoid), don [T, HK] fp32.
-// do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written, dw [K] += … (null: not formed).
+// do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written (with dgate16, in bf16 there instead, dgate
+// unused), dw [K] += … (null: not formed).
 // work: kda_out_norm_backward_workspace_floats(T, H, K) floats.
 int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate = true);
+                           cudaStream_t st, bool accumulate = true, bf16* dgate16 = nullptr);
 void kda_out_norm_backward(const bf16* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate = true);
+                           cudaStream_t st, bool accumulate = true, bf16* dgate16 = nullptr);
 
 // ---- DSA (src/cuda/dsa_backward.cu) ----
 

@@ -388,8 +388,8 @@ __global__ void __launch_bounds__(kFusedThreads, PER >= 8 ? 2 : (PER == 4 ? 3 : 
 //   bound:    g = lb·sigmoid(rate·f):      dz = dg·lb·σ(1−σ); df = dz·rate; dA = dz·rate·f;
 //   softplus: g = −rate·softplus(f):       df = −dg·rate·sigmoid(f) (1 past the f > 20 cutoff); dA = dg·g.
 __global__ void gate_backward_kernel(const float* f, const float* dt_bias, const float* A_log, const float* dg,
-                                     float* df, float* part, int64_t T, int64_t H, int64_t K, bool has_bound,
-                                     float bound, int64_t span, int64_t parts) {
+                                     float* df, bf16* df16, float* part, int64_t T, int64_t H, int64_t K,
+                                     bool has_bound, float bound, int64_t span, int64_t parts) {
   const int64_t HK = H * K, c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (c >= HK) return;
   const int64_t t_begin = blockIdx.y * span, t_end = t_begin + span < T ? t_begin + span : T;
@@ -408,7 +408,10 @@ __global__ void gate_backward_kernel(const float* f, const float* dt_bias, const
       d = -gd * rate * (x > 20.0f ? 1.0f : sigm(x));
       sdA += gd * (-rate * (x > 20.0f ? x : logf(1.0f + expf(x))));
     }
-    df[i] = d;
+    if (df16)
+      df16[i] = __float2bfloat16_rn(d);
+    else
+      df[i] = d;
     sdf += d;
   }
   part[blockIdx.y * HK + c] = sdf;
@@ -454,7 +457,8 @@ __device__ __forceinline__ float widen(bf16 x) { return __bfloat162float(x); }
 template <int PER, class OT>
 __global__ void __launch_bounds__(256, 4)
     out_norm_backward_kernel(const OT* o, const float* gate, const float* w, const float* don, float* do_,
-                             float* dgate, float* part, int64_t rows, int64_t K, float eps, bool accumulate) {
+                             float* dgate, bf16* dgate16, float* part, int64_t rows, int64_t K, float eps,
+                             bool accumulate) {
   __shared__ float red[8][PER * 32];  // [warp, K] (K ≤ 32·PER, 256 threads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -507,7 +511,11 @@ __global__ void __launch_bounds__(256, 4)
         const int64_t d = lane + 32 * i;
         if (d >= K) continue;
         const float xr = x[j][i] * r;
-        dgate[row * K + d] = dr[j][i] * (wv[i] * xr) * sg[i] * (1.0f - sg[i]);
+        const float dgv = dr[j][i] * (wv[i] * xr) * sg[i] * (1.0f - sg[i]);
+        if (dgate16)
+          dgate16[row * K + d] = __float2bfloat16_rn(dgv);
+        else
+          dgate[row * K + d] = dgv;
         do_[row * K + d] = dold[j][i] + (r * wv[i] * dn[i] - c * x[j][i]);
         dwacc[i] += dn[i] * xr;
       }
@@ -632,12 +640,12 @@ int64_t kda_gate_backward_workspace_floats(int64_t T, int64_t H, int64_t K) { re
 
 void kda_gate_backward(const float* f, const float* dt_bias, const float* A_log, const float* dg, float* df,
                        float* ddt_bias, float* dA_log, int64_t T, int64_t H, int64_t K, bool has_bound, float bound,
-                       float* work, cudaStream_t st) {
+                       float* work, cudaStream_t st, bf16* df16) {
   if (T <= 0 || H * K == 0) return;
   const int64_t HK = H * K, parts = num_parts(T), span = ceil_div(T, parts);
   const unsigned cblocks = static_cast<unsigned>(ceil_div(HK, kChanThreads));
   gate_backward_kernel<<<dim3(cblocks, static_cast<unsigned>(parts)), kChanThreads, 0, st>>>(
-      f, dt_bias, A_log, dg, df, work, T, H, K, has_bound, bound, span, parts);
+      f, dt_bias, A_log, dg, df, df16, work, T, H, K, has_bound, bound, span, parts);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (ddt_bias) {
     gate_dt_reduce_kernel<<<cblocks, kChanThreads, 0, st>>>(work, ddt_bias, HK, parts);
@@ -664,13 +672,13 @@ namespace {
 template <class OT>
 void out_norm_backward(const OT* o, const float* gate, const float* w, const float* don, float* do_, float* dgate,
                        float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work, cudaStream_t st,
-                       bool accumulate) {
+                       bool accumulate, bf16* dgate16) {
   check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
   const int64_t rows = T * H;
   if (rows <= 0 || K == 0) return;
   const int64_t blocks = out_norm_blocks(rows);
   auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, work, rows, K, eps,
+    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, dgate16, work, rows, K, eps,
                                                           accumulate);
   };
   if (K <= 32) run(out_norm_backward_kernel<1, OT>);
@@ -687,13 +695,13 @@ void out_norm_backward(const OT* o, const float* gate, const float* w, const flo
 
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate) {
-  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate);
+                           cudaStream_t st, bool accumulate, bf16* dgate16) {
+  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate, dgate16);
 }
 void kda_out_norm_backward(const bf16* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate) {
-  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate);
+                           cudaStream_t st, bool accumulate, bf16* dgate16) {
+  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate, dgate16);
 }
 
 }  // namespace nextlm::cuda

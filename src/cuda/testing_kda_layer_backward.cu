@@ -60,16 +60,18 @@ std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw,
 std::vector<float> kda_gate_backward(const std::vector<float>& f, const std::vector<float>& dt_bias,
                                      const std::vector<float>& A_log, const std::vector<float>& dg,
                                      std::vector<float>& ddt_bias, std::vector<float>& dA_log, int64_t T, int64_t H,
-                                     int64_t K, bool has_bound, float bound) {
+                                     int64_t K, bool has_bound, float bound, std::vector<uint16_t>* df16) {
   Buf d_f = upload(f), d_dt = upload(dt_bias), d_A = upload(A_log), d_dg = upload(dg), d_ddt = upload(ddt_bias),
       d_dA = upload(dA_log);
-  Buf df = poisoned<float>(f.size());
+  Buf df = poisoned<float>(df16 ? 0 : f.size()), df_16 = poisoned<cuda::bf16>(df16 ? f.size() : 0);
   Buf work = poisoned<float>(static_cast<size_t>(cuda::kda_gate_backward_workspace_floats(T, H, K)));
-  cuda::kda_gate_backward(d_f.as<float>(), d_dt.as<float>(), d_A.as<float>(), d_dg.as<float>(), df.as<float>(),
-                          d_ddt.as<float>(), d_dA.as<float>(), T, H, K, has_bound, bound, work.as<float>(), nullptr);
+  cuda::kda_gate_backward(d_f.as<float>(), d_dt.as<float>(), d_A.as<float>(), d_dg.as<float>(), df.or_null<float>(),
+                          d_ddt.as<float>(), d_dA.as<float>(), T, H, K, has_bound, bound, work.as<float>(), nullptr,
+                          df_16.or_null<cuda::bf16>());
   finish();
   ddt_bias = download<float>(d_ddt);
   dA_log = download<float>(d_dA);
+  if (df16) *df16 = download<uint16_t>(df_16);
   return download<float>(df);
 }
 
@@ -83,22 +85,24 @@ std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vect
 std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
-                                         int64_t K, float eps, bool written, bool bf16_o) {
+                                         int64_t K, float eps, bool written, bool bf16_o,
+                                         std::vector<uint16_t>* dgate16) {
   Buf d_o = bf16_o ? upload(detail::to_bf16(o)) : upload(o), d_gate = upload(gate), d_w = upload(w),
       d_don = upload(don), d_do = written ? poisoned<float>(do_.size()) : upload(do_), d_dw = upload(dw);
-  Buf dgate = poisoned<float>(gate.size());
+  Buf dgate = poisoned<float>(dgate16 ? 0 : gate.size()), dg16 = poisoned<cuda::bf16>(dgate16 ? gate.size() : 0);
   Buf work = poisoned<float>(static_cast<size_t>(cuda::kda_out_norm_backward_workspace_floats(T, H, K)));
   if (bf16_o)
     cuda::kda_out_norm_backward(d_o.as<cuda::bf16>(), d_gate.as<float>(), d_w.as<float>(), d_don.as<float>(),
-                                d_do.as<float>(), dgate.as<float>(), d_dw.as<float>(), T, H, K, eps, work.as<float>(),
-                                nullptr, !written);
+                                d_do.as<float>(), dgate.or_null<float>(), d_dw.as<float>(), T, H, K, eps,
+                                work.as<float>(), nullptr, !written, dg16.or_null<cuda::bf16>());
   else
     cuda::kda_out_norm_backward(d_o.as<float>(), d_gate.as<float>(), d_w.as<float>(), d_don.as<float>(),
-                                d_do.as<float>(), dgate.as<float>(), d_dw.as<float>(), T, H, K, eps, work.as<float>(),
-                                nullptr, !written);
+                                d_do.as<float>(), dgate.or_null<float>(), d_dw.as<float>(), T, H, K, eps,
+                                work.as<float>(), nullptr, !written, dg16.or_null<cuda::bf16>());
   finish();
   do_ = download<float>(d_do);
   dw = download<float>(d_dw);
+  if (dgate16) *dgate16 = download<uint16_t>(dg16);
   return download<float>(dgate);
 }
 

@@ -22,21 +22,23 @@ std::vector<uint16_t> kda_conv_norm_backward_bf16(const std::vector<float>& raw,
                                                   bool two_pass = false);
 
 // kda_gate_backward: f [T, HK] the f_b output, dt_bias [HK], A_log [H], dg [T, HK]. Returns df [T, HK]; ddt_bias
-// [HK] and dA_log [H] are accumulated into.
+// [HK] and dA_log [H] are accumulated into. With df16, df is written in bf16 there instead (the returned one empty).
 std::vector<float> kda_gate_backward(const std::vector<float>& f, const std::vector<float>& dt_bias,
                                      const std::vector<float>& A_log, const std::vector<float>& dg,
                                      std::vector<float>& ddt_bias, std::vector<float>& dA_log, int64_t T, int64_t H,
-                                     int64_t K, bool has_bound, float bound);
+                                     int64_t K, bool has_bound, float bound, std::vector<uint16_t>* df16 = nullptr);
 
 // sigmoid_backward_inplace: returns d·y·(1 − y).
 std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vector<float>& d);
 
 // kda_out_norm_backward: o [T, H, K], gate [T, HK], w [K], don [T, HK]. Returns dgate [T, HK]; do_ [T, H, K] and
 // dw [K] are accumulated into, or with written do_ is written (its device buffer starting as NaN). bf16_o: o goes to
-// the device rounded to bf16, through the bf16 overload.
+// the device rounded to bf16, through the bf16 overload. With dgate16, dgate is written in bf16 there instead (the
+// returned one empty).
 std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
-                                         int64_t K, float eps, bool written = false, bool bf16_o = false);
+                                         int64_t K, float eps, bool written = false, bool bf16_o = false,
+                                         std::vector<uint16_t>* dgate16 = nullptr);
 
 }  // namespace nextlm::cuda_testing

@@ -845,14 +845,14 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   float* don = ar.alloc<float>(T * HK);
   linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, dy, don, gw.o, true);
   float* dO = ar.alloc<float>(T * HK);
-  float* dgate = ar.alloc<float>(T * HK);
+  bf16* dgate = ar.alloc<bf16>(T * HK);  // the GEMMs' operand, written in bf16 directly
   float* onw = ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K));
   if (x.o_tc)
-    kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps, onw, st, false);
+    kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
   else
-    kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, dgate, gw.o_norm, T, H, K, eps, onw, st, false);
+    kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
   float* dga = zeros(T * K);
-  linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, half(dgate, T * HK), dga, gw.g_b);
+  linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, dgate, dga, gw.g_b);
   linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
   // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
   // backward through time (which adds into zeroed ones).
@@ -874,11 +874,11 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   sigmoid_backward_inplace(x.beta, dbeta, T * H, st);
   linear_backward(i, {LoraKind::KdaB}, w.b, a, D, half(dbeta, T * H), da, gw.b);
   // g = gate(f_b(f_a(a)) + dt_bias)
-  float* df = ar.alloc<float>(T * HK);
-  kda_gate_backward(x.f, w.dt_bias, w.A_log, dg, df, gw.dt_bias, gw.A_log, T, H, K, has_bound, bound,
-                    ar.alloc<float>(kda_gate_backward_workspace_floats(T, H, K)), st);
+  bf16* df = ar.alloc<bf16>(T * HK);  // the GEMMs' operand, written in bf16 directly
+  kda_gate_backward(x.f, w.dt_bias, w.A_log, dg, nullptr, gw.dt_bias, gw.A_log, T, H, K, has_bound, bound,
+                    ar.alloc<float>(kda_gate_backward_workspace_floats(T, H, K)), st, df);
   float* dfa = zeros(T * K);
-  linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, half(df, T * HK), dfa, gw.f_b);
+  linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, df, dfa, gw.f_b);
   linear_backward(i, {LoraKind::KdaFA}, w.f_a, a, D, half(dfa, T * K), da, gw.f_a);
   // q, k, v = norms(silu(conv(qkv(a))))
   bf16* draw16 = ar.alloc<bf16>(T * 3 * HK);  // the projection's output gradient, written in bf16 directly
