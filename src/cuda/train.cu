@@ -700,6 +700,7 @@ class Step {
   };
   void sub_forward(size_t i, bool ffn, const bf16* a, SubActs& x, float* y);
   // dy16: the output's gradient in bf16; dy: in fp32 as well, for the MoE alone (its routing weights' gradient).
+  // da [T, D] is written, not added to: each sub-layer's first GEMM into it writes (beta = 0), the rest add.
   void sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, const float* dy, const bf16* dy16, float* da);
 
   CudaModel::Impl& m_;
@@ -851,9 +852,10 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
   else
     kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
-  float* dga = zeros(T * K);
-  linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, dgate, dga, gw.g_b);
-  linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a);
+  float* dga = ar.alloc<float>(T * K);
+  linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, dgate, dga, gw.g_b, true);
+  // The first of da's writers (sub_backward): it writes, the later ones add.
+  linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a, true);
   // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
   // backward through time (which adds into zeroed ones).
   const bool chunked = K == 32 || K == 64 || K == 128;
@@ -877,8 +879,8 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   bf16* df = ar.alloc<bf16>(T * HK);  // the GEMMs' operand, written in bf16 directly
   kda_gate_backward(x.f, w.dt_bias, w.A_log, dg, nullptr, gw.dt_bias, gw.A_log, T, H, K, has_bound, bound,
                     ar.alloc<float>(kda_gate_backward_workspace_floats(T, H, K)), st, df);
-  float* dfa = zeros(T * K);
-  linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, df, dfa, gw.f_b);
+  float* dfa = ar.alloc<float>(T * K);
+  linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, df, dfa, gw.f_b, true);
   linear_backward(i, {LoraKind::KdaFA}, w.f_a, a, D, half(dfa, T * K), da, gw.f_a);
   // q, k, v = norms(silu(conv(qkv(a))))
   bf16* draw16 = ar.alloc<bf16>(T * 3 * HK);  // the projection's output gradient, written in bf16 directly
@@ -995,16 +997,17 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
                                   p_.max_len, work, st);
   }
   // kv = kv_b(RMSNorm(kv_a(a)))
-  float* dlat = zeros(T * KL);
+  float* dlat = ar.alloc<float>(T * KL);
   linear_backward(i, {LoraKind::MlaKVB}, w.kv_b, x.lat16, KL, dkv16 ? dkv16 : half(dkv, T * NH * (dqk + dv)), dlat,
-                  gw.kv_b);
+                  gw.kv_b, true);
   float* dlat_raw = zeros(T * KL);
   rmsnorm_backward(x.lat, KL, w.kv_a_norm, dlat, dlat_raw, gw.kv_a_norm, T, KL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, KL)), st);
-  linear_backward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, half(dlat_raw, T * KL), da, gw.kv_a);
+  // The first of da's writers (sub_backward): it writes, q_a's adds.
+  linear_backward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, half(dlat_raw, T * KL), da, gw.kv_a, true);
   // q = q_b(RMSNorm(q_a(a)))
-  float* dqr = zeros(T * QL);
-  linear_backward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, dq16 ? dq16 : half(dq, T * NH * dqk), dqr, gw.q_b);
+  float* dqr = ar.alloc<float>(T * QL);
+  linear_backward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, dq16 ? dq16 : half(dq, T * NH * dqk), dqr, gw.q_b, true);
   float* dqa = zeros(T * QL);
   rmsnorm_backward(x.qa, QL, w.q_a_norm, dqr, dqa, gw.q_a_norm, T, QL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, QL)), st);
@@ -1027,11 +1030,13 @@ void Step::mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf
   const int64_t T = this->T(), D = c_.hidden_size;
   const LoraKind gate = shared ? LoraKind::SharedGate : LoraKind::MlpGate, up = shared ? LoraKind::SharedUp
                                                                                           : LoraKind::MlpUp;
-  float* dact = zeros(T * w.I);
-  linear_backward(i, {shared ? LoraKind::SharedDown : LoraKind::MlpDown}, w.down, x.act, w.I, dy16, dact, gw.down);
+  float* dact = m_.arena.alloc<float>(T * w.I);
+  linear_backward(i, {shared ? LoraKind::SharedDown : LoraKind::MlpDown}, w.down, x.act, w.I, dy16, dact, gw.down,
+                  true);
   bf16* dgu = m_.arena.alloc<bf16>(T * 2 * w.I);
   swiglu_backward(x.gu, dact, dgu, T, w.I, static_cast<float>(c_.swiglu_limit), m_.stream);
-  linear_backward(i, {gate, up}, w.gate_up, a, D, dgu, da, gw.gate_up);
+  // The first of da's writers (sub_backward, and the MoE's shared expert): it writes.
+  linear_backward(i, {gate, up}, w.gate_up, a, D, dgu, da, gw.gate_up, true);
 }
 
 // The MoE keeping the fp32 gate/up outputs (the SwiGLU's backward reads them): the grouped expert GEMM with an fp32
@@ -1166,7 +1171,9 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // y = shared(a) + Σ_i w_i·out_i. The shared expert first: its input gradient is a share over TP, summed, and (as
   // in the forward) kept by EP rank 0 alone when the groups differ; the routed experts' and the router's shares
   // are then added and summed over EP.
+  // The shared expert writes da (its first writer); without one the routed experts' gathers add into zeros.
   if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da);
+  else NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
   if (m_.tp_comm != m_.ep_comm) {
     m_.all_reduce(m_.tp_comm, da, T * D);
     if (m_.ep_comm && m_.shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
@@ -1456,10 +1463,11 @@ double Step::run(const float* row_weight) {
       }
       m_.mark_begin("train: backward mhc");
       // The post-mix backward writes dh_prev, dy (bf16, the GEMMs' operand; fp32 too for the MoE's routing
-      // weights), dpost and dcomb whole (no zeroing first).
+      // weights), dpost and dcomb whole (no zeroing first); the sub-layer's backward writes da (its first writer of
+      // da writes, the others add).
       float* dy = ffn && m_.layers[i].moe_layer ? ar.alloc<float>(T * D) : nullptr;
       bf16* dy16 = ar.alloc<bf16>(T * D);
-      float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S), *da = zeros(T * D);
+      float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S), *da = ar.alloc<float>(T * D);
       mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st, false, dy16);
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
