@@ -376,6 +376,9 @@ struct LoraState {
   struct Joined {
     bf16* w = nullptr;
     int64_t K = 0;  // row stride: W's input width + the joined u's width (padded to a multiple of 8)
+    // The adapters' layout the u columns were last zeroed for ((col0, out, first column, r) of each), so that a
+    // call with the same layout only copies the B blocks over their old values; empty: not zeroed yet.
+    std::vector<int64_t> layout;
   };
   std::map<const bf16*, Joined> joined;
   size_t joined_bytes = 0;

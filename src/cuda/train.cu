@@ -358,6 +358,9 @@ class Step {
     auto member = [&](const DAdapter* ad) { return g ? lora_member_[site_].at(ad).second : int64_t{0}; };
     LoraState& ls = *m_.lora;
     bf16* wj = nullptr;
+    std::vector<int64_t> layout;
+    for (const DAdapter* ad : ads) layout.insert(layout.end(), {ad->col0, ad->out, member(ad) * r, r});
+    bool zeroed = false;  // the u columns hold zeros outside this layout's B blocks already
     if (keep) {
       auto it = ls.joined.find(W.w);
       if (it != ls.joined.end() && it->second.K != K) {
@@ -379,13 +382,16 @@ class Step {
         ls.joined_bytes += bytes;
       }
       wj = it->second.w;
+      zeroed = it->second.layout == layout;
+      it->second.layout = layout;
     } else {
       wj = m_.arena.alloc<bf16>(W.out * K);
       copy_cols(wj, K, W.w, W.in, W.out, W.in);
     }
     // u's columns: zeros, then each adapter's B in its rows (a kept copy may hold another layout's B there, as when
-    // the same projection ran before with its adapters not stacked).
-    NEXTLM_CUDA_CHECK(cudaMemset2DAsync(wj + W.in, K * sizeof(bf16), 0, Kp * sizeof(bf16), W.out, m_.stream));
+    // the same projection ran before with its adapters not stacked; with the same layout only the B blocks change).
+    if (!zeroed)
+      NEXTLM_CUDA_CHECK(cudaMemset2DAsync(wj + W.in, K * sizeof(bf16), 0, Kp * sizeof(bf16), W.out, m_.stream));
     for (const DAdapter* ad : ads) copy_cols(wj + ad->col0 * K + W.in + member(ad) * r, K, ad->B, r, ad->out, r);
     bf16* xj = m_.arena.alloc<bf16>(T * K);
     copy_cols(xj, K, x, ldx, T, W.in);
