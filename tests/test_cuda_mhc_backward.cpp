@@ -284,7 +284,8 @@ TEST(CudaBackwardMhc, RmsNormMatchesCpu) {
   }
 }
 
-// The final stream mean + norm, as head_loss_backward: hm = mean_s h, RMSNorm backward, dh[t, s] += dhm[t]/S.
+// The final stream mean + norm, as head_loss_backward: hm = mean_s h, RMSNorm backward, dh[t, s] += dhm[t]/S; and
+// dh written instead (as training runs it, from NaN): the added values' bits.
 TEST(CudaBackwardMhc, StreamMeanNormMatchesCpu) {
   unsigned seed = 9500;
   for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {7, 4, 320}, {300, 4, 333}}) {
@@ -309,6 +310,11 @@ TEST(CudaBackwardMhc, StreamMeanNormMatchesCpu) {
     const std::string at = "T=" + std::to_string(T) + " S=" + std::to_string(S) + " D=" + std::to_string(D);
     EXPECT_LE(added_rel_error(dh, dh_cpu, dh0), kTol) << "dh " << at;
     EXPECT_LE(added_rel_error(dw, dw_cpu, dw0), kTol) << "dw " << at;
+    std::vector<float> added(dh0.size(), 0.0f), written(dh0.size()), dw_a = dw0, dw_w = dw0;
+    cuda_testing::stream_mean_norm_backward(h, w, dout, T, S, D, eps, added, dw_a);
+    cuda_testing::stream_mean_norm_backward(h, w, dout, T, S, D, eps, written, dw_w, false);
+    EXPECT_EQ(written, added) << "written dh " << at;
+    EXPECT_EQ(dw_w, dw_a) << "dw with dh written " << at;
   }
 }
 

@@ -78,11 +78,11 @@ __device__ __forceinline__ float comp(const float4& v, int c) {
 // ---- RMSNorm ----
 
 // One block a row: r = rsqrt(mean(x²) + eps), c = r³·Σ(w⊙dy⊙x)/n, and v = r·w·dy − c·x added (times scale) into
-// the rep rows dx[row·rep + s] (rep = S and scale = 1/S spread the gradient of a stream mean over its streams).
-// rs[row] = r when rs is not null (for dw).
+// the rep rows dx[row·rep + s] (rep = S and scale = 1/S spread the gradient of a stream mean over its streams), or
+// without acc written there. rs[row] = r when rs is not null (for dw).
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_bwd_rows_kernel(const float* x, int64_t ldx, const float* w, const float* dy, float* dx, int64_t rep,
-                            float scale, float* rs, int64_t n, float eps) {
+                            float scale, float* rs, int64_t n, float eps, bool acc) {
   __shared__ float red[kWarps * 2];
   __shared__ float sums[2];
   const int64_t row = blockIdx.x;
@@ -101,7 +101,10 @@ __global__ void __launch_bounds__(kThreads)
   if (!dx) return;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const float g = r * (w ? w[i] : 1.0f) * gr[i] - c * xr[i];
-    for (int64_t s = 0; s < rep; ++s) dx[(row * rep + s) * n + i] += g * scale;
+    for (int64_t s = 0; s < rep; ++s) {
+      float& o = dx[(row * rep + s) * n + i];
+      o = acc ? o + g * scale : g * scale;
+    }
   }
 }
 
@@ -132,11 +135,12 @@ __global__ void sum_parts_kernel(const float* part, float* out, int64_t nb, int6
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535)); }
 
 void rmsnorm_backward_impl(const float* x, int64_t ldx, const float* w, const float* dy, float* dx, int64_t rep,
-                           float scale, float* dw, int64_t rows, int64_t n, float eps, float* work, cudaStream_t st) {
+                           float scale, float* dw, int64_t rows, int64_t n, float eps, float* work, cudaStream_t st,
+                           bool accumulate = true) {
   if (!rows || !n) return;
   float* rs = w && dw ? work : nullptr;
   rmsnorm_bwd_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, st>>>(x, ldx, w, dy, dx, rep, scale, rs, n,
-                                                                            eps);
+                                                                            eps, accumulate);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (!rs) return;
   const int64_t nb = norm_row_blocks(rows);
@@ -1202,12 +1206,12 @@ void mhc_post_backward(const float* h, const float* y, const float* post, const 
 }
 
 void stream_mean_norm_backward(const float* h, const float* w, const float* dout, float* dh, float* dw, int64_t T,
-                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st) {
+                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st, bool accumulate) {
   if (!T) return;
   float* hm = work + rmsnorm_backward_workspace_floats(T, D);  // [T, D] the stream mean
   stream_mean_kernel<<<grid_for(T * D), 256, 0, st>>>(h, hm, T, S, D);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
-  rmsnorm_backward_impl(hm, D, w, dout, dh, S, 1.0f / static_cast<float>(S), dw, T, D, eps, work, st);
+  rmsnorm_backward_impl(hm, D, w, dout, dh, S, 1.0f / static_cast<float>(S), dw, T, D, eps, work, st, accumulate);
 }
 
 }  // namespace nextlm::cuda

@@ -84,11 +84,12 @@ void rmsnorm_backward(const std::vector<float>& x, int64_t ldx, const std::vecto
 
 void stream_mean_norm_backward(const std::vector<float>& h, const std::vector<float>& w, const std::vector<float>& dout,
                                int64_t T, int64_t S, int64_t D, float eps, std::vector<float>& dh,
-                               std::vector<float>& dw) {
-  Buf gh = upload(h), gw = upload(w), gdout = upload(dout), gdh = upload(dh), gdw = upload(dw);
+                               std::vector<float>& dw, bool accumulate) {
+  Buf gh = upload(h), gw = upload(w), gdout = upload(dout), gdw = upload(dw);
+  Buf gdh = accumulate ? upload(dh) : poisoned<float>(dh.size());
   Buf work = poisoned<float>(cuda::rmsnorm_backward_workspace_floats(T, D) + T * D);
   cuda::stream_mean_norm_backward(ptr(gh), ptr(gw), ptr(gdout), ptr(gdh), ptr(gdw), T, S, D, eps, work.as<float>(),
-                                  nullptr);
+                                  nullptr, accumulate);
   finish();
   dh = download<float>(gdh);
   dw = download<float>(gdw);

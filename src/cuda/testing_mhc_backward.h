@@ -38,9 +38,10 @@ void rmsnorm_backward(const std::vector<float>& x, int64_t ldx, const std::vecto
                       const std::vector<float>& dy, int64_t rows, int64_t n, float eps, std::vector<float>& dx,
                       std::vector<float>& dw);
 
-// cuda::stream_mean_norm_backward: dh [T, S, D] and dw [D] are added to.
+// cuda::stream_mean_norm_backward: dh [T, S, D] (without accumulate: written, its device buffer starting as NaN)
+// and dw [D] are added to.
 void stream_mean_norm_backward(const std::vector<float>& h, const std::vector<float>& w,
                                const std::vector<float>& dout, int64_t T, int64_t S, int64_t D, float eps,
-                               std::vector<float>& dh, std::vector<float>& dw);
+                               std::vector<float>& dh, std::vector<float>& dw, bool accumulate = true);
 
 }  // namespace nextlm::cuda_testing

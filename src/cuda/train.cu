@@ -1298,7 +1298,7 @@ void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, con
 }
 
 // Each row's loss into loss_rows [T] (device) from the final streams h [T, S, D], in row blocks of the lm_head (at
-// most 1 GiB of fp32 logits), with dL/dh added into dh and the head's gradients into g_.
+// most 1 GiB of fp32 logits), with dL/dh written into dh and the head's gradients added into g_.
 void Step::head_backward(const float* h, const float* row_weight, float* dh, double* loss_rows) {
   // V: this rank's vocabulary rows (all of them unless vocabulary-parallel).
   const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, V = m_.vocab_rows;
@@ -1307,7 +1307,7 @@ void Step::head_backward(const float* h, const float* row_weight, float* dh, dou
   cudaStream_t st = m_.stream;
   bf16* hn = ar.alloc<bf16>(T * D);
   stream_mean_norm(h, m_.final_norm, hn, T, S, D, eps, st);
-  float* dhn = zeros(T * D);
+  float* dhn = ar.alloc<float>(T * D);  // each row block's rows written by its run_dx (no accumulation)
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{1} << 30) / (V * 4)));
   float* logits = ar.alloc<float>(block * V);
   bf16* dlogits = ar.alloc<bf16>(block * V);
@@ -1334,7 +1334,7 @@ void Step::head_backward(const float* h, const float* row_weight, float* dh, dou
   }
   m_.all_reduce(m_.tp_comm, dhn, T * D);  // each rank's vocabulary rows' share
   float* work = ar.alloc<float>(rmsnorm_backward_workspace_floats(T, D) + T * D);
-  stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st);
+  stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st, false);
 }
 
 double Step::run(const float* row_weight) {
@@ -1368,7 +1368,7 @@ double Step::run(const float* row_weight) {
   if (!m_.recompute.moe && std::any_of(m_.layers.begin(), m_.layers.end(), [](const DLayer& L) { return L.moe_layer; }))
     moe_out_ = ar.alloc<float>(T * c_.num_experts_per_tok * D);
   float* mhc_work = ar.alloc<float>(mhc_pre_workspace_floats(T, S, D));
-  float* dh = zeros(TSD);
+  float* dh = ar.alloc<float>(TSD);  // written by head_backward
   float* dh_prev = ar.alloc<float>(TSD);
 
   // Forward. A site whose sub-layer the policy recomputes gives its activations back to the arena once it is done;
