@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
       {"mla_bwd_T4096_NH64", nextlm::bench::mla_backward_case},
       // One mHC site's backward (post + pre) at the slice's width (bench/mhc_backward.cu).
       {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
+      {"mhc_bwd_T4096_forward_mix", nextlm::bench::mhc_backward_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA

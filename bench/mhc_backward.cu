@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kernels.h"
 #include "cuda/random_init.h"
 #include "cuda/testing_buffers.h"
 #include "device_timing.cuh"
@@ -64,6 +65,16 @@ void mhc_backward_case(const std::string& name) {
     for (const Buf* b : {&dh, &dy, &dpost, &dcomb, &dfn, &dbase, &dscale, &dnorm_w}) zero(*b, st);
     const cuda::MhcParams p{fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D,
                             1e-5f, 1e-6f, 20};
+    // _forward_mix: the forward's mix of h (mhc_pre's, untimed), which the pre backward then reuses, as training's.
+    const bool forward_mix = name.find("_forward_mix") != std::string::npos;
+    Buf mix = floats(forward_mix ? T * (M + 1) : 0);
+    if (forward_mix) {
+      Buf fpost = floats(T * S), fcomb = floats(T * S * S), fa(static_cast<size_t>(T * D) * sizeof(cuda::bf16)),
+          fwork = floats(cuda::mhc_pre_workspace_floats(T, S, D));
+      cuda::mhc_pre(p, h.as<float>(), fpost.as<float>(), fcomb.as<float>(), fa.as<cuda::bf16>(), fwork.as<float>(),
+                    st, mix.as<float>());
+      NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+    }
 
     auto post_bwd = [&] {
       cuda::mhc_post_backward(h.as<float>(), y.as<float>(), post.as<float>(), comb.as<float>(), dout.as<float>(),
@@ -72,7 +83,7 @@ void mhc_backward_case(const std::string& name) {
     auto pre_bwd = [&] {
       cuda::mhc_pre_backward(p, h.as<float>(), dpost.as<float>(), dcomb.as<float>(), da.as<float>(), dh.as<float>(),
                              dfn.as<float>(), dbase.as<float>(), dscale.as<float>(), dnorm_w.as<float>(),
-                             work.as<float>(), st);
+                             work.as<float>(), st, mix.or_null<float>());
     };
     // The gradients accumulate over the timed runs (the kernels add): they stay O(runs), far from overflow.
     const double ours = median_ms([&] { post_bwd(), pre_bwd(); }, st, kWarm, kIters);
@@ -111,10 +122,11 @@ void mhc_backward_case(const std::string& name) {
     const double floor = (post_bytes + pre_bytes) / kBytesPerMs;
     char note[512];
     std::snprintf(note, sizeof note,
-                  "%s one site, S=4 D=4096: post %.3f ms (floor %.3f, %.2f GB), pre %.3f ms (floor %.3f, %.2f GB: h "
+                  "%s one site, S=4 D=4096%s: post %.3f ms (floor %.3f, %.2f GB), pre %.3f ms (floor %.3f, %.2f GB: h "
                   "and da read twice, dh read and written); %.0f%% of 4.14 TB/s; %llu non-finite outputs; pre "
                   "rerun %s",
-                  nonfinite == 0 && same ? "ok" : "CHECK FAILED", post_ms, post_bytes / kBytesPerMs, post_bytes / 1e9,
+                  nonfinite == 0 && same ? "ok" : "CHECK FAILED", forward_mix ? ", the forward's mix reused" : "",
+                  post_ms, post_bytes / kBytesPerMs, post_bytes / 1e9,
                   pre_ms, pre_bytes / kBytesPerMs, pre_bytes / 1e9, 100.0 * floor / ours, nonfinite,
                   same ? "bitwise equal" : "DIFFERS");
     std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", name.c_str(), ours,

@@ -9,7 +9,8 @@ namespace nextlm::bench {
 // timings. One JSON line {"case", "ours_ms", "floor_ms", "note"}: the floor is the bytes both must move at 4.14 TB/s
 // (post: dout, h, y read, dy and dh read and written; pre: h and da read twice, dh read and written, fn read, dfn
 // read and written). The note has each half's median, whether every output is finite, and whether two runs of the
-// pre backward from the same gradients gave the same bits.
+// pre backward from the same gradients gave the same bits. `mhc_bwd_T4096_forward_mix`: the pre backward given the
+// forward's mix (mhc_pre's, made once untimed), as the training step runs it.
 void mhc_backward_case(const std::string& name);
 
 }  // namespace nextlm::bench

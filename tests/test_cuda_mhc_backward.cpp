@@ -112,6 +112,26 @@ void check_pre(const PreCase& pc, unsigned seed) {
   cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
                                  hc_eps, iters, dh3, no_fn, no_base, no_scale, no_nw);
   EXPECT_EQ(dh3, dh) << "dh without parameter gradients " << at;
+
+  // With the forward's mix (mhc_pre's, as training passes it): the statistics pass without the projection, the
+  // coefficients from the forward's fn·h and Σh²; against the CPU alike, and without the parameters' gradients the
+  // same dh bit for bit.
+  std::vector<float> dh4 = dh0, dfn4 = dfn0, dbase4 = dbase0, dscale4 = dscale0, dnw4 = dnw0;
+  cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
+                                 hc_eps, iters, dh4, dfn4, dbase4, dscale4, dnw4, true);
+  EXPECT_LE(added_rel_error(dh4, dh_cpu, dh0), kTol) << "dh (forward mix) " << at;
+  EXPECT_LE(added_rel_error(dfn4, dw.fn.data, dfn0), kTol) << "dfn (forward mix) " << at;
+  EXPECT_LE(added_rel_error(dbase4, dw.base.data, dbase0), kTol) << "dbase (forward mix) " << at;
+  EXPECT_LE(added_rel_error(dscale4, dw.scale.data, dscale0), kTol) << "dscale (forward mix) " << at;
+  if (pc.with_da) {
+    EXPECT_LE(added_rel_error(dnw4, dnw_cpu, dnw0), kTol) << "dnorm_w (forward mix) " << at;
+  } else {
+    EXPECT_EQ(dnw4, dnw0) << "dnorm_w without da (forward mix) " << at;
+  }
+  std::vector<float> dh5 = dh0;
+  cuda_testing::mhc_pre_backward(h, w.fn.data, w.base.data, w.scale.data, norm_w, dpost, dcomb, da, T, S, D, eps,
+                                 hc_eps, iters, dh5, no_fn, no_base, no_scale, no_nw, true);
+  EXPECT_EQ(dh5, dh4) << "dh without parameter gradients (forward mix) " << at;
 }
 
 // T = 1, 7, 65 and 300 (a 32-token coefficient block holding one token, partial 64-token statistics tiles, many

@@ -28,10 +28,14 @@ void rmsnorm_backward(const float* x, int64_t ldx, const float* w, const float* 
 // are the gradients of its outputs (da: of a, whose forward value was rounded to bf16; the backward uses the fp32
 // value). dh [T, S, D] += …; dfn [(2+S)S, S·D], dbase [(2+S)S], dscale [3], dnorm_w [D] += …, or all four null
 // (the parameters frozen: dh alone, the same bits). work: mhc_pre_backward_workspace_floats(T, S, D) floats.
+// mix (optional): the forward's mix of h (mhc_pre's), which the backward then takes instead of projecting h again
+// (the forward's coefficients bit for bit, and a streaming statistics pass without the projection's FMAs, 96 of 110
+// a column at S = 4), where D is a multiple of 4 and h, da and norm_w are 16-byte aligned (else it projects again).
 // Matches mhc_pre_backward + rmsnorm_backward of the CPU.
 int64_t mhc_pre_backward_workspace_floats(int64_t T, int64_t S, int64_t D);
 void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
-                      float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work, cudaStream_t st);
+                      float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work, cudaStream_t st,
+                      const float* mix = nullptr);
 
 // Backward of mhc_post (h_out[t, s] = post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r]) given dout [T, S, D]; h [T, S, D]
 // are the streams before the post-mix, y [T, D] the sub-layer output. dh [T, S, D], dy [T, D], dpost [T, S],

@@ -31,11 +31,13 @@ struct MhcParams {
 // warp chain). Every reduction runs in an order fixed by S and D, so a token's outputs are bitwise the same whatever
 // else is in the batch.
 int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D);
-void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st);
+// mix (optional) [T, (2+S)S + 1]: the mix the coefficients came from, fn·h[t] and Σh², for mhc_pre_backward.
+void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st,
+             float* mix = nullptr);
 // mhc_pre without the projection: from the partials an mhc_pre call on the same p and h left in work (training's
-// recomputation keeps them from the forward), the same post, comb and a bit for bit.
+// recomputation keeps them from the forward), the same post, comb, a (and mix) bit for bit.
 void mhc_pre_apply(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, const float* work,
-                   cudaStream_t st);
+                   cudaStream_t st, float* mix = nullptr);
 // h[t, s] ← post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r], in place. y fp32 [T, D].
 void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,
               cudaStream_t st);

@@ -425,10 +425,12 @@ __device__ __forceinline__ void mix_token(const MhcParams& p, const float* mx, i
 
 // part: the projection's chains [splits, T, N, W] (W = kWarps, the rows kernel) or partials [splits, T, N] (W = 1,
 // the tiled one). VEC: D and the bases a multiple of 4 floats (the collapse's loads and its Σx² order).
+// mixo (optional) [T, N]: the summed mix each token's coefficients came from (fn·h [M], Σh²), written by the blocks
+// that summed it (the Sinkhorn blocks S … M, the collapse blocks 0 … S−1), for the backward to reuse.
 template <int S, bool VEC, int W>
 __global__ void __launch_bounds__(kThreads)
     mhc_apply_kernel(MhcParams p, const float* h, const float* part, int64_t splits, int skt, int64_t nsk, float* post,
-                     float* comb, bf16* a) {
+                     float* comb, bf16* a, float* mixo) {
   using A = ApplyDims<S>;
   extern __shared__ __align__(16) float smem[];  // psum, then (collapse) x [D] and norm_w [D]
   __shared__ float mix[kWarps * A::NS];  // skt·NS, or NC
@@ -439,6 +441,9 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t t0 = int64_t(blockIdx.x) * skt;
     const int ntok = static_cast<int>(min(int64_t(skt), T - t0));
     sum_partials<A::N, W, A::NS>(part, T, splits, t0, ntok, [](int j) { return S + j; }, smem, mix);
+    if (mixo)
+      for (int idx = threadIdx.x; idx < ntok * A::NS; idx += kThreads)
+        mixo[(t0 + idx / A::NS) * A::N + S + idx % A::NS] = mix[idx];
     const int warp = threadIdx.x >> 5;
     if (warp < ntok) mix_token<S>(p, mix + warp * A::NS, t0 + warp, post, comb, threadIdx.x & 31);
     return;
@@ -467,6 +472,7 @@ __global__ void __launch_bounds__(kThreads)
   sum_partials<A::N, W, A::NC>(part, T, splits, t, 1, [](int j) { return j < S ? j : A::M; }, smem, mix);
   if (threadIdx.x < S) {
     const int s = threadIdx.x;
+    if (mixo) mixo[t * A::N + s] = mix[s];
     const float r = rsqrtf(mix[S] / static_cast<float>(SD) + p.rms_eps);
     pre[s] = 1.0f / (1.0f + expf(-((mix[s] * r) * p.scale[0] + p.base[s]))) + p.hc_eps;
   }
@@ -585,7 +591,7 @@ void launch_project(const MhcParams& p, const float* h, float* work, cudaStream_
 // The coefficients and the normed collapse from the partials launch_project left in work.
 template <int S>
 void launch_apply(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, const float* work,
-                  cudaStream_t st) {
+                  float* mix, cudaStream_t st) {
   using A = ApplyDims<S>;
   const int64_t splits = num_splits(S * p.D);
   const bool rows = p.T <= kRowsMaxT;
@@ -596,14 +602,16 @@ void launch_apply(const MhcParams& p, const float* h, float* post, float* comb, 
   allow_smem(kernel, A::static_bytes, smem);
   const int skt = sk_tokens(p.T);
   const int64_t nsk = ceil_div(p.T, skt);
-  kernel<<<static_cast<unsigned>(nsk + p.T), kThreads, smem, st>>>(p, h, work, splits, skt, nsk, post, comb, a);
+  kernel<<<static_cast<unsigned>(nsk + p.T), kThreads, smem, st>>>(p, h, work, splits, skt, nsk, post, comb, a,
+                                                                      mix);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int S>
-void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
+void launch_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, float* mix,
+                cudaStream_t st) {
   launch_project<S>(p, h, work, st);
-  launch_apply<S>(p, h, post, comb, a, work, st);
+  launch_apply<S>(p, h, post, comb, a, work, mix, st);
 }
 
 template <int S>
@@ -641,17 +649,18 @@ int64_t mhc_pre_workspace_floats(int64_t T, int64_t S, int64_t D) {
   return num_splits(S * D) * ((2 + S) * S + 1) * std::max(T, std::min(T, kRowsMaxT) * kWarps);
 }
 
-void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st) {
+void mhc_pre(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, float* work, cudaStream_t st,
+             float* mix) {
   if (!p.T) return;
-#define CALL(S) launch_pre<S>(p, h, post, comb, a, work, st)
+#define CALL(S) launch_pre<S>(p, h, post, comb, a, work, mix, st)
   NEXTLM_MHC_DISPATCH(p.S, CALL)
 #undef CALL
 }
 
 void mhc_pre_apply(const MhcParams& p, const float* h, float* post, float* comb, bf16* a, const float* work,
-                   cudaStream_t st) {
+                   cudaStream_t st, float* mix) {
   if (!p.T) return;
-#define CALL(S) launch_apply<S>(p, h, post, comb, a, work, st)
+#define CALL(S) launch_apply<S>(p, h, post, comb, a, work, mix, st)
   NEXTLM_MHC_DISPATCH(p.S, CALL)
 #undef CALL
 }

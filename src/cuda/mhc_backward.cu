@@ -5,7 +5,9 @@
 //  1. statistics (grid: token tiles × d-chunks): per token, the projection fn·h, the Gram matrix G[s, s'] =
 //     Σ_d h_s·h_s' and A[s] = Σ_d norm_w·da·h_s, from one pass over h and da (cp.async pipeline, register tiles).
 //     The collapse x = Σ_s pre_s·h_s is linear in h, so its norm's sums follow from G and A once pre is known:
-//     Σx² = preᵀ·G·pre, Σ w·da·x = pre·A, Σ_d x·h_s = (G·pre)_s; and Σh² = trace G.
+//     Σx² = preᵀ·G·pre, Σ w·da·x = pre·A, Σ_d x·h_s = (G·pre)_s; and Σh² = trace G. Given the forward's mix
+//     (training keeps it: fn·h and Σh² as mhc_pre summed them), G and A alone (mhc_bwd_gram_kernel, a warp a
+//     token, streaming), and the coefficients are the forward's bit for bit.
 //  2. coefficients (a thread per token): the chunk partials summed in chunk order, the coefficients recomputed with
 //     the forward's operations (mhc_apply_kernel: sigmoid, softmax, Sinkhorn), the Sinkhorn and softmax backward,
 //     the sub-layer norm's r2, c2 and dpre, then dm = dL/dm, r1 and c1 of the input norm, per token; and the
@@ -17,9 +19,9 @@
 // Without the parameter gradients (a LoRA step), 3 is mhc_bwd_dh_kernel at S ≤ 4 (a thread a column of all streams:
 // dh alone, the same bits) and 4 does not run.
 // Every parameter gradient is summed in an order fixed by T, S and D (no atomics), so it is reproducible run to run.
-// The mix (fn·h, Σh²) is summed in another order than the forward's projection, so it differs from the forward's by
-// rounding, as the projection of the previous version did; the coefficients are then computed from it with the
-// forward's operations in the forward's order.
+// Without the forward's mix, the mix (fn·h, Σh²) is summed in another order than the forward's projection, so it
+// differs from the forward's by rounding; the coefficients are then computed from it with the forward's operations
+// in the forward's order.
 //
 // mhc_post_backward: a block a token, float4 streams through dout, h, y and dy, dh (read-modify-write).
 #include <algorithm>
@@ -292,8 +294,11 @@ constexpr int64_t kStatBlocks = 256;  // token tiles × d-chunks aimed at: 2 blo
 __host__ __device__ constexpr int gram_count(int S) { return S * (S + 1) / 2; }
 // Index of G[a, b] (a ≤ b) among the upper-triangle entries, row by row.
 __host__ __device__ constexpr int gram_index(int S, int a, int b) { return a * S - a * (a - 1) / 2 + (b - a); }
-// Values a token gets from the statistics kernel: fn·h [M], G [S(S+1)/2], A [S].
-__host__ __device__ constexpr int stat_values(int S) { return (2 + S) * S + gram_count(S) + S; }
+// Values a token gets from the statistics kernel: fn·h [M] (proj: unless the forward's mix is given), G [S(S+1)/2],
+// A [S].
+__host__ __device__ constexpr int stat_values(int S, bool proj = true) {
+  return (proj ? (2 + S) * S : 0) + gram_count(S) + S;
+}
 // Tokens a lane holds: 2 (48 projection accumulators) up to S = 4, else 1.
 __host__ __device__ constexpr int stat_tq(int S) { return S <= 4 ? 2 : 1; }
 
@@ -476,6 +481,54 @@ __global__ void __launch_bounds__(kStatThreads)
   }
 }
 
+// The statistics without the projection (the forward's mix given): a warp a token (kGramWarps tokens a block), each
+// lane the float4s q = lane, lane + 32, … of every stream, h and da read once straight from memory. part [NP, T]
+// (NP = stat_values(S, false): G, then A, zero without da); each value is a lane's fma chain over its columns in
+// order, then summed over the lanes by a butterfly (every lane ends with the same bits). D a multiple of 4, the
+// bases 16-byte aligned.
+constexpr int kGramWarps = 8;
+template <int S>
+__global__ void __launch_bounds__(32 * kGramWarps)
+    mhc_bwd_gram_kernel(const float* __restrict__ h, const float* __restrict__ norm_w, const float* __restrict__ da,
+                        float* __restrict__ part, int64_t T, int64_t D) {
+  constexpr int NG = gram_count(S), NP = stat_values(S, false);
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kGramWarps + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float4* h4 = reinterpret_cast<const float4*>(h + t * S * D);
+  const float4* a4 = da ? reinterpret_cast<const float4*>(da + t * D) : nullptr;
+  const float4* w4 = reinterpret_cast<const float4*>(norm_w);
+  const int64_t Q = D / 4;
+  float g[NG] = {}, aa[S] = {};
+#pragma unroll 4
+  for (int64_t q = lane; q < Q; q += 32) {
+    float4 hv[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) hv[s] = h4[s * Q + q];
+    float4 wa = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (a4) {
+      const float4 a = a4[q], w = w4[q];
+      wa = make_float4(w.x * a.x, w.y * a.y, w.z * a.z, w.w * a.w);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float wg = comp(wa, c);
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const float hs = comp(hv[s], c);
+        aa[s] = fmaf(wg, hs, aa[s]);
+#pragma unroll
+        for (int s2 = s; s2 < S; ++s2) g[gram_index(S, s, s2)] = fmaf(hs, comp(hv[s2], c), g[gram_index(S, s, s2)]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NP; ++i) {
+    const float v = warp_sum(i < NG ? g[i] : aa[i - NG]);
+    if (lane == i % 32) part[int64_t(i) * T + t] = v;
+  }
+}
+
 // ---- mHC pre, kernel 2: the coefficients and their backward, a thread per token ----
 
 constexpr int kCoefThreads = 32;  // tokens a block (one warp)
@@ -514,16 +567,20 @@ __device__ __forceinline__ void softmax_row(const float* mx, int rr, float r, fl
 }
 
 // Thread = token t (lanes past T compute on token T − 1 and add nothing). part [splits, NP, T] from the statistics
-// kernel. Writes rows[t] (row_width floats: r1, c1, r2, c2, pre, dm) and tokp[block] = (Σ dz [M], Σ dz·m [M]) over
+// kernel; FMIX: its values without fn·h (stat_values(S, false), from mhc_bwd_gram_kernel), which comes with Σh²
+// from the forward's mix fmix [T, M + 1] (mhc_pre's), so that the coefficients are the forward's bit for bit. Writes
+// rows[t] (row_width floats: r1, c1, r2, c2, pre, dm) and tokp[block] = (Σ dz [M], Σ dz·m [M]) over
 // the block's tokens in token order. Without dcomb the comb part of dz is zero; without da the pre part (and r2,
 // c2); without dpost the post part.
-template <int S>
+template <int S, bool FMIX>
 __global__ void __launch_bounds__(kCoefThreads)
-    mhc_bwd_coef_kernel(MhcParams p, const float* __restrict__ part, int64_t splits, const float* __restrict__ dpost,
-                        const float* __restrict__ dcomb, bool has_da, float* __restrict__ rows,
-                        float* __restrict__ tokp) {
+    mhc_bwd_coef_kernel(MhcParams p, const float* __restrict__ part, int64_t splits, const float* __restrict__ fmix,
+                        const float* __restrict__ dpost, const float* __restrict__ dcomb, bool has_da,
+                        float* __restrict__ rows, float* __restrict__ tokp) {
   constexpr int M = (2 + S) * S, SS = S * S, NG = gram_count(S), NP = stat_values(S), W = row_width(S),
                 P0 = row_dm(S), L = kCoefThreads;
+  // The values in part (the first of them is value N0 of the token's mix).
+  constexpr int NPP = stat_values(S, !FMIX), N0 = NP - NPP;
   extern __shared__ __align__(16) float smem[];
   const int lane = threadIdx.x;
   const int64_t T = p.T, D = p.D, SD = S * D;
@@ -538,28 +595,35 @@ __global__ void __launch_bounds__(kCoefThreads)
   float* div = smem + NP * L + 2 * M * (L + 1) + lane;  // div[(i·S + a)·L]
 
   // The chunk partials in chunk order, up to 64 values a pass (their loads in flight together).
-  constexpr int K = NP < 64 ? NP : 64;
+  constexpr int K = NPP < 64 ? NPP : 64;
 #pragma unroll
-  for (int n0 = 0; n0 < NP; n0 += K) {
+  for (int n0 = 0; n0 < NPP; n0 += K) {
     float v[K];
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (n0 + k < NP) v[k] = part[(n0 + k) * T + tc];
+      if (n0 + k < NPP) v[k] = part[(n0 + k) * T + tc];
 #pragma unroll 2
     for (int64_t s = 1; s < splits; ++s)
 #pragma unroll
       for (int k = 0; k < K; ++k)
-        if (n0 + k < NP) v[k] += part[(s * NP + n0 + k) * T + tc];
+        if (n0 + k < NPP) v[k] += part[(s * NPP + n0 + k) * T + tc];
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (n0 + k < NP) mix[(n0 + k) * L] = v[k];
+      if (n0 + k < NPP) mix[(N0 + n0 + k) * L] = v[k];
   }
+  if constexpr (FMIX)
+#pragma unroll
+    for (int j = 0; j < M; ++j) mix[j * L] = fmix[tc * (M + 1) + j];
   const float* Gm = mix + M * L;       // G[gram_index(a, b)·L]
   const float* Am = mix + (M + NG) * L;
 
-  float ssq = 0.0f;  // Σh² = trace G
+  float ssq = 0.0f;  // Σh²: the forward's, or trace G
+  if constexpr (FMIX) {
+    ssq = fmix[tc * (M + 1) + M];
+  } else {
 #pragma unroll
-  for (int s = 0; s < S; ++s) ssq += Gm[gram_index(S, s, s) * L];
+    for (int s = 0; s < S; ++s) ssq += Gm[gram_index(S, s, s) * L];
+  }
   const float r = rsqrtf(ssq / static_cast<float>(SD) + eps);  // fn·(h·r) = r·(fn·h)
 
   float e[S], pre[S];
@@ -1082,7 +1146,7 @@ void allow_smem(K kernel, size_t bytes) {
 template <int S>
 void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
                          float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work,
-                         cudaStream_t st) {
+                         const float* mix, cudaStream_t st) {
   constexpr int M = (2 + S) * S;
   const int64_t T = p.T, D = p.D;
   const PreWork wk(T, S, D);
@@ -1095,7 +1159,13 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
   check(params == (dbase != nullptr) && params == (dscale != nullptr) && (params || !dnorm_w),
         "CUDA mHC backward: dfn, dbase, dscale (and dnorm_w) are all given or all null");
 
-  {
+  // With the forward's mix (and 16-byte rows), the statistics without the projection, in one split.
+  const bool gram = mix && D % 4 == 0 && aligned16(h) && aligned16(p.norm_w) && aligned16(da);
+  if (gram) {
+    mhc_bwd_gram_kernel<S><<<static_cast<unsigned>(ceil_div(T, kGramWarps)), 32 * kGramWarps, 0, st>>>(h, p.norm_w,
+                                                                                                      da, stat, T, D);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  } else {
     const StatPlan& sp = wk.stats;
     const bool vec = D % 4 == 0 && aligned16(h) && aligned16(p.fn) && aligned16(p.norm_w) && aligned16(da);
     auto kernel = vec ? mhc_bwd_stats_kernel<S, true> : mhc_bwd_stats_kernel<S, false>;
@@ -1109,9 +1179,10 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
     const size_t smem = sizeof(float) * static_cast<size_t>(coef_smem_floats(S, p.iters));
     check(smem <= 227 * 1024, "CUDA mHC backward: hc_sinkhorn_iters ", p.iters, " needs ", smem,
           " bytes of shared memory (at most 227 KiB)");
-    allow_smem(mhc_bwd_coef_kernel<S>, smem);
-    mhc_bwd_coef_kernel<S><<<static_cast<unsigned>(wk.coef_blocks), kCoefThreads, smem, st>>>(
-        p, stat, wk.stats.splits, dpost, dcomb, da != nullptr, rows, tokp);
+    auto kernel = gram ? mhc_bwd_coef_kernel<S, true> : mhc_bwd_coef_kernel<S, false>;
+    allow_smem(kernel, smem);
+    kernel<<<static_cast<unsigned>(wk.coef_blocks), kCoefThreads, smem, st>>>(
+        p, stat, gram ? 1 : wk.stats.splits, mix, dpost, dcomb, da != nullptr, rows, tokp);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   if constexpr (S <= 4) {
@@ -1188,9 +1259,9 @@ int64_t mhc_pre_backward_workspace_floats(int64_t T, int64_t S, int64_t D) { ret
 
 void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
                       float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work,
-                      cudaStream_t st) {
+                      cudaStream_t st, const float* mix) {
   if (!p.T) return;
-#define CALL(S) launch_pre_backward<S>(p, h, dpost, dcomb, da, dh, dfn, dbase, dscale, dnorm_w, work, st)
+#define CALL(S) launch_pre_backward<S>(p, h, dpost, dcomb, da, dh, dfn, dbase, dscale, dnorm_w, work, mix, st)
   NEXTLM_MHC_BWD_DISPATCH(p.S, CALL)
 #undef CALL
 }

@@ -2,6 +2,7 @@
 #include "cuda/testing_mhc_backward.h"
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kernels.h"
 #include "cuda/testing_buffers.h"
 
 namespace nextlm::cuda_testing {
@@ -24,14 +25,23 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
                       const std::vector<float>& dpost, const std::vector<float>& dcomb, const std::vector<float>& da,
                       int64_t T, int64_t S, int64_t D, float rms_eps, float hc_eps, int iters, std::vector<float>& dh,
                       std::vector<float>& dfn, std::vector<float>& dbase, std::vector<float>& dscale,
-                      std::vector<float>& dnorm_w) {
+                      std::vector<float>& dnorm_w, bool forward_mix) {
   Buf gh = upload(h), gfn = upload(fn), gbase = upload(base), gscale = upload(scale), gw = upload(norm_w),
       gdpost = upload(dpost), gdcomb = upload(dcomb), gda = upload(da);
   Buf gdh = upload(dh), gdfn = upload(dfn), gdbase = upload(dbase), gdscale = upload(dscale), gdw = upload(dnorm_w);
   Buf work = poisoned<float>(cuda::mhc_pre_backward_workspace_floats(T, S, D));
   const cuda::MhcParams p{ptr(gfn), ptr(gbase), ptr(gscale), ptr(gw), T, S, D, rms_eps, hc_eps, iters};
+  // The forward's mix of h, from NaN (an entry mhc_pre left unwritten would show in every gradient).
+  Buf mix = poisoned<float>(forward_mix ? static_cast<size_t>(T * ((2 + S) * S + 1)) : 0);
+  if (forward_mix && T) {
+    Buf post = poisoned<float>(T * S), comb = poisoned<float>(T * S * S), a = poisoned<cuda::bf16>(T * D);
+    Buf fwork = poisoned<float>(cuda::mhc_pre_workspace_floats(T, S, D));
+    cuda::mhc_pre(p, ptr(gh), post.as<float>(), comb.as<float>(), a.as<cuda::bf16>(), fwork.as<float>(), nullptr,
+                  mix.as<float>());
+    finish();
+  }
   cuda::mhc_pre_backward(p, ptr(gh), ptr(gdpost), ptr(gdcomb), ptr(gda), ptr(gdh), ptr(gdfn), ptr(gdbase), ptr(gdscale),
-                         ptr(gdw), work.as<float>(), nullptr);
+                         ptr(gdw), work.as<float>(), nullptr, mix.or_null<float>());
   finish();
   dh = download<float>(gdh);
   dfn = download<float>(gdfn);

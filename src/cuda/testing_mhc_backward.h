@@ -9,13 +9,14 @@ namespace nextlm::cuda_testing {
 
 // cuda::mhc_pre_backward on h [T, S, D] with fn [(2+S)S, S·D], base [(2+S)S], scale [3], norm_w [D] and the output
 // gradients dpost [T, S], dcomb [T, S, S], da [T, D] (an empty vector passes null). dh [T, S, D], dfn, dbase,
-// dscale, dnorm_w are added to.
+// dscale, dnorm_w are added to. forward_mix: cuda::mhc_pre first writes h's mix (into NaN), which the backward
+// then takes (as training's backward does).
 void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
                       const std::vector<float>& scale, const std::vector<float>& norm_w,
                       const std::vector<float>& dpost, const std::vector<float>& dcomb, const std::vector<float>& da,
                       int64_t T, int64_t S, int64_t D, float rms_eps, float hc_eps, int iters, std::vector<float>& dh,
                       std::vector<float>& dfn, std::vector<float>& dbase, std::vector<float>& dscale,
-                      std::vector<float>& dnorm_w);
+                      std::vector<float>& dnorm_w, bool forward_mix = false);
 
 // cuda::mhc_post_backward: dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] are added to, or without
 // accumulate written (their device buffers then start as NaN, so an element left unwritten shows). With dy16, dy's

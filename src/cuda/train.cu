@@ -1364,6 +1364,8 @@ double Step::run(const float* row_weight) {
   float* post = ar.alloc<float>(T * S);
   float* comb = ar.alloc<float>(T * S * S);
   bf16* a = ar.alloc<bf16>(T * D);
+  const int64_t NM = (2 + S) * S + 1;  // a token's mix: fn·h and Σh² (what mhc_pre_backward reuses)
+  float* mix = ar.alloc<float>(T * NM);
   moe_out_ = nullptr;
   if (!m_.recompute.moe && std::any_of(m_.layers.begin(), m_.layers.end(), [](const DLayer& L) { return L.moe_layer; }))
     moe_out_ = ar.alloc<float>(T * c_.num_experts_per_tok * D);
@@ -1378,7 +1380,7 @@ double Step::run(const float* row_weight) {
   struct Site {
     bool kept = false, mix_kept = false;
     Arena::Mark mark{};  // where its allocations began
-    float *post = nullptr, *comb = nullptr, *y = nullptr;
+    float *post = nullptr, *comb = nullptr, *mix = nullptr, *y = nullptr;
     bf16* a = nullptr;
     // Where the mix is recomputed: the forward's projection partials of the site's streams (mhc_pre's work), so
     // that the recomputation runs only the mix's second half (mhc_pre_apply).
@@ -1408,8 +1410,12 @@ double Step::run(const float* row_weight) {
       s.mark = ar.mark();
       s.kept = keeps(L, ffn);
       s.mix_kept = s.kept || !policy.mhc;
-      if (s.mix_kept) s.post = ar.alloc<float>(T * S), s.comb = ar.alloc<float>(T * S * S), s.a = ar.alloc<bf16>(T * D);
-      else s.proj = ar.alloc<float>(mhc_pre_workspace_floats(T, S, D));
+      if (s.mix_kept) {
+        s.post = ar.alloc<float>(T * S), s.comb = ar.alloc<float>(T * S * S), s.a = ar.alloc<bf16>(T * D);
+        s.mix = ar.alloc<float>(T * NM);
+      } else {
+        s.proj = ar.alloc<float>(mhc_pre_workspace_floats(T, S, D));
+      }
       // Every site keeps its sub-layer's output (T × D, what the post-mix backward reads), so that a recomputation
       // skips the output projection.
       s.y = ar.alloc<float>(T * D);
@@ -1419,7 +1425,7 @@ double Step::run(const float* row_weight) {
       const Arena::Mark sub_mark = ar.mark();
       float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.y;
       bf16* sa = s.mix_kept ? s.a : a;
-      mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, s.mix_kept ? mhc_work : s.proj, st);
+      mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, s.mix_kept ? mhc_work : s.proj, st, s.mix);
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
       // recomputation before each backward reuses them.
       select_ = true;
@@ -1452,9 +1458,9 @@ double Step::run(const float* row_weight) {
       const MhcParams mp = m_.mhc_params(L, ffn, T);
       if (!s.kept) {
         if (!s.mix_kept) {
-          s.post = post, s.comb = comb, s.a = a;
+          s.post = post, s.comb = comb, s.a = a, s.mix = mix;
           m_.mark_begin("train: recompute mhc");
-          mhc_pre_apply(mp, hin, post, comb, a, s.proj, st);
+          mhc_pre_apply(mp, hin, post, comb, a, s.proj, st, mix);
           m_.mark_end("train: recompute mhc");
         }
         s.x = SubActs{};
@@ -1483,7 +1489,7 @@ double Step::run(const float* row_weight) {
       m_.mark_begin("train: backward mhc");
       const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
       mhc_pre_backward(mp, hin, dpost, dcomb, da, dh_prev, gh.fn, gh.base, gh.scale, ffn ? G.post_norm : G.in_norm,
-                       ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st);
+                       ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st, s.mix);
       m_.mark_end("train: backward mhc");
       std::swap(dh, dh_prev);
       ar.rewind(s.mark);
