@@ -10,12 +10,11 @@
 #include <tuple>
 #include <utility>
 
-#include <cudaTypedefs.h>
-
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tensor_map.h"
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -886,29 +885,10 @@ void launch(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
-// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    NEXTLM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    check(q == cudaDriverEntryPointSuccess && p, "grouped_gemm: the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// A bf16 tensor map of `rank` dims (innermost first; strides in bytes of dims 1 …), 128-byte swizzle, zero fill.
+// A tensor map of the GEMM's operands (cuda/tensor_map.h).
 CUtensorMap tensor_map(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
                        const cuuint32_t* box) {
-  CUtensorMap m;
-  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
-  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims,
-                                    strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  check(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for a ", rank,
-        "-d map");
-  return m;
+  return bf16_tensor_map(base, rank, dims, strides, box, "grouped_gemm");
 }
 
 template <bool KN, int CL>

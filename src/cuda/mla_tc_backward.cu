@@ -16,8 +16,8 @@
 // The operand tile that changes along the walk (k | v in the query-major passes, q | do in the key-major one) is
 // double-buffered: the next tile's copies are in flight while the current one is used. On Hopper the dq pass (dqk
 // of 128, 192 or 256: dq_wgmma_kernel) and the key-major pass (dqk = dv = 128 or 256: key_wgmma_kernel) run on
-// warpgroup MMAs instead (still fixed-order sums, each output element added once); the stats pass and 64/64 stay
-// on the mma.sync kernels.
+// warpgroup MMAs instead (still fixed-order sums, each output element added once), their walking tiles loaded by
+// TMA; the stats pass and 64/64 stay on the mma.sync kernels.
 #include <algorithm>
 #include <type_traits>
 
@@ -25,6 +25,8 @@
 #include "cuda/kernels.h"
 #include "cuda/mla_mask.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tensor_map.h"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace nextlm::cuda {
@@ -552,14 +554,15 @@ struct DqWg {
 
 template <int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, 1)
-    dq_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const bf16* __restrict__ do16,
-                    const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
-                    const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
-                    const uint32_t* __restrict__ tmap, int64_t wk, int64_t nqt, const float* __restrict__ lse_g,
-                    const float* __restrict__ D_g, float* __restrict__ dq, bf16* __restrict__ dq16, int64_t T,
-                    int64_t NH, float scale_log2, float scale) {
+    dq_wgmma_kernel(const __grid_constant__ CUtensorMap map_kv, const bf16* __restrict__ q,
+                    const bf16* __restrict__ do16, const int32_t* __restrict__ count,
+                    const int32_t* __restrict__ seq_start, const int32_t* __restrict__ seq_len,
+                    const uint32_t* __restrict__ mask, int64_t words,
+                    const uint32_t* __restrict__ tmap, int64_t wk, int64_t nqt, bool rows_in_smem,
+                    const float* __restrict__ lse_g, const float* __restrict__ D_g, float* __restrict__ dq,
+                    bf16* __restrict__ dq16, int64_t T, int64_t NH, float scale_log2, float scale) {
   using L = DqWg<DQK, DV>;
-  constexpr int DKV = DQK + DV, NQ = DQK / 2;  // NQ: dq accumulators per thread
+  constexpr int NQ = DQK / 2;  // dq accumulators per thread
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
   const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
   unsigned char* smem = wg_smem_raw + pad;
@@ -569,8 +572,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t pair = int64_t(gridDim.x) - 1 - blockIdx.x, r0 = pair * kWgRows, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
-  const uint32_t* trow = tmap + 2 * pair * wk;
+  __shared__ __align__(8) uint64_t bars[3];  // k buffers 0 and 1, v: their copies have landed
+  const uint32_t bar_s = smem_addr(bars);
+  if (tid == 0) {
+    tma_prefetch_map(&map_kv);
+    for (int i = 0; i < 3; ++i) mbar_init(bar_s + 8 * i, 1);
+    mbar_init_fence();
+  }
+  // The pair's two rows of the tile map, in shared memory after the tiles when the launch made room (rows_in_smem).
   const bool second = 2 * pair + 1 < nqt;
+  const uint32_t* trow = tmap + 2 * pair * wk;
+  if (rows_in_smem) {
+    uint32_t* rs = reinterpret_cast<uint32_t*>(smem + L::v_at + L::v_bytes);
+    for (int64_t w = tid; w < (second ? 2 : 1) * wk; w += kThreads) rs[w] = trow[w];
+    trow = rs;
+  }
   auto next = [&](int64_t from) {
     const int64_t a = next_tile(trow, wk, from), b = second ? next_tile(trow + wk, wk, from) : -1;
     return a < 0 ? b : b < 0 ? a : min(a, b);
@@ -578,12 +594,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   sw128_load_rows<kWgRows, DQK, kThreads>(smem, q, DQK, 0, r0, T, NH, h);
   sw128_load_rows<kWgRows, DV, kThreads>(smem + L::q_bytes, do16, DV, 0, r0, T, NH, h);
+  // A key tile's k (into buffer b) or v by TMA from one thread (rows past T zero-filled). (Their cp.async, 8 a
+  // thread with their addresses, and the tile map's reads from global memory were an eighth of the pass's time.)
   auto load_k = [&](int64_t kt, int b) {
-    sw128_load_rows<kTile, DQK, kThreads>(smem + L::k_at + b * L::k_bytes, kv, DKV, 0, kt * kTile, T, NH, h);
+    if (tid != 0) return;
+    const uint32_t bar = bar_s + 8 * b, dst = smem_s + L::k_at + b * L::k_bytes;
+    mbar_arrive_expect_tx(bar, L::k_bytes);
+#pragma unroll
+    for (int j = 0; j < DQK / 64; ++j)
+      tma_load_3d(dst + j * kTile * 128, &map_kv, bar, 64 * j, static_cast<int>(h), static_cast<int>(kt * kTile));
   };
   auto load_v = [&](int64_t kt) {
-    sw128_load_rows<kTile, DV, kThreads>(smem + L::v_at, kv, DKV, DQK, kt * kTile, T, NH, h);
+    if (tid != 0) return;
+    const uint32_t bar = bar_s + 16, dst = smem_s + L::v_at;
+    mbar_arrive_expect_tx(bar, L::v_bytes);
+#pragma unroll
+    for (int j = 0; j < DV / 64; ++j)
+      tma_load_3d(dst + j * kTile * 128, &map_kv, bar, DQK + 64 * j, static_cast<int>(h),
+                  static_cast<int>(kt * kTile));
   };
+  __syncthreads();  // the barriers and the tile map's rows are ready
 
   // This thread's two rows (g and g + 8 of its warp's 16): the forward's statistics, and the score scale (0 for an
   // empty selection: uniform weights).
@@ -603,17 +633,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < NQ; ++i) acc[i] = 0.0f;
   int64_t kt = next(0);
   if (kt >= 0) load_k(kt, 0), load_v(kt);
-  cp_async_commit();  // with q and do
-  for (int b = 0; kt >= 0; b ^= 1) {
+  cp_async_commit();  // q and do
+  for (int n = 0; kt >= 0; ++n) {
+    const int b = n & 1;
     MaskWindow mw[2];  // the tile's mask words: in flight during the wait and the products
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) qi[hf].start(mw[hf], kt * kTile, mask, words);
     cp_async_wait<0>();
-    fence_proxy_async();
+    fence_proxy_async();  // q and do (the first time), by cp.async
+    mbar_wait(bar_s + 8 * b, (n >> 1) & 1);
+    mbar_wait(bar_s + 16, n & 1);
     __syncthreads();  // k tile b and the v tile visible; every warpgroup is done with k tile b ^ 1
     const int64_t nkt = next(kt + 1);
     if (nkt >= 0) load_k(nkt, b ^ 1);
-    cp_async_commit();
 
     const uint32_t qs = smem_s + wg * 64 * 128, os = smem_s + L::q_bytes + wg * 64 * 128;
     const uint32_t ks = smem_s + L::k_at + b * L::k_bytes, vs = smem_s + L::v_at;
@@ -632,7 +664,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs<32>(dp);
     __syncthreads();  // every warpgroup is done with the v tile
     if (nkt >= 0) load_v(nkt);
-    cp_async_commit();
 
     // ds = p·(dp − D)·scale with p = 2^(s·sl − lse2) on the selected keys, in place of s.
 #pragma unroll
@@ -677,9 +708,10 @@ struct KeyWg {
 
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1)
-    key_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const bf16* __restrict__ do16,
-                     const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
-                     const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int64_t words,
+    key_wgmma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
+                     const bf16* __restrict__ kv, const int32_t* __restrict__ count,
+                     const int32_t* __restrict__ seq_start, const int32_t* __restrict__ seq_len,
+                     const uint32_t* __restrict__ mask, int64_t words,
                      const uint32_t* __restrict__ tmapT, int64_t wq, const float* __restrict__ lse_g,
                      const float* __restrict__ D_g, float* __restrict__ dkv, bf16* __restrict__ dkv16, int64_t T,
                      int64_t NH, float scale_log2, float scale) {
@@ -692,19 +724,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* Ps = reinterpret_cast<float*>(smem + L::p_at);  // pᵀ, [32][128 threads]
   __shared__ KeyPassRows rows[2];  // per query tile buffer
   __shared__ uint64_t bits[kTile];
+  __shared__ uint32_t trow[kMaxTileWords];   // this key tile's row of the transposed tile map
+  __shared__ __align__(8) uint64_t full[2];  // per query tile buffer: its q | do copies have landed
 
   const int64_t j0 = int64_t(blockIdx.x) * kTile, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int wg = warp >> 2, wr = warp & 3, xt = tid & 127;  // warpgroup, warp in it (keys 16·wr …), thread in it
+  const uint32_t full_s = smem_addr(full);
 
+  if (tid == 0) {
+    tma_prefetch_map(&map_q);
+    tma_prefetch_map(&map_do);
+    mbar_init(full_s, 1);
+    mbar_init(full_s + 8, 1);
+    mbar_init_fence();
+  }
+  for (int64_t w = tid; w < wq; w += kThreads) trow[w] = tmapT[int64_t(blockIdx.x) * wq + w];
   sw128_load_rows<kTile, DQK, kThreads>(smem, kv, DKV, 0, j0, T, NH, h);
   sw128_load_rows<kTile, DV, kThreads>(smem + L::k_bytes, kv, DKV, DQK, j0, T, NH, h);
   cp_async_commit();
+  __syncthreads();  // the tile map's row and the barriers are ready
+  // A query tile's q | do by TMA (one thread; rows past T zero-filled) onto full[b], its rows' data by cp.async.
+  // (Its 16 cp.async a thread, with their addresses, took a fifth of the pass's warp time on the H200.)
   auto issue = [&](int64_t qt, int b) {
     const int64_t r0 = qt * kTile;
-    unsigned char* st = smem + L::stage_at + b * L::stage_bytes;
-    sw128_load_rows<kTile, DQK, kThreads>(st, q, DQK, 0, r0, T, NH, h);
-    sw128_load_rows<kTile, DV, kThreads>(st + L::k_bytes, do16, DV, 0, r0, T, NH, h);
+    if (tid == 0) {
+      const uint32_t st = smem_s + L::stage_at + b * L::stage_bytes, bar = full_s + 8 * b;
+      mbar_arrive_expect_tx(bar, L::stage_bytes);
+#pragma unroll
+      for (int j = 0; j < D / 64; ++j) {
+        tma_load_3d(st + j * kTile * 128, &map_q, bar, 64 * j, static_cast<int>(h), static_cast<int>(r0));
+        tma_load_3d(st + L::k_bytes + j * kTile * 128, &map_do, bar, 64 * j, static_cast<int>(h),
+                    static_cast<int>(r0));
+      }
+    }
     if (tid < kTile) {
       const int64_t t = r0 + tid;
       const bool in = t < T;
@@ -721,12 +774,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[NA];  // warpgroup 0: dv [64 keys × D]; warpgroup 1: dk [64 keys × D]
 #pragma unroll
   for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
-  const uint32_t* trow = tmapT + int64_t(blockIdx.x) * wq;
   int64_t qt = next_tile(trow, wq, 0);
   if (qt >= 0) issue(qt, 0);
-  for (int b = 0; qt >= 0; b ^= 1) {
+  for (int n = 0; qt >= 0; ++n) {
+    const int b = n & 1;
     cp_async_wait<0>();
-    fence_proxy_async();
+    fence_proxy_async();  // k and v (the first time), by cp.async
+    mbar_wait(full_s + 8 * b, (n >> 1) & 1);
     __syncthreads();  // tile b and its rows visible; the readers of buffer b ^ 1, of bits and of pᵀ are done
     const int64_t nqt = next_tile(trow, wq, qt + 1);
     if (nqt >= 0) issue(nqt, b ^ 1);
@@ -867,20 +921,40 @@ void launch(const bf16* q, const bf16* kv, const bf16* do16, const int32_t* coun
                                                                    L.words, tmap, L.wk, lse, D, dq, T, NH,
                                                                    scale_log2, scale);
   } else {
-    constexpr int bytes = DqWg<DQK, DV>::bytes;
+    // The pair's two rows of the tile map go after the tiles where they fit (T up to ~500k), else stay in memory.
+    const int rows_bytes = static_cast<int>(ceil_div(2 * L.wk * 4, 16) * 16);
+    cudaFuncAttributes fa{};
+    NEXTLM_CUDA_CHECK(cudaFuncGetAttributes(&fa, dq_wgmma_kernel<DQK, DV>));
+    int dev = 0, optin = 0;
+    NEXTLM_CUDA_CHECK(cudaGetDevice(&dev));
+    NEXTLM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const bool rows_in_smem =
+        static_cast<int64_t>(fa.sharedSizeBytes) + DqWg<DQK, DV>::bytes + rows_bytes <= optin;
+    const int bytes = DqWg<DQK, DV>::bytes + (rows_in_smem ? rows_bytes : 0);
     NEXTLM_CUDA_CHECK(
         cudaFuncSetAttribute(dq_wgmma_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    // kv [T, NH, DQK + DV] as (DQK + DV, NH, T), boxes of 64 columns × one head × 64 rows.
+    const cuuint64_t dims[3] = {DQK + DV, static_cast<cuuint64_t>(NH), static_cast<cuuint64_t>(T)},
+                     strides[2] = {(DQK + DV) * 2, static_cast<cuuint64_t>(NH) * (DQK + DV) * 2};
+    const cuuint32_t box[3] = {64, 1, kTile};
+    const CUtensorMap map_kv = bf16_tensor_map(kv, 3, dims, strides, box, "MLA attention backward");
     const dim3 pairs(static_cast<unsigned>(ceil_div(L.nqt, 2)), static_cast<unsigned>(NH));
-    dq_wgmma_kernel<DQK, DV><<<pairs, kThreads, bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words,
-                                                            tmap, L.wk, L.nqt, lse, D, dq, dq16, T, NH, scale_log2,
-                                                            scale);
+    dq_wgmma_kernel<DQK, DV><<<pairs, kThreads, bytes, st>>>(map_kv, q, do16, count, seq_start, seq_len, mask,
+                                                            L.words, tmap, L.wk, L.nqt, rows_in_smem, lse, D, dq,
+                                                            dq16, T, NH, scale_log2, scale);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if constexpr (DQK == DV && (DQK == 128 || DQK == 256)) {
     constexpr int bytes = KeyWg<DQK>::bytes;
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(key_wgmma_kernel<DQK>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    key_wgmma_kernel<DQK><<<grid, kThreads, bytes, st>>>(q, kv, do16, count, seq_start, seq_len, mask, L.words, tmapT,
-                                                         L.wq, lse, D, dkv, dkv16, T, NH, scale_log2, scale);
+    // q and do [T, NH, D] as (D, NH, T), boxes of 64 columns × one head × 64 rows (one 128-byte-swizzled slab).
+    const cuuint64_t dims[3] = {DQK, static_cast<cuuint64_t>(NH), static_cast<cuuint64_t>(T)},
+                     strides[2] = {DQK * 2, static_cast<cuuint64_t>(NH) * DQK * 2};
+    const cuuint32_t box[3] = {64, 1, kTile};
+    const CUtensorMap map_q = bf16_tensor_map(q, 3, dims, strides, box, "MLA attention backward");
+    const CUtensorMap map_do = bf16_tensor_map(do16, 3, dims, strides, box, "MLA attention backward");
+    key_wgmma_kernel<DQK><<<grid, kThreads, bytes, st>>>(map_q, map_do, kv, count, seq_start, seq_len, mask, L.words,
+                                                         tmapT, L.wq, lse, D, dkv, dkv16, T, NH, scale_log2, scale);
   } else {
     NEXTLM_CUDA_CHECK(
         cudaFuncSetAttribute(key_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, k_bytes));
@@ -915,7 +989,7 @@ void mla_sparse_attention_backward_tc(const bf16* q, const bf16* kv, const int32
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   check(mla_backward_tc_supported(dqk, dv), "MLA attention backward on tensor cores: unsupported head dims ", dqk,
         "/", dv);
-  check(NH <= 65535 && L.nqt <= 0x7fffffff && max_sel >= 0 && max_len >= 1 && L.wk <= kMaxTileWords &&
+  check(NH <= 65535 && T < (int64_t{1} << 31) && max_sel >= 0 && max_len >= 1 && L.wk <= kMaxTileWords &&
             aligned(q) && aligned(kv) && aligned(work),
         "MLA attention backward on tensor cores: bad shape or unaligned buffers (T ", T, ", NH ", NH, ", max_sel ",
         max_sel, ", max_len ", max_len, ")");
