@@ -10,6 +10,8 @@
 #include "cuda/kernels.h"
 #include "cuda/mla_mask.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tensor_map.h"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace nextlm::cuda {
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Hopper (sm_90a): the same attention on warpgroup MMAs ----
 // Each block takes 128 consecutive packed tokens (two warpgroups of 64 rows) and one head. Q stays in shared memory
-// for the whole walk; K and V of the selected key blocks (64 keys) go through two buffers each, filled by cp.async.
+// for the whole walk; K and V of the selected key blocks (64 keys) go through two buffers each, filled by TMA.
 // S = Q·Kᵀ is wgmma m64n64k16 from shared memory (Q and K both K-major); P, rounded to bf16, goes from the score
 // accumulators into the A registers of O += P·V (m64n{DV}k16, V read N-major). Masking, the online softmax and the
 // outputs are those of mla_tc_kernel, row for row.
@@ -277,30 +279,45 @@ __device__ __forceinline__ void issue_scores(float* s, uint32_t qs, uint32_t ks)
 
 template <int DQK, int DV>
 __global__ void __launch_bounds__(kWgThreads, 1)
-    mla_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kv, const uint32_t* __restrict__ mask,
-                     int64_t words, const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
+    mla_wgmma_kernel(const __grid_constant__ CUtensorMap map_kv, const bf16* __restrict__ q,
+                     const uint32_t* __restrict__ mask, int64_t words, const int32_t* __restrict__ count, const int32_t* __restrict__ seq_start,
                      const int32_t* __restrict__ seq_len, bf16* __restrict__ o, float* __restrict__ lse2, int64_t T,
                      int NH, float scale_log2) {
   using L = WgLayout<DQK, DV>;
-  constexpr int DKV = DQK + DV, NO = DV / 2;  // NO: output accumulators per thread
+  constexpr int NO = DV / 2;  // output accumulators per thread
   extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
   const uint32_t raw_s = smem_addr(wg_smem_raw), pad = (1024u - (raw_s & 1023u)) & 1023u;
   unsigned char* smem = wg_smem_raw + pad;
   const uint32_t smem_s = raw_s + pad;
   __shared__ int64_t key_lo, key_hi;
+  __shared__ __align__(8) uint64_t bars[4];  // K buffers 0 and 1, V buffers 0 and 1: their copies have landed
 
   const int64_t r0 = int64_t(blockIdx.x) * kWgRows;
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
-  if (tid == 0) key_lo = INT64_MAX, key_hi = 0;
+  const uint32_t bar_s = smem_addr(bars);
+  if (tid == 0) {
+    key_lo = INT64_MAX, key_hi = 0;
+    tma_prefetch_map(&map_kv);
+    for (int i = 0; i < 4; ++i) mbar_init(bar_s + 8 * i, 1);
+    mbar_init_fence();
+  }
 
   sw128_load_rows<kWgRows, DQK, kWgThreads>(smem, q, DQK, 0, r0, T, NH, h);
-  auto load_k = [&](int64_t j0, int b) {
-    sw128_load_rows<kKeys, DQK, kWgThreads>(smem + L::k_off(b), kv, DKV, 0, j0, T, NH, h);
+  // Block n's K and V go to buffers n & 1, by TMA from one thread (keys past T zero-filled); its K's copies complete
+  // K barrier n & 1's phase n >> 1, its V's likewise. (A thread's 16 cp.async an iteration, with their addresses,
+  // were a tenth of the walk's issue slots.)
+  auto load = [&](int64_t j0, int b, int first, int n, int which) {
+    if (tid != 0) return;
+    const uint32_t bar = bar_s + 8 * (2 * which + b), dst = smem_s + (which ? L::v_off(b) : L::k_off(b));
+    mbar_arrive_expect_tx(bar, n * kKeys * 128);
+    for (int j = 0; j < n; ++j)
+      tma_load_3d(dst + j * kKeys * 128, &map_kv, bar, first + 64 * j, h, static_cast<int>(j0));
   };
-  auto load_v = [&](int64_t j0, int b) {
-    sw128_load_rows<kKeys, DV, kWgThreads>(smem + L::v_off(b), kv, DKV, DQK, j0, T, NH, h);
-  };
+  auto load_k = [&](int64_t j0, int b) { load(j0, b, 0, DQK / 64, 0); };
+  auto load_v = [&](int64_t j0, int b) { load(j0, b, DQK, DV / 64, 1); };
+  auto wait_k = [&](int64_t n) { mbar_wait(bar_s + 8 * (n & 1), (n >> 1) & 1); };
+  auto wait_v = [&](int64_t n) { mbar_wait(bar_s + 8 * (2 + (n & 1)), (n >> 1) & 1); };
 
   MlaRows rw;
   rw.load(r0 + 64 * wg + 16 * wq + gq, T, count, seq_start, seq_len);
@@ -349,7 +366,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   prefetch(j1 + kKeys);
   if (j0 < khi) {  // block 0's scores and probabilities (the output is still zero: no rescale)
     cp_async_wait<0>();
-    fence_proxy_async();
+    fence_proxy_async();  // Q, by cp.async
+    wait_k(0);
     __syncthreads();
     issue_scores<DQK>(s, qs, smem_s + L::k_off(0));
     wgmma_wait<0>();
@@ -358,13 +376,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     pack_tile(p, s);
   }
   for (int i = 0; j0 < khi; ++i) {
-    cp_async_wait<0>();  // K of block i + 1 and V of block i, issued an iteration ago
-    fence_proxy_async();
-    // Its barrier makes them visible to every thread and finds every warpgroup done with iteration i − 1.
+    if (j1 < khi) wait_k(i + 1);  // K of block i + 1 and V of block i, issued an iteration ago
+    wait_v(i);
+    // resolve's barrier finds every warpgroup done with iteration i − 1.
     const int64_t j2 = resolve(b2);
     if (j2 < khi) load_k(j2, i & 1);
     if (j1 < khi) load_v(j1, (i + 1) & 1);
-    cp_async_commit();
     prefetch(j2 + kKeys);
     // Block i + 1's scores, also past the last block (on a stale K buffer, unused): ptxas serialises wgmma under a
     // branch it cannot prove warpgroup-uniform.
@@ -387,7 +404,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     j0 = j1, j1 = j2;
     b1[0] = b2[0], b1[1] = b2[1];
   }
-  cp_async_wait<0>();
+  cp_async_wait<0>();  // no block: Q's copies still in flight
   rw.store<DV>(oc, m, l, o, lse2, NH, h, tq);
 }
 
@@ -399,8 +416,14 @@ void launch_wgmma(const bf16* q, const bf16* kv, const uint32_t* mask, int64_t w
   NEXTLM_CUDA_CHECK(
       cudaFuncSetAttribute(mla_wgmma_kernel<DQK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(DQK));
+  check(T < (int64_t{1} << 31), "MLA attention on tensor cores: ", T, " tokens (TMA coordinates are 32-bit)");
+  // kv [T, NH, DQK + DV] as (DQK + DV, NH, T), boxes of 64 columns × one head × 64 keys.
+  const cuuint64_t dims[3] = {DQK + DV, static_cast<cuuint64_t>(NH), static_cast<cuuint64_t>(T)},
+                   strides[2] = {(DQK + DV) * 2, static_cast<cuuint64_t>(NH) * (DQK + DV) * 2};
+  const cuuint32_t box[3] = {64, 1, kKeys};
+  const CUtensorMap map_kv = bf16_tensor_map(kv, 3, dims, strides, box, "MLA attention");
   mla_wgmma_kernel<DQK, DV><<<dim3(static_cast<unsigned>(ceil_div(T, kWgRows)), static_cast<unsigned>(NH)),
-                              kWgThreads, bytes, st>>>(q, kv, mask, words, count, seq_start, seq_len, o, lse2, T,
+                              kWgThreads, bytes, st>>>(map_kv, q, mask, words, count, seq_start, seq_len, o, lse2, T,
                                                        static_cast<int>(NH), scale_log2);
 }
 
