@@ -694,10 +694,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // k and v stay in shared memory; the query tiles (q | do) are double-buffered. The two warpgroups split the work on
 // the same 64 keys: warpgroup 0 forms sᵀ = k·qᵀ, hands it (fp32) to warpgroup 1 through shared memory, forms pᵀ and
 // adds dv += pᵀ·do; warpgroup 1 forms dpᵀ = v·doᵀ meanwhile, then the same pᵀ from sᵀ and dsᵀ = pᵀ·(dpᵀ − D)·scale
-// as p_ds does, and adds dk += dsᵀ·q. The score products are wgmma m64n64k16 with both operands K-major from shared memory, the others take
-// pᵀ and dsᵀ repacked into wgmma's A registers and q, do read N-major. dk | dv are added to once per element after
-// the walk. Every matrix in shared memory is in the 128-byte-swizzle layout of cuda/wgmma.cuh; sᵀ goes through
-// shared memory in the accumulators' own order, element i of thread x at [i][x].
+// as p_ds does, and adds dk += dsᵀ·q. The score products are wgmma m64n64k16 with both operands K-major from shared
+// memory, the others take pᵀ and dsᵀ repacked into wgmma's A registers and q, do read N-major. dk | dv are added to
+// once per element after the walk. Every matrix in shared memory is in the 128-byte-swizzle layout of
+// cuda/wgmma.cuh; sᵀ goes through shared memory in the accumulators' own order, element i of thread x at [i][x].
 template <int D>
 struct KeyWg {
   static constexpr int k_bytes = kTile * D * 2, stage_bytes = 2 * k_bytes;  // k | v; a stage: q | do
