@@ -642,6 +642,52 @@ TEST(CudaTrain, JoinedLoraWeightsFollowTheAdapterUpdates) {
   EXPECT_LE(std::fabs(on[1] - off[1]), 0.05 * moved) << off[0] << " -> " << off[1] << ", joined " << on[1];
 }
 
+// The joined input gradients keep [W ; A] from step to step (W's rows copied once); the adapters' A in it must follow
+// the optimizer's updates. A step (lr 1e-2: every adapter element moves), then the next forward + backward against a
+// fresh model's (nothing kept) on the updated adapters: the same loss and adapter gradients (a stale A would leave
+// the layers below each joined projection with the old adapter's input gradient).
+TEST(CudaTrain, JoinedLoraInputGradientsFollowTheAdapterUpdates) {
+  const JoiningCase c;
+  const LoraAdapter lora = test::random_lora(c.base.config(), LoraExperts::PerExpert, 16);
+  CudaModel gpu(c.base);
+  gpu.set_train_linears(false);
+  gpu.set_lora(lora);
+  gpu.start_lora_optimizer(lora);
+  gpu.zero_grads();
+  const int64_t before = lora_joined_input_gradients();
+  gpu.forward_backward(c.batch);
+  EXPECT_GE(lora_joined_input_gradients() - before, 3) << "the KDA's and MLA's o and the dense MLP's down";
+  gpu.lora_adamw_step(AdamWOptions{}, 1e-2, 1, 1.0, 1e9);
+  LoraAdapter moved = test::without_gradients(lora);
+  gpu.download_lora(moved, nullptr);
+  gpu.zero_grads();
+  const double loss = gpu.forward_backward(c.batch);
+  LoraAdapter kept = test::without_gradients(lora);
+  gpu.lora_gradients(kept);
+  CudaModel fresh(c.base);
+  fresh.set_train_linears(false);
+  fresh.set_lora(moved);
+  fresh.zero_grads();
+  const double ref_loss = fresh.forward_backward(c.batch);
+  LoraAdapter ref = test::without_gradients(lora);
+  fresh.lora_gradients(ref);
+  EXPECT_LE(std::fabs(loss - ref_loss), 1e-6 * std::fabs(ref_loss));
+  std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
+  for (size_t i = 0; i < ref.modules().size(); ++i) {
+    const LoraModule &r = ref.modules()[i], &g = kept.modules()[i];
+    auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
+    for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+      for (size_t j = 0; j < rt.data.size(); ++j) {
+        acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+        acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
+      }
+  }
+  for (const auto& [kind, acc] : by_kind) {
+    EXPECT_GT(acc[1], 0.0) << kind;
+    EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-5) << kind;
+  }
+}
+
 // The device LoRA optimizer (start_lora_optimizer, lora_adamw_step, download_lora) takes the step the host's
 // clip_grad_norm + AdamW::step take on the same gradients: two steps, the first clipped, the second not; the norms
 // agree to 1e-9 relative and the adapters and moments to 1e-6 of each tensor's norm (fp32 ulps: the norm's double

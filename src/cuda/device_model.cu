@@ -71,13 +71,18 @@ std::atomic<int64_t> g_lora_stacked_groups{0};
 
 namespace {
 std::atomic<bool> g_lora_joining{true};
-std::atomic<int64_t> g_lora_joined{0};
+std::atomic<int64_t> g_lora_joined{0}, g_lora_joined_dx{0};
 }  // namespace
 
 void set_lora_joining(bool on) { g_lora_joining = on; }
 bool lora_joining() { return g_lora_joining; }
 int64_t lora_joined_projections() { return g_lora_joined; }
 void note_lora_joined_projection() { ++g_lora_joined; }
+int64_t lora_joined_input_gradients() { return g_lora_joined_dx; }
+void note_lora_joined_input_gradient() {
+  ++g_lora_joined;
+  ++g_lora_joined_dx;
+}
 
 void set_lora_stacking(bool on) { g_lora_stacking = on; }
 bool lora_stacking() { return g_lora_stacking; }

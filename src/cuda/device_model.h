@@ -53,13 +53,17 @@ void set_lora_stacking(bool on);
 bool lora_stacking();
 int64_t lora_stacked_groups();
 
-// Whether training joins a dense projection and its one adapter into one GEMM, [x | u]·[W | B]ᵀ, where the input is
-// at most 2048 wide (a KDA layer's f_b and g_b, an MLA layer's q_b and kv_b, the shared expert's down; the default),
-// in place of the adapter's product written first and the projection's GEMM adding onto it. Process-wide, for tests
-// and benchmarks; lora_joined_projections() counts the joined GEMMs run so far in this process.
+// Whether training joins a dense projection and its adapters into one GEMM, [x | u]·[W | B]ᵀ, where that saves
+// memory traffic (train.cu's joined_forward: a KDA layer's q|k|v, f_b and g_b, an MLA layer's q_b and kv_b, the MLPs'
+// gate|up; the default), in place of the adapters' products written first and the projection's GEMM adding onto
+// them; and the input gradient of a frozen output projection and its adapter, [dy | s·dy·B]·[W ; A] (joined_backward:
+// the KDA's and MLA's o, the dense MLP's down), in place of the adapter's product added onto the projection's.
+// Process-wide, for tests and benchmarks; lora_joined_projections() counts the joined GEMMs run so far in this
+// process, lora_joined_input_gradients() those of the second kind among them.
 void set_lora_joining(bool on);
 bool lora_joining();
 int64_t lora_joined_projections();
+int64_t lora_joined_input_gradients();
 
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {

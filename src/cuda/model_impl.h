@@ -31,6 +31,7 @@ namespace nextlm {
 // Counts one stacked group of LoRA adapters (lora_stacked_groups in device_model.h); the training step calls it.
 void note_lora_stacked_group();
 void note_lora_joined_projection();
+void note_lora_joined_input_gradient();  // counts in lora_joined_projections() too
 
 namespace cuda {
 
@@ -371,8 +372,9 @@ struct LoraState {
   std::unique_ptr<Optimizer> opt;
   void* grouped_ptrs = nullptr;  // the LayerLora::Grouped arrays
   // Joined weights [W | B…] of the frozen projections that run joined with their adapters (train.cu's
-  // joined_forward), by the projection's W: W's columns copied once, the adapters' B refreshed on every use.
-  // set_weights clears them.
+  // joined_forward), by the projection's W: W's columns copied once, the adapters' B refreshed on every use; and
+  // [W ; A] of those whose input gradient runs joined (joined_backward; K there: W's rows + A's, padded), A's rows
+  // refreshed on every use. Both within kJoinCacheBytes together. set_weights clears them.
   struct Joined {
     bf16* w = nullptr;
     int64_t K = 0;  // row stride: W's input width + the joined u's width (padded to a multiple of 8)
@@ -380,11 +382,13 @@ struct LoraState {
     // call with the same layout only copies the B blocks over their old values; empty: not zeroed yet.
     std::vector<int64_t> layout;
   };
-  std::map<const bf16*, Joined> joined;
+  std::map<const bf16*, Joined> joined, joined_dx;
   size_t joined_bytes = 0;
   void clear_joined() {
-    for (auto& [key, j] : joined) cudaFree(j.w);
-    joined.clear();
+    for (auto* m : {&joined, &joined_dx}) {
+      for (auto& [key, j] : *m) cudaFree(j.w);
+      m->clear();
+    }
     joined_bytes = 0;
   }
   ~LoraState() {

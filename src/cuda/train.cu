@@ -53,6 +53,13 @@ __global__ void scale_to_bf16_kernel(const float* x, float s, bf16* y, int64_t n
     y[i] = __float2bfloat16(s * x[i]);
 }
 
+// y[r, c] (row stride ldy) = bf16(s·x[r, c]) for x [rows, cols] (contiguous): scale_to_bf16_kernel's arithmetic.
+__global__ void scale_to_bf16_rows_kernel(const float* x, float s, bf16* y, int64_t ldy, int64_t rows, int64_t cols) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[(i / cols) * ldy + i % cols] = __float2bfloat16(s * x[i]);
+}
+
 // dst[r, c] = src[r, c] for r < rows, c < cols (bf16, row strides ldd and lds); VEC (cols, strides and bases in
 // 16-byte units): eight columns a thread.
 template <bool VEC>
@@ -445,8 +452,70 @@ class Step {
     }
     return next == width;
   }
+  // The input gradient of a frozen projection with one adapter on all its rows, dx (+)= dy·W + s·(dy·B)·A, as one
+  // GEMM over the joined contraction [dy | gs]·[W ; A] (gs = s·dy·B in bf16, the one dA is formed from): one write of
+  // dx in place of the adapter's read-modify-write of the fp32 dx after the projection's GEMM. It joins where the dx
+  // it saves (written and read, 8 bytes an element of [rows, in]) outweighs the copy of dy (read and written, 4 bytes
+  // an element of [rows, out]): out < 2·in, the sub-layers' output projections (the KDA's and MLA's o, the dense
+  // MLP's down). [W ; A] is kept (LoraState::joined_dx): W's rows copied once, A's on every call (it trains); the
+  // adapter's dB and dA are lora_backward's. False (nothing done) where this does not apply.
+  bool joined_backward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
+                       const bf16* dy, float* dx, float* dW, bool set_dx) {
+    if (!lora_joining() || !m_.lora || m_.train_linears || dW || !dx || kinds.size() != 1 || W.out >= 2 * W.in ||
+        W.out % 8 != 0)
+      return false;
+    const auto& v = m_.lora->layers[i].kinds[static_cast<int>(*kinds.begin())];
+    if (v.size() != 1) return false;
+    const DAdapter& ad = v[0];
+    const auto u = lora_u_[site_].find({&ad, x});
+    if (ad.col0 != 0 || ad.out != W.out || ad.in != W.in || stacked(ad) || u == lora_u_[site_].end()) return false;
+    const int64_t T = this->T(), r = ad.r, K = W.out + ceil_div(r, int64_t{8}) * 8;  // A's rows padded to 8
+    LoraState& ls = *m_.lora;
+    auto it = ls.joined_dx.find(W.w);
+    if (it != ls.joined_dx.end() && it->second.K != K) {
+      cudaFree(it->second.w);  // (a stream-ordered use of it ran before: cudaFree waits for the device)
+      ls.joined_bytes -= static_cast<size_t>(it->second.K * W.in) * sizeof(bf16);
+      ls.joined_dx.erase(it);
+      it = ls.joined_dx.end();
+    }
+    if (it == ls.joined_dx.end()) {
+      const size_t bytes = static_cast<size_t>(K * W.in) * sizeof(bf16);
+      if (ls.joined_bytes + bytes > kJoinCacheBytes) return false;
+      bf16* w = nullptr;
+      if (cudaMalloc(&w, bytes) != cudaSuccess) {  // a full card: the additive path, which needs no copy
+        (void)cudaGetLastError();
+        return false;
+      }
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(w, W.w, W.out * W.in * sizeof(bf16), cudaMemcpyDeviceToDevice, m_.stream));
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(w + (W.out + r) * W.in, 0, (K - W.out - r) * W.in * sizeof(bf16), m_.stream));
+      it = ls.joined_dx.emplace(W.w, LoraState::Joined{w, K, {}}).first;
+      ls.joined_bytes += bytes;
+    }
+    bf16* wj = it->second.w;
+    NEXTLM_CUDA_CHECK(
+        cudaMemcpyAsync(wj + W.out * W.in, ad.A, r * W.in * sizeof(bf16), cudaMemcpyDeviceToDevice, m_.stream));
+    // [dy | gs | 0]: dy's columns, the adapter's dB and gs = s·dy·B (as lora_backward forms them) after them.
+    bf16* dyj = m_.arena.alloc<bf16>(T * K);
+    copy_cols(dyj, K, dy, W.out, T, W.out);
+    if (K != W.out + r)
+      NEXTLM_CUDA_CHECK(
+          cudaMemset2DAsync(dyj + W.out + r, K * sizeof(bf16), 0, (K - W.out - r) * sizeof(bf16), T, m_.stream));
+    m_.gemm->run_dw(dy, W.out, u->second, r, ad.out, r, T, ad.dB, true);
+    float* g = m_.arena.alloc<float>(T * r);
+    m_.gemm->run_dx(dy, W.out, ad.B, ad.out, r, g, r, T, false);
+    if (T > 0) {
+      scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * r, 256), 4096)), 256, 0,
+                                  m_.stream>>>(g, ad.scale, dyj + W.out, K, T, r);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+    }
+    m_.gemm->run_dw(dyj + W.out, K, x, ldx, r, ad.in, T, ad.dA, true);
+    m_.gemm->run_dx(dyj, K, wj, K, W.in, dx, W.in, T, !set_dx);
+    note_lora_joined_input_gradient();
+    return true;
+  }
   void linear_backward(size_t i, std::initializer_list<LoraKind> kinds, const DLinear& W, const bf16* x, int64_t ldx,
                        const bf16* dy, float* dx, float* dW, bool set_dx = false) {
+    if (joined_backward(i, kinds, W, x, ldx, dy, dx, dW, set_dx)) return;
     linear_backward(W, x, ldx, dy, T(), dx, dW, set_dx);
     for (LoraKind k : kinds)
       if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, x, ldx, dy, W.out, T(), dx);
