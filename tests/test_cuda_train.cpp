@@ -688,6 +688,49 @@ TEST(CudaTrain, JoinedLoraInputGradientsFollowTheAdapterUpdates) {
   }
 }
 
+// The narrow projections' input gradients in one GEMM (set_narrow_joining, the default: the KDA's g_a, b and f_a
+// with their stacked LoRA group, the MLA's kv_a and q_a with theirs) against one GEMM each: the same loss and
+// gradients up to the GEMMs' summation order, for a full-parameter step (every tensor, the narrow projections' weight
+// gradients from their columns of the joined buffer among them; b is 2 wide in the golden, so its columns are
+// padded) and for LoRA steps at rank 16 and 4 with every sub-layer kept and recomputed; with the adapters not
+// stacked, nothing joins.
+TEST(CudaTrain, NarrowInputGradientsMatchOneGemmEach) {
+  struct Restore {
+    ~Restore() { set_narrow_joining(true); }
+  } restore;
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model m = Model::load(dir);
+  const PackedBatch batch = golden_batch(dir);
+  CudaModel gpu(m);
+  std::array<double, 2> loss{};
+  std::array<ModelWeights, 2> grads;
+  for (const bool on : {false, true}) {
+    set_narrow_joining(on);
+    gpu.zero_grads();
+    const int64_t before = narrow_joined_gradients();
+    loss[on] = gpu.forward_backward(batch);
+    EXPECT_EQ(narrow_joined_gradients() - before, on ? 4 : 0) << "three KDA layers and one MLA layer";
+    grads[on] = gpu.gradients();
+  }
+  EXPECT_LE(std::fabs(loss[1] - loss[0]), 1e-6 * std::fabs(loss[0]));
+  const auto e = errors(hub_gradients(m.config(), grads[1], ""), hub_gradients(m.config(), grads[0], ""));
+  for (const auto& [tensor, v] : e) EXPECT_LE(v, 1e-2) << tensor;
+  std::printf("[cuda narrow] full step: all tensors %.3g from one GEMM each\n", e.at("*"));
+  const Model base = test::bf16_weights_reference(dir);
+  for (const int rank : {16, 4})
+    for (const char* policy : {"all", "none"})
+      lora_switch_runs(base, batch, rank, policy, set_narrow_joining, narrow_joined_gradients,
+                       [](bool on) { return on; }, 1e-5);
+  // Adapters outside stacked groups add their own input gradients as their backward runs, before the GEMM that
+  // writes da: the pieces then stay apart (no joined GEMM) and the gradients are the same.
+  set_lora_stacking(false);
+  struct RestoreStacking {
+    ~RestoreStacking() { set_lora_stacking(true); }
+  } restore_stacking;
+  lora_switch_runs(base, batch, 4, "none", set_narrow_joining, narrow_joined_gradients,
+                   [](bool) { return false; }, 1e-5);
+}
+
 // The device LoRA optimizer (start_lora_optimizer, lora_adamw_step, download_lora) takes the step the host's
 // clip_grad_norm + AdamW::step take on the same gradients: two steps, the first clipped, the second not; the norms
 // agree to 1e-9 relative and the adapters and moments to 1e-6 of each tensor's norm (fp32 ulps: the norm's double

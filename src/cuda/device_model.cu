@@ -84,6 +84,16 @@ void note_lora_joined_input_gradient() {
   ++g_lora_joined_dx;
 }
 
+namespace {
+std::atomic<bool> g_narrow_joining{true};
+std::atomic<int64_t> g_narrow_joined{0};
+}  // namespace
+
+void set_narrow_joining(bool on) { g_narrow_joining = on; }
+bool narrow_joining() { return g_narrow_joining; }
+int64_t narrow_joined_gradients() { return g_narrow_joined; }
+void note_narrow_joined_gradient() { ++g_narrow_joined; }
+
 void set_lora_stacking(bool on) { g_lora_stacking = on; }
 bool lora_stacking() { return g_lora_stacking; }
 int64_t lora_stacked_groups() { return g_lora_stacked_groups; }

@@ -65,6 +65,14 @@ bool lora_joining();
 int64_t lora_joined_projections();
 int64_t lora_joined_input_gradients();
 
+// Whether training forms the input gradient of a sub-layer's narrow projections of one input (the KDA's g_a, b and
+// f_a; the MLA's kv_a and q_a) in one GEMM over their stacked weights, with their stacked LoRA group's, in place of
+// one GEMM each adding onto the fp32 gradient (train.cu's Narrow; the default). Process-wide, for tests and
+// benchmarks; narrow_joined_gradients() counts those GEMMs run so far in this process.
+void set_narrow_joining(bool on);
+bool narrow_joining();
+int64_t narrow_joined_gradients();
+
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {
   double kl = 0;            // KL(ref ‖ ours) over the vocabulary

@@ -32,6 +32,7 @@ namespace nextlm {
 void note_lora_stacked_group();
 void note_lora_joined_projection();
 void note_lora_joined_input_gradient();  // counts in lora_joined_projections() too
+void note_narrow_joined_gradient();
 
 namespace cuda {
 

@@ -263,6 +263,96 @@ class Step {
       g.g = nullptr, g.done = 0, g.dx = nullptr;
     }
   }
+  // ---- Joined narrow input gradients ----
+  // A sub-layer's projections of one input a whose outputs are narrow beside the others' (the KDA's g_a, b and f_a;
+  // the MLA's kv_a and q_a): their output gradients go, in bf16, into their columns of one [T, ld] buffer (each
+  // piece's first column a multiple of 8, zeros between), and their input gradient is one GEMM over their stacked
+  // weights [W_1; …; W_m] (copied on every call: they are small, and may train) — with the site's stacked LoRA group
+  // on a after them (its s·dy·B and A: flush_lora_groups' dx for it) — in place of one GEMM each, every one after
+  // the first reading and writing the fp32 da again. dy null: not joined (narrow_joining off).
+  struct Narrow {
+    std::vector<const DLinear*> W;
+    std::vector<int64_t> col;  // each piece's first column in dy
+    int64_t pieces = 0;        // the pieces' columns (padded to 8); a LoRA group's s·dy·B after them
+    bf16* dy = nullptr;
+    int64_t ld = 0;
+    const bf16* x = nullptr;
+    int64_t ldx = 0;
+    float* dx = nullptr;
+  };
+  // Null when joining is off, or when a piece has an adapter outside a stacked group: such an adapter adds its own
+  // dx as its backward runs, before the GEMM that writes dx (the pieces' join comes after it).
+  Narrow narrow(size_t i, std::initializer_list<std::pair<const DLinear*, LoraKind>> pieces, const bf16* x,
+                int64_t ldx, float* dx) {
+    Narrow n;
+    if (!narrow_joining()) return n;
+    const int64_t in = pieces.begin()->first->in;
+    int64_t used = 0;  // columns written
+    for (const auto& [W, kind] : pieces) {
+      const DAdapter* ad = adapter(i, kind);
+      if (W->in != in || (ad && !stacked(*ad))) return Narrow{};
+      n.W.push_back(W), n.col.push_back(n.pieces);
+      n.pieces += ceil_div(W->out, int64_t{8}) * 8, used += W->out;
+    }
+    n.ld = n.pieces;
+    for (const LoraGroup& g : lora_groups_[site_])
+      if (g.x == x && g.ads[0]->in == in) n.ld += ceil_div(g.ld(), int64_t{8}) * 8, used += g.ld();
+    n.dy = m_.arena.alloc<bf16>(T() * n.ld);
+    if (used != n.ld)  // the columns between
+      NEXTLM_CUDA_CHECK(cudaMemsetAsync(n.dy, 0, T() * n.ld * sizeof(bf16), m_.stream));
+    n.x = x, n.ldx = ldx, n.dx = dx;
+    return n;
+  }
+  // Piece p's output gradient g (fp32 [T, W.out]) into its columns, in bf16 (half's rounding); then, as
+  // linear_backward without its dx GEMM, dW and its adapter's backward (a stacked group's member: its s·dy·B goes to
+  // the group, whose dx flush_narrow or flush_lora_groups makes).
+  void narrow_backward(size_t i, std::initializer_list<LoraKind> kinds, Narrow& n, int p, const float* g, float* dW) {
+    const DLinear& W = *n.W[p];
+    bf16* dy = n.dy + n.col[p];
+    if (T() > 0) {
+      scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T() * W.out, 256), 4096)), 256, 0,
+                                  m_.stream>>>(g, 1.0f, dy, n.ld, T(), W.out);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+    }
+    if (dW) m_.gemm->run_dw(dy, n.ld, n.x, n.ldx, W.out, W.in, T(), dW, true);
+    for (LoraKind k : kinds)
+      if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, n.x, n.ldx, dy, n.ld, T(), n.dx);
+  }
+  // dx (+)= [dy_1 | … | dy_m | s·dy·B]·[W_1; …; W_m; A], the group's dA from its columns (flush_lora_groups' work,
+  // whose dx for the group is then this GEMM's share); without a group whose every member ran its backward onto
+  // this dx, the pieces alone (the group flushes as before).
+  void flush_narrow(Narrow& n, bool set_dx) {
+    const int64_t T = this->T(), in = n.W[0]->in;
+    LoraGroup* grp = nullptr;
+    for (LoraGroup& g : lora_groups_[site_])
+      if (g.g && g.x == n.x && g.dx == n.dx && g.rows == T && g.done == static_cast<int>(g.ads.size()) &&
+          n.pieces + ceil_div(g.ld(), int64_t{8}) * 8 == n.ld)
+        grp = &g;
+    const int64_t K = grp ? n.ld : n.pieces;
+    bf16* wj = m_.arena.alloc<bf16>(K * in);
+    int64_t used = grp ? grp->ld() : 0;  // rows copied
+    for (const DLinear* W : n.W) used += W->out;
+    if (used != K) NEXTLM_CUDA_CHECK(cudaMemsetAsync(wj, 0, K * in * sizeof(bf16), m_.stream));  // the rows between
+    for (size_t p = 0; p < n.W.size(); ++p)
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(wj + n.col[p] * in, n.W[p]->w, n.W[p]->out * in * sizeof(bf16),
+                                        cudaMemcpyDeviceToDevice, m_.stream));
+    if (grp) {
+      const DAdapter& a0 = *grp->ads[0];
+      const int64_t r = grp->ld();
+      bf16* gs = n.dy + n.pieces;
+      if (T > 0) {
+        scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * r, 256), 4096)), 256, 0,
+                                    m_.stream>>>(grp->g, a0.scale, gs, n.ld, T, r);
+        NEXTLM_CUDA_CHECK(cudaGetLastError());
+      }
+      m_.gemm->run_dw(gs, n.ld, grp->x, grp->ldx, r, a0.in, T, a0.dA, true);
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(wj + n.pieces * in, a0.A, r * in * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                                        m_.stream));
+      grp->g = nullptr, grp->done = 0, grp->dx = nullptr;  // flushed
+    }
+    m_.gemm->run_dx(n.dy, n.ld, wj, K, in, n.dx, in, T, !set_dx);
+    note_narrow_joined_gradient();
+  }
   void clear_lora_site() {
     lora_u_[site_].clear();
     lora_groups_[site_].clear();
@@ -929,8 +1019,10 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
   float* dga = ar.alloc<float>(T * K);
   linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, dgate, dga, gw.g_b, true);
-  // The first of da's writers (sub_backward): it writes, the later ones add.
-  linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a, true);
+  // da: g_a, b and f_a joined (narrow) after q|k|v's GEMM, which then writes it; else g_a's writes, the later add.
+  Narrow n = narrow(i, {{&w.g_a, LoraKind::KdaGA}, {&w.b, LoraKind::KdaB}, {&w.f_a, LoraKind::KdaFA}}, a, D, da);
+  if (n.dy) narrow_backward(i, {LoraKind::KdaGA}, n, 0, dga, gw.g_a);
+  else linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a, true);
   // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
   // backward through time (which adds into zeroed ones).
   const bool chunked = K == 32 || K == 64 || K == 128;
@@ -949,20 +1041,23 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   }
   // beta = sigmoid(b_proj·a)
   sigmoid_backward_inplace(x.beta, dbeta, T * H, st);
-  linear_backward(i, {LoraKind::KdaB}, w.b, a, D, half(dbeta, T * H), da, gw.b);
+  if (n.dy) narrow_backward(i, {LoraKind::KdaB}, n, 1, dbeta, gw.b);
+  else linear_backward(i, {LoraKind::KdaB}, w.b, a, D, half(dbeta, T * H), da, gw.b);
   // g = gate(f_b(f_a(a)) + dt_bias)
   bf16* df = ar.alloc<bf16>(T * HK);  // the GEMMs' operand, written in bf16 directly
   kda_gate_backward(x.f, w.dt_bias, w.A_log, dg, nullptr, gw.dt_bias, gw.A_log, T, H, K, has_bound, bound,
                     ar.alloc<float>(kda_gate_backward_workspace_floats(T, H, K)), st, df);
   float* dfa = ar.alloc<float>(T * K);
   linear_backward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, df, dfa, gw.f_b, true);
-  linear_backward(i, {LoraKind::KdaFA}, w.f_a, a, D, half(dfa, T * K), da, gw.f_a);
+  if (n.dy) narrow_backward(i, {LoraKind::KdaFA}, n, 2, dfa, gw.f_a);
+  else linear_backward(i, {LoraKind::KdaFA}, w.f_a, a, D, half(dfa, T * K), da, gw.f_a);
   // q, k, v = norms(silu(conv(qkv(a))))
   bf16* draw16 = ar.alloc<bf16>(T * 3 * HK);  // the projection's output gradient, written in bf16 directly
   kda_conv_norm_backward(x.raw, w.conv, p_.seq_start, dq, dk, dv, nullptr, gw.conv, T, H, K, W,
                          ar.alloc<float>(kda_conv_norm_backward_workspace_floats(T, H, K, W)), st, draw16);
   linear_backward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, draw16, da,
-                  gw.qkv);
+                  gw.qkv, n.dy != nullptr);
+  if (n.dy) flush_narrow(n, false);
 }
 
 // The expanded MLA attention in fp32 over a given selection (the indexer ran in the forward pass).
@@ -1078,15 +1173,19 @@ void Step::dsa_backward(size_t i, const DDsa& w, GDsa& gw, const bf16* a, const 
   float* dlat_raw = zeros(T * KL);
   rmsnorm_backward(x.lat, KL, w.kv_a_norm, dlat, dlat_raw, gw.kv_a_norm, T, KL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, KL)), st);
-  // The first of da's writers (sub_backward): it writes, q_a's adds.
-  linear_backward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, half(dlat_raw, T * KL), da, gw.kv_a, true);
+  // da: kv_a and q_a joined (narrow), one GEMM writing it; else kv_a's writes (the first), q_a's adds.
+  Narrow n = narrow(i, {{&w.kv_a, LoraKind::MlaKVA}, {&w.q_a, LoraKind::MlaQA}}, a, D, da);
+  if (n.dy) narrow_backward(i, {LoraKind::MlaKVA}, n, 0, dlat_raw, gw.kv_a);
+  else linear_backward(i, {LoraKind::MlaKVA}, w.kv_a, a, D, half(dlat_raw, T * KL), da, gw.kv_a, true);
   // q = q_b(RMSNorm(q_a(a)))
   float* dqr = ar.alloc<float>(T * QL);
   linear_backward(i, {LoraKind::MlaQB}, w.q_b, x.qr, QL, dq16 ? dq16 : half(dq, T * NH * dqk), dqr, gw.q_b, true);
   float* dqa = zeros(T * QL);
   rmsnorm_backward(x.qa, QL, w.q_a_norm, dqr, dqa, gw.q_a_norm, T, QL, eps,
                    ar.alloc<float>(rmsnorm_backward_workspace_floats(T, QL)), st);
-  linear_backward(i, {LoraKind::MlaQA}, w.q_a, a, D, half(dqa, T * QL), da, gw.q_a);
+  if (!n.dy) return linear_backward(i, {LoraKind::MlaQA}, w.q_a, a, D, half(dqa, T * QL), da, gw.q_a);
+  narrow_backward(i, {LoraKind::MlaQA}, n, 1, dqa, gw.q_a);
+  flush_narrow(n, true);
 }
 
 void Step::mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpActs& x, float* y) {
