@@ -522,6 +522,26 @@ TEST(CudaTrain, SmallWeightGradientsOnlyWhenAsked) {
   EXPECT_LE(std::sqrt(diff / norm), 1e-2);
 }
 
+// Each LoRA kind's adapter gradients (dA and dB together) of `got` within `tol` of `ref`'s, norm-relative; every kind
+// has some gradient in ref and every element of got is finite. `at` names the case in the messages.
+void expect_lora_gradients_near(const LoraAdapter& ref, const LoraAdapter& got, double tol, const std::string& at) {
+  std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
+  for (size_t i = 0; i < ref.modules().size(); ++i) {
+    const LoraModule &r = ref.modules()[i], &g = got.modules()[i];
+    auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
+    for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
+      for (size_t j = 0; j < rt.data.size(); ++j) {
+        EXPECT_TRUE(std::isfinite(gt.data[j])) << at;
+        acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
+        acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
+      }
+  }
+  for (const auto& [kind, acc] : by_kind) {
+    EXPECT_GT(acc[1], 0.0) << kind << " " << at;
+    EXPECT_LE(std::sqrt(acc[0] / acc[1]), tol) << kind << " " << at;
+  }
+}
+
 // A LoRA step on the golden's base with random per-expert adapters at `rank` under `policy`, run with a
 // process-wide switch off and then on (set(false), set(true)): the losses within loss_tol relative, and each kind's
 // adapter gradients (dA and dB together) within 1e-2 of the first run's; `count` (a process-wide counter) grows in a
@@ -547,21 +567,7 @@ std::pair<double, double> lora_switch_runs(const Model& base, const PackedBatch&
   LoraAdapter off = test::without_gradients(lora), on = test::without_gradients(lora);
   const double loss_off = run(false, off), loss_on = run(true, on);
   EXPECT_LE(std::fabs(loss_on - loss_off) / std::fabs(loss_off), loss_tol) << at;
-  std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
-  for (size_t i = 0; i < off.modules().size(); ++i) {
-    const LoraModule &r = off.modules()[i], &g = on.modules()[i];
-    auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
-    for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
-      for (size_t j = 0; j < rt.data.size(); ++j) {
-        EXPECT_TRUE(std::isfinite(gt.data[j])) << at;
-        acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
-        acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
-      }
-  }
-  for (const auto& [kind, acc] : by_kind) {
-    EXPECT_GT(acc[1], 0.0) << kind << " " << at;
-    EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-2) << kind << " " << at;
-  }
+  expect_lora_gradients_near(off, on, 1e-2, at);
   return {loss_off, loss_on};
 }
 
@@ -672,20 +678,7 @@ TEST(CudaTrain, JoinedLoraInputGradientsFollowTheAdapterUpdates) {
   LoraAdapter ref = test::without_gradients(lora);
   fresh.lora_gradients(ref);
   EXPECT_LE(std::fabs(loss - ref_loss), 1e-6 * std::fabs(ref_loss));
-  std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
-  for (size_t i = 0; i < ref.modules().size(); ++i) {
-    const LoraModule &r = ref.modules()[i], &g = kept.modules()[i];
-    auto& acc = by_kind[lora_kind_info(r.kind).group + std::string(".") + lora_kind_info(r.kind).leaf];
-    for (const auto& [rt, gt] : {std::tie(r.dA, g.dA), std::tie(r.dB, g.dB)})
-      for (size_t j = 0; j < rt.data.size(); ++j) {
-        acc[0] += std::pow(static_cast<double>(gt.data[j]) - rt.data[j], 2);
-        acc[1] += std::pow(static_cast<double>(rt.data[j]), 2);
-      }
-  }
-  for (const auto& [kind, acc] : by_kind) {
-    EXPECT_GT(acc[1], 0.0) << kind;
-    EXPECT_LE(std::sqrt(acc[0] / acc[1]), 1e-5) << kind;
-  }
+  expect_lora_gradients_near(ref, kept, 1e-5, "after a step");
 }
 
 // The narrow projections' input gradients in one GEMM (set_narrow_joining, the default: the KDA's g_a, b and f_a
