@@ -54,12 +54,13 @@ bool lora_stacking();
 int64_t lora_stacked_groups();
 
 // Whether training joins a dense projection and its adapters into one GEMM, [x | u]·[W | B]ᵀ, where that saves
-// memory traffic (train.cu's joined_forward: a KDA layer's q|k|v, f_b and g_b, an MLA layer's q_b and kv_b, the MLPs'
-// gate|up; the default), in place of the adapters' products written first and the projection's GEMM adding onto
-// them; and the input gradient of a frozen output projection and its adapter, [dy | s·dy·B]·[W ; A] (joined_backward:
-// the KDA's and MLA's o, the dense MLP's down), in place of the adapter's product added onto the projection's.
-// Process-wide, for tests and benchmarks; lora_joined_projections() counts the joined GEMMs run so far in this
-// process, lora_joined_input_gradients() those of the second kind among them.
+// memory traffic (train.cu's joined_forward, 2·out > in: a KDA layer's q|k|v, f_b and g_b, an MLA layer's q_b and
+// kv_b, the MLPs' gate|up, the shared expert's down; with a trained base only inputs up to 2048 wide; the default), in
+// place of the adapters' products written first and the projection's GEMM adding onto them; and the input gradient
+// of a frozen output projection and its adapter, [dy | s·dy·B]·[W ; A] (joined_backward: the KDA's and MLA's o, the
+// dense MLP's down), in place of the adapter's product added onto the projection's. Process-wide, for tests and
+// benchmarks; lora_joined_projections() counts the joined GEMMs run so far in this process,
+// lora_joined_input_gradients() those of the second kind among them.
 void set_lora_joining(bool on);
 bool lora_joining();
 int64_t lora_joined_projections();
