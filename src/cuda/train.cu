@@ -188,6 +188,13 @@ class Step {
     }
     return y;
   }
+  // The same into the columns of y [rows, ldy]: y[r, c] = bf16(s·x[r, c]) for x [rows, cols] (contiguous).
+  void scaled_bf16_into(const float* x, float s, bf16* y, int64_t ldy, int64_t rows, int64_t cols) {
+    if (rows * cols <= 0) return;
+    scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(rows * cols, 256), 4096)), 256, 0,
+                                m_.stream>>>(x, s, y, ldy, rows, cols);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  }
   // ---- Stacked adapters (lora_input_groups) ----
   // A site's dense adapters that read the same input rows, when they share rank, input width and scale and set_lora
   // laid their A and dA back to back (and the model is on one GPU): their u come from one GEMM on the stacked A
@@ -309,11 +316,7 @@ class Step {
   void narrow_backward(size_t i, std::initializer_list<LoraKind> kinds, Narrow& n, int p, const float* g, float* dW) {
     const DLinear& W = *n.W[p];
     bf16* dy = n.dy + n.col[p];
-    if (T() > 0) {
-      scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T() * W.out, 256), 4096)), 256, 0,
-                                  m_.stream>>>(g, 1.0f, dy, n.ld, T(), W.out);
-      NEXTLM_CUDA_CHECK(cudaGetLastError());
-    }
+    scaled_bf16_into(g, 1.0f, dy, n.ld, T(), W.out);
     if (dW) m_.gemm->run_dw(dy, n.ld, n.x, n.ldx, W.out, W.in, T(), dW, true);
     for (LoraKind k : kinds)
       if (const DAdapter* ad = adapter(i, k)) lora_backward(*ad, n.x, n.ldx, dy, n.ld, T(), n.dx);
@@ -340,11 +343,7 @@ class Step {
       const DAdapter& a0 = *grp->ads[0];
       const int64_t r = grp->ld();
       bf16* gs = n.dy + n.pieces;
-      if (T > 0) {
-        scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * r, 256), 4096)), 256, 0,
-                                    m_.stream>>>(grp->g, a0.scale, gs, n.ld, T, r);
-        NEXTLM_CUDA_CHECK(cudaGetLastError());
-      }
+      scaled_bf16_into(grp->g, a0.scale, gs, n.ld, T, r);
       m_.gemm->run_dw(gs, n.ld, grp->x, grp->ldx, r, a0.in, T, a0.dA, true);
       NEXTLM_CUDA_CHECK(cudaMemcpyAsync(wj + n.pieces * in, a0.A, r * in * sizeof(bf16), cudaMemcpyDeviceToDevice,
                                         m_.stream));
@@ -593,11 +592,7 @@ class Step {
     m_.gemm->run_dw(dy, W.out, u->second, r, ad.out, r, T, ad.dB, true);
     float* g = m_.arena.alloc<float>(T * r);
     m_.gemm->run_dx(dy, W.out, ad.B, ad.out, r, g, r, T, false);
-    if (T > 0) {
-      scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(T * r, 256), 4096)), 256, 0,
-                                  m_.stream>>>(g, ad.scale, dyj + W.out, K, T, r);
-      NEXTLM_CUDA_CHECK(cudaGetLastError());
-    }
+    scaled_bf16_into(g, ad.scale, dyj + W.out, K, T, r);
     m_.gemm->run_dw(dyj + W.out, K, x, ldx, r, ad.in, T, ad.dA, true);
     m_.gemm->run_dx(dyj, K, wj, K, W.in, dx, W.in, T, !set_dx);
     note_lora_joined_input_gradient();
