@@ -84,6 +84,23 @@ std::vector<int32_t> random_routing(int64_t T, int64_t k, int64_t E, double skew
 // The routing skew a case name asks for: "_skewed" in it → 1.
 double skew_of(const std::string& name) { return name.find("_skewed") != std::string::npos ? 1.0 : 0.0; }
 
+// Variant v of the cases' loops: every kernel on row-major weights, then the two TMA kernels on the weights in column
+// blocks and in tiles.
+std::pair<cuda::GroupedGemmKernel, cuda::GroupedWeightLayout> variant(int v) {
+  if (v < cuda::kGroupedGemmKernels) return {static_cast<cuda::GroupedGemmKernel>(v), cuda::GroupedWeightLayout::kRows};
+  v -= cuda::kGroupedGemmKernels;
+  return {v % 2 ? cuda::GroupedGemmKernel::kWgmmaTma128x256c4 : cuda::GroupedGemmKernel::kWgmmaTma128x256,
+          v / 2 ? cuda::GroupedWeightLayout::kTiles : cuda::GroupedWeightLayout::kColumnBlocks};
+}
+
+// A variant's name in the cases' names and notes: the kernel's, and "_blocks" or "_tiles" for those layouts.
+std::string variant_name(cuda::GroupedGemmKernel k, cuda::GroupedWeightLayout layout) {
+  return std::string(cuda::grouped_gemm_kernel_name(k)) +
+         (layout == cuda::GroupedWeightLayout::kColumnBlocks ? "_blocks"
+          : layout == cuda::GroupedWeightLayout::kTiles     ? "_tiles"
+                                                            : "");
+}
+
 }  // namespace
 
 void moe_grouped_gemm_case(const std::string& name) {
@@ -144,13 +161,21 @@ void moe_grouped_gemm_case(const std::string& name) {
   loop();  // out_ref again holds the per-expert result (the dense down overwrote it)
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
 
-  for (int v = 0; v < cuda::kGroupedGemmKernels; ++v) {
-    const auto kern = static_cast<cuda::GroupedGemmKernel>(v);
+  // The TMA variants also run on the weights in the other layouts (block_expert_weights), one more copy of them.
+  bf16 *w_gu_b = dev_alloc<bf16>(E * 2 * I * D), *w_dn_b = dev_alloc<bf16>(E * D * I);
+  for (int v = 0; v < cuda::kGroupedGemmKernels + 4; ++v) {
+    const auto [kern, layout] = variant(v);
+    const bool blocked = layout != cuda::GroupedWeightLayout::kRows;
+    if (blocked) {
+      cuda::block_expert_weights(w_gu, w_gu_b, E, 2 * I, D, layout, st);
+      cuda::block_expert_weights(w_dn, w_dn_b, E, D, I, layout, st);
+    }
     cuda::GroupedGemm g_gu{x, d_off, p_gu, act, n, static_cast<int>(E), static_cast<int>(2 * I),
                            static_cast<int>(D), cuda::GroupedEpilogue::kSwiGLU, limit, kern};
     cuda::GroupedGemm g_dn{act, d_off, p_dn, out, n, static_cast<int>(E), static_cast<int>(D),
                            static_cast<int>(I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
-    g_gu.W_all = w_gu, g_dn.W_all = w_dn;
+    g_gu.W_all = blocked ? w_gu_b : w_gu, g_dn.W_all = blocked ? w_dn_b : w_dn;
+    g_gu.w_layout = g_dn.w_layout = layout;
     // Poisoned outputs: the check below also catches unwritten rows.
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(act, 0xFF, n * I * sizeof(bf16), st));
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, n * D * sizeof(float), st));
@@ -171,18 +196,18 @@ void moe_grouped_gemm_case(const std::string& name) {
                   "(%.3f + %.3f ms) -> ours/dense %.0f%% (target 85%%), per-expert loop %.3f ms (%.2fx ours, "
                   "sync not timed); byte floor %.3f ms (%.1f GB of expert weights read once); rows/expert %d..%d; "
                   "check vs per-expert loop: act rel %.2g, out rel %.2g",
-                  ok ? "ok" : "CHECK FAILED", cuda::grouped_gemm_kernel_name(kern), tf, gu_ms, dn_ms, tf_dense,
+                  ok ? "ok" : "CHECK FAILED", variant_name(kern, layout).c_str(), tf, gu_ms, dn_ms, tf_dense,
                   dense_gu_ms, dense_dn_ms, 100.0 * dense_ms / ours, loop_ms, loop_ms / ours, bytes / kBytesPerMs,
                   2.0 * E * 3 * I * D / 1e9, min_rows, max_rows, err_act, err_out);
     // The case itself is the variant the model runs (set_moe_expert_gemm); the others carry their kernel's name.
-    const std::string case_name = v == moe_expert_gemm() ? name : name + "_" + cuda::grouped_gemm_kernel_name(kern);
+    const std::string case_name = v == moe_expert_gemm() ? name : name + "_" + variant_name(kern, layout);
     std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", case_name.c_str(),
                 ours, flops / kFlopsPerMs, note);
     std::fflush(stdout);
   }
 
-  for (void* p : std::initializer_list<void*>{w_gu, w_dn, x, act, out, act_ref, gu_ref, out_ref, dense_gu, d_off, ws,
-                                              p_gu, p_dn})
+  for (void* p : std::initializer_list<void*>{w_gu, w_dn, w_gu_b, w_dn_b, x, act, out, act_ref, gu_ref, out_ref,
+                                              dense_gu, d_off, ws, p_gu, p_dn})
     cudaFree(p);
   cudaStreamDestroy(st);
 }
@@ -245,15 +270,23 @@ void moe_grouped_gemm_dx_case(const std::string& name) {
   loop();  // the references again hold the per-expert result (the dense GEMMs overwrote them)
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
 
-  for (int v = 0; v < cuda::kGroupedGemmKernels; ++v) {
-    const auto kern = static_cast<cuda::GroupedGemmKernel>(v);
+  // As in moe_grouped_gemm: the TMA variants on the weights in the other layouts too.
+  bf16 *w_gu_b = dev_alloc<bf16>(E * 2 * I * D), *w_dn_b = dev_alloc<bf16>(E * D * I);
+  for (int v = 0; v < cuda::kGroupedGemmKernels + 4; ++v) {
+    const auto [kern, layout] = variant(v);
+    const bool blocked = layout != cuda::GroupedWeightLayout::kRows;
+    if (blocked) {
+      cuda::block_expert_weights(w_gu, w_gu_b, E, 2 * I, D, layout, st);
+      cuda::block_expert_weights(w_dn, w_dn_b, E, D, I, layout, st);
+    }
     // W_down_e [D, I] is [K = D, N = I]; W_gu_e [2I, D] is [K = 2I, N = D].
     cuda::GroupedGemm g_da{dout, d_off, p_dn, dact, n, static_cast<int>(E), static_cast<int>(I),
                            static_cast<int>(D), cuda::GroupedEpilogue::kF32, 0.0f, kern};
     cuda::GroupedGemm g_dx{dgu, d_off, p_gu, dxp, n, static_cast<int>(E), static_cast<int>(D),
                            static_cast<int>(2 * I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
     g_da.w_kn = g_dx.w_kn = true;
-    g_da.W_all = w_dn, g_dx.W_all = w_gu;
+    g_da.W_all = blocked ? w_dn_b : w_dn, g_dx.W_all = blocked ? w_gu_b : w_gu;
+    g_da.w_layout = g_dx.w_layout = layout;
     // Poisoned outputs: the check below also catches unwritten rows.
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(dact, 0xFF, n * I * sizeof(float), st));
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(dxp, 0xFF, n * D * sizeof(float), st));
@@ -274,18 +307,18 @@ void moe_grouped_gemm_dx_case(const std::string& name) {
                   "%.0f TFLOP/s (%.3f + %.3f ms) -> ours/dense %.0f%%, per-expert cuBLASLt loop %.3f ms (%.2fx ours, "
                   "sync not timed); byte floor %.3f ms (%.1f GB of expert weights read once); rows/expert %d..%d; "
                   "check vs per-expert loop: dact rel %.2g, dxp rel %.2g",
-                  ok ? "ok" : "CHECK FAILED", cuda::grouped_gemm_kernel_name(kern), tf, da_ms, dx_ms, tf_dense,
+                  ok ? "ok" : "CHECK FAILED", variant_name(kern, layout).c_str(), tf, da_ms, dx_ms, tf_dense,
                   dense_da_ms, dense_dx_ms, 100.0 * dense_ms / ours, loop_ms, loop_ms / ours, bytes / kBytesPerMs,
                   2.0 * E * 3 * I * D / 1e9, min_rows, max_rows, err_da, err_dx);
     // As in moe_grouped_gemm: the variant training runs (set_moe_expert_gemm_dx) carries the case's name.
-    const std::string case_name = v == moe_expert_gemm_dx() ? name : name + "_" + cuda::grouped_gemm_kernel_name(kern);
+    const std::string case_name = v == moe_expert_gemm_dx() ? name : name + "_" + variant_name(kern, layout);
     std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", case_name.c_str(),
                 ours, flops / kFlopsPerMs, note);
     std::fflush(stdout);
   }
 
-  for (void* p : std::initializer_list<void*>{w_gu, w_dn, dout, dgu, dact, dxp, dact_ref, dxp_ref, d_off, ws, p_gu,
-                                              p_dn})
+  for (void* p : std::initializer_list<void*>{w_gu, w_dn, w_gu_b, w_dn_b, dout, dgu, dact, dxp, dact_ref, dxp_ref,
+                                              d_off, ws, p_gu, p_dn})
     cudaFree(p);
   cudaStreamDestroy(st);
 }

@@ -328,6 +328,16 @@ void slice4_prefill_case(const std::string& name) {
   std::fflush(stdout);
 }
 
+// The routed experts' layout of a training case with frozen experts, as `nextlm train --lora-rank` holds them
+// (frozen_expert_layout); NEXTLM_EXPERT_LAYOUT=L sets layout L instead, to compare the layouts on one card.
+// Returns the layout.
+int apply_expert_layout(CudaModel& model, bool frozen) {
+  const char* v = std::getenv("NEXTLM_EXPERT_LAYOUT");
+  const int layout = v ? std::atoi(v) : frozen ? frozen_expert_layout(model.config()) : 0;
+  model.set_expert_layout(layout);
+  return layout;
+}
+
 // A training case's recompute policy: --recompute none for *_keep, all for *_all, kda,mla,moe,mhc for *_recompute,
 // the trainer's default (auto) otherwise; NEXTLM_BENCH_RECOMPUTE (in --recompute's syntax) overrides it, to measure
 // what recomputing each component costs in time and memory.
@@ -388,6 +398,7 @@ void slice4_train_step_case(const std::string& name) {
   }
   const ModelConfig cfg = load_config(path);
   auto model = CudaModel::random(cfg, kSeed);
+  const int layout = apply_expert_layout(*model, !full);
   model->set_train_linears(full);
   // *_keep: every sub-layer keeps its activations from the forward (--recompute none) instead of running again;
   // *_all: every sub-layer runs again, the routed experts' gate|up too (--recompute all).
@@ -424,6 +435,7 @@ void slice4_train_step_case(const std::string& name) {
       {"loss_per_token", std::round(loss / (kT - 1) * 1e4) / 1e4},
       {"finite", std::isfinite(loss)},
       {"recompute", policy_name(used)},
+      {"expert_layout", layout},
       {"device_memory_gib", memory_gib},
       {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
                                   "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
@@ -530,8 +542,10 @@ void slice4_lora_step_case(const std::string& name) {
   const PackedBatch b = random_batch(cfg);
   LoraSteps one, split;
   RecomputePolicy used = fixed_recompute(policy);  // a shard's
+  int layout = 0;  // the experts' (one GPU)
   {
     auto model = CudaModel::random(cfg, kSeed);
+    layout = apply_expert_layout(*model, true);
     model->set_recompute(policy);
     one = time_lora_steps(*model, shared, b, [](std::vector<ParamRef>&) {}, [] {}, true);
     if (tp == 1 && ep == 1) used = model->recompute();
@@ -542,7 +556,9 @@ void slice4_lora_step_case(const std::string& name) {
     // over the ranks on the host, and every rank runs the same AdamW.
     dist::run_gpu_ranks(tp, ep, [&](dist::Comm& world, int device) {
       dist::CudaRank r = dist::make_cuda_rank(world, tp, ep, device, [&](const CudaShard& sh, int dev) {
-        return CudaModel::random(cfg, kSeed, dev, sh);
+        auto m = CudaModel::random(cfg, kSeed, dev, sh);
+        apply_expert_layout(*m, true);
+        return m;
       });
       const LoraSteps mine = time_lora_steps(
           *r.model, shared, b,
@@ -608,7 +624,8 @@ void slice4_lora_step_case(const std::string& name) {
                         : "; device_memory_gib: the GPU's memory in use after the steps (weights, adapters and their "
                           "AdamW state, the arena)")}};
   if (!par) line["device_memory_gib"] = r.memory_gib;
-  line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx();
+  line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);
+  line["expert_layout"] = layout;
   if (par) {
     line["mfu"] = std::round(needed / (ms * kPeakFlopsPerMs * std::lcm(tp, ep)) * 1e4) / 1e4;
     line["peer"] = "nextlm on one GPU, same run";

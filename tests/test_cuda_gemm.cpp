@@ -24,6 +24,7 @@ namespace {
 
 using cuda::GroupedEpilogue;
 using cuda::GroupedGemmKernel;
+using cuda::GroupedWeightLayout;
 
 std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
   std::vector<uint16_t> b(x.size());
@@ -146,6 +147,7 @@ struct RunOptions {
   std::vector<float>* pre = nullptr;         // kSwiGLU: GroupedGemm::pre's output, fp32 [n, N]
   std::vector<float>* pre16 = nullptr;       // kSwiGLU: GroupedGemm::pre16's output, bf16 [n, N] widened
   bool w_all = true;                         // set GroupedGemm::W_all (the experts are back to back either way)
+  GroupedWeightLayout layout = GroupedWeightLayout::kRows;  // W_all's (block_expert_weights), GroupedGemm::w_layout
 };
 
 // Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
@@ -191,6 +193,13 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
                       kernel};
   g.w_kn = opt.w_kn;
   if (opt.w_all) g.W_all = dW.as<cuda::bf16>();  // the experts back to back (the TMA kernel's tensor map)
+  DevBuf dWb(opt.layout != GroupedWeightLayout::kRows ? W16.size() * 2 : 0);
+  if (opt.layout != GroupedWeightLayout::kRows) {
+    // The natural matrices are [N, K], or [K, N] with w_kn.
+    cuda::block_expert_weights(dW.as<cuda::bf16>(), dWb.as<cuda::bf16>(), p.E, opt.w_kn ? p.K : p.N,
+                               opt.w_kn ? p.N : p.K, opt.layout, nullptr);
+    g.W_all = dWb.as<cuda::bf16>(), g.w_layout = opt.layout;
+  }
   std::deque<DevBuf> lr_bufs;  // per part: U, V, V's expert pointers
   if (const LowRankHost* lr = opt.low_rank) {
     g.low_rank.parts = lr->parts;
@@ -627,6 +636,73 @@ TEST(CudaGroupedGemmTma, WithoutWAllFallsBackToPointerArray) {
     const double err = test::norm_rel_error(got.data(), want.data(), want.size());
     EXPECT_LE(err, 1e-4) << (w_kn ? "w_kn" : "w_nk");
   }
+}
+
+// The weights in column blocks or tiles give the TMA variants the same tiles from other places in memory: the same
+// bits as the rows, for each epilogue, w_kn and a low-rank term; block_expert_weights and its inverse round-trip.
+TEST(CudaGroupedGemmTma, BlockedWeightLayoutsGiveTheSameBits) {
+  const Problem p = make_problem(kRows, 512, 256, 8.0f, 11);
+  const LowRankHost lr = make_low_rank(p, {16}, {64}, {128}, false, 13);
+  const LowRankHost lr_kn = make_low_rank(p, {16}, {}, {}, true, 17);
+  for (const auto layout : {GroupedWeightLayout::kColumnBlocks, GroupedWeightLayout::kTiles})
+    for (const auto kern : {GroupedGemmKernel::kWgmmaTma128x256, GroupedGemmKernel::kWgmmaTma128x256c4}) {
+      const std::string at = std::string(cuda::grouped_gemm_kernel_name(kern)) +
+                             (layout == GroupedWeightLayout::kTiles ? " tiles " : " column blocks ");
+      const auto same = [&](GroupedEpilogue epi, RunOptions opt, const std::string& what) {
+        std::vector<float> pre, pre_b;
+        if (epi == GroupedEpilogue::kSwiGLU) opt.pre16 = &pre;
+        const std::vector<float> want = run_gpu(p, epi, kern, 7.0f, opt);
+        opt.layout = layout;
+        if (epi == GroupedEpilogue::kSwiGLU) opt.pre16 = &pre_b;
+        const std::vector<float> got = run_gpu(p, epi, kern, 7.0f, opt);
+        ASSERT_EQ(got.size(), want.size()) << at << what;
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << at << what;
+        EXPECT_EQ(pre_b, pre) << at << what << ": pre-activations";
+      };
+      same(GroupedEpilogue::kF32, {}, "f32");
+      same(GroupedEpilogue::kSwiGLU, {.low_rank = &lr}, "swiglu + low rank");
+      same(GroupedEpilogue::kBf16, {.w_kn = true}, "w_kn bf16");
+      same(GroupedEpilogue::kF32, {.w_kn = true, .low_rank = &lr_kn}, "w_kn f32 + low rank");
+    }
+  // The layouts and back: the weights again, and the layout not the rows.
+  const int64_t E = 3, R = 256, C = 192;
+  const std::vector<uint16_t> w = to_bf16(test::randn(E * R * C, 19));
+  DevBuf d(w.size() * 2), b(w.size() * 2), back(w.size() * 2);
+  ASSERT_EQ(cudaMemcpy(d.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const auto layout : {GroupedWeightLayout::kColumnBlocks, GroupedWeightLayout::kTiles}) {
+    cuda::block_expert_weights(d.as<cuda::bf16>(), b.as<cuda::bf16>(), E, R, C, layout, nullptr);
+    cuda::block_expert_weights(b.as<cuda::bf16>(), back.as<cuda::bf16>(), E, R, C, layout, nullptr, false);
+    std::vector<uint16_t> got(w.size()), mid(w.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), back.p, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(mid.data(), b.p, mid.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(got, w);
+    EXPECT_NE(mid, w);
+    // Expert 1's row 130, column 70: column block 1 / tile (1, 1).
+    const size_t at = (1 * R + 130) * C + 70;
+    const size_t want_at = layout == GroupedWeightLayout::kTiles ? R * C + (1 * (C / 64) + 1) * 8192 + 2 * 64 + 6
+                                                                 : R * C + (1 * R + 130) * 64 + 6;
+    EXPECT_EQ(mid[want_at], w[at]);
+  }
+  // Refused: another kernel variant, no W_all, columns not a multiple of 64, tiles' rows not of 128 (256 with
+  // SwiGLU).
+  cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kF32, 0.0f,
+                      GroupedGemmKernel::kWgmma128x256};
+  g.w_layout = GroupedWeightLayout::kColumnBlocks;
+  g.W_all = reinterpret_cast<const cuda::bf16*>(16);
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.kernel = GroupedGemmKernel::kWgmmaTma128x256, g.W_all = nullptr;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.W_all = reinterpret_cast<const cuda::bf16*>(16), g.K = 136;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.K = 128, g.w_kn = true, g.N = 200;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.w_kn = false, g.N = 192, g.w_layout = GroupedWeightLayout::kTiles;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  g.N = 384, g.epilogue = GroupedEpilogue::kSwiGLU;
+  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
+  EXPECT_THROW(cuda::block_expert_weights(d.as<cuda::bf16>(), b.as<cuda::bf16>(), E, 192, C,
+                                          GroupedWeightLayout::kTiles, nullptr),
+               Error);
 }
 
 TEST(CudaGroupedGemmWkn, RejectsSwiGluEpilogue) {

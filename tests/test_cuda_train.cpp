@@ -31,6 +31,7 @@
 #include "cuda/device_model.h"
 #include "cuda/grouped_gemm.h"
 #include "io/safetensors.h"
+#include "model/init.h"
 #include "model/lora.h"
 #include "model/optim.h"
 #include "model/train.h"
@@ -724,6 +725,69 @@ TEST(CudaTrain, NarrowInputGradientsMatchOneGemmEach) {
                    [](bool) { return false; }, 1e-5);
 }
 
+// The routed experts' weights in column blocks or tiles (set_expert_layout) are read by the TMA grouped GEMM through
+// other tensor maps into the same tiles: the forward's logits and the training loss the same bits, the LoRA
+// gradients the same up to the MLA keys' atomics; from one layout to the other and back to the rows, the same bits
+// again, and set_weights keeps the layout. The per-expert GEMMs refuse blocked weights. At the golden's layer
+// pattern with widths the tiles take (multiples of 128).
+TEST(CudaTrain, ExpertWeightLayoutsGiveTheSameBits) {
+  struct Restore {
+    int fwd = moe_expert_gemm();
+    ~Restore() { set_moe_expert_gemm(fwd), set_moe_expert_gemm_dx(-2); }
+  } restore;
+  set_moe_expert_gemm(5);
+  ModelConfig c = Model::load(test::golden_dir("bf16_stable")).config();
+  c.hidden_size = 128, c.moe_intermediate_size = 128, c.intermediate_size = 192, c.vocab_size = 512;
+  const std::unique_ptr<CudaModel> gpu = CudaModel::random(c, 11);
+  PackedBatch batch;
+  for (const int64_t L : {150, 67}) {
+    std::vector<int32_t> s(L);
+    for (int64_t i = 0; i < L; ++i) s[i] = static_cast<int32_t>((i * 131 + L * 17 + i * i) % c.vocab_size);
+    batch.add(s);
+  }
+  const LoraAdapter lora = test::random_lora(c, LoraExperts::PerExpert, 16);
+  gpu->set_train_linears(false);
+  gpu->set_lora(lora);
+  struct Run {
+    Tensor logits;
+    double loss = 0;
+    LoraAdapter grads;
+  };
+  auto run = [&] {
+    Run r{gpu->forward(batch), 0.0, test::without_gradients(lora)};
+    gpu->zero_grads();
+    r.loss = gpu->forward_backward(batch);
+    gpu->lora_gradients(r.grads);
+    return r;
+  };
+  const Run rows = run();
+  gpu->set_expert_layout(1);
+  const Run blocks = run();
+  gpu->set_expert_layout(2);
+  const Run tiles = run();
+  gpu->set_expert_layout(0);
+  const Run back = run();
+  for (const Run* r : {&blocks, &tiles, &back}) {
+    const char* at = r == &blocks ? "column blocks" : r == &tiles ? "tiles" : "back to rows";
+    ASSERT_EQ(r->logits.numel(), rows.logits.numel()) << at;
+    EXPECT_EQ(std::memcmp(r->logits.ptr(), rows.logits.ptr(), rows.logits.numel() * sizeof(float)), 0) << at;
+    EXPECT_EQ(r->loss, rows.loss) << at;
+    expect_lora_gradients_near(rows.grads, r->grads, 1e-5, at);
+  }
+  // set_weights writes row-major weights; the blocked layout is restored after it.
+  const Model host(c, init_weights(c, 11));
+  gpu->set_weights(host);
+  const Tensor rows_logits = gpu->forward(batch);
+  gpu->set_expert_layout(2);
+  gpu->set_weights(host);
+  const Tensor blocked_logits = gpu->forward(batch);
+  ASSERT_EQ(blocked_logits.numel(), rows_logits.numel());
+  EXPECT_EQ(std::memcmp(blocked_logits.ptr(), rows_logits.ptr(), rows_logits.numel() * sizeof(float)), 0);
+  set_moe_expert_gemm(-1);
+  EXPECT_THROW(gpu->forward(batch), Error);
+  EXPECT_THROW(gpu->set_expert_layout(3), Error);
+}
+
 // The device LoRA optimizer (start_lora_optimizer, lora_adamw_step, download_lora) takes the step the host's
 // clip_grad_norm + AdamW::step take on the same gradients: two steps, the first clipped, the second not; the norms
 // agree to 1e-9 relative and the adapters and moments to 1e-6 of each tensor's norm (fp32 ulps: the norm's double
@@ -875,14 +939,23 @@ TEST(CudaTrain, TrainCliLearnsOnTheGpu) {
 
 
 // The input-gradient expert GEMMs' variant: by default the forward's, the TMA kernel's clusters of two as clusters of
-// four; set apart, it stays so whatever the forward's; a mode that is no grouped GEMM kernel is refused.
+// four on row-major weights (of two on tiles); set apart, it stays so whatever the forward's; a mode that is no
+// grouped GEMM kernel is refused. The frozen experts' layout: tiles where the widths and the variants take them.
 TEST(CudaTrain, MoeInputGradientGemmVariant) {
   struct Restore {
     int fwd = moe_expert_gemm();
     ~Restore() { set_moe_expert_gemm(fwd), set_moe_expert_gemm_dx(-2); }
   } restore;
+  ModelConfig wide = Model::load(test::golden_dir("bf16_stable")).config(), narrow = wide;
+  wide.hidden_size = 256, wide.moe_intermediate_size = 128;
   set_moe_expert_gemm(5);
   EXPECT_EQ(moe_expert_gemm_dx(), 6);
+  EXPECT_EQ(moe_expert_gemm_dx(true), 5);
+  EXPECT_EQ(frozen_expert_layout(wide), 2);
+  EXPECT_EQ(frozen_expert_layout(narrow), 0) << "hidden 48, experts 24 wide";
+  set_moe_expert_gemm(4);
+  EXPECT_EQ(frozen_expert_layout(wide), 0) << "not a TMA variant";
+  set_moe_expert_gemm(5);
   set_moe_expert_gemm(3);
   EXPECT_EQ(moe_expert_gemm_dx(), 3);
   set_moe_expert_gemm_dx(5);

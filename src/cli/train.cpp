@@ -321,6 +321,9 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
                                  ModelWeights& grads) {
       if (!gpu) {
         gpu = lora ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(m);
+        // Frozen experts are read in the layout their grouped GEMMs load fastest (set_weights, which a full step
+        // runs after every update, would lay them out again each time).
+        if (lora) gpu->set_expert_layout(frozen_expert_layout(gpu->config()));
         gpu->set_train_linears(lora == nullptr);
         gpu->set_train_small(lora == nullptr);  // the adapters alone move
         gpu->set_recompute(opt.recompute);

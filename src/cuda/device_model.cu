@@ -11,6 +11,7 @@
 #include <map>
 #include <tuple>
 #include <optional>
+#include <utility>
 
 #include "cuda/decode_kernels.h"
 #include "cuda/distribution_compare.h"
@@ -45,12 +46,23 @@ void set_moe_expert_gemm_dx(int mode) {
         "(follow the forward's) or a grouped GEMM kernel 0..", cuda::kGroupedGemmKernels - 1, ", got ", mode);
   g_moe_expert_gemm_dx = mode;
 }
-int moe_expert_gemm_dx() {
+int moe_expert_gemm_dx(bool tiles) {
   if (g_moe_expert_gemm_dx >= 0) return g_moe_expert_gemm_dx;
   const int fwd = g_moe_expert_gemm;
-  return fwd == static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256)
+  return fwd == static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256) && !tiles
              ? static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256c4)
              : fwd;
+}
+
+int frozen_expert_layout(const ModelConfig& c) {
+  const auto tma = [](int k) {
+    return k == static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256) ||
+           k == static_cast<int>(cuda::GroupedGemmKernel::kWgmmaTma128x256c4);
+  };
+  const bool widths = c.hidden_size % 128 == 0 && c.moe_intermediate_size % 128 == 0;
+  return widths && tma(moe_expert_gemm()) && tma(moe_expert_gemm_dx(true))
+             ? static_cast<int>(cuda::GroupedWeightLayout::kTiles)
+             : static_cast<int>(cuda::GroupedWeightLayout::kRows);
 }
 
 namespace {
@@ -271,6 +283,10 @@ void CudaModel::set_weights(const Model& model) {
             c.vocab_size == m.cfg.vocab_size && c.layer_types == m.cfg.layer_types,
         "set_weights: the host model's config differs from the device model's");
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  // The fills write the experts' weights row-major: they go back into their layout after.
+  auto layout = cuda::GroupedWeightLayout::kRows;
+  for (cuda::DLayer& L : m.layers)
+    if (L.moe_layer) layout = std::exchange(L.moe.layout, cuda::GroupedWeightLayout::kRows);
   cuda::HostSource src(model);
   for (const Impl::Fill& f : m.fills) {
     // The host source names the text model model.language_model.*; a text-only checkpoint had model.*.
@@ -287,6 +303,7 @@ void CudaModel::set_weights(const Model& model) {
   // for the legacy stream's copies: wait for them here.
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());
   if (m.lora) m.lora->clear_joined();  // copies of the old projections
+  set_expert_layout(static_cast<int>(layout));
 }
 
 double CudaModel::last_forward_ms() const { return impl_->last_ms; }
@@ -505,6 +522,40 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
   std::vector<cuda::bf16> a16 = to_host(ad, T * D, m.stream);
   a.resize(T * D);
   for (int64_t i = 0; i < T * D; ++i) a[i] = __bfloat162float(a16[i]);
+}
+
+// In place, an expert at a time through a scratch copy of its weights (each expert's layout fills its own range).
+void CudaModel::set_expert_layout(int layout) {
+  Impl& m = *impl_;
+  check(layout >= 0 && layout <= 2, "set_expert_layout: layout ", layout, " is not 0 (rows), 1 (column blocks) or 2 "
+        "(tiles)");
+  const auto to = static_cast<cuda::GroupedWeightLayout>(layout);
+  const int64_t D = m.cfg.hidden_size, I = m.cfg.moe_intermediate_size;
+  cuda::bf16* scratch = nullptr;
+  for (cuda::DLayer& L : m.layers) {
+    if (!L.moe_layer || L.moe.layout == to) continue;
+    if (!scratch) NEXTLM_CUDA_CHECK(cudaMalloc(&scratch, 2 * I * D * sizeof(cuda::bf16)));
+    for (int64_t e = 0; e < static_cast<int64_t>(L.moe.experts.size()); ++e) {
+      for (const auto& [w, rows, cols] : {std::tuple{L.moe.gate_up_all + e * 2 * I * D, 2 * I, D},
+                                          std::tuple{L.moe.down_all + e * D * I, D, I}}) {
+        NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scratch, w, rows * cols * sizeof(cuda::bf16), cudaMemcpyDeviceToDevice,
+                                          m.stream));
+        // Back to rows from the old layout, then (through the scratch again) into the new one.
+        if (L.moe.layout != cuda::GroupedWeightLayout::kRows) {
+          cuda::block_expert_weights(scratch, w, 1, rows, cols, L.moe.layout, m.stream, false);
+          if (to == cuda::GroupedWeightLayout::kRows) continue;
+          NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scratch, w, rows * cols * sizeof(cuda::bf16),
+                                            cudaMemcpyDeviceToDevice, m.stream));
+        }
+        cuda::block_expert_weights(scratch, w, 1, rows, cols, to, m.stream);
+      }
+    }
+    L.moe.layout = to;
+  }
+  if (scratch) {
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    NEXTLM_CUDA_CHECK(cudaFree(scratch));
+  }
 }
 
 void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e == EmptySelection::SeenKeys; }

@@ -32,10 +32,19 @@ void set_moe_expert_gemm(int mode);
 int moe_expert_gemm();
 // The variant of training's input-gradient GEMMs (the weights read as [K, N]) when the forward's is a grouped GEMM:
 // set apart (0 … kGroupedGemmKernels − 1), or by default (−2) the forward's, except that the TMA kernel in clusters of
-// two (5) runs there in clusters of four (6). On the H200 the clusters of four made the input-gradient pair
-// (moe_grouped_gemm_dx_skewed) faster, 5.04/5.03 → 4.87/4.82 ms, and the forward pair slower, 4.88/4.87 → 5.08 ms.
+// two (5) runs there in clusters of four (6) on row-major weights. On the H200 the clusters of four made the
+// input-gradient pair (moe_grouped_gemm_dx_skewed) faster, 5.04/5.03 → 4.87/4.82 ms, and the forward pair slower,
+// 4.88/4.87 → 5.08 ms. On weights in tiles (`tiles`; CudaModel::set_expert_layout) clusters of two are faster:
+// 4.46 against 4.83 ms on that pair, and in the LoRA step's kernel traces the six input-gradient launches
+// 14.6 against 15.8 ms.
 void set_moe_expert_gemm_dx(int mode);
-int moe_expert_gemm_dx();
+int moe_expert_gemm_dx(bool tiles = false);
+
+// The layout of the routed experts' weights for a model of config c whose experts stay frozen (a LoRA or frozen-base
+// training step; CudaModel::set_expert_layout): 2, the tiles, when its widths take them (hidden_size and
+// moe_intermediate_size multiples of 128) and this process's expert GEMMs are the TMA variants (set_moe_expert_gemm,
+// _dx); else 0, the rows.
+int frozen_expert_layout(const ModelConfig& c);
 
 // Where the routed experts' per-expert LoRA adapters run in training, process-wide (for benchmarks and tests), when
 // the grouped GEMM is a wgmma kernel and the ranks fit (cuda::GroupedGemm::low_rank): 0 after each GEMM (the grouped
@@ -165,6 +174,11 @@ class CudaModel {
   // experts, the DSA layer's appends and query absorption beside its projections and selection. The same kernels
   // on the same data either way, so the same bits. On by default; NEXTLM_DECODE_OVERLAP=0 makes the default off.
   void set_decode_overlap(bool on);
+  // How the routed experts' weights lie on the device (cuda::GroupedWeightLayout: 0 row-major, the default; 1 in
+  // column blocks; 2 in 128 × 64 tiles), so that each TMA box of the grouped GEMM's weight tiles is fewer, longer runs
+  // of memory. Converts them in place. Other layouts than the rows need the TMA variants of the grouped GEMM
+  // (set_moe_expert_gemm, _dx): the per-expert GEMMs refuse them. set_weights keeps the layout.
+  void set_expert_layout(int layout);
   // Whether the KDA runs on the tensor-core kernels now (set so, and the config's gate and head dim have them).
   bool kda_on_tensor_cores() const;
   // Batch-invariant mode (off by default): every dense projection on our own GEMM instead of cuBLASLt (cuda/gemm.h),

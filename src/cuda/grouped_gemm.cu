@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -97,17 +98,26 @@ __device__ __forceinline__ float swiglu(float g, float u, float L) {
   return g / (1.0f + __expf(-g)) * u;
 }
 
-// Weight row held by row r of a tile's B operand. SwiGLU tiles interleave gate and up in blocks of eight rows (n8
-// MMA tiles): block b holds gate rows (b even) or up rows (b odd) of act columns j·BN/2 + (b/2)·8 .. +7, so that one
-// thread's accumulators for n8 tiles 2q and 2q+1 are the gate and the up of the same act columns.
-template <int BN>
+// Weight row held by row r of a tile's B operand. SwiGLU tiles of the mma.sync kernels interleave gate and up in
+// blocks of eight rows (n8 MMA tiles): block b holds gate rows (b even) or up rows (b odd) of act columns
+// j·BN/2 + (b/2)·8 .. +7, so that one thread's accumulators for n8 tiles 2q and 2q+1 are the gate and the up of the
+// same act columns. The wgmma kernels' (kHalves), whose threads hold every n8 tile of their rows, take the gate rows
+// of act columns j·BN/2 … + BN/2 − 1 in the tile's first half and their up rows in the second: n8 tiles q and
+// q + BN/16 pair up, and each half is BN/2 consecutive weight rows (one TMA box).
+template <int BN, bool kHalves = false>
 __device__ __forceinline__ int b_row(int r, int nt, bool glu, int N, bool* valid) {
   if (!glu) {
     const int w = nt * BN + r;
     *valid = w < N;
     return w;
   }
-  const int I = N / 2, b = r >> 3;
+  const int I = N / 2;
+  if constexpr (kHalves) {
+    const int col = nt * (BN / 2) + r % (BN / 2);
+    *valid = col < I;
+    return (r >= BN / 2) * I + col;
+  }
+  const int b = r >> 3;
   const int col = nt * (BN / 2) + (b >> 1) * 8 + (r & 7);
   *valid = col < I;
   return (b & 1) * I + col;
@@ -321,11 +331,11 @@ __device__ __forceinline__ void store_wg_tile(const float* acc, int wg, int wq, 
       const int I = N / 2;
       bf16* out = static_cast<bf16*>(Cout) + row * I;
 #pragma unroll
-      for (int q = 0; q < BN / 16; ++q) {
+      for (int q = 0; q < BN / 16; ++q) {  // gate in n8 tile q, up in q + BN/16 (b_row's halves)
         const int col = nt * (BN / 2) + q * 8 + 2 * t4;
         if (col >= I) continue;
-        const float g0 = acc[8 * q + 2 * h], g1 = acc[8 * q + 2 * h + 1];
-        const float u0 = acc[8 * q + 4 + 2 * h], u1 = acc[8 * q + 4 + 2 * h + 1];
+        const float g0 = acc[4 * q + 2 * h], g1 = acc[4 * q + 2 * h + 1];
+        const float u0 = acc[4 * (q + BN / 16) + 2 * h], u1 = acc[4 * (q + BN / 16) + 2 * h + 1];
         store_bf16x2(out + col, swiglu(g0, u0, L), swiglu(g1, u1, L));
         if (pre && pre16) {
           store_bf16x2(static_cast<bf16*>(pre) + row * N + col, g0, g1);
@@ -392,7 +402,7 @@ __device__ __forceinline__ void load_low_rank_tile(unsigned char* As, unsigned c
     for (int s = 0; s < BN / RSTEP; ++s) {
       const int r = r0 + s * RSTEP;
       bool v;
-      const int w = b_row<BN>(r, nt, glu, N, &v);
+      const int w = b_row<BN, true>(r, nt, glu, N, &v);
       v = v && a_in && w >= c0 && w < c1;
       cp_async16(Bs + r * 128 + ((cc ^ (r & 7)) << 4), v ? Ve + int64_t(w - c0) * ra + ja : zero, v);
     }
@@ -472,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 #pragma unroll
       for (int s = 0; s < C::CB; ++s) {
         bool v;
-        const int w = b_row<C::BN>(r0 + s * C::RSTEP, nt, glu, N, &v);
+        const int w = b_row<C::BN, true>(r0 + s * C::RSTEP, nt, glu, N, &v);
         b_ok |= uint32_t(v) << s;
         b_src[s] = We + int64_t(v ? w : 0) * K + cc * 8;
       }
@@ -569,9 +579,10 @@ __global__ void __launch_bounds__(kThreads, C::MINB)
 //   - the last odd (or only) M tile with N tiles 4j + r: its A tile shared by the four, its halves loaded by ranks 0
 //     and 1, each weight tile loaded whole by its CTA.
 // In both, a tile of at most 64 rows loads only the first half of its A tile (its second warpgroup runs no MMAs).
-// The weights come through a tensor map over all experts at once (GroupedGemm::W_all: the experts back to back);
-// the SwiGLU epilogue's gate/up interleave (b_row) is a 5-d map, [expert][8-row block][gate|up][8 rows][K] read as
-// (K, 8, 2, blocks, E). Rows past an expert's end are read (the next expert's, or zeros past n) and not stored.
+// The weights come through a tensor map over all experts at once (GroupedGemm::W_all: the experts back to back, in
+// one of the GroupedWeightLayouts); a SwiGLU tile's weight rows are two boxes, the gate rows of its act columns and
+// their up rows (b_row's halves). Rows past an expert's end are read (the next expert's, or zeros past n) and not
+// stored.
 // Barriers per stage: `full` (the producer's arrival with the stage's bytes, completed by the copies landing in this
 // CTA, its own and the others' multicasts) and `empty` (one arrival of every consumer warp of the cluster: a copy of
 // any CTA may then refill the stage in the CTAs it writes). The low-rank term's k-tile goes through cp.async from
@@ -678,7 +689,7 @@ __device__ __forceinline__ ClusterTile locate_unit(int u, const int32_t* __restr
   else return locate_pair(u, start, offsets, E, n_tiles, rank);
 }
 
-template <bool KN, int CL>
+template <bool KN, int CL, int LAYOUT>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const bf16* __restrict__ A, const int32_t* __restrict__ offsets, void* Cout,
@@ -751,27 +762,31 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             tma_load_2d_mc(a_s + tl.a_half * 8192, &map_a, full, k0, row0 + 64 * tl.a_half, tl.a_mask, pol_a);
           }
           const bool sh_b = tl.w_mask != 0;  // this CTA loads the half w_half of its weight tile for w_mask
+          // A weight box at column c and row r of the expert's natural matrix, by layout (GroupedWeightLayout, a
+          // template parameter: a layout branch per load made the w_kn passes in clusters of four 3-7 % slower).
+          const auto load_w = [&](uint32_t dst, int c, int r) {
+            constexpr int kRowsL = static_cast<int>(GroupedWeightLayout::kRows);
+            constexpr int kColsL = static_cast<int>(GroupedWeightLayout::kColumnBlocks);
+            const int cols = KN ? N : K;
+            if constexpr (LAYOUT == kRowsL) {
+              if (!sh_b) tma_load_3d(dst, &map_b, full, c, r, tl.e, pol_b);
+              else tma_load_3d_mc(dst, &map_b, full, c, r, tl.e, tl.w_mask, pol_b);
+            } else if constexpr (LAYOUT == kColsL) {
+              const int b = tl.e * (cols / 64) + c / 64;
+              if (!sh_b) tma_load_3d(dst, &map_b, full, 0, r, b, pol_b);
+              else tma_load_3d_mc(dst, &map_b, full, 0, r, b, tl.w_mask, pol_b);
+            } else {
+              if (!sh_b) tma_load_5d(dst, &map_b, full, 0, r % 128, c / 64, r / 128, tl.e, pol_b);
+              else tma_load_5d_mc(dst, &map_b, full, 0, r % 128, c / 64, r / 128, tl.e, tl.w_mask, pol_b);
+            }
+          };
           if constexpr (KN) {  // four 64-column blocks of k rows
-            for (int j = 0; j < 4; ++j) {
-              const int n0 = tl.nt * BN + 64 * j;
-              if (!sh_b) tma_load_3d(b_s + j * 8192, &map_b, full, n0, k0, tl.e, pol_b);
-              else if (j / 2 == tl.w_half)
-                tma_load_3d_mc(b_s + j * 8192, &map_b, full, n0, k0, tl.e, tl.w_mask, pol_b);
-            }
-          } else if (glu) {  // two halves of eight 8-row gate|up block pairs
-            for (int h = 0; h < 2; ++h) {
-              const int b0 = tl.nt * 16 + 8 * h;
-              if (!sh_b) tma_load_5d(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e, pol_b);
-              else if (h == tl.w_half)
-                tma_load_5d_mc(b_s + h * 16384, &map_b, full, k0, 0, 0, b0, tl.e, tl.w_mask, pol_b);
-            }
-          } else {  // two halves of 128 weight rows
-            for (int h = 0; h < 2; ++h) {
-              const int n0 = tl.nt * BN + 128 * h;
-              if (!sh_b) tma_load_3d(b_s + h * 16384, &map_b, full, k0, n0, tl.e, pol_b);
-              else if (h == tl.w_half)
-                tma_load_3d_mc(b_s + h * 16384, &map_b, full, k0, n0, tl.e, tl.w_mask, pol_b);
-            }
+            for (int j = 0; j < 4; ++j)
+              if (!sh_b || j / 2 == tl.w_half) load_w(b_s + j * 8192, tl.nt * BN + 64 * j, k0);
+          } else {  // two halves of 128 weight rows (SwiGLU: the gate rows, then the up rows of the act columns)
+            for (int h = 0; h < 2; ++h)
+              if (!sh_b || h == tl.w_half)
+                load_w(b_s + h * 16384, k0, glu ? h * (N / 2) + tl.nt * (BN / 2) : tl.nt * BN + 128 * h);
           }
         } else {  // the low-rank k-tile: this CTA's alone, by the whole warpgroup
           asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // not .aligned: lane 0 comes apart
@@ -891,7 +906,7 @@ CUtensorMap tensor_map(const void* base, int rank, const cuuint64_t* dims, const
   return bf16_tensor_map(base, rank, dims, strides, box, "grouped_gemm");
 }
 
-template <bool KN, int CL>
+template <bool KN, int CL, int LAYOUT>
 void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   using C = TmaCfg;
   const int n_tiles = n_tiles_of<C>(g);
@@ -904,18 +919,21 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const cuuint32_t a_box[2] = {64, 64};
   const CUtensorMap map_a = tensor_map(g.A, 2, a_dims, a_strides, a_box);
   CUtensorMap map_b;
-  if (KN) {  // W_e [K, N]: (N, K, E), boxes of 64 columns × 64 k rows
-    const cuuint64_t dims[3] = {N, K, E}, strides[2] = {N * 2, K * N * 2};
-    const cuuint32_t box[3] = {64, 64, 1};
+  // The natural matrix of each expert is R × Cn (rows × columns: [N, K], or [K, N] with w_kn).
+  const cuuint64_t R = KN ? K : N, Cn = KN ? N : K;
+  const cuuint32_t box_rows = KN ? 64 : 128, box_cols = 64;
+  if (g.w_layout == GroupedWeightLayout::kColumnBlocks) {  // (64, R, E·Cn/64)
+    const cuuint64_t dims[3] = {64, R, E * (Cn / 64)}, strides[2] = {128, R * 128};
+    const cuuint32_t box[3] = {64, box_rows, 1};
     map_b = tensor_map(g.W_all, 3, dims, strides, box);
-  } else if (g.epilogue == GroupedEpilogue::kSwiGLU) {  // W_e [2I, K] as (K, 8 rows, gate|up, I/8 blocks, E)
-    const cuuint64_t I = N / 2;
-    const cuuint64_t dims[5] = {K, 8, 2, I / 8, E}, strides[4] = {K * 2, I * K * 2, 8 * K * 2, N * K * 2};
-    const cuuint32_t box[5] = {64, 8, 2, 8, 1};
+  } else if (g.w_layout == GroupedWeightLayout::kTiles) {  // (64, 128, Cn/64, R/128, E)
+    const cuuint64_t dims[5] = {64, 128, Cn / 64, R / 128, E},
+                     strides[4] = {128, 128 * 128, (Cn / 64) * 128 * 128, R * Cn * 2};
+    const cuuint32_t box[5] = {64, box_rows, 1, 1, 1};
     map_b = tensor_map(g.W_all, 5, dims, strides, box);
-  } else {  // W_e [N, K]: (K, N, E), boxes of 64 k × 128 rows
-    const cuuint64_t dims[3] = {K, N, E}, strides[2] = {K * 2, N * K * 2};
-    const cuuint32_t box[3] = {64, 128, 1};
+  } else {  // (Cn, R, E): boxes of 64 columns × 64 k rows (w_kn) or 64 k × 128 rows
+    const cuuint64_t dims[3] = {Cn, R, E}, strides[2] = {Cn * 2, R * Cn * 2};
+    const cuuint32_t box[3] = {box_cols, box_rows, 1};
     map_b = tensor_map(g.W_all, 3, dims, strides, box);
   }
   cudaLaunchConfig_t cfg{};
@@ -932,11 +950,11 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   static std::atomic<uint64_t> set{0};
   static int resident[kMaxDevices];
   if (!(set.load(std::memory_order_acquire) >> dev & 1)) {
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tma_kernel<KN, CL>,
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tma_kernel<KN, CL, LAYOUT>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem_bytes));
     cfg.gridDim = dim3(static_cast<unsigned>(sm_count()));
     int n = 0;
-    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_tma_kernel<KN, CL>, &cfg));
+    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_tma_kernel<KN, CL, LAYOUT>, &cfg));
     check(n >= 1, "grouped_gemm: the TMA kernel's clusters of ", CL, " do not fit on this device");
     resident[dev] = n;
     set.fetch_or(uint64_t{1} << dev, std::memory_order_release);
@@ -945,10 +963,24 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
   const int clusters = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(bound, resident[dev])));
   cfg.gridDim = dim3(static_cast<unsigned>(CL * clusters));
-  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN, CL>, map_a, map_b, g.A, g.offsets, g.C,
+  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN, CL, LAYOUT>, map_a, map_b, g.A, g.offsets, g.C,
                                        static_cast<const int32_t*>(start), g.E, g.N, g.K, n_tiles,
                                        static_cast<int>(g.epilogue), g.limit, g.low_rank, pre_of(g),
                                        g.pre16 != nullptr));
+}
+
+static_assert(static_cast<int>(GroupedWeightLayout::kRows) == 0 &&
+              static_cast<int>(GroupedWeightLayout::kColumnBlocks) == 1 &&
+              static_cast<int>(GroupedWeightLayout::kTiles) == 2);
+
+template <bool KN, int CL>
+void launch_tma_layout(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
+  switch (g.w_layout) {
+    case GroupedWeightLayout::kRows: return launch_tma<KN, CL, 0>(g, start, st);
+    case GroupedWeightLayout::kColumnBlocks: return launch_tma<KN, CL, 1>(g, start, st);
+    case GroupedWeightLayout::kTiles: return launch_tma<KN, CL, 2>(g, start, st);
+  }
+  fail("grouped_gemm: unknown weight layout ", static_cast<int>(g.w_layout));
 }
 
 template <bool KN>
@@ -960,11 +992,11 @@ void dispatch(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
     case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmmaTma128x256:
-      if (g.W_all) launch_tma<KN, 2>(g, workspace, stream);
+      if (g.W_all) launch_tma_layout<KN, 2>(g, workspace, stream);
       else launch<WgCfg1, true, KN>(g, workspace, stream);
       break;
     case GroupedGemmKernel::kWgmmaTma128x256c4:
-      if (g.W_all) launch_tma<KN, 4>(g, workspace, stream);
+      if (g.W_all) launch_tma_layout<KN, 4>(g, workspace, stream);
       else launch<WgCfg1, true, KN>(g, workspace, stream);
       break;
     default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
@@ -1010,6 +1042,39 @@ bool grouped_gemm_same_schedule(const GroupedGemm& a, const GroupedGemm& b) {
   return a.offsets == b.offsets && a.E == b.E && schedule_shape(a) == schedule_shape(b);
 }
 
+namespace {
+
+// 16 bytes a thread: row r's columns c … c + 7 of expert e, from the row-major matrix to the layout (or back).
+__global__ void block_weights_kernel(const bf16* __restrict__ src, bf16* __restrict__ dst, int64_t E, int64_t rows,
+                                     int64_t cols, bool tiles, bool to_layout) {
+  const int64_t chunks = cols / 8, n = E * rows * chunks;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = (i % chunks) * 8, er = i / chunks, e = er / rows, r = er - e * rows;
+    const int64_t b =
+        tiles ? (e * rows * cols + ((r / 128) * (cols / 64) + c / 64) * 8192 + (r % 128) * 64 + c % 64) / 8
+              : (((e * (cols / 64) + c / 64) * rows + r) * 64 + c % 64) / 8;
+    reinterpret_cast<uint4*>(dst)[to_layout ? b : i] = reinterpret_cast<const uint4*>(src)[to_layout ? i : b];
+  }
+}
+
+}  // namespace
+
+void block_expert_weights(const bf16* src, bf16* dst, int64_t E, int64_t rows, int64_t cols,
+                          GroupedWeightLayout layout, cudaStream_t stream, bool to_layout) {
+  if (layout == GroupedWeightLayout::kRows) {
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(dst, src, E * rows * cols * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  const bool tiles = layout == GroupedWeightLayout::kTiles;
+  check(cols % 64 == 0 && cols > 0 && rows > 0 && E > 0 && (!tiles || rows % 128 == 0),
+        "block_expert_weights: ", E, " × ", rows, " × ", cols, " weights: the columns must be a multiple of 64",
+        tiles ? " and the rows of 128" : "");
+  const int64_t n = E * rows * cols / 8;
+  block_weights_kernel<<<static_cast<int>(std::min<int64_t>(ceil_div(n, 256), 65536)), 256, 0, stream>>>(
+      src, dst, E, rows, cols, tiles, to_layout);
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
 void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
   check(g.K % 8 == 0 && g.K > 0, "grouped_gemm: K must be a positive multiple of 8, got ", g.K);
   check(g.N % (g.epilogue == GroupedEpilogue::kSwiGLU ? 16 : 8) == 0 && g.N > 0,
@@ -1035,6 +1100,18 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
             "grouped_gemm: low-rank part ", p, " covers columns ", lr.c0[p], " … ", lr.c0[p] + lr.width[p],
             " of ", g.N);
     }
+  }
+  if (g.w_layout != GroupedWeightLayout::kRows) {
+    check(g.W_all && (g.kernel == GroupedGemmKernel::kWgmmaTma128x256 ||
+                      g.kernel == GroupedGemmKernel::kWgmmaTma128x256c4),
+          "grouped_gemm: weights in blocks need W_all and a TMA kernel variant, got ",
+          grouped_gemm_kernel_name(g.kernel));
+    const int rows = g.w_kn ? g.K : g.N, cols = g.w_kn ? g.N : g.K;
+    const bool tiles = g.w_layout == GroupedWeightLayout::kTiles;
+    check(cols % 64 == 0 && (!tiles || (rows % 128 == 0 && (g.epilogue != GroupedEpilogue::kSwiGLU ||
+                                                           g.N % 256 == 0))),
+          "grouped_gemm: weights in ", tiles ? "tiles" : "column blocks", " need their columns (", cols,
+          ") a multiple of 64", tiles ? " and their rows (" + std::to_string(rows) + ") of 128 (256 with SwiGLU)" : "");
   }
   if (g.n == 0) return;
   if (g.w_kn) dispatch<true>(g, workspace, stream);

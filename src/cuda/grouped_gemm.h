@@ -97,6 +97,16 @@ struct GroupedLowRank {
   int c0[2] = {}, width[2] = {};     // w_kn = false: the output columns part p adds to (multiples of 8, within N)
 };
 
+// How the experts' weights lie in memory, each expert's natural matrix being rows × cols (nn.Linear's [N, K], or
+// [K, N] with w_kn), the experts back to back. Every layout holds a TMA box of the kernel's weight tile (64 columns
+// × 128 rows, or 64 × 64 with w_kn) in fewer, longer runs of memory than the rows.
+enum class GroupedWeightLayout {
+  kRows,          // row-major
+  kColumnBlocks,  // [cols / 64][rows][64]: columns 64 at a time, each block all the rows (cols a multiple of 64)
+  kTiles,         // [rows / 128][cols / 64][128][64]: 128 × 64 tiles, a row of tiles after another (rows a multiple
+                  // of 128, cols of 64; with SwiGLU the gate's rows a multiple of 128 too)
+};
+
 struct GroupedGemm {
   const bf16* A;               // [n, K] row-major: the permuted token rows, rows of expert e contiguous
   const int32_t* offsets;      // [E+1] device: rows of expert e are offsets[e] .. offsets[e+1]-1, offsets[E] = n
@@ -124,7 +134,14 @@ struct GroupedGemm {
   // The experts' weights back to back when they are (W[e] == W_all + e·N·K for every e), else null: the TMA kernel
   // reads them through one tensor map.
   const bf16* W_all = nullptr;
+  // How W_all holds the weights (block_expert_weights); the TMA variants only.
+  GroupedWeightLayout w_layout = GroupedWeightLayout::kRows;
 };
+
+// dst = src's E matrices [rows, cols] (row-major, back to back) in `layout`; with to_layout false the inverse (src
+// in the layout, dst row-major). dst and src do not overlap.
+void block_expert_weights(const bf16* src, bf16* dst, int64_t E, int64_t rows, int64_t cols,
+                          GroupedWeightLayout layout, cudaStream_t stream, bool to_layout = true);
 
 // Whether b's tile schedule is a's (the same offsets, experts, kernel variant and tiles per row block): b may then
 // set schedule_ready and run on a's workspace after a.

@@ -149,6 +149,8 @@ struct DMoe {
   const bf16** gate_up_ptrs = nullptr;  // [E] device arrays of the experts' weight pointers (grouped GEMM)
   const bf16** down_ptrs = nullptr;
   bf16 *gate_up_all = nullptr, *down_all = nullptr;  // the same weights as one tensor each, [E, 2I, D] and [E, D, I]
+  // How those two lie in memory (CudaModel::set_expert_layout): the TMA grouped GEMM reads any layout.
+  GroupedWeightLayout layout = GroupedWeightLayout::kRows;
   bool has_shared = false;
   DMlp shared;
 };
@@ -1035,14 +1037,19 @@ struct CudaModel::Impl {
       GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
                      static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
       gu.W_all = w.gate_up_all;
+      gu.w_layout = w.layout;
       grouped_gemm(gu, ws, stream);
       GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
                      static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
       dn.W_all = w.down_all;
+      dn.w_layout = w.layout;
       dn.schedule_ready = grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
       grouped_gemm(dn, ws, stream);
     } else {
       // One cuBLASLt GEMM per expert, after a device-to-host copy of the expert boundaries.
+      check(w.layout == GroupedWeightLayout::kRows,
+            "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
+            "(set_expert_layout)");
       std::vector<int32_t> off(El + 1);
       NEXTLM_CUDA_CHECK(
           cudaMemcpyAsync(off.data(), offsets, (El + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));

@@ -677,7 +677,8 @@ class Step {
   // (GroupedGemm::low_rank): grouped adapters, a wgmma kernel, and ranks that fit its one extra k-tile.
   // backward: for the input-gradient GEMMs (set_expert_lora_fold decides which folds run).
   bool fold_adapters(size_t i, std::initializer_list<LoraKind> kinds, bool backward = false) const {
-    const int kernel = moe_expert_gemm() < 0 ? -1 : backward ? moe_expert_gemm_dx() : moe_expert_gemm();
+    const bool tiles = m_.layers[i].moe.layout == GroupedWeightLayout::kTiles;
+    const int kernel = moe_expert_gemm() < 0 ? -1 : backward ? moe_expert_gemm_dx(tiles) : moe_expert_gemm();
     if (expert_lora_fold() < (backward ? 2 : 1) || !has_adapters(i, kinds) || !grouped_adapters(i, kinds) ||
         kernel < 0 || !grouped_gemm_is_wgmma(static_cast<GroupedGemmKernel>(kernel)))
       return false;
@@ -1277,6 +1278,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
     gu.W_all = w.gate_up_all;
+    gu.w_layout = w.layout;
     if (fuse_act) {
       gu.C = x.act, gu.pre = x.gu, gu.pre16 = x.gu16;
       gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
@@ -1292,11 +1294,15 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     GroupedGemm dn{x.act, x.offsets, w.down_ptrs, x.out, n, static_cast<int>(El), static_cast<int>(D),
                    static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
     dn.W_all = w.down_all;
+    dn.w_layout = w.layout;
     if (fold_dn) dn.low_rank = expert_adapters_factor(i, x, {LoraKind::ExpertDown});
     dn.schedule_ready = !reuse && grouped_gemm_same_schedule(gu, dn);  // then the gate|up's schedule serves both
     if (!recompute_) grouped_gemm(dn, ws, st);
     if (!fold_dn) down_adapters_forward(i, x);
   } else {
+    check(w.layout == GroupedWeightLayout::kRows,
+          "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
+          "(set_expert_layout)");
     const std::vector<int32_t> off = host_offsets(x.offsets);
     if (reuse) {
       gate_up_factors(i, x);
@@ -1363,6 +1369,9 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
       (adapters && (m_.lora->layers[i].shared_experts
                         ? El != E
                         : !grouped_adapters(i, {LoraKind::ExpertDown, LoraKind::ExpertGate, LoraKind::ExpertUp})));
+  check(grouped || w.layout == GroupedWeightLayout::kRows,
+        "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
+        "(set_expert_layout)");
   const std::vector<int32_t> off = per_expert ? host_offsets(x.offsets) : std::vector<int32_t>{};
   int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
   // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
@@ -1370,9 +1379,10 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
                         void* dx, bool dx16, const GroupedLowRank& lr) {
     GroupedGemm g{dy, x.offsets, W, dx, n, static_cast<int>(El), static_cast<int>(in_w), static_cast<int>(out_w),
                   dx16 ? GroupedEpilogue::kBf16 : GroupedEpilogue::kF32, 0.0f,
-                  static_cast<GroupedGemmKernel>(moe_expert_gemm_dx())};
+                  static_cast<GroupedGemmKernel>(moe_expert_gemm_dx(w.layout == GroupedWeightLayout::kTiles))};
     g.w_kn = true;
     g.W_all = W_all;
+    g.w_layout = w.layout;
     g.low_rank = lr;
     grouped_gemm(g, ws, st);
   };
