@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -93,6 +95,17 @@ std::pair<cuda::GroupedGemmKernel, cuda::GroupedWeightLayout> variant(int v) {
           v / 2 ? cuda::GroupedWeightLayout::kTiles : cuda::GroupedWeightLayout::kColumnBlocks};
 }
 
+// The experts' weights (row-major w_gu [E, 2I, D] and w_dn [E, D, I]) for a variant of `layout`: themselves on rows,
+// else their copies w_gu_b and w_dn_b laid out so.
+std::pair<const bf16*, const bf16*> laid_out(cuda::GroupedWeightLayout layout, const bf16* w_gu, const bf16* w_dn,
+                                             bf16* w_gu_b, bf16* w_dn_b, int64_t E, int64_t I, int64_t D,
+                                             cudaStream_t st) {
+  if (layout == cuda::GroupedWeightLayout::kRows) return {w_gu, w_dn};
+  cuda::block_expert_weights(w_gu, w_gu_b, E, 2 * I, D, layout, st);
+  cuda::block_expert_weights(w_dn, w_dn_b, E, D, I, layout, st);
+  return {w_gu_b, w_dn_b};
+}
+
 // A variant's name in the cases' names and notes: the kernel's, and "_blocks" or "_tiles" for those layouts.
 std::string variant_name(cuda::GroupedGemmKernel k, cuda::GroupedWeightLayout layout) {
   return std::string(cuda::grouped_gemm_kernel_name(k)) +
@@ -165,16 +178,12 @@ void moe_grouped_gemm_case(const std::string& name) {
   bf16 *w_gu_b = dev_alloc<bf16>(E * 2 * I * D), *w_dn_b = dev_alloc<bf16>(E * D * I);
   for (int v = 0; v < cuda::kGroupedGemmKernels + 4; ++v) {
     const auto [kern, layout] = variant(v);
-    const bool blocked = layout != cuda::GroupedWeightLayout::kRows;
-    if (blocked) {
-      cuda::block_expert_weights(w_gu, w_gu_b, E, 2 * I, D, layout, st);
-      cuda::block_expert_weights(w_dn, w_dn_b, E, D, I, layout, st);
-    }
+    const auto [gu_w, dn_w] = laid_out(layout, w_gu, w_dn, w_gu_b, w_dn_b, E, I, D, st);
     cuda::GroupedGemm g_gu{x, d_off, p_gu, act, n, static_cast<int>(E), static_cast<int>(2 * I),
                            static_cast<int>(D), cuda::GroupedEpilogue::kSwiGLU, limit, kern};
     cuda::GroupedGemm g_dn{act, d_off, p_dn, out, n, static_cast<int>(E), static_cast<int>(D),
                            static_cast<int>(I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
-    g_gu.W_all = blocked ? w_gu_b : w_gu, g_dn.W_all = blocked ? w_dn_b : w_dn;
+    g_gu.W_all = gu_w, g_dn.W_all = dn_w;
     g_gu.w_layout = g_dn.w_layout = layout;
     // Poisoned outputs: the check below also catches unwritten rows.
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(act, 0xFF, n * I * sizeof(bf16), st));
@@ -274,18 +283,14 @@ void moe_grouped_gemm_dx_case(const std::string& name) {
   bf16 *w_gu_b = dev_alloc<bf16>(E * 2 * I * D), *w_dn_b = dev_alloc<bf16>(E * D * I);
   for (int v = 0; v < cuda::kGroupedGemmKernels + 4; ++v) {
     const auto [kern, layout] = variant(v);
-    const bool blocked = layout != cuda::GroupedWeightLayout::kRows;
-    if (blocked) {
-      cuda::block_expert_weights(w_gu, w_gu_b, E, 2 * I, D, layout, st);
-      cuda::block_expert_weights(w_dn, w_dn_b, E, D, I, layout, st);
-    }
+    const auto [gu_w, dn_w] = laid_out(layout, w_gu, w_dn, w_gu_b, w_dn_b, E, I, D, st);
     // W_down_e [D, I] is [K = D, N = I]; W_gu_e [2I, D] is [K = 2I, N = D].
     cuda::GroupedGemm g_da{dout, d_off, p_dn, dact, n, static_cast<int>(E), static_cast<int>(I),
                            static_cast<int>(D), cuda::GroupedEpilogue::kF32, 0.0f, kern};
     cuda::GroupedGemm g_dx{dgu, d_off, p_gu, dxp, n, static_cast<int>(E), static_cast<int>(D),
                            static_cast<int>(2 * I), cuda::GroupedEpilogue::kF32, 0.0f, kern};
     g_da.w_kn = g_dx.w_kn = true;
-    g_da.W_all = blocked ? w_dn_b : w_dn, g_dx.W_all = blocked ? w_gu_b : w_gu;
+    g_da.W_all = dn_w, g_dx.W_all = gu_w;
     g_da.w_layout = g_dx.w_layout = layout;
     // Poisoned outputs: the check below also catches unwritten rows.
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(dact, 0xFF, n * I * sizeof(float), st));
