@@ -153,6 +153,12 @@ struct DMoe {
   GroupedWeightLayout layout = GroupedWeightLayout::kRows;
   bool has_shared = false;
   DMlp shared;
+  // The per-expert (cuBLASLt) GEMMs read the experts' weights row-major only.
+  void require_rows() const {
+    check(layout == GroupedWeightLayout::kRows,
+          "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
+          "(set_expert_layout)");
+  }
 };
 struct DLayer {
   DHc hc_attn, hc_ffn;
@@ -1047,9 +1053,7 @@ struct CudaModel::Impl {
       grouped_gemm(dn, ws, stream);
     } else {
       // One cuBLASLt GEMM per expert, after a device-to-host copy of the expert boundaries.
-      check(w.layout == GroupedWeightLayout::kRows,
-            "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
-            "(set_expert_layout)");
+      w.require_rows();
       std::vector<int32_t> off(El + 1);
       NEXTLM_CUDA_CHECK(
           cudaMemcpyAsync(off.data(), offsets, (El + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));

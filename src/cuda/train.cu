@@ -1300,9 +1300,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     if (!recompute_) grouped_gemm(dn, ws, st);
     if (!fold_dn) down_adapters_forward(i, x);
   } else {
-    check(w.layout == GroupedWeightLayout::kRows,
-          "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
-          "(set_expert_layout)");
+    w.require_rows();
     const std::vector<int32_t> off = host_offsets(x.offsets);
     if (reuse) {
       gate_up_factors(i, x);
@@ -1369,9 +1367,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
       (adapters && (m_.lora->layers[i].shared_experts
                         ? El != E
                         : !grouped_adapters(i, {LoraKind::ExpertDown, LoraKind::ExpertGate, LoraKind::ExpertUp})));
-  check(grouped || w.layout == GroupedWeightLayout::kRows,
-        "the per-expert GEMMs (set_moe_expert_gemm(-1)) need the experts' weights row-major, not in blocks "
-        "(set_expert_layout)");
+  if (!grouped) w.require_rows();
   const std::vector<int32_t> off = per_expert ? host_offsets(x.offsets) : std::vector<int32_t>{};
   int32_t* ws = grouped ? ar.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El))) : nullptr;
   // Input gradients of this rank's expert rows; the other ranks' rows stay zero.
