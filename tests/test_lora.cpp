@@ -138,6 +138,16 @@ TEST(LoraInit, PeftDistributionsRanksAndSeeds) {
   ModelConfig dense = c;
   for (MlpType& t : dense.mlp_layer_types) t = MlpType::Dense;
   EXPECT_THROW(LoraAdapter(dense, options(4, 4, "experts", LoraExperts::PerExpert), 0), Error);
+  EXPECT_EQ(lora_max_rank(dense, options(4, 4, "experts", LoraExperts::PerExpert)), 0);
+  // A rank is refused (before anything is allocated) only above every selected projection's own full rank.
+  int64_t most = 0;
+  for (const LoraModule& m : shared.modules()) most = std::max(most, std::min(m.B.dim(0), m.A.dim(1)));
+  EXPECT_EQ(lora_max_rank(c, options(4, 8.0, "all", LoraExperts::Shared)), most);
+  EXPECT_NO_THROW(LoraAdapter(c, options(most, 8.0, "all", LoraExperts::Shared), 3));
+  EXPECT_THROW(LoraAdapter(c, options(most + 1, 8.0, "all", LoraExperts::Shared), 3), Error);
+  const auto [out, in] = lora_kind_shape(c, LoraKind::KdaB);
+  EXPECT_LT(lora_max_rank(c, options(4, 8.0, "kda.b_proj", LoraExperts::Shared)), most);
+  EXPECT_EQ(lora_max_rank(c, options(4, 8.0, "kda.b_proj", LoraExperts::Shared)), std::min(out, in));
 }
 
 TEST(Lora, ZeroBGivesTheBaseLogitsExactly) {
@@ -895,6 +905,7 @@ TEST(LoraCli, BadValuesGiveOneLineErrors) {
   const std::vector<Case> cases = {
       {base + "--model " + q + " --lora-rank 0", 2, "--lora-rank"},
       {base + "--model " + q + " --lora-rank -3", 2, "--lora-rank"},
+      {base + "--model " + q + " --lora-rank 100000", 2, "full rank"},
       {base + "--config " + cfg + " --lora-rank 4", 2, "--model"},
       {base + "--model " + q + " --lora-rank 4 --lora-alpha 0", 2, "--lora-alpha"},
       {base + "--model " + q + " --lora-rank 4 --lora-targets kda,bogus", 2, "bogus"},

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -182,11 +183,14 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (sources != 1) throw TrainUsageError("give exactly one of --config, --model and --resume");
   auto given = [&](const char* flag) { return cmd.get_option(flag)->count() > 0; };
   if (a.steps < 0) throw TrainUsageError("--steps must be >= 0");
-  if (!(a.lr > 0)) throw TrainUsageError("--lr must be > 0");
+  if (!(a.lr > 0 && std::isfinite(a.lr))) throw TrainUsageError("--lr must be a finite number > 0");
   if (a.warmup < 0) throw TrainUsageError("--warmup must be >= 0");
-  if (a.batch_tokens < 2) throw TrainUsageError("--batch-tokens must be >= 2");
+  // A packed batch indexes its tokens with 32-bit positions (and the data stream would cycle the epochs that long).
+  if (a.batch_tokens < 2 || a.batch_tokens > std::numeric_limits<int32_t>::max())
+    throw TrainUsageError("--batch-tokens must be from 2 to 2147483647");
   if (a.grad_accum < 1) throw TrainUsageError("--grad-accum must be >= 1");
-  if (!(a.weight_decay >= 0)) throw TrainUsageError("--weight-decay must be >= 0");
+  if (!(a.weight_decay >= 0 && std::isfinite(a.weight_decay)))
+    throw TrainUsageError("--weight-decay must be a finite number >= 0");
   if (!(a.clip >= 0)) throw TrainUsageError("--clip must be >= 0");
   if (!(a.adam_eps > 0 && std::isfinite(a.adam_eps))) throw TrainUsageError("--adam-eps must be > 0");
   if (a.save_every < 0) throw TrainUsageError("--save-every must be >= 0");
@@ -279,6 +283,14 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     cfg = load_config((fs::path(dir) / "config.json").string());
   }
   if (parallel && opt.lora) throw TrainUsageError("LoRA training does not run under mpirun or with --tp/--ep yet");
+  // A rank above every adapted projection's own would only take memory (LoraAdapter refuses it too, as an Error).
+  if (opt.lora && resume_dir.empty()) {
+    const int64_t most = lora_max_rank(cfg, *opt.lora);
+    if (most == 0) throw TrainUsageError("--lora-targets " + opt.lora->targets + " select no projection of this model");
+    if (opt.lora->rank > most)
+      throw TrainUsageError("--lora-rank " + std::to_string(opt.lora->rank) + " is more than the full rank of every "
+                            "projection the targets select (" + std::to_string(most) + " at the most)");
+  }
   std::vector<TrainExample> data = read_train_jsonl(a.data, cfg.vocab_size, opt.batch_tokens);
   // LoRA on the GPU leaves the base in its checkpoint: the device reads it from there, and the host holds only the
   // config, the adapters and their optimizer state (a host copy of a 313B base would be 1.25 TB of fp32).

@@ -216,6 +216,44 @@ void lora_merge(const LoraModule& m, const float* base, float* out) {
   }
 }
 
+std::array<int64_t, 2> lora_kind_shape(const ModelConfig& c, LoraKind k) {
+  const int64_t D = c.hidden_size, HK = c.linear_num_heads * c.linear_head_dim, K = c.linear_head_dim;
+  const int64_t H = c.linear_num_heads, NH = c.num_attention_heads, QL = c.q_lora_rank, KL = c.kv_lora_rank;
+  const int64_t dqk = c.qk_nope_head_dim, dv = c.v_head_dim, I = c.intermediate_size, Im = c.moe_intermediate_size;
+  const int64_t Is = Im * c.n_shared_experts;
+  switch (k) {
+    case LoraKind::KdaQ: case LoraKind::KdaK: case LoraKind::KdaV: return {HK, D};
+    case LoraKind::KdaO: return {D, HK};
+    case LoraKind::KdaFA: case LoraKind::KdaGA: return {K, D};
+    case LoraKind::KdaFB: case LoraKind::KdaGB: return {HK, K};
+    case LoraKind::KdaB: return {H, D};
+    case LoraKind::MlaQA: return {QL, D};
+    case LoraKind::MlaQB: return {NH * dqk, QL};
+    case LoraKind::MlaKVA: return {KL, D};
+    case LoraKind::MlaKVB: return {NH * (dqk + dv), KL};
+    case LoraKind::MlaO: return {D, NH * dv};
+    case LoraKind::MlpGate: case LoraKind::MlpUp: return {I, D};
+    case LoraKind::MlpDown: return {D, I};
+    case LoraKind::SharedGate: case LoraKind::SharedUp: return {Is, D};
+    case LoraKind::SharedDown: return {D, Is};
+    case LoraKind::ExpertGate: case LoraKind::ExpertUp: return {Im, D};
+    case LoraKind::ExpertDown: return {D, Im};
+  }
+  return {0, 0};
+}
+
+int64_t lora_max_rank(const ModelConfig& c, const LoraOptions& o) {
+  int64_t most = 0;
+  for (LoraKind k : parse_lora_targets(o.targets)) {
+    bool present = false;
+    for (int64_t l = 0; l < c.num_hidden_layers && !present; ++l) present = layer_has(c, k, l);
+    if (!present) continue;
+    const auto [out, in] = lora_kind_shape(c, k);
+    most = std::max(most, std::min(out, in));
+  }
+  return most;
+}
+
 LoraAdapter::LoraAdapter(const ModelConfig& c, const LoraOptions& o, uint64_t seed)
     : config_(c), options_(o), from_options_(true) {
   check(o.rank >= 1, "LoRA rank must be >= 1, got ", o.rank);
@@ -240,31 +278,12 @@ LoraAdapter::LoraAdapter(const ModelConfig& c, const LoraOptions& o, uint64_t se
     }
   }
   check(!modules_.empty(), "LoRA targets \"", o.targets, "\" select no projection of this model");
-  // In and out widths: the hub layout's shapes (weights.h); capture() checks them against the model's weights.
-  const int64_t D = c.hidden_size, HK = c.linear_num_heads * c.linear_head_dim, K = c.linear_head_dim;
-  const int64_t H = c.linear_num_heads, NH = c.num_attention_heads, QL = c.q_lora_rank, KL = c.kv_lora_rank;
-  const int64_t dqk = c.qk_nope_head_dim, dv = c.v_head_dim, I = c.intermediate_size, Im = c.moe_intermediate_size;
-  const int64_t Is = Im * c.n_shared_experts;
+  // Checked before any adapter is allocated: a mistyped rank would otherwise fill the memory first.
+  const int64_t most = lora_max_rank(c, o);
+  check(o.rank <= most, "LoRA rank ", o.rank, " is more than the full rank of every projection it would adapt (", most,
+        " at the most: the smaller of a projection's widths)");
   for (LoraModule& m : modules_) {
-    int64_t out = 0, in = 0;
-    switch (m.kind) {
-      case LoraKind::KdaQ: case LoraKind::KdaK: case LoraKind::KdaV: out = HK, in = D; break;
-      case LoraKind::KdaO: out = D, in = HK; break;
-      case LoraKind::KdaFA: case LoraKind::KdaGA: out = K, in = D; break;
-      case LoraKind::KdaFB: case LoraKind::KdaGB: out = HK, in = K; break;
-      case LoraKind::KdaB: out = H, in = D; break;
-      case LoraKind::MlaQA: out = QL, in = D; break;
-      case LoraKind::MlaQB: out = NH * dqk, in = QL; break;
-      case LoraKind::MlaKVA: out = KL, in = D; break;
-      case LoraKind::MlaKVB: out = NH * (dqk + dv), in = KL; break;
-      case LoraKind::MlaO: out = D, in = NH * dv; break;
-      case LoraKind::MlpGate: case LoraKind::MlpUp: out = I, in = D; break;
-      case LoraKind::MlpDown: out = D, in = I; break;
-      case LoraKind::SharedGate: case LoraKind::SharedUp: out = Is, in = D; break;
-      case LoraKind::SharedDown: out = D, in = Is; break;
-      case LoraKind::ExpertGate: case LoraKind::ExpertUp: out = Im, in = D; break;
-      case LoraKind::ExpertDown: out = D, in = Im; break;
-    }
+    const auto [out, in] = lora_kind_shape(c, m.kind);
     // PEFT: nn.init.kaiming_uniform_(lora_A, a=√5): gain √(2/(1+5)), bound gain·√(3/fan_in) = 1/√in. B = 0.
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));
     m.A = Tensor({m.rank, in});

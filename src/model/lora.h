@@ -16,6 +16,7 @@
 //
 // Letters: r rank, in/out the projection's input and output widths, E routed experts.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -72,6 +73,13 @@ struct LoraOptions {
 
 nlohmann::json lora_options_json(const LoraOptions& o);
 LoraOptions lora_options_from_json(const nlohmann::json& j);  // throws Error on a bad value
+
+// The [out, in] widths of a kind's weight in a model of this config (the hub layout's shapes, weights.h).
+std::array<int64_t, 2> lora_kind_shape(const ModelConfig& c, LoraKind k);
+// The largest rank an adapter of these options can use to any end: the largest min(out, in) over the projections
+// its targets select in this model (0 when they select none). LoraAdapter refuses a larger rank, which would only
+// take memory.
+int64_t lora_max_rank(const ModelConfig& c, const LoraOptions& o);
 
 // One adapter: A [r, in], B [out, r] and their gradients, on one projection of one layer; for a routed-expert
 // kind, on one expert or (expert == kAllExperts) on every expert of the layer with the same A and B.
