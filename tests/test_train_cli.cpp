@@ -126,6 +126,25 @@ TEST(TrainCli, BadInputGivesOneLineErrorAndNoOutput) {
   }
 }
 
+// `--device cuda` where it cannot run (a build without CUDA, or no GPU: the CPU suite's machines) stops before any
+// output exists, whether the host holds the model (full-parameter) or only its config and shapes (LoRA): the device
+// model is loaded before the output directory and the log are made.
+TEST(TrainCli, DeviceCudaThatCannotRunLeavesNoOutput) {
+  TempDir dir;
+  const std::string data = write_text_data(dir), out = dir.str("run");
+  const std::string tiny = std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next";
+  for (const std::string& args : {"--config '" + config() + "'", "--model '" + tiny + "' --lora-rank 2"}) {
+    const CliResult r = run_nextlm("train " + args + " --data '" + data + "' --out '" + out +
+                                   "' --steps 1 --batch-tokens 64 --device cuda");
+    if (r.rc == 0) GTEST_SKIP() << "a CUDA device is present here: the GPU suite covers `train --device cuda`";
+    EXPECT_TRUE(r.rc == 1 || r.rc == 2) << r.err;
+    EXPECT_EQ(r.err.rfind("error:", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find("CUDA"), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(out)) << args << "\n" << r.err;
+  }
+}
+
 // The columns of a log but the seconds.
 std::vector<std::string> csv_rows_without_time(const std::string& path) {
   std::ifstream in(path);

@@ -327,31 +327,30 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   // has no weights), and the adapters, with their fp32 values, gradients and AdamW moments: the whole step runs
   // there, and the adapters come back to the host only to be saved.
   std::unique_ptr<CudaModel> gpu;
-  int64_t gpu_version = -1;
+  int64_t gpu_version = -1;  // the version of the trained values the device holds; -1: those it was loaded with
   if (a.device == "cuda") {
+    // Loaded before any output exists: a missing device or a bad checkpoint leaves nothing behind.
+    const LoraAdapter* adapter = trainer->lora();
+    gpu = adapter ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(trainer->model());
+    // Frozen experts are read in the layout their grouped GEMMs load fastest (set_weights, which a full step runs
+    // after every update, would lay them out again each time).
+    if (adapter) gpu->set_expert_layout(frozen_expert_layout(gpu->config()));
+    gpu->set_train_linears(adapter == nullptr);
+    gpu->set_train_small(adapter == nullptr);  // the adapters alone move
+    gpu->set_recompute(opt.recompute);
+    if (adapter) {
+      gpu->set_lora(*adapter);
+      gpu->start_lora_optimizer(*adapter, &trainer->optimizer());
+    }
     trainer->set_gradient_fn([&](const Model& m, LoraAdapter* lora, int64_t version, const PackedBatch& b,
                                  ModelWeights& grads) {
-      if (!gpu) {
-        gpu = lora ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(m);
-        // Frozen experts are read in the layout their grouped GEMMs load fastest (set_weights, which a full step
-        // runs after every update, would lay them out again each time).
-        if (lora) gpu->set_expert_layout(frozen_expert_layout(gpu->config()));
-        gpu->set_train_linears(lora == nullptr);
-        gpu->set_train_small(lora == nullptr);  // the adapters alone move
-        gpu->set_recompute(opt.recompute);
-        if (lora) {
-          gpu->set_lora(*lora);
-          gpu->start_lora_optimizer(*lora, &trainer->optimizer());
-        }
-      } else if (!lora && version != gpu_version) {
-        gpu->set_weights(m);
-      }
       if (lora) {
         // The step's micro-batches add up their gradients on the device; the step's update starts them anew.
         if (version != gpu_version) gpu->zero_grads();
         gpu_version = version;
         return gpu->forward_backward(b);
       }
+      if (gpu_version >= 0 && version != gpu_version) gpu->set_weights(m);
       gpu_version = version;
       gpu->zero_grads();
       const double loss = gpu->forward_backward(b);
