@@ -10,10 +10,12 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <new>
 #include <optional>
 #include <sstream>
 
@@ -383,6 +385,19 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
 
   // Outputs from here on; from now on ctrl-C ends with a checkpoint.
   SigintGuard guard;
+  // An error before the run's first step or checkpoint takes back what the run made (the directory, the log): no
+  // partial output is left. Declared before the log's Closer, so that the log is closed first.
+  struct UndoOutputs {
+    std::string out, log;
+    bool out_existed, log_existed, armed;
+    const int unwinding = std::uncaught_exceptions();
+    ~UndoOutputs() {
+      if (!armed || std::uncaught_exceptions() == unwinding) return;
+      std::error_code e;
+      if (!log_existed) fs::remove(log, e);
+      if (!out_existed) fs::remove_all(out, e);
+    }
+  } undo{a.out, log, fs::exists(a.out, ec), fs::exists(log, ec), lead};
   std::vector<LogRow> rows;
   std::FILE* logf = nullptr;
   if (lead) {
@@ -407,6 +422,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     } else {
       ptrainer->save(ckpt_dir);  // collective: rank 0 writes
     }
+    undo.armed = false;
     if (lead) write_text(svg_path(log), loss_curve_svg(rows));
   };
 
@@ -426,10 +442,17 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   int64_t done_here = 0, tokens_here = 0;
   bool stop = false;
   while (steps_done() < opt.steps && !(stop = interrupted())) {
-    const StepStats st = trainer ? trainer->step() : ptrainer->step();
+    StepStats st;
+    try {
+      st = trainer ? trainer->step() : ptrainer->step();
+    } catch (const std::bad_alloc&) {
+      fail("out of host memory in step ", steps_done() + 1, " (micro-batches of up to ", opt.batch_tokens,
+           " tokens): a smaller --batch-tokens, or a --recompute policy that recomputes more, needs less");
+    }
     elapsed += st.seconds;
     tokens_here += st.tokens;
     ++done_here;
+    undo.armed = false;  // a step's row is in the log: kept whatever follows
     if (lead) {
       const LogRow r{st.step, st.loss, st.lr, st.grad_norm, st.tokens, st.seconds};
       rows.push_back(r);
