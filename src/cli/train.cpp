@@ -284,7 +284,6 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     check(fs::is_directory(dir, ec), "model directory ", dir, " does not exist");
     cfg = load_config((fs::path(dir) / "config.json").string());
   }
-  if (parallel && opt.lora) throw TrainUsageError("LoRA training does not run under mpirun or with --tp/--ep yet");
   // A rank above every adapted projection's own would only take memory (LoraAdapter refuses it too, as an Error).
   if (opt.lora && resume_dir.empty()) {
     const int64_t most = lora_max_rank(cfg, *opt.lora);
@@ -427,10 +426,12 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   };
 
   const int64_t num_trainable = trainer ? trainer->num_trainable() : ptrainer->num_trainable();
-  if (lead && trainer && trainer->lora())
-    std::cerr << "LoRA: " << trainer->lora()->modules().size() << " adapters of rank " << opt.lora->rank
+  const LoraAdapter* adapter = trainer ? trainer->lora() : ptrainer->lora();
+  if (lead && adapter)
+    std::cerr << "LoRA: " << adapter->modules().size() << " adapters of rank " << opt.lora->rank
               << " on the frozen base " << opt.base_model << " (" << parameter_count(cfg) << " parameters"
-              << (trainer->lora_base() == LoraBase::Disk ? ", read by the GPU from its checkpoint" : "") << ")\n";
+              << (trainer && trainer->lora_base() == LoraBase::Disk ? ", read by the GPU from its checkpoint" : "")
+              << ")\n";
   if (lead && mesh)
     std::cerr << "parallel: " << mesh->world->size() << " ranks, " << mesh->dp->size()
               << " data-parallel replicas of " << mesh->replica_size << " (tp " << a.tp << ", ep " << a.ep << ")\n";
@@ -481,7 +482,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
 #endif
   if (lead)
     std::cerr << "done: " << steps_done() << " steps in " << duration(elapsed) << "; "
-              << (trainer && trainer->lora() ? "adapter" : "model") << " and checkpoint in " << ckpt_dir << ", log "
+              << (adapter ? "adapter" : "model") << " and checkpoint in " << ckpt_dir << ", log "
               << log << "; " << fmt("%.0f", done_here > 0 ? tokens_here / elapsed : 0.0) << " tokens/s, peak memory "
               << fmt("%.0f", peak_rss_mib()) << " MiB with recompute "
               << describe_recompute(in_use, a.device == "cuda") << "\n";

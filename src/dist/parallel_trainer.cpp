@@ -141,18 +141,28 @@ ParallelTrainer::ParallelTrainer(ShardedModel model, const Mesh& mesh, std::vect
   check(!data_.empty(), "no training data");
   check(opt_.steps >= 0 && opt_.warmup >= 0 && opt_.grad_accum >= 1 && opt_.batch_tokens >= 2,
         "invalid training options");
-  check(!opt_.lora, "LoRA training does not run tensor-, expert- or data-parallel yet");
-  params_ = trainable_params(model_.config, model_.weights, grads_, kPrefix);
-  for (const ParamRef& p : params_) placement_.push_back(placement_of(p.name));
+  if (opt_.lora) {
+    lora_.emplace(model_.config, *opt_.lora, opt_.seed);
+    shard_lora_ = ShardLora(*lora_, model_, mesh);
+    shard_lora_.apply(*lora_, model_.weights);  // B = 0: W_eff = W, written the one way it always is
+    params_ = lora_->params(kPrefix);
+  } else {
+    params_ = trainable_params(model_.config, model_.weights, grads_, kPrefix);
+    for (const ParamRef& p : params_) placement_.push_back(placement_of(p.name));
+  }
   adam_ = AdamW(params_, opt_.adamw);
   order_ = epoch_order(static_cast<int64_t>(data_.size()), opt_.seed, pos_.epoch);
 }
 
 ParallelTrainer ParallelTrainer::resume(const std::string& dir, const Mesh& mesh, std::vector<TrainExample> data,
                                         TrainOptions opt) {
-  check(!opt.lora, "LoRA training does not run tensor-, expert- or data-parallel yet");
   const TrainerState st = read_trainer_state(dir);
-  ParallelTrainer tr(load_sharded(dir, mesh), mesh, std::move(data), opt);
+  if (opt.lora) {
+    std::error_code ec;
+    check(fs::is_directory(opt.base_model, ec), "cannot resume the LoRA run in ", dir, ": its base model ",
+          opt.base_model, " does not exist");
+  }
+  ParallelTrainer tr(load_sharded(opt.lora ? opt.base_model : dir, mesh), mesh, std::move(data), opt);
   check(st.num_sequences == tr.data_.size(), "cannot resume from ", dir, ": it was trained on ", st.num_sequences,
         " sequences, the data now has ", tr.data_.size(), " (use the same --data and --batch-tokens)");
   tr.adam_.set_steps(st.step);
@@ -160,8 +170,22 @@ ParallelTrainer ParallelTrainer::resume(const std::string& dir, const Mesh& mesh
   check(tr.pos_.cursor >= 0 && tr.pos_.cursor <= static_cast<int64_t>(tr.data_.size()) && tr.pos_.epoch >= 0,
         dir, "/trainer_state.json: bad data position");
   tr.order_ = epoch_order(static_cast<int64_t>(tr.data_.size()), tr.opt_.seed, tr.pos_.epoch);
-  // The moments are sliced like the weights they belong to: load_sharded over optimizer.safetensors.
   const SafetensorsFile f((fs::path(dir) / "optimizer.safetensors").string());
+  if (tr.lora_) {
+    // The adapter and its moments whole on every rank, as Trainer::resume reads them.
+    tr.lora_->load_values(dir, kPrefix);
+    tr.shard_lora_.apply(*tr.lora_, tr.model_.weights);
+    for (size_t k = 0; k < tr.params_.size(); ++k) {
+      const ParamRef& p = tr.params_[k];
+      for (auto [key, dst] : {std::pair{"exp_avg.", &tr.adam_.m()[k]}, std::pair{"exp_avg_sq.", &tr.adam_.v()[k]}}) {
+        const TensorView* t = f.buffer().find(key + p.name);
+        check(t && t->shape == p.shape && t->dtype == DType::F32, f.path(), ": missing or mis-shaped ", key, p.name);
+        *dst = to_f32(*t);
+      }
+    }
+    return tr;
+  }
+  // The moments are sliced like the weights they belong to: load_sharded over optimizer.safetensors.
   for (auto [key, dst] : {std::pair{"exp_avg.", &tr.adam_.m()}, std::pair{"exp_avg_sq.", &tr.adam_.v()}}) {
     const std::string k = key;
     const TensorSource src{[&](const std::string& name) { return f.buffer().find(k + name); }, f.path()};
@@ -180,7 +204,11 @@ ParallelTrainer ParallelTrainer::resume(const std::string& dir, const Mesh& mesh
 StepStats ParallelTrainer::step() {
   const auto t0 = std::chrono::steady_clock::now();
   Comm& dp = *mesh_->dp;
-  for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
+  if (lora_) {
+    grads_ = zeros_like(model_.weights);  // the base's weight gradients, from which the adapter's come
+  } else {
+    for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
+  }
   double loss = 0.0, weight = 0.0;
   int64_t tokens = 0;
   for (int64_t a = 0; a < opt_.grad_accum; ++a) {
@@ -192,8 +220,13 @@ StepStats ParallelTrainer::step() {
     if (share.size() > 0)
       loss += parallel_forward_backward(model_, *mesh_, sub_batch(b, share), grads_, opt_.recompute);
   }
-  // Sums over the replicas (one flat buffer), then the TP sums of the partial gradients.
-  if (dp.size() > 1) {
+  // Sums over the replicas (one flat buffer), then the TP sums of the partial gradients. With LoRA the replica's
+  // weight gradients become the adapter's shares first, which are then summed over the world.
+  if (lora_) {
+    if (dp.size() > 1) dp.all_reduce_sum(&loss, 1);
+    reduce_partial_gradients(*mesh_, grads_);
+    shard_lora_.gradients(*lora_, grads_, *mesh_->world);
+  } else if (dp.size() > 1) {
     size_t total = 0;
     for (const ParamRef& p : params_) total += static_cast<size_t>(p.n);
     std::vector<float> flat(total);
@@ -210,7 +243,7 @@ StepStats ParallelTrainer::step() {
     }
     dp.all_reduce_sum(&loss, 1);
   }
-  reduce_partial_gradients(*mesh_, grads_);
+  if (!lora_) reduce_partial_gradients(*mesh_, grads_);
   // Trainer::step's per-prediction mean (over the whole step's predictions) and global-norm clipping.
   const float inv = weight > 0 ? static_cast<float>(1.0 / weight) : 0.0f;
   for (ParamRef& p : params_)
@@ -221,7 +254,7 @@ StepStats ParallelTrainer::step() {
     const ParamRef& p = params_[k];
     for (int64_t i = 0; i < p.n; ++i) sq += static_cast<double>(p.g[i]) * p.g[i];
   }
-  mesh_->replica->all_reduce_sum(&sq, 1);
+  if (!lora_) mesh_->replica->all_reduce_sum(&sq, 1);  // an adapter's gradients are whole on every rank
   StepStats st;
   st.grad_norm = std::sqrt(sq);
   if (opt_.clip > 0 && st.grad_norm > opt_.clip) {  // clip_grad_norm's scaling
@@ -231,7 +264,11 @@ StepStats ParallelTrainer::step() {
   }
   st.lr = lr_at(adam_.steps(), opt_.steps, opt_.warmup, opt_.adamw.lr, opt_.min_lr_ratio);
   adam_.step(params_, st.lr);
-  if (model_.config.tie_word_embeddings) model_.weights.lm_head.data = model_.weights.embed.data;
+  if (lora_) {
+    shard_lora_.apply(*lora_, model_.weights);
+  } else if (model_.config.tie_word_embeddings) {
+    model_.weights.lm_head.data = model_.weights.embed.data;
+  }
   st.step = adam_.steps();
   st.loss = weight > 0 ? loss / weight : 0.0;
   st.tokens = tokens;
@@ -242,6 +279,7 @@ StepStats ParallelTrainer::step() {
 bool ParallelTrainer::counted_here(size_t k) const {
   // Replicated tensors on the replica's rank 0, TP slices on its first TP group (its ranks 0..tp-1 hold each slice
   // once), experts on its first EP group.
+  if (lora_) return true;  // every rank holds the whole adapter and its gradients
   const int me = mesh_->replica->rank();
   switch (placement_[k]) {
     case Placement::Replicated:
@@ -255,6 +293,7 @@ bool ParallelTrainer::counted_here(size_t k) const {
 }
 
 int64_t ParallelTrainer::num_trainable() const {
+  if (lora_) return lora_->num_parameters();
   double n = 0.0;
   for (size_t k = 0; k < params_.size(); ++k)
     if (counted_here(k)) n += static_cast<double>(params_[k].n);
@@ -266,8 +305,12 @@ void ParallelTrainer::check_replicas_agree() const {
   uint64_t all = 0xcbf29ce484222325ULL, replicated = all;
   for (size_t k = 0; k < params_.size(); ++k) {
     all = fnv1a(all, params_[k].w, params_[k].n);
-    if (placement_[k] == Placement::Replicated) replicated = fnv1a(replicated, params_[k].w, params_[k].n);
+    if (lora_ || placement_[k] == Placement::Replicated) replicated = fnv1a(replicated, params_[k].w, params_[k].n);
   }
+  // With LoRA every rank holds the same adapter: the replica check covers it, the DP one the merged slices too.
+  if (lora_)
+    for (const GradTensor& t : hub_gradients(model_.config, model_.weights, ""))
+      all = fnv1a(all, t.data, static_cast<int64_t>(Tensor::count(t.shape)));
   const std::vector<uint64_t> dp = mesh_->dp->all_gather_value(all);
   const std::vector<uint64_t> rep = mesh_->replica->all_gather_value(replicated);
   const bool ok = std::all_of(dp.begin(), dp.end(), [&](uint64_t h) { return h == dp[0]; }) &&
@@ -289,6 +332,19 @@ ModelWeights ParallelTrainer::moments_as_weights(const std::vector<std::vector<f
 
 void ParallelTrainer::save(const std::string& dir) const {
   check_replicas_agree();
+  if (lora_) {  // Trainer::save's LoRA checkpoint: the adapter and its moments are whole on every rank
+    on_rank0(*mesh_->world, [&] {
+      std::vector<TensorToWrite> moments;
+      for (size_t k = 0; k < params_.size(); ++k) {
+        moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
+        moments.push_back({"exp_avg_sq." + params_[k].name, DType::F32, params_[k].shape, adam_.v()[k].data()});
+      }
+      write_training_checkpoint(
+          dir, [&](const std::string& tmp) { lora_->save_peft(tmp, opt_.base_model, kPrefix); }, moments,
+          TrainerState{adam_.steps(), pos_, data_.size()}, opt_);
+    });
+    return;
+  }
   const ModelConfig& c = model_.config;
   const ModelWeights full = gather_weights(model_, *mesh_, model_.weights);
   const ModelWeights m = gather_weights(model_, *mesh_, moments_as_weights(adam_.m()));

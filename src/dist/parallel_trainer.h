@@ -13,11 +13,18 @@
 //   - Checkpoints: the slices gathered into one hub-layout training checkpoint (Trainer::save's layout, written by
 //     world rank 0), which a single-process run resumes from; resuming under mpirun reads each rank's slices of the
 //     weights and the moments from such a checkpoint, whatever layout wrote it.
+//   - LoRA (TrainOptions::lora): the model given is the frozen base, sliced as always; every rank holds the whole
+//     adapter with its optimizer state (the same values everywhere), merges it into its slices (ShardLora,
+//     parallel_lora.h), and takes the adapter's gradients from its slices' weight gradients, summed over the world.
+//     Checkpoints are Trainer::save's LoRA ones (the PEFT adapter files, written by world rank 0), so a single-process
+//     run resumes them and the reverse.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "dist/parallel_lora.h"
 #include "dist/parallel_model.h"
 #include "model/optim.h"
 #include "model/trainer.h"
@@ -43,7 +50,8 @@ ShardedModel shard_weights(const ModelConfig& c, const ModelWeights& full, const
 
 class ParallelTrainer {
  public:
-  // Starts from this rank's slices with fresh optimizer state. Every rank of mesh.world must pass the same data and
+  // Starts from this rank's slices with fresh optimizer state (with opt.lora: fresh adapters on these slices of the
+  // frozen base, the same on every rank as Trainer makes them). Every rank of mesh.world must pass the same data and
   // options. The mesh must outlive the trainer.
   ParallelTrainer(ShardedModel model, const Mesh& mesh, std::vector<TrainExample> data, TrainOptions opt);
   // params_ points into model_ and grads_ (see Trainer).
@@ -52,7 +60,7 @@ class ParallelTrainer {
   ParallelTrainer(ParallelTrainer&&) = default;
 
   // A trainer in the state a training checkpoint recorded (Trainer::save or save below); `opt` replaces the stored
-  // options. Collective over the world.
+  // options. A LoRA checkpoint's base is read again from opt.base_model. Collective over the world.
   static ParallelTrainer resume(const std::string& dir, const Mesh& mesh, std::vector<TrainExample> data,
                                 TrainOptions opt);
 
@@ -65,7 +73,9 @@ class ParallelTrainer {
   // the same replicated tensors: data parallelism must keep the copies in step.
   void check_replicas_agree() const;
 
+  // This rank's slices (with LoRA: base + adapter merged) and the adapter (null without LoRA).
   const ShardedModel& model() const { return model_; }
+  const LoraAdapter* lora() const { return lora_ ? &*lora_ : nullptr; }
   const TrainOptions& options() const { return opt_; }
   int64_t steps_done() const { return adam_.steps(); }
   DataPosition data_position() const { return pos_; }
@@ -82,8 +92,10 @@ class ParallelTrainer {
   std::vector<TrainExample> data_;
   TrainOptions opt_;
   ModelWeights grads_;
-  std::vector<ParamRef> params_;
-  std::vector<Placement> placement_;  // parallel to params_
+  std::vector<ParamRef> params_;       // the adapter's A and B with LoRA
+  std::vector<Placement> placement_;  // parallel to params_ (without LoRA)
+  std::optional<LoraAdapter> lora_;
+  ShardLora shard_lora_;
   AdamW adam_;
   DataPosition pos_;
   std::vector<int64_t> order_;
