@@ -506,12 +506,8 @@ struct TrainLayout {
   int n, tp, ep;
 };
 
-// ParallelTrainer at DP2, DP2×TP2 and DP2×EP2 against the single-process Trainer on the same data: per-step loss and
-// grad-norm, and the gathered weights, within 1e-5 (sum order only; eps 1e-5 for the reason test_dist_cli.cpp's
-// DataParallelEqualsSingleProcess gives). Every DP rank ends with bit-identical slices.
-TEST(DistTrain, EqualsSingleProcessTrainer) {
-  cpu::set_num_threads(1);
-  const std::string dir = test::golden_dir("fp32_tail_off");
+// 7 sequences of 4..22 tokens, every third with a loss mask over its first half.
+std::vector<TrainExample> train_examples() {
   std::vector<TrainExample> data;
   for (int i = 0; i < 7; ++i) {
     TrainExample ex;
@@ -521,6 +517,16 @@ TEST(DistTrain, EqualsSingleProcessTrainer) {
       for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
     data.push_back(std::move(ex));
   }
+  return data;
+}
+
+// ParallelTrainer at DP2, DP2×TP2 and DP2×EP2 against the single-process Trainer on the same data: per-step loss and
+// grad-norm, and the gathered weights, within 1e-5 (sum order only; eps 1e-5 for the reason test_dist_cli.cpp's
+// DataParallelEqualsSingleProcess gives). Every DP rank ends with bit-identical slices.
+TEST(DistTrain, EqualsSingleProcessTrainer) {
+  cpu::set_num_threads(1);
+  const std::string dir = test::golden_dir("fp32_tail_off");
+  const std::vector<TrainExample> data = train_examples();
   TrainOptions opt;
   opt.steps = 2;
   opt.warmup = 1;
@@ -586,15 +592,7 @@ std::vector<float> adapter_values(const LoraAdapter& a) {
 TEST(DistTrain, LoraEqualsSingleProcessTrainer) {
   cpu::set_num_threads(1);
   const std::string dir = test::golden_dir("fp32_tail_off");
-  std::vector<TrainExample> data;
-  for (int i = 0; i < 7; ++i) {
-    TrainExample ex;
-    const int n = 4 + (i * 7) % 19;
-    for (int t = 0; t < n; ++t) ex.tokens.push_back((i * 31 + t * 17 + 3) % 256);
-    if (i % 3 == 1)
-      for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
-    data.push_back(std::move(ex));
-  }
+  const std::vector<TrainExample> data = train_examples();
   for (const bool shared : {false, true}) {
     TrainOptions opt;
     opt.steps = 3;

@@ -245,6 +245,17 @@ void expect_same_log(const std::string& a_path, const std::string& b_path, doubl
   }
 }
 
+// An mpirun layout of a training test: processes, --tp, --ep and the run's directory name.
+struct MpiLayout {
+  int np, tp, ep;
+  const char* name;
+};
+
+// `train --resume FROM --out TO` in one process, with the rest of the flags in `more`.
+CliResult resume_in_one_process(const std::string& from, const std::string& to, const std::string& more) {
+  return run_nextlm("train --resume " + shell_quote(from) + " --out " + shell_quote(to) + more);
+}
+
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);
@@ -268,12 +279,8 @@ TEST(DistTrainCli, DataParallelEqualsSingleProcess) {
   const std::string one = tmp.str("one");
   const CliResult r1 = run_nextlm(args + " --out " + shell_quote(one));
   ASSERT_EQ(r1.rc, 0) << describe(r1);
-  struct Case {
-    int np, tp, ep;
-    const char* name;
-  };
-  const Case cases[] = {{2, 1, 1, "dp2"}, {4, 1, 1, "dp4"}, {4, 2, 1, "dp2_tp2"}, {4, 1, 2, "dp2_ep2"}};
-  for (const Case& c : cases) {
+  const MpiLayout cases[] = {{2, 1, 1, "dp2"}, {4, 1, 1, "dp4"}, {4, 2, 1, "dp2_tp2"}, {4, 1, 2, "dp2_ep2"}};
+  for (const MpiLayout& c : cases) {
     const std::string out = tmp.str(c.name);
     const CliResult r = run_mpi(c.np, args + " --tp " + std::to_string(c.tp) + " --ep " + std::to_string(c.ep) +
                                           " --out " + shell_quote(out));
@@ -295,11 +302,9 @@ TEST(DistTrainCli, DataParallelEqualsSingleProcess) {
   // single-process one (each rank reading its slices of the weights and moments); both take the step one process
   // takes from its own checkpoint.
   const std::string more = " --steps 4 --threads 1 --data " + shell_quote(data);
-  const CliResult c1 =
-      run_nextlm("train --resume " + shell_quote(one) + " --out " + shell_quote(tmp.str("one4")) + more);
+  const CliResult c1 = resume_in_one_process(one, tmp.str("one4"), more);
   ASSERT_EQ(c1.rc, 0) << describe(c1);
-  const CliResult c2 = run_nextlm("train --resume " + shell_quote(tmp.str("dp2_tp2")) + " --out " +
-                                  shell_quote(tmp.str("from_tp2")) + more);
+  const CliResult c2 = resume_in_one_process(tmp.str("dp2_tp2"), tmp.str("from_tp2"), more);
   ASSERT_EQ(c2.rc, 0) << describe(c2);
   const CliResult c3 = run_mpi(4, "train --ep 2 --resume " + shell_quote(one) + " --out " +
                                       shell_quote(tmp.str("to_ep2")) + more);
@@ -327,11 +332,7 @@ TEST(DistTrainCli, LoraEqualsSingleProcess) {
   const std::string one = tmp.str("one");
   const CliResult r1 = run_nextlm(args + " --out " + shell_quote(one));
   ASSERT_EQ(r1.rc, 0) << describe(r1);
-  struct Case {
-    int np, tp, ep;
-    const char* name;
-  };
-  for (const Case& c : {Case{2, 2, 2, "tp2_ep2"}, Case{4, 2, 1, "dp2_tp2"}}) {
+  for (const MpiLayout& c : {MpiLayout{2, 2, 2, "tp2_ep2"}, MpiLayout{4, 2, 1, "dp2_tp2"}}) {
     const std::string out = tmp.str(c.name);
     const CliResult r = run_mpi(c.np, args + " --tp " + std::to_string(c.tp) + " --ep " + std::to_string(c.ep) +
                                           " --out " + shell_quote(out));
@@ -347,11 +348,9 @@ TEST(DistTrainCli, LoraEqualsSingleProcess) {
   }
   // One process continues the TP2·EP2 run, as it continues its own.
   const std::string more = " --steps 4 --threads 1 --data " + shell_quote(data);
-  const CliResult c1 =
-      run_nextlm("train --resume " + shell_quote(one) + " --out " + shell_quote(tmp.str("one4")) + more);
+  const CliResult c1 = resume_in_one_process(one, tmp.str("one4"), more);
   ASSERT_EQ(c1.rc, 0) << describe(c1);
-  const CliResult c2 = run_nextlm("train --resume " + shell_quote(tmp.str("tp2_ep2")) + " --out " +
-                                  shell_quote(tmp.str("from_tp2_ep2")) + more);
+  const CliResult c2 = resume_in_one_process(tmp.str("tp2_ep2"), tmp.str("from_tp2_ep2"), more);
   ASSERT_EQ(c2.rc, 0) << describe(c2);
   expect_same_log(tmp.str("one4/train_log.csv"), tmp.str("from_tp2_ep2/train_log.csv"), 1e-5, "from_tp2_ep2");
   expect_same_tensors(tmp.str("one4/checkpoint/adapter_model.safetensors"),

@@ -86,31 +86,11 @@ void ShardLora::apply(const LoraAdapter& adapter, ModelWeights& weights) const {
     const LoraModule& m = adapter.modules()[b.module];
     Tensor* w = lora_base_weight(weights, m.kind, m.layer, b.local);
     check(w != nullptr && w->numel() == b.rows * b.cols, "LoRA on a shard: the weights do not match the adapter");
-    const int64_t I = m.A.dim(1), r = m.rank;
-    const float s = static_cast<float>(m.scale);
-    const float* A = m.A.ptr();
-    const float* B = m.B.ptr();
-    const float* base = b.base.ptr();
-    float* out = w->ptr();
-    // lora_merge's arithmetic, element by element: the row of B·A accumulated over k in order, scaled, added.
-#pragma omp parallel
-    {
-      std::vector<float> row(b.cols);
-#pragma omp for schedule(static)
-      for (int64_t o = 0; o < b.rows; ++o) {
-        std::fill(row.begin(), row.end(), 0.0f);
-        for (int64_t k = 0; k < r; ++k) {
-          const float x = B[(b.r0 + o) * r + k];
-          const float* a = A + k * I + b.c0;
-          for (int64_t j = 0; j < b.cols; ++j) row[j] += x * a[j];
-        }
-        for (int64_t j = 0; j < b.cols; ++j) out[o * b.cols + j] = base[o * b.cols + j] + s * row[j];
-      }
-    }
+    lora_merge_block(m, b.r0, b.rows, b.c0, b.cols, b.base.ptr(), w->ptr());
   }
 }
 
-void ShardLora::gradients(LoraAdapter& adapter, const ModelWeights& grads, Comm& world) const {
+void ShardLora::gradients(LoraAdapter& adapter, const ModelWeights& grads) const {
   std::vector<LoraModule>& mods = adapter.modules();
   for (LoraModule& m : mods) {
     std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
@@ -122,54 +102,8 @@ void ShardLora::gradients(LoraAdapter& adapter, const ModelWeights& grads, Comm&
     const Tensor* g = lora_base_weight(grads, m.kind, m.layer, b.local);
     check(g != nullptr && g->numel() == b.rows * b.cols, "LoRA on a shard: no gradient for a block of ",
           adapter.module_path(m, -1, ""));
-    const int64_t I = m.A.dim(1), r = m.rank, R = b.rows, C = b.cols;
-    const float s = static_cast<float>(m.scale);
-    const float* G = g->ptr();
-    const float* A = m.A.ptr();
-    const float* B = m.B.ptr();
-    float* dA = m.dA.ptr();
-    float* dB = m.dB.ptr();
-    // dB[r0 + o, k] += s·Σ_j G[o, j]·A[k, c0 + j]
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < R; ++o)
-      for (int64_t k = 0; k < r; ++k) {
-        double acc = 0.0;
-        for (int64_t j = 0; j < C; ++j) acc += static_cast<double>(G[o * C + j]) * A[k * I + b.c0 + j];
-        dB[(b.r0 + o) * r + k] += s * static_cast<float>(acc);
-      }
-    // dA[k, c0 + j] += s·Σ_o B[r0 + o, k]·G[o, j]
-#pragma omp parallel
-    {
-      std::vector<double> acc(C);
-#pragma omp for schedule(static)
-      for (int64_t k = 0; k < r; ++k) {
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t o = 0; o < R; ++o) {
-          const double x = B[(b.r0 + o) * r + k];
-          for (int64_t j = 0; j < C; ++j) acc[j] += x * G[o * C + j];
-        }
-        for (int64_t j = 0; j < C; ++j) dA[k * I + b.c0 + j] += s * static_cast<float>(acc[j]);
-      }
-    }
+    lora_block_backward(m, b.r0, b.rows, b.c0, b.cols, g->ptr());
   }
-  // One buffer over every module's dA and dB, summed over the world in chunks (an MPI message stays under 2 GiB).
-  size_t total = 0;
-  for (const LoraModule& m : mods) total += static_cast<size_t>(m.dA.numel() + m.dB.numel());
-  std::vector<float> flat(total);
-  size_t off = 0;
-  for (const LoraModule& m : mods)
-    for (const Tensor* t : {&m.dA, &m.dB}) {
-      std::copy(t->data.begin(), t->data.end(), flat.begin() + static_cast<std::ptrdiff_t>(off));
-      off += static_cast<size_t>(t->numel());
-    }
-  const size_t chunk = size_t{1} << 22;
-  for (size_t i = 0; i < total; i += chunk) world.all_reduce_sum(flat.data() + i, std::min(chunk, total - i));
-  off = 0;
-  for (LoraModule& m : mods)
-    for (Tensor* t : {&m.dA, &m.dB}) {
-      std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(off), t->numel(), t->data.begin());
-      off += static_cast<size_t>(t->numel());
-    }
 }
 
 }  // namespace nextlm::dist

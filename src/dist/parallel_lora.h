@@ -31,10 +31,10 @@ class ShardLora {
 
   // Writes base + s·B·A into each adapted block of `weights` (this rank's slices), from the adapter's A and B.
   void apply(const LoraAdapter& adapter, ModelWeights& weights) const;
-  // Sets the adapter's dA and dB to the gradient of the sum over the world's replicas, from each rank's weight
-  // gradients `grads` (the shard's, partial TP sums already reduced: reduce_partial_gradients). Collective over
-  // `world`; every rank ends with the same dA and dB.
-  void gradients(LoraAdapter& adapter, const ModelWeights& grads, Comm& world) const;
+  // Sets the adapter's dA and dB to this rank's share of its replica's gradient, from the shard's weight gradients
+  // `grads` (partial TP sums already reduced: reduce_partial_gradients); zero where this rank counts no block. The
+  // shares' sum over the world is the gradient of the whole step's data.
+  void gradients(LoraAdapter& adapter, const ModelWeights& grads) const;
 
  private:
   struct Block {

@@ -35,6 +35,24 @@ void all_reduce_chunked(Comm& comm, float* x, size_t n) {
   for (size_t i = 0; i < n; i += chunk) comm.all_reduce_sum(x + i, std::min(chunk, n - i));
 }
 
+// Sums the parameters' gradients over comm, through one flat buffer.
+void all_reduce_gradients(Comm& comm, std::vector<ParamRef>& params) {
+  size_t total = 0;
+  for (const ParamRef& p : params) total += static_cast<size_t>(p.n);
+  std::vector<float> flat(total);
+  size_t off = 0;
+  for (const ParamRef& p : params) {
+    std::copy_n(p.g, p.n, flat.data() + off);
+    off += static_cast<size_t>(p.n);
+  }
+  all_reduce_chunked(comm, flat.data(), flat.size());
+  off = 0;
+  for (ParamRef& p : params) {
+    std::copy_n(flat.data() + off, p.n, p.g);
+    off += static_cast<size_t>(p.n);
+  }
+}
+
 // FNV-1a over the bytes of some floats, continuing from h.
 uint64_t fnv1a(uint64_t h, const float* x, int64_t n) {
   const unsigned char* p = reinterpret_cast<const unsigned char*>(x);
@@ -170,22 +188,15 @@ ParallelTrainer ParallelTrainer::resume(const std::string& dir, const Mesh& mesh
   check(tr.pos_.cursor >= 0 && tr.pos_.cursor <= static_cast<int64_t>(tr.data_.size()) && tr.pos_.epoch >= 0,
         dir, "/trainer_state.json: bad data position");
   tr.order_ = epoch_order(static_cast<int64_t>(tr.data_.size()), tr.opt_.seed, tr.pos_.epoch);
-  const SafetensorsFile f((fs::path(dir) / "optimizer.safetensors").string());
   if (tr.lora_) {
     // The adapter and its moments whole on every rank, as Trainer::resume reads them.
     tr.lora_->load_values(dir, kPrefix);
     tr.shard_lora_.apply(*tr.lora_, tr.model_.weights);
-    for (size_t k = 0; k < tr.params_.size(); ++k) {
-      const ParamRef& p = tr.params_[k];
-      for (auto [key, dst] : {std::pair{"exp_avg.", &tr.adam_.m()[k]}, std::pair{"exp_avg_sq.", &tr.adam_.v()[k]}}) {
-        const TensorView* t = f.buffer().find(key + p.name);
-        check(t && t->shape == p.shape && t->dtype == DType::F32, f.path(), ": missing or mis-shaped ", key, p.name);
-        *dst = to_f32(*t);
-      }
-    }
+    read_moments(dir, tr.params_, tr.adam_);
     return tr;
   }
   // The moments are sliced like the weights they belong to: load_sharded over optimizer.safetensors.
+  const SafetensorsFile f((fs::path(dir) / "optimizer.safetensors").string());
   for (auto [key, dst] : {std::pair{"exp_avg.", &tr.adam_.m()}, std::pair{"exp_avg_sq.", &tr.adam_.v()}}) {
     const std::string k = key;
     const TensorSource src{[&](const std::string& name) { return f.buffer().find(k + name); }, f.path()};
@@ -225,22 +236,10 @@ StepStats ParallelTrainer::step() {
   if (lora_) {
     if (dp.size() > 1) dp.all_reduce_sum(&loss, 1);
     reduce_partial_gradients(*mesh_, grads_);
-    shard_lora_.gradients(*lora_, grads_, *mesh_->world);
+    shard_lora_.gradients(*lora_, grads_);
+    all_reduce_gradients(*mesh_->world, params_);
   } else if (dp.size() > 1) {
-    size_t total = 0;
-    for (const ParamRef& p : params_) total += static_cast<size_t>(p.n);
-    std::vector<float> flat(total);
-    size_t off = 0;
-    for (const ParamRef& p : params_) {
-      std::copy_n(p.g, p.n, flat.data() + off);
-      off += static_cast<size_t>(p.n);
-    }
-    all_reduce_chunked(dp, flat.data(), flat.size());
-    off = 0;
-    for (ParamRef& p : params_) {
-      std::copy_n(flat.data() + off, p.n, p.g);
-      off += static_cast<size_t>(p.n);
-    }
+    all_reduce_gradients(dp, params_);
     dp.all_reduce_sum(&loss, 1);
   }
   if (!lora_) reduce_partial_gradients(*mesh_, grads_);
@@ -334,14 +333,9 @@ void ParallelTrainer::save(const std::string& dir) const {
   check_replicas_agree();
   if (lora_) {  // Trainer::save's LoRA checkpoint: the adapter and its moments are whole on every rank
     on_rank0(*mesh_->world, [&] {
-      std::vector<TensorToWrite> moments;
-      for (size_t k = 0; k < params_.size(); ++k) {
-        moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
-        moments.push_back({"exp_avg_sq." + params_[k].name, DType::F32, params_[k].shape, adam_.v()[k].data()});
-      }
       write_training_checkpoint(
-          dir, [&](const std::string& tmp) { lora_->save_peft(tmp, opt_.base_model, kPrefix); }, moments,
-          TrainerState{adam_.steps(), pos_, data_.size()}, opt_);
+          dir, [&](const std::string& tmp) { lora_->save_peft(tmp, opt_.base_model, kPrefix); },
+          moment_tensors(params_, adam_), TrainerState{adam_.steps(), pos_, data_.size()}, opt_);
     });
     return;
   }

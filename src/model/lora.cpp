@@ -195,23 +195,59 @@ Tensor* lora_base_weight(ModelWeights& w, LoraKind k, int64_t layer, int64_t exp
 }
 
 void lora_merge(const LoraModule& m, const float* base, float* out) {
-  const int64_t O = m.B.dim(0), I = m.A.dim(1), r = m.rank;
+  lora_merge_block(m, 0, m.B.dim(0), 0, m.A.dim(1), base, out);
+}
+
+void lora_merge_block(const LoraModule& m, int64_t r0, int64_t rows, int64_t c0, int64_t cols, const float* base,
+                      float* out) {
+  const int64_t I = m.A.dim(1), r = m.rank;
   const float s = static_cast<float>(m.scale);
   const float* A = m.A.ptr();
   const float* B = m.B.ptr();
   // Row o of B·A, accumulated over k in order, then scaled and added: PEFT's W + (B @ A)·s.
 #pragma omp parallel
   {
-    std::vector<float> row(I);
+    std::vector<float> row(cols);
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < O; ++o) {
+    for (int64_t o = 0; o < rows; ++o) {
       std::fill(row.begin(), row.end(), 0.0f);
       for (int64_t k = 0; k < r; ++k) {
-        const float b = B[o * r + k];
-        const float* a = A + k * I;
-        for (int64_t i = 0; i < I; ++i) row[i] += b * a[i];
+        const float b = B[(r0 + o) * r + k];
+        const float* a = A + k * I + c0;
+        for (int64_t i = 0; i < cols; ++i) row[i] += b * a[i];
       }
-      for (int64_t i = 0; i < I; ++i) out[o * I + i] = base[o * I + i] + s * row[i];
+      for (int64_t i = 0; i < cols; ++i) out[o * cols + i] = base[o * cols + i] + s * row[i];
+    }
+  }
+}
+
+void lora_block_backward(LoraModule& m, int64_t r0, int64_t rows, int64_t c0, int64_t cols, const float* G) {
+  const int64_t I = m.A.dim(1), r = m.rank;
+  const float s = static_cast<float>(m.scale);
+  const float* A = m.A.ptr();
+  const float* B = m.B.ptr();
+  float* dA = m.dA.ptr();
+  float* dB = m.dB.ptr();
+  // dB[r0 + o, k] += s·Σ_i G[o, i]·A[k, c0 + i]
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < rows; ++o)
+    for (int64_t k = 0; k < r; ++k) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < cols; ++i) acc += static_cast<double>(G[o * cols + i]) * A[k * I + c0 + i];
+      dB[(r0 + o) * r + k] += s * static_cast<float>(acc);
+    }
+  // dA[k, c0 + i] += s·Σ_o B[r0 + o, k]·G[o, i]
+#pragma omp parallel
+  {
+    std::vector<double> acc(cols);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < r; ++k) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t o = 0; o < rows; ++o) {
+        const double b = B[(r0 + o) * r + k];
+        for (int64_t i = 0; i < cols; ++i) acc[i] += b * G[o * cols + i];
+      }
+      for (int64_t i = 0; i < cols; ++i) dA[k * I + c0 + i] += s * static_cast<float>(acc[i]);
     }
   }
 }
@@ -355,7 +391,7 @@ void LoraAdapter::apply(const std::vector<Tensor>& base, ModelWeights& w) const 
 
 void LoraAdapter::backward(const ModelWeights& dW) {
   for (LoraModule& m : modules_) {
-    const int64_t O = m.B.dim(0), I = m.A.dim(1), r = m.rank;
+    const int64_t O = m.B.dim(0), I = m.A.dim(1);
     // G = Σ over the covered experts of dW (one term unless shared).
     std::vector<float> sum;
     const float* G = nullptr;
@@ -371,33 +407,7 @@ void LoraAdapter::backward(const ModelWeights& dW) {
         G = sum.data();
       }
     }
-    const float s = static_cast<float>(m.scale);
-    const float* A = m.A.ptr();
-    const float* B = m.B.ptr();
-    float* dA = m.dA.ptr();
-    float* dB = m.dB.ptr();
-    // dB[o, k] += s·Σ_i G[o, i]·A[k, i]
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < O; ++o)
-      for (int64_t k = 0; k < r; ++k) {
-        double acc = 0.0;
-        for (int64_t i = 0; i < I; ++i) acc += static_cast<double>(G[o * I + i]) * A[k * I + i];
-        dB[o * r + k] += s * static_cast<float>(acc);
-      }
-    // dA[k, i] += s·Σ_o B[o, k]·G[o, i]
-#pragma omp parallel
-    {
-      std::vector<double> acc(I);
-#pragma omp for schedule(static)
-      for (int64_t k = 0; k < r; ++k) {
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t o = 0; o < O; ++o) {
-          const double b = B[o * r + k];
-          for (int64_t i = 0; i < I; ++i) acc[i] += b * G[o * I + i];
-        }
-        for (int64_t i = 0; i < I; ++i) dA[k * I + i] += s * static_cast<float>(acc[i]);
-      }
-    }
+    lora_block_backward(m, 0, O, 0, I, G);
   }
 }
 

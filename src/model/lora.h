@@ -101,6 +101,13 @@ const Tensor* lora_base_weight(const ModelWeights& w, LoraKind k, int64_t layer,
 // out = base + s·(B·A) for one [out, in] weight (out may be base). The one place the merge is computed, so the
 // in-memory adapted model and a merged checkpoint hold the same fp32 values bit for bit.
 void lora_merge(const LoraModule& m, const float* base, float* out);
+// The same for the block rows [r0, r0 + rows) × columns [c0, c0 + cols) of the weight (base and out [rows, cols]):
+// each element's bits are lora_merge's (a tensor-parallel shard's slice, dist/parallel_lora.h).
+void lora_merge_block(const LoraModule& m, int64_t r0, int64_t rows, int64_t c0, int64_t cols, const float* base,
+                      float* out);
+// dB[r0 + o, k] += s·Σ_j G[o, j]·A[k, c0 + j] and dA[k, c0 + j] += s·Σ_o B[r0 + o, k]·G[o, j] for the gradient G
+// [rows, cols] of that block (the whole weight: LoraAdapter::backward's products).
+void lora_block_backward(LoraModule& m, int64_t r0, int64_t rows, int64_t c0, int64_t cols, const float* G);
 
 class LoraAdapter {
  public:

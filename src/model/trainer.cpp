@@ -375,11 +375,7 @@ void Trainer::save(const std::string& dir) {
     if (base_ == LoraBase::Host) lora_->apply(lora_base_, model_.mutable_weights());
     device_stale_ = false;
   }
-  std::vector<TensorToWrite> moments;
-  for (size_t k = 0; k < params_.size(); ++k) {
-    moments.push_back({"exp_avg." + params_[k].name, DType::F32, params_[k].shape, adam_.m()[k].data()});
-    moments.push_back({"exp_avg_sq." + params_[k].name, DType::F32, params_[k].shape, adam_.v()[k].data()});
-  }
+  const std::vector<TensorToWrite> moments = moment_tensors(params_, adam_);
   auto write_model = [&](const std::string& tmp) {
     if (lora_) {
       lora_->save_peft(tmp, opt_.base_model, kPrefix);
@@ -439,16 +435,29 @@ Trainer Trainer::resume(const std::string& dir, std::vector<TrainExample> data, 
   check(tr.pos_.cursor >= 0 && tr.pos_.cursor <= static_cast<int64_t>(tr.data_.size()) && tr.pos_.epoch >= 0,
         dir, "/trainer_state.json: bad data position");
   tr.order_ = epoch_order(static_cast<int64_t>(tr.data_.size()), tr.opt_.seed, tr.pos_.epoch);
+  read_moments(dir, tr.params_, tr.adam_);
+  return tr;
+}
+
+std::vector<TensorToWrite> moment_tensors(const std::vector<ParamRef>& params, const AdamW& adam) {
+  std::vector<TensorToWrite> out;
+  for (size_t k = 0; k < params.size(); ++k) {
+    out.push_back({"exp_avg." + params[k].name, DType::F32, params[k].shape, adam.m()[k].data()});
+    out.push_back({"exp_avg_sq." + params[k].name, DType::F32, params[k].shape, adam.v()[k].data()});
+  }
+  return out;
+}
+
+void read_moments(const std::string& dir, const std::vector<ParamRef>& params, AdamW& adam) {
   const SafetensorsFile f((fs::path(dir) / "optimizer.safetensors").string());
-  for (size_t k = 0; k < tr.params_.size(); ++k) {
-    const ParamRef& p = tr.params_[k];
-    for (auto [key, dst] : {std::pair{"exp_avg.", &tr.adam_.m()[k]}, std::pair{"exp_avg_sq.", &tr.adam_.v()[k]}}) {
+  for (size_t k = 0; k < params.size(); ++k) {
+    const ParamRef& p = params[k];
+    for (auto [key, dst] : {std::pair{"exp_avg.", &adam.m()[k]}, std::pair{"exp_avg_sq.", &adam.v()[k]}}) {
       const TensorView* t = f.buffer().find(key + p.name);
       check(t && t->shape == p.shape && t->dtype == DType::F32, f.path(), ": missing or mis-shaped ", key, p.name);
       *dst = to_f32(*t);
     }
   }
-  return tr;
 }
 
 std::string loss_curve_svg(const std::vector<LogRow>& rows) {

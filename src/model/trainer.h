@@ -201,6 +201,12 @@ void write_training_checkpoint(const std::string& dir, const std::function<void(
                                const std::vector<TensorToWrite>& moments, const TrainerState& state,
                                const TrainOptions& opt);
 
+// Reads the AdamW moments of `params` from the checkpoint DIR's optimizer.safetensors (exp_avg.NAME and
+// exp_avg_sq.NAME, f32, each with its parameter's shape) into adam's m and v: what write_training_checkpoint wrote.
+void read_moments(const std::string& dir, const std::vector<ParamRef>& params, AdamW& adam);
+// The moments of `params` as write_training_checkpoint takes them (views into adam's m and v).
+std::vector<TensorToWrite> moment_tensors(const std::vector<ParamRef>& params, const AdamW& adam);
+
 // A training log row, and the loss curve of a log as a standalone SVG picture (plain text, no dependencies).
 struct LogRow {
   int64_t step;
