@@ -216,7 +216,7 @@ StepStats ParallelTrainer::step() {
   const auto t0 = std::chrono::steady_clock::now();
   Comm& dp = *mesh_->dp;
   if (lora_) {
-    grads_ = zeros_like(model_.weights);  // the base's weight gradients, from which the adapter's come
+    zero_gradients(model_.config, grads_);  // the base's weight gradients, from which the adapter's come
   } else {
     for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
   }

@@ -358,6 +358,11 @@ std::string text_prefix(const Checkpoint& ckpt) {
   return prefix;
 }
 
+void zero_gradients(const ModelConfig& c, ModelWeights& grads) {
+  for (const GradTensor& g : hub_gradients(c, grads, ""))
+    std::fill_n(const_cast<float*>(g.data), Tensor::count(g.shape), 0.0f);
+}
+
 std::vector<GradTensor> hub_gradients(const ModelConfig& c, const ModelWeights& g, const std::string& prefix) {
   std::vector<GradTensor> out;
   auto add = [&](const std::string& name, const Tensor& t) { out.push_back({prefix + name, t.shape, t.ptr()}); };

@@ -64,5 +64,7 @@ struct GradTensor {
 // as in the hub layout; conv weights [C, 1, W]). Absent: the frozen tensors (indexer, e_score_correction_bias), and
 // lm_head.weight when the embeddings are tied.
 std::vector<GradTensor> hub_gradients(const ModelConfig& c, const ModelWeights& grads, const std::string& prefix);
+// Sets every tensor hub_gradients lists to zero, in place (the buffers keep their addresses).
+void zero_gradients(const ModelConfig& c, ModelWeights& grads);
 
 }  // namespace nextlm

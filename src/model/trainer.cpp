@@ -234,9 +234,8 @@ StepStats Trainer::step() {
   const auto t0 = std::chrono::steady_clock::now();
   if (!device_opt_.update)  // a device optimizer keeps the gradients where they are computed
     for (ParamRef& p : params_) std::fill_n(p.g, p.n, 0.0f);
-  if (lora_ && !grad_fn_)  // the full-model weight gradients, from which the adapters' come
-    for (const GradTensor& g : hub_gradients(model_.config(), grads_, ""))
-      std::fill_n(const_cast<float*>(g.data), Tensor::count(g.shape), 0.0f);
+  // The full-model weight gradients, from which the adapters' come.
+  if (lora_ && !grad_fn_) zero_gradients(model_.config(), grads_);
   double loss = 0.0, weight = 0.0;
   int64_t tokens = 0;
   for (int64_t a = 0; a < opt_.grad_accum; ++a) {
