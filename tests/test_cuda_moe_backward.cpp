@@ -122,6 +122,14 @@ TEST(CudaBackwardMoe, SoftmaxXentMatchesCpuHeadLoss) {
 
 TEST(CudaBackwardMoe, SoftmaxXentFullVocabulary) { check_xent(4, 154880, true, 5); }
 
+// V a multiple of 4 takes the cluster kernel: at V = 12 five of a cluster's eight CTAs hold no column, and 20000
+// rows are more than the clusters launched, so each cluster merges several rows (alternating state slots) between
+// skipped ones.
+TEST(CudaBackwardMoe, SoftmaxXentClusterRows) {
+  check_xent(20000, 12, true, 6);
+  check_xent(3, 4, false, 7);
+}
+
 // ---- Embedding ----
 
 void check_embedding(int64_t pad_id) {

@@ -725,6 +725,33 @@ TEST(CudaTrain, NarrowInputGradientsMatchOneGemmEach) {
                    [](bool) { return false; }, 1e-5);
 }
 
+// The lm_head's row blocks (set_head_block_bytes: one block on the goldens by default) cut to three rows each, the
+// last one shorter: the same loss and gradients up to the head GEMMs' summation order, for a full-parameter step
+// (the lm_head's weight gradient summed over the blocks among them).
+TEST(CudaTrain, HeadRowBlocksGiveTheSameGradients) {
+  struct Restore {
+    ~Restore() { set_head_block_bytes(size_t{1} << 30); }
+  } restore;
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model m = Model::load(dir);
+  const PackedBatch batch = golden_batch(dir);
+  ASSERT_GT(batch.num_tokens(), 6);
+  ASSERT_NE(batch.num_tokens() % 3, 0) << "the last block should be short";
+  CudaModel gpu(m);
+  std::array<double, 2> loss{};
+  std::array<ModelWeights, 2> grads;
+  for (const bool small : {false, true}) {
+    set_head_block_bytes(small ? static_cast<size_t>(3 * m.config().vocab_size * 4 + 5) : size_t{1} << 30);
+    gpu.zero_grads();
+    loss[small] = gpu.forward_backward(batch);
+    grads[small] = gpu.gradients();
+  }
+  EXPECT_LE(std::fabs(loss[1] - loss[0]), 1e-6 * std::fabs(loss[0]));
+  const auto e = errors(hub_gradients(m.config(), grads[1], ""), hub_gradients(m.config(), grads[0], ""));
+  for (const auto& [tensor, v] : e) EXPECT_LE(v, 1e-2) << tensor;
+  std::printf("[cuda head blocks] blocks of 3 rows: all tensors %.3g from one block\n", e.at("*"));
+}
+
 // The routed experts' weights in column blocks or tiles (set_expert_layout) are read by the TMA grouped GEMM through
 // other tensor maps into the same tiles: the forward's logits and the training loss the same bits, the LoRA
 // gradients the same up to the MLA keys' atomics; from one layout to the other and back to the rows, the same bits

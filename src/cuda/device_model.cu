@@ -106,6 +106,13 @@ bool narrow_joining() { return g_narrow_joining; }
 int64_t narrow_joined_gradients() { return g_narrow_joined; }
 void note_narrow_joined_gradient() { ++g_narrow_joined; }
 
+namespace {
+std::atomic<size_t> g_head_block_bytes{size_t{1} << 30};
+}  // namespace
+
+void set_head_block_bytes(size_t bytes) { g_head_block_bytes = bytes; }
+size_t head_block_bytes() { return g_head_block_bytes; }
+
 void set_lora_stacking(bool on) { g_lora_stacking = on; }
 bool lora_stacking() { return g_lora_stacking; }
 int64_t lora_stacked_groups() { return g_lora_stacked_groups; }

@@ -83,6 +83,11 @@ void set_narrow_joining(bool on);
 bool narrow_joining();
 int64_t narrow_joined_gradients();
 
+// The most bytes of fp32 logits one row block of the lm_head holds in a training step (default 1 GiB; at least one
+// row a block). Process-wide, for tests: the blocks' rows are the same rows' arithmetic whatever their size.
+void set_head_block_bytes(size_t bytes);
+size_t head_block_bytes();
+
 // One token's next-token distribution against a reference one (see CudaModel::compare_with_reference).
 struct TokenComparison {
   double kl = 0;            // KL(ref ‖ ours) over the vocabulary

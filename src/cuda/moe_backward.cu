@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include <cooperative_groups.h>
+
 #include "cuda/backward_kernels.h"
 
 namespace nextlm::cuda {
@@ -13,6 +15,9 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kXentThreads = 512;  // softmax_xent_kernel: a row's block (fewer, larger blocks: better-filled waves)
+// softmax_xent_cluster_kernel: the CTAs that share a row (the portable cluster size) and each CTA's threads.
+constexpr int kXentCluster = 8;
+constexpr int kXentClusterThreads = 512;
 
 // Blocks for a grid-stride loop over n items (every kernel below loops, so the grid only has to be big enough).
 int grid_for(int64_t n, int per_block = kThreads) {
@@ -109,6 +114,85 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(const float*
       loss[r] = static_cast<double>(w) * (lse - static_cast<double>(row[tg]));
     }
   }
+}
+
+// The same terms with a row cut into kXentCluster segments of seg floats (a multiple of 4), one for each CTA of a
+// thread-block cluster (grid-stride over rows by cluster), so that the row is read from memory once: the first pass
+// keeps the CTA's segment in shared memory (77 KB at V = 154880) while it forms the segment's online (max, sum)
+// state, the cluster's CTAs merge the eight states through distributed shared memory (every CTA in rank order, so
+// all hold the same bits), and the second pass reads the segment back from shared memory. softmax_xent_kernel reads
+// each row twice from memory (the rows are far larger than the caches). Needs V a multiple of 4 and 16-byte aligned
+// logits (softmax_xent_backward checks); a CTA whose segment lies past V holds an empty state.
+__global__ void __cluster_dims__(kXentCluster, 1, 1) __launch_bounds__(kXentClusterThreads)
+    softmax_xent_cluster_kernel(const float* logits, const int32_t* target, const float* wt, double* loss,
+                                bf16* dlogits, int64_t n, int64_t V, int64_t seg) {
+  extern __shared__ float4 xs[];  // this CTA's segment of the row
+  __shared__ float sm[32], ss[32];
+  __shared__ float2 part[2];  // the CTA's state of a row, read by the whole cluster (alternate rows, alternate slots)
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t start = static_cast<int64_t>(cluster.block_rank()) * seg;
+  const int64_t c0 = start < V ? start : V, c1 = c0 + seg < V ? c0 + seg : V;  // this CTA's columns
+  const int64_t nv4 = (c1 - c0) / 4;
+  const bool lead = cluster.block_rank() == 0 && threadIdx.x == 0;  // writes the loss
+  const int64_t clusters = gridDim.x / kXentCluster;
+  int slot = 0;  // flips on every row the cluster merges (the skipped rows have no merge)
+  for (int64_t r = blockIdx.x / kXentCluster; r < n; r += clusters) {
+    const float4* row4 = reinterpret_cast<const float4*>(logits + r * V + c0);
+    bf16* drow = dlogits + r * V + c0;
+    const int32_t tg = target[r];
+    const float w = tg >= 0 && wt ? wt[r] : 1.0f;
+    if (tg < 0 || w == 0.0f) {  // no term; the same decision in every CTA of the cluster
+      for (int64_t v = threadIdx.x; v < 4 * nv4; v += blockDim.x) drow[v] = __float2bfloat16(0.0f);
+      if (lead) loss[r] = 0.0;
+      continue;
+    }
+    float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t v = threadIdx.x; v < nv4; v += blockDim.x) {
+      const float4 x = row4[v];
+      xs[v] = x;  // read back by this thread alone, in the second pass
+      softmax_take(m4[0], s4[0], x.x), softmax_take(m4[1], s4[1], x.y);
+      softmax_take(m4[2], s4[2], x.z), softmax_take(m4[3], s4[3], x.w);
+    }
+    float m = m4[0], s = s4[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) softmax_merge(m, s, m4[i], s4[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, m, o), os = __shfl_xor_sync(0xffffffffu, s, o);
+      softmax_merge(m, s, om, os);
+    }
+    if (lane == 0) sm[warp] = m, ss[warp] = s;  // the previous row's readers passed the cluster barrier since
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float bm = -INFINITY, bs = 0.0f;
+      for (int i = 0; i < nwarps; ++i) softmax_merge(bm, bs, sm[i], ss[i]);
+      part[slot] = make_float2(bm, bs);
+    }
+    // Every CTA's state is written. A slot is written again two merges later, after the barrier of the merge
+    // between, which no CTA passes before it has read this merge's states.
+    cluster.sync();
+    m = -INFINITY, s = 0.0f;
+    for (int q = 0; q < kXentCluster; ++q) {
+      const float2 o = *cluster.map_shared_rank(&part[slot], q);
+      softmax_merge(m, s, o.x, o.y);
+    }
+    slot ^= 1;
+    const float inv = 1.0f / s;
+    for (int64_t v = threadIdx.x; v < nv4; v += blockDim.x) {
+      const float4 x = xs[v];
+      const int64_t c = c0 + 4 * v;
+      __align__(8) bf16 g[4] = {xent_grad(x.x, c, tg, m, inv, w), xent_grad(x.y, c + 1, tg, m, inv, w),
+                                xent_grad(x.z, c + 2, tg, m, inv, w), xent_grad(x.w, c + 3, tg, m, inv, w)};
+      *reinterpret_cast<uint2*>(drow + 4 * v) = *reinterpret_cast<const uint2*>(g);
+    }
+    if (lead) {
+      const double lse = static_cast<double>(m) + log(static_cast<double>(s));
+      loss[r] = static_cast<double>(w) * (lse - static_cast<double>(logits[r * V + tg]));
+    }
+  }
+  cluster.sync();  // no CTA exits while another may still read its state
 }
 
 // ---- Embedding ----
@@ -323,8 +407,20 @@ void softmax_xent_backward(const float* logits, const int32_t* target, const flo
                            int64_t n, int64_t V, cudaStream_t st) {
   if (n <= 0) return;
   check(V > 0, "softmax_xent_backward: V must be positive");
-  softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
-                                                                                              loss, dlogits, n, V);
+  // The cluster kernel where a row's segments are whole float4s that fit in shared memory (V up to ~460k).
+  const int64_t seg = 4 * ceil_div(ceil_div(V, kXentCluster), 4);
+  const size_t seg_bytes = static_cast<size_t>(seg) * sizeof(float);
+  if (V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 && reinterpret_cast<uintptr_t>(dlogits) % 8 == 0 &&
+      seg_bytes <= 220 * 1024) {
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(softmax_xent_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(seg_bytes)));
+    const int64_t clusters = std::min<int64_t>(n, 65535 / kXentCluster);
+    softmax_xent_cluster_kernel<<<static_cast<int>(clusters * kXentCluster), kXentClusterThreads, seg_bytes, st>>>(
+        logits, target, wt, loss, dlogits, n, V, seg);
+  } else {
+    softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
+                                                                                                loss, dlogits, n, V);
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1466,8 +1466,19 @@ void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, con
   m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
 }
 
-// Each row's loss into loss_rows [T] (device) from the final streams h [T, S, D], in row blocks of the lm_head (at
-// most 1 GiB of fp32 logits), with dL/dh written into dh and the head's gradients added into g_.
+// Rows per block of the lm_head in the training step: at most head_block_bytes() of fp32 logits (1 GiB), the blocks
+// as even as that allows and, where it stays under the cap, a multiple of 256 rows, the GEMMs' row tiles (T = 4096
+// at V = 154880: blocks of 1536, 1536 and 1024 rows, where 1733, 1733 and 630 left a part-filled tile in each: 17
+// tiles of 256 rows for 16 rows' worth).
+int64_t head_block_rows(int64_t T, int64_t V) {
+  const int64_t bytes = static_cast<int64_t>(std::min<size_t>(head_block_bytes(), size_t{1} << 62));
+  const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(T, bytes / (V * 4)));
+  const int64_t even = ceil_div(T, ceil_div(T, cap)), tiled = 256 * ceil_div(even, 256);
+  return tiled <= cap ? tiled : even;
+}
+
+// Each row's loss into loss_rows [T] (device) from the final streams h [T, S, D], in row blocks of the lm_head
+// (head_block_rows), with dL/dh written into dh and the head's gradients added into g_.
 void Step::head_backward(const float* h, const float* row_weight, float* dh, double* loss_rows) {
   // V: this rank's vocabulary rows (all of them unless vocabulary-parallel).
   const int64_t T = this->T(), S = c_.hc_mult, D = c_.hidden_size, V = m_.vocab_rows;
@@ -1477,7 +1488,7 @@ void Step::head_backward(const float* h, const float* row_weight, float* dh, dou
   bf16* hn = ar.alloc<bf16>(T * D);
   stream_mean_norm(h, m_.final_norm, hn, T, S, D, eps, st);
   float* dhn = ar.alloc<float>(T * D);  // each row block's rows written by its run_dx (no accumulation)
-  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{1} << 30) / (V * 4)));
+  const int64_t block = head_block_rows(T, V);
   float* logits = ar.alloc<float>(block * V);
   bf16* dlogits = ar.alloc<bf16>(block * V);
   for (int64_t r0 = 0; r0 < T; r0 += block) {
