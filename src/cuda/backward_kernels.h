@@ -46,9 +46,12 @@ void mhc_post_backward(const float* h, const float* y, const float* post, const 
                        cudaStream_t st, bool accumulate = true, bf16* dy16 = nullptr);
 
 // Backward of stream_mean_norm (out[t] = RMSNorm(mean_s h[t, s]; w)) given dout [T, D]: dh [T, S, D] += … (without
-// accumulate: = …, no need to zero it first), dw [D] += …. work: rmsnorm_backward_workspace_floats(T, D) + T·D floats.
+// accumulate: = …, no need to zero it first), dw [D] += …. work: rmsnorm_backward_workspace_floats(T, D) floats, + T·D
+// without mean. mean: the forward's fp32 mean (stream_mean_norm's), read instead of formed again from h (the same
+// arithmetic: the same bits).
 void stream_mean_norm_backward(const float* h, const float* w, const float* dout, float* dh, float* dw, int64_t T,
-                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st, bool accumulate = true);
+                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st, bool accumulate = true,
+                               const float* mean = nullptr);
 
 // ---- Head, embedding, MoE pieces (src/cuda/moe_backward.cu) ----
 

@@ -44,9 +44,10 @@ void mhc_post(float* h, const float* y, const float* post, const float* comb, in
 // The same into out [T, S, D] (h left as it is; out == h is the in-place form).
 void mhc_post(const float* h, float* out, const float* y, const float* post, const float* comb, int64_t T, int64_t S,
               int64_t D, cudaStream_t st);
-// out[t] = mean_s h[t, s], then RMSNorm with w, bf16 [T, D].
+// out[t] = mean_s h[t, s], then RMSNorm with w, bf16 [T, D]; the fp32 mean into mean [T, D] too when non-null (for
+// stream_mean_norm_backward).
 void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,
-                      cudaStream_t st);
+                      cudaStream_t st, float* mean = nullptr);
 
 // y[r] = RMSNorm(x[r]; w) for rows of width n (x row stride ldx); writes bf16 (and fp32 if y32 is non-null).
 void rmsnorm_rows(const float* x, int64_t ldx, const float* w, bf16* y, float* y32, int64_t rows, int64_t n, float eps,

@@ -1277,11 +1277,16 @@ void mhc_post_backward(const float* h, const float* y, const float* post, const 
 }
 
 void stream_mean_norm_backward(const float* h, const float* w, const float* dout, float* dh, float* dw, int64_t T,
-                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st, bool accumulate) {
+                               int64_t S, int64_t D, float eps, float* work, cudaStream_t st, bool accumulate,
+                               const float* mean) {
   if (!T) return;
-  float* hm = work + rmsnorm_backward_workspace_floats(T, D);  // [T, D] the stream mean
-  stream_mean_kernel<<<grid_for(T * D), 256, 0, st>>>(h, hm, T, S, D);
-  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  const float* hm = mean;  // [T, D] the stream mean
+  if (!hm) {
+    float* m = work + rmsnorm_backward_workspace_floats(T, D);
+    stream_mean_kernel<<<grid_for(T * D), 256, 0, st>>>(h, m, T, S, D);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    hm = m;
+  }
   rmsnorm_backward_impl(hm, D, w, dout, dh, S, 1.0f / static_cast<float>(S), dw, T, D, eps, work, st, accumulate);
 }
 

@@ -135,7 +135,8 @@ __global__ void sigmoid_kernel(float* x, int64_t n) {
 // One block a token. VEC: 4 columns a thread with 16-byte loads, the streams' loads all issued before the sums
 // (the loop over a token's columns is otherwise a chain of dependent load latencies at decoding's one token).
 template <bool VEC>
-__global__ void stream_mean_norm_kernel(const float* h, const float* w, bf16* out, int64_t S, int64_t D, float eps) {
+__global__ void stream_mean_norm_kernel(const float* h, const float* w, bf16* out, float* mean_out, int64_t S,
+                                        int64_t D, float eps) {
   extern __shared__ float mean[];
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x;
@@ -163,6 +164,8 @@ __global__ void stream_mean_norm_kernel(const float* h, const float* w, bf16* ou
   }
   const float r = rsqrtf(block_sum(ss, scratch) / D + eps);
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[t * D + d] = __float2bfloat16(w[d] * (mean[d] * r));
+  if (mean_out)
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) mean_out[t * D + d] = mean[d];
 }
 
 // A row's max mx and Σ exp(x − mx) over the block (every thread gets both; the whole block calls it).
@@ -264,7 +267,7 @@ void sigmoid_inplace(float* x, int64_t n, cudaStream_t st) {
 }
 
 void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,
-                      cudaStream_t st) {
+                      cudaStream_t st, float* mean) {
   if (!T) return;
   const size_t smem = D * sizeof(float);
   const bool vec = D % 4 == 0 && is_aligned16(h);
@@ -273,7 +276,7 @@ void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int6
     NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   // 1024 threads a token on the vector path: at D = 4096 one 16-byte column group each, so a decoding step's single
   // token does not walk its row in four dependent rounds.
-  kernel<<<T, vec ? 1024 : 256, smem, st>>>(h, w, out, S, D, eps);
+  kernel<<<T, vec ? 1024 : 256, smem, st>>>(h, w, out, mean, S, D, eps);
 }
 
 void row_logprob(const float* logits, const int32_t* target, double* out, int64_t n, int64_t V, cudaStream_t st) {

@@ -1486,7 +1486,8 @@ void Step::head_backward(const float* h, const float* row_weight, float* dh, dou
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
   bf16* hn = ar.alloc<bf16>(T * D);
-  stream_mean_norm(h, m_.final_norm, hn, T, S, D, eps, st);
+  float* hm = ar.alloc<float>(T * D);  // the streams' mean, for the norm's backward
+  stream_mean_norm(h, m_.final_norm, hn, T, S, D, eps, st, hm);
   float* dhn = ar.alloc<float>(T * D);  // each row block's rows written by its run_dx (no accumulation)
   const int64_t block = head_block_rows(T, V);
   float* logits = ar.alloc<float>(block * V);
@@ -1513,8 +1514,8 @@ void Step::head_backward(const float* h, const float* row_weight, float* dh, dou
     m_.gemm->run_dx(dlogits, V, m_.lm_head, V, D, dhn + r0 * D, D, rows, false);
   }
   m_.all_reduce(m_.tp_comm, dhn, T * D);  // each rank's vocabulary rows' share
-  float* work = ar.alloc<float>(rmsnorm_backward_workspace_floats(T, D) + T * D);
-  stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st, false);
+  float* work = ar.alloc<float>(rmsnorm_backward_workspace_floats(T, D));
+  stream_mean_norm_backward(h, m_.final_norm, dhn, dh, g_.final_norm, T, S, D, eps, work, st, false, hm);
 }
 
 double Step::run(const float* row_weight) {
