@@ -122,10 +122,8 @@ TEST(CudaBackwardMoe, SoftmaxXentMatchesCpuHeadLoss) {
 
 TEST(CudaBackwardMoe, SoftmaxXentFullVocabulary) { check_xent(4, 154880, true, 5); }
 
-// V a multiple of 4 takes the cluster kernel: at V = 12 five of a cluster's eight CTAs hold no column, and 20000
-// rows are more than the clusters launched, so each cluster merges several rows (alternating state slots) between
-// skipped ones.
-TEST(CudaBackwardMoe, SoftmaxXentClusterRows) {
+// The vector path (V a multiple of 4) with a row narrower than a block (most threads idle) and many rows.
+TEST(CudaBackwardMoe, SoftmaxXentNarrowRows) {
   check_xent(20000, 12, true, 6);
   check_xent(3, 4, false, 7);
 }

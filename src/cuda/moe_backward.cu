@@ -5,8 +5,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include <cooperative_groups.h>
-
 #include "cuda/backward_kernels.h"
 
 namespace nextlm::cuda {
@@ -15,9 +13,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kXentThreads = 512;  // softmax_xent_kernel: a row's block (fewer, larger blocks: better-filled waves)
-// softmax_xent_cluster_kernel: the CTAs that share a row (the portable cluster size) and each CTA's threads.
-constexpr int kXentCluster = 8;
-constexpr int kXentClusterThreads = 512;
 
 // Blocks for a grid-stride loop over n items (every kernel below loops, so the grid only has to be big enough).
 int grid_for(int64_t n, int per_block = kThreads) {
@@ -114,100 +109,6 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(const float*
       loss[r] = static_cast<double>(w) * (lse - static_cast<double>(row[tg]));
     }
   }
-}
-
-// The same terms with a row cut into kXentCluster segments of seg floats (a multiple of 4), one for each CTA of a
-// thread-block cluster (grid-stride over rows by cluster), so that the row is read from memory once and every
-// element takes one exponential: a thread loads its NV float4 of the segment at once (all in flight together) and
-// keeps them in registers, forms their max m_t and e = exp(x − m_t) in place, the CTA merges its threads' states
-// (max, Σe), the cluster's CTAs merge their eight through distributed shared memory (every CTA in rank order, so all
-// hold the same M and S), and the gradient is e·exp(m_t − M)/S. softmax_xent_kernel reads each row twice from
-// memory (the rows are far larger than the caches) and takes two exponentials an element. Needs V a multiple of 4,
-// 16-byte aligned logits and seg ≤ 4·NV·kXentClusterThreads (softmax_xent_backward checks); a CTA whose segment lies
-// past V, and a thread past its segment, hold an empty state.
-template <int NV>
-__global__ void __cluster_dims__(kXentCluster, 1, 1) __launch_bounds__(kXentClusterThreads, 2)
-    softmax_xent_cluster_kernel(const float* logits, const int32_t* target, const float* wt, double* loss,
-                                bf16* dlogits, int64_t n, int64_t V, int64_t seg) {
-  constexpr int NT = kXentClusterThreads;
-  __shared__ float sm[NT / 32], ss[NT / 32];
-  __shared__ float2 part[2];  // the CTA's state of a row, read by the whole cluster (alternate rows, alternate slots)
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t start = static_cast<int64_t>(cluster.block_rank()) * seg;
-  const int64_t c0 = start < V ? start : V, c1 = c0 + seg < V ? c0 + seg : V;  // this CTA's columns
-  const int nv4 = static_cast<int>((c1 - c0) / 4);
-  const bool lead = cluster.block_rank() == 0 && threadIdx.x == 0;  // writes the loss
-  const int64_t clusters = gridDim.x / kXentCluster;
-  int slot = 0;  // flips on every row the cluster merges (the skipped rows have no merge)
-  for (int64_t r = blockIdx.x / kXentCluster; r < n; r += clusters) {
-    const float4* row4 = reinterpret_cast<const float4*>(logits + r * V + c0);
-    bf16* drow = dlogits + r * V + c0;
-    const int32_t tg = target[r];
-    const float w = tg >= 0 && wt ? wt[r] : 1.0f;
-    if (tg < 0 || w == 0.0f) {  // no term; the same decision in every CTA of the cluster
-      for (int v = threadIdx.x; v < 4 * nv4; v += NT) drow[v] = __float2bfloat16(0.0f);
-      if (lead) loss[r] = 0.0;
-      continue;
-    }
-    float4 x[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int v = static_cast<int>(threadIdx.x) + j * NT;
-      x[j] = v < nv4 ? row4[v] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-    }
-    float mt = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) mt = fmaxf(mt, fmaxf(fmaxf(x[j].x, x[j].y), fmaxf(x[j].z, x[j].w)));
-    float st = 0.0f;
-    const float base = mt == -INFINITY ? 0.0f : mt;  // an empty state's e are exp(−inf) = 0
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      x[j].x = expf(x[j].x - base), x[j].y = expf(x[j].y - base);
-      x[j].z = expf(x[j].z - base), x[j].w = expf(x[j].w - base);
-      st += (x[j].x + x[j].y) + (x[j].z + x[j].w);
-    }
-    float m = mt, s = st;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float om = __shfl_xor_sync(0xffffffffu, m, o), os = __shfl_xor_sync(0xffffffffu, s, o);
-      softmax_merge(m, s, om, os);
-    }
-    if (lane == 0) sm[warp] = m, ss[warp] = s;  // the previous row's readers passed the cluster barrier since
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float bm = -INFINITY, bs = 0.0f;
-      for (int i = 0; i < NT / 32; ++i) softmax_merge(bm, bs, sm[i], ss[i]);
-      part[slot] = make_float2(bm, bs);
-    }
-    // Every CTA's state is written. A slot is written again two merges later, after the barrier of the merge
-    // between, which no CTA passes before it has read this merge's states.
-    cluster.sync();
-    m = -INFINITY, s = 0.0f;
-    for (int q = 0; q < kXentCluster; ++q) {
-      const float2 o = *cluster.map_shared_rank(&part[slot], q);
-      softmax_merge(m, s, o.x, o.y);
-    }
-    slot ^= 1;
-    const float f = mt == -INFINITY ? 0.0f : expf(mt - m) / s;  // p = e·f
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int v = static_cast<int>(threadIdx.x) + j * NT;
-      if (v >= nv4) break;
-      const int64_t c = c0 + 4 * v;
-      const float p[4] = {x[j].x * f, x[j].y * f, x[j].z * f, x[j].w * f};
-      __align__(8) bf16 g[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) g[i] = __float2bfloat16(w * (c + i == tg ? p[i] - 1.0f : p[i]));
-      *reinterpret_cast<uint2*>(drow + 4 * v) = *reinterpret_cast<const uint2*>(g);
-    }
-    if (lead) {
-      const double lse = static_cast<double>(m) + log(static_cast<double>(s));
-      loss[r] = static_cast<double>(w) * (lse - static_cast<double>(logits[r * V + tg]));
-    }
-  }
-  cluster.sync();  // no CTA exits while another may still read its state
 }
 
 // ---- Embedding ----
@@ -422,23 +323,8 @@ void softmax_xent_backward(const float* logits, const int32_t* target, const flo
                            int64_t n, int64_t V, cudaStream_t st) {
   if (n <= 0) return;
   check(V > 0, "softmax_xent_backward: V must be positive");
-  // The cluster kernel where a thread's share of a row's segment fits its registers (V up to 163840).
-  const int64_t seg = 4 * ceil_div(ceil_div(V, kXentCluster), 4);
-  const int64_t per_thread = ceil_div(seg / 4, kXentClusterThreads);  // float4 a thread
-  const bool cluster = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(dlogits) % 8 == 0 && per_thread <= 10;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(n, 65535 / kXentCluster) * kXentCluster));
-  if (cluster && per_thread <= 1) {
-    softmax_xent_cluster_kernel<1><<<grid, kXentClusterThreads, 0, st>>>(logits, target, wt, loss, dlogits, n, V, seg);
-  } else if (cluster && per_thread <= 4) {
-    softmax_xent_cluster_kernel<4><<<grid, kXentClusterThreads, 0, st>>>(logits, target, wt, loss, dlogits, n, V, seg);
-  } else if (cluster) {
-    softmax_xent_cluster_kernel<10><<<grid, kXentClusterThreads, 0, st>>>(logits, target, wt, loss, dlogits, n, V,
-                                                                          seg);
-  } else {
-    softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
-                                                                                                loss, dlogits, n, V);
-  }
+  softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
+                                                                                              loss, dlogits, n, V);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
