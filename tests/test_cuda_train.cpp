@@ -749,6 +749,7 @@ TEST(CudaTrain, HeadRowBlocksGiveTheSameGradients) {
   EXPECT_LE(std::fabs(loss[1] - loss[0]), 1e-6 * std::fabs(loss[0]));
   const auto e = errors(hub_gradients(m.config(), grads[1], ""), hub_gradients(m.config(), grads[0], ""));
   for (const auto& [tensor, v] : e) EXPECT_LE(v, 1e-2) << tensor;
+  EXPECT_LE(e.at("*"), 1e-6);  // 5.5e-8 on the H200 (2026-12-05)
   std::printf("[cuda head blocks] blocks of 3 rows: all tensors %.3g from one block\n", e.at("*"));
 }
 
