@@ -84,7 +84,8 @@ bool narrow_joining();
 int64_t narrow_joined_gradients();
 
 // The most bytes of fp32 logits one row block of the lm_head holds in a training step (default 1 GiB; at least one
-// row a block). Process-wide, for tests: the blocks' rows are the same rows' arithmetic whatever their size.
+// row a block). Process-wide, for tests: a row's loss and gradients do not depend on its block but through the
+// head GEMMs' summation order (cuBLASLt may pick other kernels for other block sizes).
 void set_head_block_bytes(size_t bytes);
 size_t head_block_bytes();
 
