@@ -17,27 +17,21 @@ struct KindCut {
   Range range;  // rows or columns of the full weight held here (Cut::Whole: unused)
 };
 
-// The slice of a kind's weight this rank holds, as load_sharded cuts it (parallel_model.cpp).
+// The slice of a kind's weight this rank holds, as load_sharded cuts it (tp_slices).
 KindCut kind_cut(const ModelConfig& c, LoraKind k, const Mesh& mesh) {
-  const int tp = mesh.opt.tp, tr = mesh.tp->rank();
-  auto times = [](Range r, int64_t n) { return Range{r.begin * n, r.end * n}; };
-  const Range kda_heads = split_range(c.linear_num_heads, tp, tr);
-  const Range mla_heads = split_range(c.num_attention_heads, tp, tr);
-  const Range ch = times(kda_heads, c.linear_head_dim);
-  const Range mlp = split_range(c.intermediate_size, tp, tr);
-  const Range shared = split_range(c.moe_intermediate_size * c.n_shared_experts, tp, tr);
+  const TpSlices s = tp_slices(c, mesh.opt.tp, mesh.tp->rank());
   switch (k) {
     case LoraKind::KdaQ: case LoraKind::KdaK: case LoraKind::KdaV: case LoraKind::KdaFB: case LoraKind::KdaGB:
-      return {Cut::Rows, ch};
-    case LoraKind::KdaB: return {Cut::Rows, kda_heads};
-    case LoraKind::KdaO: return {Cut::Cols, ch};
-    case LoraKind::MlaQB: return {Cut::Rows, times(mla_heads, c.qk_nope_head_dim)};
-    case LoraKind::MlaKVB: return {Cut::Rows, times(mla_heads, c.qk_nope_head_dim + c.v_head_dim)};
-    case LoraKind::MlaO: return {Cut::Cols, times(mla_heads, c.v_head_dim)};
-    case LoraKind::MlpGate: case LoraKind::MlpUp: return {Cut::Rows, mlp};
-    case LoraKind::MlpDown: return {Cut::Cols, mlp};
-    case LoraKind::SharedGate: case LoraKind::SharedUp: return {Cut::Rows, shared};
-    case LoraKind::SharedDown: return {Cut::Cols, shared};
+      return {Cut::Rows, s.kda_channels};
+    case LoraKind::KdaB: return {Cut::Rows, s.kda_heads};
+    case LoraKind::KdaO: return {Cut::Cols, s.kda_channels};
+    case LoraKind::MlaQB: return {Cut::Rows, s.mla_q};
+    case LoraKind::MlaKVB: return {Cut::Rows, s.mla_kv};
+    case LoraKind::MlaO: return {Cut::Cols, s.mla_o};
+    case LoraKind::MlpGate: case LoraKind::MlpUp: return {Cut::Rows, s.mlp};
+    case LoraKind::MlpDown: return {Cut::Cols, s.mlp};
+    case LoraKind::SharedGate: case LoraKind::SharedUp: return {Cut::Rows, s.shared};
+    case LoraKind::SharedDown: return {Cut::Cols, s.shared};
     case LoraKind::KdaFA: case LoraKind::KdaGA: case LoraKind::MlaQA: case LoraKind::MlaKVA:
     case LoraKind::ExpertGate: case LoraKind::ExpertUp: case LoraKind::ExpertDown:
       return {Cut::Whole, {}};

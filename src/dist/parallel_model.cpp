@@ -136,8 +136,6 @@ class ShardLoader {
   std::string prefix_;
 };
 
-Range scale(Range r, int64_t k) { return Range{r.begin * k, r.end * k}; }
-
 // A clamped SwiGLU MLP of width I, its width split over the TP group: gate/up rows, down columns.
 MlpWeights load_mlp_tp(ShardLoader& ld, const std::string& p, int64_t D, int64_t I, Range w) {
   return MlpWeights{ld.get(p + "gate_proj.weight", {I, D}, Slice::rows(w)),
@@ -150,9 +148,9 @@ HcWeights load_hc(ShardLoader& ld, const std::string& p, const ModelConfig& c) {
   return HcWeights{ld.get(p + "_fn", {M, S * D}), ld.get(p + "_base", {M}), ld.get(p + "_scale", {3})};
 }
 
-KdaWeights load_kda(ShardLoader& ld, const std::string& p, const ModelConfig& c, Range heads) {
+KdaWeights load_kda(ShardLoader& ld, const std::string& p, const ModelConfig& c, const TpSlices& s) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, K = c.linear_head_dim, W = c.linear_conv_kernel_dim;
-  const Range ch = scale(heads, K);  // this rank's channels of [H·K]
+  const Range heads = s.kda_heads, ch = s.kda_channels;
   KdaWeights w;
   w.q_proj = ld.get(p + "q_proj.weight", {H * K, D}, Slice::rows(ch));
   w.k_proj = ld.get(p + "k_proj.weight", {H * K, D}, Slice::rows(ch));
@@ -172,22 +170,23 @@ KdaWeights load_kda(ShardLoader& ld, const std::string& p, const ModelConfig& c,
   return w;
 }
 
-DsaWeights load_dsa(ShardLoader& ld, const std::string& p, const ModelConfig& c, bool full_indexer, Range heads) {
+DsaWeights load_dsa(ShardLoader& ld, const std::string& p, const ModelConfig& c, bool full_indexer,
+                    const TpSlices& s) {
   const int64_t D = c.hidden_size, NH = c.num_attention_heads, dqk = c.qk_nope_head_dim, dv = c.v_head_dim;
   const int64_t QL = c.q_lora_rank, KL = c.kv_lora_rank;
   DsaWeights w;
   w.q_a = ld.get(p + "q_a_proj.weight", {QL, D});
   w.q_a_norm = ld.get(p + "q_a_layernorm.weight", {QL});
-  w.q_b = ld.get(p + "q_b_proj.weight", {NH * dqk, QL}, Slice::rows(scale(heads, dqk)));
+  w.q_b = ld.get(p + "q_b_proj.weight", {NH * dqk, QL}, Slice::rows(s.mla_q));
   w.kv_a = ld.get(p + "kv_a_proj_with_mqa.weight", {KL, D});
   w.kv_a_norm = ld.get(p + "kv_a_layernorm.weight", {KL});
-  w.kv_b = ld.get(p + "kv_b_proj.weight", {NH * (dqk + dv), KL}, Slice::rows(scale(heads, dqk + dv)));
-  w.o_proj = ld.get(p + "o_proj.weight", {D, NH * dv}, Slice::cols(scale(heads, dv)));
+  w.kv_b = ld.get(p + "kv_b_proj.weight", {NH * (dqk + dv), KL}, Slice::rows(s.mla_kv));
+  w.o_proj = ld.get(p + "o_proj.weight", {D, NH * dv}, Slice::cols(s.mla_o));
   if (full_indexer) w.indexer = load_indexer(ld, p + "indexer.", c);  // replicated: every rank selects the same
   return w;
 }
 
-MoeWeights load_moe(ShardLoader& ld, const std::string& p, const ModelConfig& c, Range experts, int tp, int tp_rank,
+MoeWeights load_moe(ShardLoader& ld, const std::string& p, const ModelConfig& c, Range experts, Range shared,
                     bool frozen) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size;
   MoeWeights w;
@@ -197,14 +196,26 @@ MoeWeights load_moe(ShardLoader& ld, const std::string& p, const ModelConfig& c,
     const Range whole{0, I};
     w.experts.push_back(load_mlp_tp(ld, p + "experts." + std::to_string(e) + ".", D, I, whole));
   }
-  if (c.n_shared_experts > 0) {
-    const int64_t IS = I * c.n_shared_experts;
-    w.shared = load_mlp_tp(ld, p + "shared_experts.", D, IS, split_range(IS, tp, tp_rank));
-  }
+  if (c.n_shared_experts > 0) w.shared = load_mlp_tp(ld, p + "shared_experts.", D, I * c.n_shared_experts, shared);
   return w;
 }
 
 }  // namespace
+
+TpSlices tp_slices(const ModelConfig& c, int tp, int tp_rank) {
+  auto times = [](Range r, int64_t n) { return Range{r.begin * n, r.end * n}; };
+  TpSlices s;
+  s.vocab = split_range(c.vocab_size, tp, tp_rank);
+  s.kda_heads = split_range(c.linear_num_heads, tp, tp_rank);
+  s.kda_channels = times(s.kda_heads, c.linear_head_dim);
+  s.mla_heads = split_range(c.num_attention_heads, tp, tp_rank);
+  s.mla_q = times(s.mla_heads, c.qk_nope_head_dim);
+  s.mla_kv = times(s.mla_heads, c.qk_nope_head_dim + c.v_head_dim);
+  s.mla_o = times(s.mla_heads, c.v_head_dim);
+  s.mlp = split_range(c.intermediate_size, tp, tp_rank);
+  s.shared = split_range(c.moe_intermediate_size * c.n_shared_experts, tp, tp_rank);
+  return s;
+}
 
 ShardedModel load_sharded(const TensorSource& src, const ModelConfig& c, const Mesh& mesh, bool frozen) {
   validate_layout(mesh.opt, mesh.world->size(), c);
@@ -215,7 +226,8 @@ ShardedModel load_sharded(const TensorSource& src, const ModelConfig& c, const M
   m.local.linear_num_heads = c.linear_num_heads / tp;
   m.local.num_attention_heads = c.num_attention_heads / tp;
   m.local.num_key_value_heads = c.num_key_value_heads / tp;
-  m.vocab = split_range(c.vocab_size, tp, tr);
+  const TpSlices s = tp_slices(c, tp, tr);
+  m.vocab = s.vocab;
   m.experts = split_range(c.n_routed_experts, ep, er);
 
   std::string prefix = "model.language_model.";
@@ -230,8 +242,6 @@ ShardedModel load_sharded(const TensorSource& src, const ModelConfig& c, const M
   } else {
     w.lm_head = ld.get("lm_head.weight", {V, D}, Slice::rows(m.vocab), /*absolute=*/true);
   }
-  const Range kda_heads = split_range(c.linear_num_heads, tp, tr);
-  const Range mla_heads = split_range(c.num_attention_heads, tp, tr);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     LayerWeights lw;
@@ -240,14 +250,14 @@ ShardedModel load_sharded(const TensorSource& src, const ModelConfig& c, const M
     lw.input_norm = ld.get(p + "input_layernorm.weight", {D});
     lw.post_attention_norm = ld.get(p + "post_attention_layernorm.weight", {D});
     if (c.layer_types[i] == LayerType::LinearAttention) {
-      lw.kda = load_kda(ld, p + "self_attn.", c, kda_heads);
+      lw.kda = load_kda(ld, p + "self_attn.", c, s);
     } else {
-      lw.dsa = load_dsa(ld, p + "self_attn.", c, frozen && c.indexer_types[i] == IndexerType::Full, mla_heads);
+      lw.dsa = load_dsa(ld, p + "self_attn.", c, frozen && c.indexer_types[i] == IndexerType::Full, s);
     }
     if (c.mlp_layer_types[i] == MlpType::Dense) {
-      lw.mlp = load_mlp_tp(ld, p + "mlp.", D, c.intermediate_size, split_range(c.intermediate_size, tp, tr));
+      lw.mlp = load_mlp_tp(ld, p + "mlp.", D, c.intermediate_size, s.mlp);
     } else {
-      lw.moe = load_moe(ld, p + "mlp.", c, m.experts, tp, tr, frozen);
+      lw.moe = load_moe(ld, p + "mlp.", c, m.experts, s.shared, frozen);
     }
     w.layers.push_back(std::move(lw));
   }

@@ -64,6 +64,21 @@ struct ShardedModel {
   ModelWeights weights;
 };
 
+// The ranges of the TP-sliced weights that TP rank tp_rank of tp holds: load_sharded reads them, and LoRA on a shard
+// cuts its adapters by them (parallel_lora.cpp).
+struct TpSlices {
+  Range vocab;         // rows of embed / lm_head
+  Range kda_heads;     // KDA heads: rows of A_log and b_proj
+  Range kda_channels;  // their channels of [H·K]: rows of q/k/v/f_b/g_b, the convs and dt_bias; columns of o_proj
+  Range mla_heads;     // MLA heads
+  Range mla_q;         // their rows of q_b [NH·dqk]
+  Range mla_kv;        // their rows of kv_b [NH·(dqk + dv)]
+  Range mla_o;         // their columns of o_proj [D, NH·dv]
+  Range mlp;           // the dense MLP's width: rows of gate/up, columns of down
+  Range shared;        // the shared expert's width, likewise
+};
+TpSlices tp_slices(const ModelConfig& c, int tp, int tp_rank);
+
 // Reads config.json and only this rank's slices of every tensor from the checkpoint in `dir` (row or column ranges
 // of the memory-mapped tensors, widened to fp32). Names and full shapes are checked as Model::load does.
 ShardedModel load_sharded(const std::string& dir, const Mesh& mesh);
