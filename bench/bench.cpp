@@ -51,6 +51,9 @@ int main(int argc, char** argv) {
   if (const char* m = std::getenv("NEXTLM_MOE_GEMM_DX")) nextlm::set_moe_expert_gemm_dx(std::atoi(m));
   // NEXTLM_LORA_FOLD: where the routed experts' LoRA adapters run in training (see set_expert_lora_fold).
   if (const char* m = std::getenv("NEXTLM_LORA_FOLD")) nextlm::set_expert_lora_fold(std::atoi(m));
+  // NEXTLM_HEAD_BLOCK_BYTES: the cap on one lm_head row block's fp32 logits in training (see set_head_block_bytes).
+  if (const char* b = std::getenv("NEXTLM_HEAD_BLOCK_BYTES"))
+    nextlm::set_head_block_bytes(std::strtoull(b, nullptr, 10));
   if (only == "parity") return nextlm::bench::slice4_parity(argc - 2, argv + 2);
   struct Case {
     std::string name;
