@@ -6,11 +6,13 @@
 // wrong slice, a missed all-reduce or a misrouted token is off by far more.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "core/error.h"
 #include "cpu/linear.h"
@@ -19,6 +21,7 @@
 #include "dist/parallel_decode.h"
 #include "dist/parallel_train.h"
 #include "dist/parallel_trainer.h"
+#include "dist/rank_pool.h"
 #include "dist/thread_comm.h"
 #include "io/safetensors.h"
 #include "model/decode.h"
@@ -119,6 +122,70 @@ TEST(DistComm, ThreadCollectivesAtThreeRanks) {
   EXPECT_EQ(sums[0][0], 2.0f);
   EXPECT_EQ(sums[2][0], 2.0f);
   EXPECT_EQ(sums[1][0], 1.0f);
+}
+
+// A rank pool's ranks keep their thread and state from the setup through every job, run each job on all ranks with
+// working collectives, report a job's error (the first by rank) and stay usable after it, and run teardown on their
+// own threads when the pool goes.
+TEST(DistRankPool, RanksKeepTheirThreadsAndStateAcrossJobs) {
+  const int n = 3;
+  std::vector<std::thread::id> thread_of(n), torn_down_on(n);
+  std::vector<int> state(n, -1);
+  {
+    dist::RankPool pool(
+        n,
+        [&](dist::Comm& w) {
+          thread_of[w.rank()] = std::this_thread::get_id();
+          state[w.rank()] = 10 * w.rank();
+        },
+        [&](dist::Comm& w) { torn_down_on[w.rank()] = std::this_thread::get_id(); });
+    EXPECT_EQ(pool.size(), n);
+    for (int r = 0; r < n; ++r) EXPECT_EQ(state[r], 10 * r);
+    for (int job = 1; job <= 3; ++job) {
+      std::vector<float> sums(n);
+      pool.run([&](dist::Comm& w) {
+        EXPECT_EQ(std::this_thread::get_id(), thread_of[w.rank()]);
+        state[w.rank()] += job;
+        float x = static_cast<float>(state[w.rank()]);
+        w.all_reduce_sum(&x, 1);
+        sums[w.rank()] = x;
+      });
+      const float expect = 30.0f + 3.0f * static_cast<float>(job * (job + 1) / 2);
+      EXPECT_EQ(sums, std::vector<float>(n, expect)) << "job " << job;
+    }
+    // Ranks 1 and 2 fail alike (no collective waits on them): rank 1's error is the one reported.
+    try {
+      pool.run([&](dist::Comm& w) {
+        if (w.rank() > 0) throw Error("rank " + std::to_string(w.rank()) + " failed");
+      });
+      ADD_FAILURE() << "a job's error was not rethrown";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "rank 1 failed");
+    }
+    int ran = 0;
+    std::mutex mu;
+    pool.run([&](dist::Comm& w) {
+      w.barrier();
+      std::lock_guard<std::mutex> lock(mu);
+      ++ran;
+    });
+    EXPECT_EQ(ran, n);
+  }
+  for (int r = 0; r < n; ++r) EXPECT_EQ(torn_down_on[r], thread_of[r]) << "rank " << r;
+}
+
+// A setup's error comes out of the constructor, after every rank ran teardown.
+TEST(DistRankPool, SetupErrorStopsThePool) {
+  std::atomic<int> torn_down{0};
+  try {
+    dist::RankPool pool(
+        2, [](dist::Comm& w) { check(w.rank() != 1, "no device for rank 1"); },
+        [&](dist::Comm&) { ++torn_down; });
+    ADD_FAILURE() << "the setup's error was not rethrown";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "no device for rank 1");
+  }
+  EXPECT_EQ(torn_down.load(), 2);
 }
 
 TEST(DistLayout, RejectsWhatDoesNotDivide) {
