@@ -8,9 +8,11 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +25,9 @@
 #include "io/safetensors.h"
 #include "model/lora.h"
 #include "model/model.h"
+#include "model/recompute.h"
 #include "model/train.h"
+#include "model/trainer.h"
 #include "test_util.h"
 
 namespace nextlm {
@@ -301,6 +305,116 @@ TEST(CudaParallel, ShardedLoraOverNccl) {
   check_lora(true);
 }
 
+// The values of every module's A and B, back to back.
+std::vector<float> adapter_values(const LoraAdapter& a) {
+  std::vector<float> v;
+  for (const LoraModule& m : a.modules()) {
+    v.insert(v.end(), m.A.data.begin(), m.A.data.end());
+    v.insert(v.end(), m.B.data.begin(), m.B.data.end());
+  }
+  return v;
+}
+
+// `train --device cuda --tp/--ep --lora-rank` on one GPU: every rank of a layout (threads sharing GPU 0, host
+// collectives) runs its own trainer on the same data, as every process does under mpirun, with its micro-batches'
+// gradients from a LoraGpuRanks over its shard (the CLI's threads run the same micro_batch on a RankPool). Three AdamW
+// steps of two micro-batches, per-expert adapters and shared ones: the ranks end with bit-identical adapters (each
+// trainer's AdamW gets the same summed gradients), and the losses and adapters are as close to the fp32 CPU
+// trainer's as those of the same trainer whose gradients one GPU computes (within 1.25×, plus 1e-3).
+TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
+  const std::string dir = test::golden_dir("bf16_sharded");
+  const ModelConfig cfg = load_config(dir + "/config.json");
+  std::vector<TrainExample> data;
+  for (int i = 0; i < 6; ++i) {
+    TrainExample ex;
+    const int n = 20 + 37 * i;
+    for (int t = 0; t < n; ++t) ex.tokens.push_back(static_cast<int32_t>((i * 31 + t * 17 + 3) % cfg.vocab_size));
+    if (i % 3 == 1)
+      for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
+    data.push_back(std::move(ex));
+  }
+  for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
+    const std::string what = experts == LoraExperts::Shared ? "shared experts" : "per expert";
+    TrainOptions opt;
+    opt.steps = 3;
+    opt.warmup = 1;
+    opt.batch_tokens = 256;
+    opt.grad_accum = 2;
+    opt.adamw.lr = 1e-2;
+    opt.recompute = default_recompute();
+    LoraOptions lo;
+    lo.rank = 4;
+    lo.alpha = 8;
+    lo.experts = experts;
+    opt.lora = lo;
+    opt.base_model = dir;
+    auto train = [&](Trainer& tr, std::vector<double>& losses) {
+      for (int s = 0; s < opt.steps; ++s) losses.push_back(tr.step().loss);
+    };
+    // How the CLI's GPUs run a LoRA step (src/cli/train.cpp).
+    auto prepare = [&](CudaModel& m) {
+      m.set_train_linears(false);
+      m.set_train_small(false);
+      m.set_recompute(opt.recompute);
+    };
+
+    Trainer cpu(test::bf16_weights_reference(dir), data, opt);
+    std::vector<double> cpu_losses;
+    train(cpu, cpu_losses);
+    const std::vector<float> ref = adapter_values(*cpu.lora());
+
+    Trainer one(cfg, read_tensor_shapes(dir), data, opt);
+    const std::unique_ptr<CudaModel> gpu = CudaModel::load(dir);
+    prepare(*gpu);
+    std::optional<int64_t> uploaded;
+    one.set_gradient_fn([&](const Model&, LoraAdapter* lora, int64_t version, const PackedBatch& b, ModelWeights&) {
+      if (uploaded != version) gpu->set_lora(*lora);
+      uploaded = version;
+      gpu->zero_grads();
+      const double loss = gpu->forward_backward(b);
+      gpu->lora_gradients(*lora);
+      return loss;
+    });
+    std::vector<double> one_losses;
+    train(one, one_losses);
+    const std::vector<float> one_values = adapter_values(*one.lora());
+    ASSERT_EQ(one_values.size(), ref.size());
+    const double e1 = test::norm_rel_error(one_values.data(), ref.data(), ref.size());
+
+    for (const Layout& l : kLayouts) {
+      const int ranks = std::lcm(l.tp, l.ep);
+      std::vector<std::vector<double>> losses(ranks);
+      std::vector<std::vector<float>> values(ranks);
+      run_layout(dir, l, false, [&](dist::Comm& world, CudaModel& m) {
+        prepare(m);
+        Trainer tr(cfg, read_tensor_shapes(dir), data, opt);
+        dist::LoraGpuRanks lora_ranks(world, m);
+        tr.set_gradient_fn([&](const Model&, LoraAdapter* lora, int64_t version, const PackedBatch& b,
+                               ModelWeights&) { return lora_ranks.micro_batch(*lora, version, b); });
+        train(tr, losses[world.rank()]);
+        values[world.rank()] = adapter_values(*tr.lora());
+      });
+      ASSERT_EQ(values[0].size(), ref.size());
+      const double e = test::norm_rel_error(values[0].data(), ref.data(), ref.size());
+      std::printf("[cuda parallel lora trainer] %s %s: adapters after %d steps vs fp32 CPU %.3g (one GPU %.3g); "
+                  "losses",
+                  what.c_str(), layout_name(l).c_str(), static_cast<int>(opt.steps), e, e1);
+      for (int s = 0; s < opt.steps; ++s)
+        std::printf(" %.6f (one GPU %.6f, CPU %.6f)", losses[0][s], one_losses[s], cpu_losses[s]);
+      std::printf("\n");
+      EXPECT_LE(e, 1.25 * e1 + 1e-3) << what << " " << layout_name(l);
+      for (int r = 1; r < ranks; ++r) {
+        EXPECT_EQ(values[r], values[0]) << what << " " << layout_name(l) << ": rank " << r << " holds other adapters";
+        EXPECT_EQ(losses[r], losses[0]) << what << " " << layout_name(l) << ": rank " << r;
+      }
+      for (int s = 0; s < opt.steps; ++s)
+        EXPECT_LE(std::fabs(losses[0][s] - cpu_losses[s]),
+                  1.25 * std::fabs(one_losses[s] - cpu_losses[s]) + 1e-3 * cpu_losses[s])
+            << what << " " << layout_name(l) << " step " << s + 1;
+    }
+  }
+}
+
 TEST(CudaParallel, ShardedGradientsThroughHostCollectives) { check_gradients(false); }
 
 TEST(CudaParallel, ShardedGradientsOverNccl) {
@@ -415,6 +529,61 @@ TEST(CudaParallel, GradCliOnTwoGpus) {
               two.error, one.error, two.loss_a, one.loss_a, two.loss_b);
   EXPECT_LE(two.error, 1.25 * one.error + 1e-3);
   EXPECT_LE(std::fabs(two.loss_a - two.loss_b), 1.25 * std::fabs(one.loss_a - one.loss_b) + 1e-4 * two.loss_b);
+}
+
+// The loss column of a train_log.csv.
+std::vector<double> log_losses(const std::string& csv) {
+  std::ifstream in(csv);
+  std::string line;
+  std::getline(in, line);
+  std::vector<double> out;
+  while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
+  return out;
+}
+
+// `train --device cuda --tp 2 --ep 2 --lora-rank 4` on two GPUs (threads of one process, NCCL) logs the losses one
+// GPU logs for the same run (the first within 1e-3, the whole run within 2e-2: bf16 sums in another order, carried
+// through AdamW) and leaves a LoRA checkpoint that a one-GPU run resumes; the sharded run's error messages.
+TEST(CudaParallel, LoraTrainCliOnTwoGpus) {
+  if (dist::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  test::TempDir tmp;
+  const std::string model = test::golden_dir("bf16_sharded");
+  {
+    std::ofstream out(tmp.str("data.jsonl"));
+    for (int i = 0; i < 12; ++i) {
+      out << "{\"tokens\": [";
+      for (int t = 0; t < 40 + 9 * i; ++t) out << (t ? ", " : "") << (i * 31 + t * 17 + 3) % 256;
+      out << "]}\n";
+    }
+  }
+  const std::string common = "train --model " + test::shell_quote(model) + " --data " +
+                             test::shell_quote(tmp.str("data.jsonl")) +
+                             " --lora-rank 4 --warmup 2 --lr 1e-2 --batch-tokens 256 --grad-accum 2 --seed 1 --steps 6";
+  const test::CliResult one = test::run_nextlm(common + " --device cuda --out " + test::shell_quote(tmp.str("one")));
+  ASSERT_EQ(one.rc, 0) << one.err;
+  const test::CliResult two =
+      test::run_nextlm(common + " --device cuda --tp 2 --ep 2 --out " + test::shell_quote(tmp.str("two")));
+  ASSERT_EQ(two.rc, 0) << two.err;
+  EXPECT_NE(two.err.find("parallel: 2 GPU ranks (tp 2, ep 2"), std::string::npos) << two.err;
+  const std::vector<double> a = log_losses(tmp.str("one/train_log.csv")), b = log_losses(tmp.str("two/train_log.csv"));
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  std::printf("[cuda parallel cli] train --lora-rank 4 tp2 ep2: loss %.5f -> %.5f (one GPU %.5f -> %.5f)\n", b[0],
+              b[5], a[0], a[5]);
+  EXPECT_LE(std::fabs(b[0] - a[0]), 1e-3 * a[0]);
+  for (size_t s = 0; s < a.size(); ++s) EXPECT_LE(std::fabs(b[s] - a[s]), 2e-2 * a[s]) << "step " << s + 1;
+  EXPECT_TRUE(std::filesystem::exists(tmp.str("two/checkpoint/adapter_model.safetensors")));
+  // One GPU continues the sharded run.
+  const test::CliResult more = test::run_nextlm("train --resume " + test::shell_quote(tmp.str("two")) + " --data " +
+                                                test::shell_quote(tmp.str("data.jsonl")) + " --steps 8 --device cuda");
+  ASSERT_EQ(more.rc, 0) << more.err;
+  EXPECT_EQ(log_losses(tmp.str("two/train_log.csv")).size(), 8u);
+  // A layout the model does not divide is a usage error before any output.
+  const test::CliResult bad =
+      test::run_nextlm(common + " --device cuda --tp 3 --out " + test::shell_quote(tmp.str("x")));
+  EXPECT_EQ(bad.rc, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--tp 3"), std::string::npos) << bad.err;
+  EXPECT_FALSE(std::filesystem::exists(tmp.str("x")));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 // Built only with NEXTLM_MPI (not in the sanitizer build: see CMakeLists.txt).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -371,6 +372,14 @@ TEST(DistTrainCli, Errors) {
   const CliResult r = run_nextlm(base + " --tp 2");
   EXPECT_EQ(r.rc, 2) << describe(r);
   EXPECT_EQ(r.err, "error: --tp 2 does not divide the 1 processes (mpirun -np) (run nextlm train --help)\n");
+  // On GPU shards only LoRA adapters train (a build without CUDA or NCCL says that it lacks them instead).
+  const CliResult g = run_nextlm(base + " --device cuda --tp 2");
+  EXPECT_EQ(g.rc, 2) << describe(g);
+  EXPECT_EQ(g.err.rfind("error: ", 0), 0u) << describe(g);
+  EXPECT_EQ(std::count(g.err.begin(), g.err.end(), '\n'), 1) << describe(g);
+  EXPECT_TRUE(g.err.find("trains LoRA adapters (--lora-rank)") != std::string::npos ||
+              g.err.find("CUDA build") != std::string::npos || g.err.find("NCCL") != std::string::npos)
+      << describe(g);
   // Nothing was written.
   EXPECT_FALSE(std::filesystem::exists(tmp.str("out")));
 }

@@ -494,7 +494,7 @@ int cmd_grad(const GradArgs& a) {
     seqs = read_token_jsonl(a.input, device_config->vocab_size);
     for (const auto& s : seqs) batch.add(s);
     const bool writer = on_gpu_ranks(a.model, a.tp, a.ep, [&](dist::Comm& world, CudaModel& m) {
-      m.set_recompute(policy);
+      m.set_recompute(fixed_recompute(policy));  // ranks cannot fall back to more recompute one at a time
       const double l = m.forward_backward(batch);
       const ModelWeights mine = m.gradients();
       dist::Mesh mesh_of_ranks(world, dist::ParallelOptions{a.tp, a.ep});

@@ -1,7 +1,8 @@
-// `nextlm train`: the command-line driver of the CPU training loop (model/trainer.h, or dist/parallel_trainer.h
-// under mpirun): argument checks before any output exists, a progress line per step, a CSV log with an SVG loss
-// curve, periodic checkpoints, and a checkpoint on ctrl-C. Under mpirun every rank trains and world rank 0 alone
-// prints and writes.
+// `nextlm train`: the command-line driver of the training loop (model/trainer.h, or dist/parallel_trainer.h under
+// mpirun; with --device cuda the GPU computes the gradients, and with --tp/--ep LoRA trains on GPU shards,
+// dist/cuda_parallel.h): argument checks before any output exists, a progress line per step, a CSV log with an SVG
+// loss curve, periodic checkpoints, and a checkpoint on ctrl-C. Under mpirun every rank trains and world rank 0
+// alone prints and writes.
 #include "cli/train.h"
 
 #include <sys/resource.h>
@@ -16,12 +17,16 @@
 #include <iostream>
 #include <limits>
 #include <new>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
 #include "cpu/linear.h"
 #ifdef NEXTLM_HAVE_CUDA
 #include "cuda/device_model.h"
+#endif
+#ifdef NEXTLM_HAVE_NCCL
+#include "dist/cuda_parallel.h"
 #endif
 #include "dist/parallel_trainer.h"
 #include "io/atomic_file.h"
@@ -147,24 +152,28 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   tr->add_option("--save-every", a.save_every, "checkpoint every N steps (0 = only at the end)")->capture_default_str();
   tr->add_option("--resume", a.resume, "continue from this checkpoint (or --out directory)");
   tr->add_option("--threads", a.threads, "CPU threads (default: all)");
-  tr->add_option("--tp", a.tp, "tensor-parallel ranks (under mpirun; divides -np and the head counts)")
+  tr->add_option("--tp", a.tp,
+                 "tensor-parallel ranks (CPU: under mpirun, divides -np and the head counts; --device cuda with "
+                 "--lora-rank: one GPU a rank, lcm(tp, ep) GPUs as threads of this process or mpirun -np lcm(tp, ep))")
       ->capture_default_str();
-  tr->add_option("--ep", a.ep, "expert-parallel ranks (under mpirun; divides -np and n_routed_experts); the "
-                 "-np / lcm(tp, ep) replicas split each step's sequences (data parallelism)")
+  tr->add_option("--ep", a.ep,
+                 "expert-parallel ranks (divides n_routed_experts; CPU: under mpirun, divides -np, and the -np / "
+                 "lcm(tp, ep) replicas split each step's sequences (data parallelism); --device cuda: as --tp)")
       ->capture_default_str();
   tr->add_option("--recompute", a.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
                  "more memory, less time, the same results): auto, all, none, or a comma-separated list of kda, mla, "
                  "moe, experts, mlp, mhc (experts: the routed experts' gate|up inside a recomputed MoE, on the GPU). "
-                 "auto: on the GPU everything kept, falling back to kda,mla,moe,mhc and then all when a step runs out "
-                 "of device memory; on the CPU kda,mla,moe,mhc")
+                 "auto: on one GPU everything kept, falling back to kda,mla,moe,mhc and then all when a step runs out "
+                 "of device memory; on the CPU and on GPU shards (--tp/--ep) kda,mla,moe,mhc")
       ->type_name("POLICY")
       ->capture_default_str();
   tr->add_option("--device", a.device,
                  "where the gradients are computed: cpu, or cuda in a CUDA build (bf16 weights and GEMMs on the GPU; "
                  "the fp32 master weights, the optimizer and the checkpoints stay on the host; with --lora-rank the "
                  "whole step runs on the GPU, which reads the frozen base from its checkpoint, and the host holds "
-                 "only the adapters)")
+                 "only the adapters; with --tp/--ep too, each GPU reads its slices of the base and the host runs the "
+                 "adapters' AdamW)")
       ->capture_default_str();
   tr->add_option("--log", a.log, "CSV log (default OUT/train_log.csv); the SVG curve goes beside it");
   tr->add_option("--lora-rank", a.lora_rank, "train LoRA adapters of this rank on the --model (frozen) instead");
@@ -216,7 +225,11 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
 #ifndef NEXTLM_HAVE_CUDA
   if (a.device == "cuda") throw TrainUsageError("--device cuda needs a CUDA build (NEXTLM_CUDA)");
 #endif
-  if (a.device == "cuda" && parallel) throw TrainUsageError("--device cuda trains on one GPU: no mpirun or --tp/--ep");
+  // --device cuda with --tp/--ep (or under mpirun): LoRA on GPU shards (dist::LoraGpuRanks), one trainer a process.
+  const bool gpu_shards = a.device == "cuda" && parallel;
+#ifndef NEXTLM_HAVE_NCCL
+  if (gpu_shards) throw TrainUsageError("--device cuda with --tp/--ep or mpirun needs a build with NCCL");
+#endif
   const bool lora_flags = given("--lora-alpha") || given("--lora-targets") || given("--lora-experts") ||
                           given("--lora-rank-div-topk");
   if (given("--lora-rank") || lora_flags) {
@@ -275,6 +288,10 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     opt.base_model = fs::absolute(a.model, ec).lexically_normal().string();
   }
 
+  if (gpu_shards && !opt.lora)
+    throw TrainUsageError("--device cuda with --tp/--ep or mpirun trains LoRA adapters (--lora-rank); full-parameter "
+                          "training on the GPU runs on one GPU");
+
   std::optional<Model> model;
   ModelConfig cfg;
   if (!a.config.empty()) {
@@ -292,14 +309,26 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
       throw TrainUsageError("--lora-rank " + std::to_string(opt.lora->rank) + " is more than the full rank of every "
                             "projection the targets select (" + std::to_string(most) + " at the most)");
   }
+#ifdef NEXTLM_HAVE_NCCL
+  if (gpu_shards) {
+    const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(a.tp, a.ep);
+    try {
+      dist::validate_layout({a.tp, a.ep}, world, cfg);
+      dist::cuda_shard(0, world, a.tp, a.ep);
+    } catch (const Error& e) {
+      throw TrainUsageError(e.what());
+    }
+  }
+#endif
   std::vector<TrainExample> data = read_train_jsonl(a.data, cfg.vocab_size, opt.batch_tokens);
-  // LoRA on the GPU leaves the base in its checkpoint: the device reads it from there, and the host holds only the
-  // config, the adapters and their optimizer state (a host copy of a 313B base would be 1.25 TB of fp32).
-  const bool base_on_disk = a.device == "cuda" && opt.lora && !parallel;
+  // LoRA on the GPU leaves the base in its checkpoint: the device reads it from there (each GPU its slices), and
+  // the host holds only the config, the adapters and their optimizer state (a host copy of a 313B base would be
+  // 1.25 TB of fp32).
+  const bool base_on_disk = a.device == "cuda" && opt.lora;
   std::optional<Trainer> trainer;
   std::optional<dist::Mesh> mesh;
   std::optional<dist::ParallelTrainer> ptrainer;
-  if (parallel) {
+  if (parallel && !gpu_shards) {
     try {
       dist::validate_layout({a.tp, a.ep}, dist::world().size(), cfg);
     } catch (const Error& e) {
@@ -329,7 +358,24 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   // there, and the adapters come back to the host only to be saved.
   std::unique_ptr<CudaModel> gpu;
   int64_t gpu_version = -1;  // the version of the trained values the device holds; -1: those it was loaded with
-  if (a.device == "cuda") {
+#ifdef NEXTLM_HAVE_NCCL
+  std::unique_ptr<dist::LoraGpuRanks> shards;
+  if (gpu_shards) {
+    // Each rank's slices loaded before any output exists; the adapters alone trained, as on one GPU below (the
+    // routed experts stay in rows, the layout the sharded tests run). Ranks cannot fall back to more recompute one
+    // at a time, so an adaptive policy stands for its fixed one (fixed_recompute). The trainer's AdamW runs on the
+    // host.
+    const RecomputePolicy fixed = fixed_recompute(opt.recompute);
+    shards = std::make_unique<dist::LoraGpuRanks>(opt.base_model, a.tp, a.ep, [&](CudaModel& m) {
+      m.set_train_linears(false);
+      m.set_train_small(false);
+      m.set_recompute(fixed);
+    });
+    trainer->set_gradient_fn([&](const Model&, LoraAdapter* lora, int64_t version, const PackedBatch& b,
+                                 ModelWeights&) { return shards->micro_batch(*lora, version, b); });
+  }
+#endif
+  if (a.device == "cuda" && !gpu_shards) {
     // Loaded before any output exists: a missing device or a bad checkpoint leaves nothing behind.
     const LoraAdapter* adapter = trainer->lora();
     gpu = adapter ? CudaModel::load(opt.base_model) : std::make_unique<CudaModel>(trainer->model());
@@ -374,11 +420,13 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   }
 #endif
   auto steps_done = [&] { return trainer ? trainer->steps_done() : ptrainer->steps_done(); };
-  const bool lead = !mesh || mesh->world->rank() == 0;  // prints and writes the log
+  // The processes of this run: the mesh's world, or under mpirun with GPU shards every process's (one trainer each).
+  dist::Comm* world = mesh ? mesh->world : gpu_shards && dist::launched_by_mpi() ? &dist::world() : nullptr;
+  const bool lead = !world || world->rank() == 0;  // prints and writes the log
   // Every rank stops after the same step: a ctrl-C seen by any rank stops all.
   auto interrupted = [&] {
     float flag = g_interrupted ? 1.0f : 0.0f;
-    if (mesh) mesh->world->all_reduce_max(&flag, 1);
+    if (world) world->all_reduce_max(&flag, 1);
     return flag > 0.0f;
   };
 
@@ -416,10 +464,23 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     }
   } closer{logf};
   auto save = [&] {
-    if (trainer) {
+    if (ptrainer) {
+      ptrainer->save(ckpt_dir);  // collective: rank 0 writes
+    } else if (!world) {
       trainer->save(ckpt_dir);
     } else {
-      ptrainer->save(ckpt_dir);  // collective: rank 0 writes
+      // Every process holds the same trainer: rank 0 writes, and every rank learns whether it could.
+      std::string error;
+      if (lead) {
+        try {
+          trainer->save(ckpt_dir);
+        } catch (const Error& e) {
+          error = e.what();
+        }
+      }
+      int failed = error.empty() ? 0 : 1;
+      world->broadcast(&failed, sizeof failed, 0);
+      if (failed) fail(lead ? error : "rank 0 could not write the checkpoint " + ckpt_dir);
     }
     undo.armed = false;
     if (lead) write_text(svg_path(log), loss_curve_svg(rows));
@@ -430,15 +491,24 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   if (lead && adapter)
     std::cerr << "LoRA: " << adapter->modules().size() << " adapters of rank " << opt.lora->rank
               << " on the frozen base " << opt.base_model << " (" << parameter_count(cfg) << " parameters"
-              << (trainer && trainer->lora_base() == LoraBase::Disk ? ", read by the GPU from its checkpoint" : "")
+              << (!trainer || trainer->lora_base() != LoraBase::Disk ? ""
+                  : gpu_shards ? ", each GPU reading its slices from the checkpoint"
+                               : ", read by the GPU from its checkpoint")
               << ")\n";
+#ifdef NEXTLM_HAVE_NCCL
+  if (lead && shards)
+    std::cerr << "parallel: " << shards->world_size() << " GPU ranks (tp " << a.tp << ", ep " << a.ep << ", "
+              << (dist::launched_by_mpi() ? "processes" : "threads of this process")
+              << "); the adapters' AdamW on the host\n";
+#endif
   if (lead && mesh)
     std::cerr << "parallel: " << mesh->world->size() << " ranks, " << mesh->dp->size()
               << " data-parallel replicas of " << mesh->replica_size << " (tp " << a.tp << ", ep " << a.ep << ")\n";
   if (lead)
-    std::cerr << "training " << num_trainable << " parameters on " << a.device << ", steps " << steps_done() << " -> " << opt.steps
-              << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum << " per step, recompute "
-              << describe_recompute(opt.recompute, a.device == "cuda") << "\n";
+    std::cerr << "training " << num_trainable << " parameters on " << a.device << ", steps " << steps_done()
+              << " -> " << opt.steps << ", " << opt.batch_tokens << " tokens x " << opt.grad_accum
+              << " per step, recompute "
+              << describe_recompute(opt.recompute, a.device == "cuda" && !gpu_shards) << "\n";
   double elapsed = 0.0;
   int64_t done_here = 0, tokens_here = 0;
   bool stop = false;
@@ -479,6 +549,9 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
   RecomputePolicy in_use = opt.recompute;  // an adaptive policy's rung at the end
 #ifdef NEXTLM_HAVE_CUDA
   if (gpu) in_use = gpu->recompute();
+#endif
+#ifdef NEXTLM_HAVE_NCCL
+  if (shards) in_use = shards->model().recompute();
 #endif
   if (lead)
     std::cerr << "done: " << steps_done() << " steps in " << duration(elapsed) << "; "

@@ -3,9 +3,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include <numeric>
+#include <utility>
 
 #include "core/error.h"
+#include "dist/comm.h"
 #include "dist/thread_comm.h"
 
 namespace nextlm::dist {
@@ -53,5 +57,98 @@ void run_gpu_ranks(int tp, int ep, const std::function<void(Comm& world, int dev
   check(gpus >= ranks, "--tp ", tp, " --ep ", ep, " needs ", ranks, " GPUs, this machine has ", gpus);
   run_ranks(ranks, [&](Comm& world) { fn(world, world.rank()); });
 }
+
+double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter& lora, bool refresh,
+                                const PackedBatch& batch, LoraAdapter& grads) {
+  if (refresh) model.set_lora(lora);
+  model.zero_grads();
+  double loss = model.forward_backward(batch);
+  std::vector<LoraModule>& mods = grads.modules();
+  for (LoraModule& m : mods) {
+    std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
+    std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
+  }
+  model.lora_gradients(grads);
+  // One all-reduce of every module's dA and dB, back to back.
+  size_t n = 0;
+  for (const LoraModule& m : mods) n += m.dA.data.size() + m.dB.data.size();
+  std::vector<float> flat(n);
+  float* p = flat.data();
+  for (const LoraModule& m : mods)
+    for (const Tensor* t : {&m.dA, &m.dB}) p = std::copy(t->data.begin(), t->data.end(), p);
+  world.all_reduce_sum(flat.data(), n);
+  p = flat.data();
+  for (LoraModule& m : mods)
+    for (Tensor* t : {&m.dA, &m.dB}) {
+      std::copy(p, p + t->data.size(), t->data.begin());
+      p += t->data.size();
+    }
+  world.broadcast(&loss, sizeof loss, 0);
+  return loss;
+}
+
+LoraGpuRanks::LoraGpuRanks(const std::string& base_dir, int tp, int ep,
+                           const std::function<void(CudaModel&)>& prepare) {
+  auto load = [&](Comm& world, int device, Rank& r) {
+    r.gpu = make_cuda_rank(world, tp, ep, device, [&](const CudaShard& shard, int dev) {
+      return CudaModel::load(base_dir, dev, shard);
+    });
+    r.model = r.gpu.model.get();
+    if (prepare) prepare(*r.model);
+  };
+  if (launched_by_mpi()) {
+    world_ = &dist::world();
+    const int gpus = cuda_device_count();
+    check(gpus > 0, "--device cuda: no CUDA device is available");
+    size_ = world_->size(), rank_ = world_->rank();
+    ranks_.resize(1);
+    load(*world_, rank_ % gpus, ranks_[0]);
+    return;
+  }
+  size_ = std::lcm(tp, ep);
+  const int gpus = cuda_device_count();
+  check(gpus >= size_, "--tp ", tp, " --ep ", ep, " needs ", size_, " GPUs, this machine has ", gpus);
+  ranks_.resize(static_cast<size_t>(size_));
+  // Each rank's model and groups are made and freed on its own thread (its current device).
+  pool_ = std::make_unique<RankPool>(
+      size_, [&](Comm& world) { load(world, world.rank(), ranks_[static_cast<size_t>(world.rank())]); },
+      [this](Comm& world) { ranks_[static_cast<size_t>(world.rank())] = Rank{}; });
+}
+
+LoraGpuRanks::LoraGpuRanks(Comm& world, CudaModel& model)
+    : size_(world.size()), rank_(world.rank()), ranks_(1), world_(&world) {
+  ranks_[0].model = &model;
+}
+
+LoraGpuRanks::~LoraGpuRanks() { pool_.reset(); }
+
+double LoraGpuRanks::step_rank(Comm& world, Rank& r, const LoraAdapter& lora, int64_t version,
+                               const PackedBatch& batch) {
+  if (!r.grads) r.grads = std::make_unique<LoraAdapter>(lora);
+  const bool refresh = r.version != version;
+  r.version = version;
+  return sharded_lora_micro_batch(world, *r.model, lora, refresh, batch, *r.grads);
+}
+
+double LoraGpuRanks::micro_batch(LoraAdapter& lora, int64_t version, const PackedBatch& batch) {
+  double loss = 0.0;
+  if (!pool_) {
+    loss = step_rank(*world_, ranks_[0], lora, version, batch);
+  } else {
+    pool_->run([&](Comm& world) {
+      const double l = step_rank(world, ranks_[static_cast<size_t>(world.rank())], lora, version, batch);
+      if (world.rank() == 0) loss = l;
+    });
+  }
+  // Every rank's grads hold the sums: rank 0's (or this rank's) go into the trainer's adapter.
+  const std::vector<LoraModule>& from = ranks_[0].grads->modules();
+  std::vector<LoraModule>& into = lora.modules();
+  for (size_t i = 0; i < into.size(); ++i)
+    for (auto [src, dst] : {std::pair{&from[i].dA, &into[i].dA}, std::pair{&from[i].dB, &into[i].dB}})
+      for (size_t j = 0; j < dst->data.size(); ++j) dst->data[j] += src->data[j];
+  return loss;
+}
+
+const CudaModel& LoraGpuRanks::model() const { return *ranks_[0].model; }
 
 }  // namespace nextlm::dist

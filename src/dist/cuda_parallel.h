@@ -3,12 +3,19 @@
 // are the runs of tp consecutive ranks, EP groups the runs of ep; the world is one replica, lcm(tp, ep) ranks, each
 // holding every slice once. Built with CUDA, MPI and NCCL (target nextlm_nccl).
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "cuda/device_model.h"
 #include "dist/comm.h"
 #include "dist/nccl_comm.h"
+#include "dist/rank_pool.h"
+#include "model/lora.h"
+#include "model/recompute.h"
 
 namespace nextlm::dist {
 
@@ -35,5 +42,52 @@ void run_gpu_ranks(int tp, int ep, const std::function<void(Comm& world, int dev
 
 // The GPUs this process sees.
 int cuda_device_count();
+
+// One micro-batch of LoRA training on a sharded device model, collective over `world` (the model's replica): uploads
+// the adapters' current A and B when `refresh` (set_lora of the trainer's adapter; the first call must refresh),
+// runs forward_backward from zeroed gradients, and sums the ranks' shares of dA and dB (lora_gradients) over the
+// world in one all-reduce, in rank order, so that every rank's `grads` ends with the micro-batch's dA and dB (grads:
+// an adapter of the same layout as `lora`; its dA and dB are overwritten, its A and B unused). Returns the loss,
+// rank 0's on every rank.
+double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter& lora, bool refresh,
+                                const PackedBatch& batch, LoraAdapter& grads);
+
+// The GPU ranks of `nextlm train --device cuda --tp T --ep E --lora-rank R`: the world of lcm(T, E) ranks, one GPU
+// each, every rank holding its slices of the frozen base read from its checkpoint and the adapters' bf16 copies,
+// while the trainer (model/trainer.h, its AdamW on the host) holds the adapters and their optimizer state. Without
+// an MPI launcher the ranks are threads of this process on GPUs 0 … lcm − 1 (a RankPool, so that each keeps its GPU
+// and NCCL groups for the whole run); under mpirun this process is one rank (GPU = world rank modulo the GPUs it
+// sees) and every process runs the same trainer on the same data, so that all hold the same adapters.
+class LoraGpuRanks {
+ public:
+  // `prepare` runs on each rank's model once it is loaded (set_recompute and the like). A fixed recompute policy
+  // belongs there: an adaptive one cannot fall back on one rank alone (recompute.h).
+  LoraGpuRanks(const std::string& base_dir, int tp, int ep, const std::function<void(CudaModel&)>& prepare);
+  // One rank of a world whose other ranks run their own LoraGpuRanks and trainer (as under mpirun): `model` is this
+  // rank's shard with its collectives set; world and model must outlive this object.
+  LoraGpuRanks(Comm& world, CudaModel& model);
+  ~LoraGpuRanks();
+  // Trainer::GradientFn's LoRA case: the micro-batch's loss, with its dA and dB added into lora's modules. The
+  // adapters are uploaded again when version changes (the trainer's optimizer steps taken).
+  double micro_batch(LoraAdapter& lora, int64_t version, const PackedBatch& batch);
+  // Rank 0's model (under mpirun: this process's), for what every rank has alike (its recompute policy).
+  const CudaModel& model() const;
+  // The world's size, and the rank this object computes for (0 when it drives them all as threads).
+  int world_size() const { return size_; }
+  int rank() const { return rank_; }
+
+ private:
+  struct Rank {
+    CudaRank gpu;                        // the model and groups, when this object made them
+    CudaModel* model = nullptr;
+    std::unique_ptr<LoraAdapter> grads;  // this rank's gradients of the last micro-batch (lora's layout)
+    std::optional<int64_t> version;      // the adapters' version on the device (none before the first upload)
+  };
+  double step_rank(Comm& world, Rank& r, const LoraAdapter& lora, int64_t version, const PackedBatch& batch);
+  int size_ = 1, rank_ = 0;
+  std::vector<Rank> ranks_;         // threads: one per rank; else this process's
+  Comm* world_ = nullptr;           // the world of this process's rank (not threads)
+  std::unique_ptr<RankPool> pool_;  // threads only
+};
 
 }  // namespace nextlm::dist
