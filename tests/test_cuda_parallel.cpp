@@ -33,6 +33,8 @@
 namespace nextlm {
 namespace {
 
+using test::csv_losses;
+
 // Device-buffer collectives through a host communicator: waits for the model's stream, copies to the host, reduces
 // there, copies back. Only the reductions a sharded CudaModel uses.
 class StagedComm final : public dist::Comm {
@@ -305,16 +307,6 @@ TEST(CudaParallel, ShardedLoraOverNccl) {
   check_lora(true);
 }
 
-// The values of every module's A and B, back to back.
-std::vector<float> adapter_values(const LoraAdapter& a) {
-  std::vector<float> v;
-  for (const LoraModule& m : a.modules()) {
-    v.insert(v.end(), m.A.data.begin(), m.A.data.end());
-    v.insert(v.end(), m.B.data.begin(), m.B.data.end());
-  }
-  return v;
-}
-
 // `train --device cuda --tp/--ep --lora-rank` on one GPU: every rank of a layout (threads sharing GPU 0, host
 // collectives) runs its own trainer on the same data, as every process does under mpirun, with its micro-batches'
 // gradients from a LoraGpuRanks over its shard (the CLI's threads run the same micro_batch on a RankPool). Three AdamW
@@ -324,15 +316,7 @@ std::vector<float> adapter_values(const LoraAdapter& a) {
 TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
   const std::string dir = test::golden_dir("bf16_sharded");
   const ModelConfig cfg = load_config(dir + "/config.json");
-  std::vector<TrainExample> data;
-  for (int i = 0; i < 6; ++i) {
-    TrainExample ex;
-    const int n = 20 + 37 * i;
-    for (int t = 0; t < n; ++t) ex.tokens.push_back(static_cast<int32_t>((i * 31 + t * 17 + 3) % cfg.vocab_size));
-    if (i % 3 == 1)
-      for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
-    data.push_back(std::move(ex));
-  }
+  const std::vector<TrainExample> data = test::synthetic_examples({20, 57, 94, 131, 168, 205}, cfg.vocab_size);
   for (const LoraExperts experts : {LoraExperts::PerExpert, LoraExperts::Shared}) {
     const std::string what = experts == LoraExperts::Shared ? "shared experts" : "per expert";
     TrainOptions opt;
@@ -361,7 +345,7 @@ TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
     Trainer cpu(test::bf16_weights_reference(dir), data, opt);
     std::vector<double> cpu_losses;
     train(cpu, cpu_losses);
-    const std::vector<float> ref = adapter_values(*cpu.lora());
+    const std::vector<float> ref = test::adapter_values(*cpu.lora());
 
     Trainer one(cfg, read_tensor_shapes(dir), data, opt);
     const std::unique_ptr<CudaModel> gpu = CudaModel::load(dir);
@@ -377,7 +361,7 @@ TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
     });
     std::vector<double> one_losses;
     train(one, one_losses);
-    const std::vector<float> one_values = adapter_values(*one.lora());
+    const std::vector<float> one_values = test::adapter_values(*one.lora());
     ASSERT_EQ(one_values.size(), ref.size());
     const double e1 = test::norm_rel_error(one_values.data(), ref.data(), ref.size());
 
@@ -392,7 +376,7 @@ TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
         tr.set_gradient_fn([&](const Model&, LoraAdapter* lora, int64_t version, const PackedBatch& b,
                                ModelWeights&) { return lora_ranks.micro_batch(*lora, version, b); });
         train(tr, losses[world.rank()]);
-        values[world.rank()] = adapter_values(*tr.lora());
+        values[world.rank()] = test::adapter_values(*tr.lora());
       });
       ASSERT_EQ(values[0].size(), ref.size());
       const double e = test::norm_rel_error(values[0].data(), ref.data(), ref.size());
@@ -531,16 +515,6 @@ TEST(CudaParallel, GradCliOnTwoGpus) {
   EXPECT_LE(std::fabs(two.loss_a - two.loss_b), 1.25 * std::fabs(one.loss_a - one.loss_b) + 1e-4 * two.loss_b);
 }
 
-// The loss column of a train_log.csv.
-std::vector<double> log_losses(const std::string& csv) {
-  std::ifstream in(csv);
-  std::string line;
-  std::getline(in, line);
-  std::vector<double> out;
-  while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
-  return out;
-}
-
 // `train --device cuda --tp 2 --ep 2 --lora-rank 4` on two GPUs (threads of one process, NCCL) logs the losses one
 // GPU logs for the same run (the first within 1e-3, the whole run within 2e-2: bf16 sums in another order, carried
 // through AdamW) and leaves a LoRA checkpoint that a one-GPU run resumes; the sharded run's error messages.
@@ -565,7 +539,7 @@ TEST(CudaParallel, LoraTrainCliOnTwoGpus) {
       test::run_nextlm(common + " --device cuda --tp 2 --ep 2 --out " + test::shell_quote(tmp.str("two")));
   ASSERT_EQ(two.rc, 0) << two.err;
   EXPECT_NE(two.err.find("parallel: 2 GPU ranks (tp 2, ep 2"), std::string::npos) << two.err;
-  const std::vector<double> a = log_losses(tmp.str("one/train_log.csv")), b = log_losses(tmp.str("two/train_log.csv"));
+  const std::vector<double> a = csv_losses(tmp.str("one/train_log.csv")), b = csv_losses(tmp.str("two/train_log.csv"));
   ASSERT_EQ(a.size(), 6u);
   ASSERT_EQ(b.size(), 6u);
   std::printf("[cuda parallel cli] train --lora-rank 4 tp2 ep2: loss %.5f -> %.5f (one GPU %.5f -> %.5f)\n", b[0],
@@ -577,7 +551,7 @@ TEST(CudaParallel, LoraTrainCliOnTwoGpus) {
   const test::CliResult more = test::run_nextlm("train --resume " + test::shell_quote(tmp.str("two")) + " --data " +
                                                 test::shell_quote(tmp.str("data.jsonl")) + " --steps 8 --device cuda");
   ASSERT_EQ(more.rc, 0) << more.err;
-  EXPECT_EQ(log_losses(tmp.str("two/train_log.csv")).size(), 8u);
+  EXPECT_EQ(csv_losses(tmp.str("two/train_log.csv")).size(), 8u);
   // A layout the model does not divide is a usage error before any output.
   const test::CliResult bad =
       test::run_nextlm(common + " --device cuda --tp 3 --out " + test::shell_quote(tmp.str("x")));

@@ -41,6 +41,8 @@
 namespace nextlm {
 namespace {
 
+using test::csv_losses;
+
 constexpr double kGradTol = 5e-2;
 constexpr double kNoiseRatio = 5.0;
 constexpr double kLossTol = 1e-2;
@@ -68,16 +70,6 @@ void write_lora_data(const std::string& path) {
     for (const char* l : {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog sat."})
       texts.push_back(l);
   write_byte_jsonl(path, texts);
-}
-
-// The loss column of a train_log.csv.
-std::vector<double> csv_losses(const std::string& csv) {
-  std::ifstream in(csv);
-  std::string line;
-  std::getline(in, line);
-  std::vector<double> out;
-  while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
-  return out;
 }
 
 // The model's bf16-stored weights (those test::bf16_weights_reference rounds) each scaled by 1 ± 2⁻⁸ at random.

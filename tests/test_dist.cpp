@@ -574,18 +574,7 @@ struct TrainLayout {
 };
 
 // 7 sequences of 4..22 tokens, every third with a loss mask over its first half.
-std::vector<TrainExample> train_examples() {
-  std::vector<TrainExample> data;
-  for (int i = 0; i < 7; ++i) {
-    TrainExample ex;
-    const int n = 4 + (i * 7) % 19;
-    for (int t = 0; t < n; ++t) ex.tokens.push_back((i * 31 + t * 17 + 3) % 256);
-    if (i % 3 == 1)
-      for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
-    data.push_back(std::move(ex));
-  }
-  return data;
-}
+std::vector<TrainExample> train_examples() { return test::synthetic_examples({4, 11, 18, 6, 13, 20, 8}, 256); }
 
 // ParallelTrainer at DP2, DP2×TP2 and DP2×EP2 against the single-process Trainer on the same data: per-step loss and
 // grad-norm, and the gathered weights, within 1e-5 (sum order only; eps 1e-5 for the reason test_dist_cli.cpp's
@@ -642,15 +631,6 @@ TEST(DistTrain, EqualsSingleProcessTrainer) {
 }
 
 // The adapter's A and B, module after module.
-std::vector<float> adapter_values(const LoraAdapter& a) {
-  std::vector<float> v;
-  for (const LoraModule& m : a.modules()) {
-    v.insert(v.end(), m.A.data.begin(), m.A.data.end());
-    v.insert(v.end(), m.B.data.begin(), m.B.data.end());
-  }
-  return v;
-}
-
 // LoRA under ParallelTrainer (the base sliced, the adapter whole on every rank) against the single-process Trainer
 // on the same data: per-step loss, grad-norm and the adapters within 1e-5 (sum order only: 2.3e-6 at most on the
 // adapters, measured), bit-identical on every rank; at DP2, TP2, EP2,
@@ -678,7 +658,7 @@ TEST(DistTrain, LoraEqualsSingleProcessTrainer) {
     Trainer ref(Model::load(dir), data, opt);
     std::vector<StepStats> ref_stats;
     for (int s = 0; s < opt.steps; ++s) ref_stats.push_back(ref.step());
-    const std::vector<float> ref_values = adapter_values(*ref.lora());
+    const std::vector<float> ref_values = test::adapter_values(*ref.lora());
 
     for (const TrainLayout& l : {TrainLayout{2, 1, 1}, TrainLayout{2, 2, 1}, TrainLayout{2, 1, 2},
                                  TrainLayout{2, 2, 2}, TrainLayout{4, 2, 1}}) {
@@ -692,7 +672,7 @@ TEST(DistTrain, LoraEqualsSingleProcessTrainer) {
         EXPECT_EQ(tr.num_trainable(), ref.num_trainable());
         for (int s = 0; s < opt.steps; ++s) stats[w.rank()].push_back(tr.step());
         tr.check_replicas_agree();
-        values[w.rank()] = adapter_values(*tr.lora());
+        values[w.rank()] = test::adapter_values(*tr.lora());
       });
       for (int r = 0; r < l.n; ++r) {
         for (int s = 0; s < opt.steps; ++s) {
@@ -719,7 +699,7 @@ TEST(DistTrain, LoraEqualsSingleProcessTrainer) {
     const StepStats third = resumed.step();
     EXPECT_NEAR(third.loss, ref_stats[2].loss, 1e-5 * ref_stats[2].loss) << shared;
     EXPECT_NEAR(third.grad_norm, ref_stats[2].grad_norm, 1e-5 * ref_stats[2].grad_norm) << shared;
-    const std::vector<float> got = adapter_values(*resumed.lora());
+    const std::vector<float> got = test::adapter_values(*resumed.lora());
     EXPECT_LE(test::norm_rel_error(got.data(), ref_values.data(), ref_values.size()), 1e-5) << shared;
     // And a TP2·EP2 run resumes the same checkpoint.
     std::vector<StepStats> par(2);

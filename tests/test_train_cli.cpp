@@ -46,22 +46,6 @@ std::string write_text_data(const TempDir& dir) {
   return path;
 }
 
-std::vector<double> csv_losses(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  EXPECT_EQ(line, "step,loss,lr,grad_norm,tokens,seconds");
-  std::vector<double> out;
-  while (std::getline(in, line)) {
-    std::stringstream s(line);
-    std::string step, loss;
-    std::getline(s, step, ',');
-    std::getline(s, loss, ',');
-    out.push_back(std::stod(loss));
-  }
-  return out;
-}
-
 TEST(TrainCli, TinyModelLearnsAndLeavesAModelLogAndCurve) {
   TempDir dir;
   const std::string data = write_text_data(dir), out = dir.str("run");

@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -251,6 +253,38 @@ LoraAdapter without_gradients(LoraAdapter ad) {
     std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
   }
   return ad;
+}
+
+std::vector<float> adapter_values(const LoraAdapter& a) {
+  std::vector<float> v;
+  for (const LoraModule& m : a.modules()) {
+    v.insert(v.end(), m.A.data.begin(), m.A.data.end());
+    v.insert(v.end(), m.B.data.begin(), m.B.data.end());
+  }
+  return v;
+}
+
+std::vector<TrainExample> synthetic_examples(const std::vector<int>& lengths, int64_t vocab) {
+  std::vector<TrainExample> data;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    TrainExample ex;
+    const int n = lengths[i];
+    for (int t = 0; t < n; ++t) ex.tokens.push_back(static_cast<int32_t>((i * 31 + t * 17 + 3) % vocab));
+    if (i % 3 == 1)
+      for (int t = 0; t < n; ++t) ex.mask.push_back(t < n / 2 ? 0.0f : 1.0f);
+    data.push_back(std::move(ex));
+  }
+  return data;
+}
+
+std::vector<double> csv_losses(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "step,loss,lr,grad_norm,tokens,seconds") << path;
+  std::vector<double> out;
+  while (std::getline(in, line)) out.push_back(std::stod(line.substr(line.find(',') + 1)));
+  return out;
 }
 
 Model bf16_weights_reference(const std::string& dir) {

@@ -7,6 +7,7 @@
 
 #include "core/tensor.h"
 #include "model/lora.h"
+#include "model/trainer.h"
 
 namespace nextlm {
 class Model;
@@ -37,6 +38,14 @@ LoraAdapter random_lora(const ModelConfig& c, LoraExperts experts, int64_t rank 
 double cpu_lora_gradients(const Model& base, LoraAdapter& ad, const PackedBatch& batch);
 // A copy of ad with its gradients zeroed.
 LoraAdapter without_gradients(LoraAdapter ad);
+
+// The values of every module's A and B, back to back.
+std::vector<float> adapter_values(const LoraAdapter& a);
+// Training examples of the given lengths, token t of example i (i·31 + t·17 + 3) mod vocab; examples 1, 4, 7, …
+// train only their second half (a loss mask).
+std::vector<TrainExample> synthetic_examples(const std::vector<int>& lengths, int64_t vocab);
+// The loss column of a `train` log (train_log.csv; its header is checked).
+std::vector<double> csv_losses(const std::string& path);
 
 // A fresh empty directory under the system temp dir, removed when the object dies.
 class TempDir {
