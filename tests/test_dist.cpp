@@ -124,6 +124,46 @@ TEST(DistComm, ThreadCollectivesAtThreeRanks) {
   EXPECT_EQ(sums[1][0], 1.0f);
 }
 
+// all_reduce_gradients gives every rank the rank-order sum of each gradient, bit for bit the same whatever the
+// chunk: staged runs of small tensors, a flush before a tensor that would overflow the stage, tensors larger than a
+// chunk reduced in place a chunk at a time.
+TEST(DistComm, GradientSumsDoNotDependOnTheChunk) {
+  const int n = 3;
+  const std::vector<int64_t> sizes{1, 5, 3000, 2, 70000, 7, 4096};
+  // Rank r's value at element i: order-sensitive in fp32 ((1e8 + 1) − 1e8 = 0 in rank order, 1 otherwise).
+  auto value = [](int r, size_t i) {
+    const float big = (i % 3 == 0) ? 1e8f : 1.0f;
+    return r == 0 ? big : r == 1 ? 1.0f + static_cast<float>(i % 7) : -big;
+  };
+  for (const size_t chunk : {size_t{1}, size_t{4}, size_t{6}, size_t{4096}, size_t{1} << 22}) {
+    dist::run_ranks(n, [&](dist::Comm& c) {
+      std::vector<std::vector<float>> g;
+      std::vector<ParamRef> refs;
+      for (const int64_t sz : sizes) {
+        std::vector<float> x(static_cast<size_t>(sz));
+        for (size_t i = 0; i < x.size(); ++i) x[i] = value(c.rank(), i);
+        g.push_back(std::move(x));
+      }
+      for (std::vector<float>& x : g) {
+        ParamRef r;
+        r.g = x.data();
+        r.n = static_cast<int64_t>(x.size());
+        refs.push_back(r);
+      }
+      dist::all_reduce_gradients(c, refs, chunk);
+      for (size_t t = 0; t < g.size(); ++t)
+        for (size_t i = 0; i < g[t].size(); ++i) {
+          const float expect = (value(0, i) + value(1, i)) + value(2, i);
+          if (g[t][i] != expect) {
+            ADD_FAILURE() << "chunk " << chunk << " tensor " << t << " element " << i << ": " << g[t][i] << " vs "
+                          << expect;
+            return;
+          }
+        }
+    });
+  }
+}
+
 // A rank pool's ranks keep their thread and state from the setup through every job, run each job on all ranks with
 // working collectives, report a job's error (the first by rank) and stay usable after it, and run teardown on their
 // own threads when the pool goes.

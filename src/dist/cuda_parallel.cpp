@@ -4,12 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-
 #include <numeric>
 #include <utility>
 
 #include "core/error.h"
 #include "dist/comm.h"
+#include "dist/parallel_trainer.h"
 #include "dist/thread_comm.h"
 
 namespace nextlm::dist {
@@ -58,6 +58,17 @@ void run_gpu_ranks(int tp, int ep, const std::function<void(Comm& world, int dev
   run_ranks(ranks, [&](Comm& world) { fn(world, world.rank()); });
 }
 
+namespace {
+
+// An adapter of lora's layout for lora_gradients to add into: its dA and dB (A and B left empty).
+std::unique_ptr<LoraAdapter> gradient_holder(const LoraAdapter& lora) {
+  auto g = std::make_unique<LoraAdapter>(lora);
+  for (LoraModule& m : g->modules()) m.A = Tensor{}, m.B = Tensor{};
+  return g;
+}
+
+}  // namespace
+
 double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter& lora, bool refresh,
                                 const PackedBatch& batch, LoraAdapter& grads) {
   if (refresh) model.set_lora(lora);
@@ -69,20 +80,15 @@ double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter
     std::fill(m.dB.data.begin(), m.dB.data.end(), 0.0f);
   }
   model.lora_gradients(grads);
-  // One all-reduce of every module's dA and dB, back to back.
-  size_t n = 0;
-  for (const LoraModule& m : mods) n += m.dA.data.size() + m.dB.data.size();
-  std::vector<float> flat(n);
-  float* p = flat.data();
-  for (const LoraModule& m : mods)
-    for (const Tensor* t : {&m.dA, &m.dB}) p = std::copy(t->data.begin(), t->data.end(), p);
-  world.all_reduce_sum(flat.data(), n);
-  p = flat.data();
+  std::vector<ParamRef> refs;  // the gradients only (the holder's A and B may be empty)
   for (LoraModule& m : mods)
-    for (Tensor* t : {&m.dA, &m.dB}) {
-      std::copy(p, p + t->data.size(), t->data.begin());
-      p += t->data.size();
+    for (Tensor* g : {&m.dA, &m.dB}) {
+      ParamRef r;
+      r.g = g->ptr();
+      r.n = g->numel();
+      refs.push_back(r);
     }
+  all_reduce_gradients(world, refs);
   world.broadcast(&loss, sizeof loss, 0);
   return loss;
 }
@@ -124,13 +130,15 @@ LoraGpuRanks::~LoraGpuRanks() { pool_.reset(); }
 
 double LoraGpuRanks::step_rank(Comm& world, Rank& r, const LoraAdapter& lora, int64_t version,
                                const PackedBatch& batch) {
-  if (!r.grads) r.grads = std::make_unique<LoraAdapter>(lora);
   const bool refresh = r.version != version;
   r.version = version;
   return sharded_lora_micro_batch(world, *r.model, lora, refresh, batch, *r.grads);
 }
 
 double LoraGpuRanks::micro_batch(LoraAdapter& lora, int64_t version, const PackedBatch& batch) {
+  // Made here, one at a time (each is a copy of the adapter's layout, briefly with its A and B).
+  for (Rank& r : ranks_)
+    if (!r.grads) r.grads = gradient_holder(lora);
   double loss = 0.0;
   if (!pool_) {
     loss = step_rank(*world_, ranks_[0], lora, version, batch);

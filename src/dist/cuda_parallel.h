@@ -15,7 +15,6 @@
 #include "dist/nccl_comm.h"
 #include "dist/rank_pool.h"
 #include "model/lora.h"
-#include "model/recompute.h"
 
 namespace nextlm::dist {
 
@@ -46,9 +45,9 @@ int cuda_device_count();
 // One micro-batch of LoRA training on a sharded device model, collective over `world` (the model's replica): uploads
 // the adapters' current A and B when `refresh` (set_lora of the trainer's adapter; the first call must refresh),
 // runs forward_backward from zeroed gradients, and sums the ranks' shares of dA and dB (lora_gradients) over the
-// world in one all-reduce, in rank order, so that every rank's `grads` ends with the micro-batch's dA and dB (grads:
-// an adapter of the same layout as `lora`; its dA and dB are overwritten, its A and B unused). Returns the loss,
-// rank 0's on every rank.
+// world (all_reduce_gradients: in rank order), so that every rank's `grads` ends with the micro-batch's dA and
+// dB (grads: an adapter of the same layout as `lora`; its dA and dB are overwritten, its A and B unused). Returns
+// the loss, rank 0's on every rank.
 double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter& lora, bool refresh,
                                 const PackedBatch& batch, LoraAdapter& grads);
 

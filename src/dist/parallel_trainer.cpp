@@ -28,31 +28,6 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// Sums x[n] over comm in chunks (one MPI message stays under its 2 GiB limit, and the rank-order sum's gather
-// buffer stays small).
-void all_reduce_chunked(Comm& comm, float* x, size_t n) {
-  const size_t chunk = size_t{1} << 22;
-  for (size_t i = 0; i < n; i += chunk) comm.all_reduce_sum(x + i, std::min(chunk, n - i));
-}
-
-// Sums the parameters' gradients over comm, through one flat buffer.
-void all_reduce_gradients(Comm& comm, std::vector<ParamRef>& params) {
-  size_t total = 0;
-  for (const ParamRef& p : params) total += static_cast<size_t>(p.n);
-  std::vector<float> flat(total);
-  size_t off = 0;
-  for (const ParamRef& p : params) {
-    std::copy_n(p.g, p.n, flat.data() + off);
-    off += static_cast<size_t>(p.n);
-  }
-  all_reduce_chunked(comm, flat.data(), flat.size());
-  off = 0;
-  for (ParamRef& p : params) {
-    std::copy_n(flat.data() + off, p.n, p.g);
-    off += static_cast<size_t>(p.n);
-  }
-}
-
 // FNV-1a over the bytes of some floats, continuing from h.
 uint64_t fnv1a(uint64_t h, const float* x, int64_t n) {
   const unsigned char* p = reinterpret_cast<const unsigned char*>(x);
@@ -126,6 +101,35 @@ PackedBatch sub_batch(const PackedBatch& b, Range seqs) {
       out.target_weight.insert(out.target_weight.end(), b.target_weight.begin() + t0, b.target_weight.begin() + t1);
   }
   return out;
+}
+
+void all_reduce_gradients(Comm& comm, const std::vector<ParamRef>& params, size_t chunk) {
+  check(chunk > 0, "all_reduce_gradients: chunk must be positive");
+  std::vector<float> stage;
+  size_t first = 0;  // stage holds the gradients of params [first, i)
+  auto flush = [&](size_t end) {
+    if (!stage.empty()) {
+      comm.all_reduce_sum(stage.data(), stage.size());
+      const float* p = stage.data();
+      for (size_t k = first; k < end; ++k) {
+        std::copy_n(p, params[k].n, params[k].g);
+        p += params[k].n;
+      }
+      stage.clear();
+    }
+    first = end;
+  };
+  for (size_t i = 0; i < params.size(); ++i) {
+    const size_t n = static_cast<size_t>(params[i].n);
+    if (stage.size() + n > chunk) flush(i);
+    if (n > chunk) {  // in place, a chunk at a time
+      for (size_t j = 0; j < n; j += chunk) comm.all_reduce_sum(params[i].g + j, std::min(chunk, n - j));
+      first = i + 1;
+      continue;
+    }
+    stage.insert(stage.end(), params[i].g, params[i].g + n);
+  }
+  flush(params.size());
 }
 
 ShardedModel shard_weights(const ModelConfig& c, const ModelWeights& full, const Mesh& mesh) {

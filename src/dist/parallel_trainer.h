@@ -45,6 +45,12 @@ Range replica_share(const PackedBatch& b, int n, int d);
 // The sequences [seqs.begin, seqs.end) of b as a batch of their own (with their target weights).
 PackedBatch sub_batch(const PackedBatch& b, Range seqs);
 
+// Sums the gradients (g[n]) of params over comm, each element in rank order: the small ones staged back to back
+// into all-reduces of at most `chunk` floats (thousands of per-expert tensors in a few calls, through a bounded
+// buffer), a larger one in place, `chunk` floats at a time (an MPI message stays under its 2 GiB limit). The sums
+// do not depend on the chunk.
+void all_reduce_gradients(Comm& comm, const std::vector<ParamRef>& params, size_t chunk = size_t{1} << 22);
+
 // This rank's slices of full in-memory weights (a random init): load_sharded over the tensors save_model would write.
 ShardedModel shard_weights(const ModelConfig& c, const ModelWeights& full, const Mesh& mesh);
 
