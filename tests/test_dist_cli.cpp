@@ -380,6 +380,20 @@ TEST(DistTrainCli, Errors) {
   EXPECT_TRUE(g.err.find("trains LoRA adapters (--lora-rank)") != std::string::npos ||
               g.err.find("CUDA build") != std::string::npos || g.err.find("NCCL") != std::string::npos)
       << describe(g);
+  // Under mpirun every rank of a GPU-sharded LoRA run needs a GPU: where there is none (the CPU suite's machines) one
+  // error, before any output.
+  const CliResult m = run_mpi(2, base + " --device cuda --tp 2 --lora-rank 2");
+  if (m.rc == 0) {
+    EXPECT_TRUE(std::filesystem::exists(tmp.str("out/checkpoint/adapter_model.safetensors"))) << describe(m);
+    std::filesystem::remove_all(tmp.str("out"));
+  } else {
+    size_t errors = 0;
+    for (size_t p = m.err.find("error:"); p != std::string::npos; p = m.err.find("error:", p + 1)) ++errors;
+    EXPECT_EQ(errors, 1u) << describe(m);
+    EXPECT_TRUE(m.err.find("error: --device cuda: no CUDA device is available\n") != std::string::npos ||
+                m.err.find("CUDA build") != std::string::npos || m.err.find("NCCL") != std::string::npos)
+        << describe(m);
+  }
   // Nothing was written.
   EXPECT_FALSE(std::filesystem::exists(tmp.str("out")));
 }
