@@ -94,15 +94,20 @@ std::vector<std::vector<double>> read_score_jsonl(const std::string& path) {
 
 struct Layout {
   int tp, ep;
+  int replicas = 1;  // data-parallel replicas of lcm(tp, ep) ranks (LoRA training)
 };
-std::string layout_name(const Layout& l) { return "tp" + std::to_string(l.tp) + "_ep" + std::to_string(l.ep); }
+std::string layout_name(const Layout& l) {
+  return (l.replicas > 1 ? "dp" + std::to_string(l.replicas) + "_" : "") + "tp" + std::to_string(l.tp) + "_ep" +
+         std::to_string(l.ep);
+}
 
 // Runs fn(world, model) on every rank of a layout (threads) with the rank's slices of the checkpoint in DIR loaded:
-// `nccl`: one GPU per rank and NCCL, else every rank on GPU 0 with StagedComm.
+// `nccl`: one GPU per rank and NCCL (one replica), else every rank on GPU 0 with StagedComm.
 void run_layout(const std::string& dir, Layout l, bool nccl,
                 const std::function<void(dist::Comm& world, CudaModel& model)>& fn) {
-  const int ranks = std::lcm(l.tp, l.ep);
+  const int ranks = std::lcm(l.tp, l.ep) * l.replicas;
   if (nccl) {
+    ASSERT_EQ(l.replicas, 1) << "run_gpu_ranks runs one replica";
     dist::run_gpu_ranks(l.tp, l.ep, [&](dist::Comm& world, int device) {
       dist::CudaRank r = dist::make_cuda_rank(world, l.tp, l.ep, device, [&](const CudaShard& s, int dev) {
         return CudaModel::load(dir, dev, s);
@@ -113,7 +118,7 @@ void run_layout(const std::string& dir, Layout l, bool nccl,
   }
   dist::run_ranks(ranks, [&](dist::Comm& world) {
     const int w = world.rank();
-    const CudaShard shard = dist::cuda_shard(w, ranks, l.tp, l.ep);
+    const CudaShard shard = dist::cuda_shard(w, ranks, l.tp, l.ep, /*replicas=*/true);
     std::unique_ptr<CudaModel> m = CudaModel::load(dir, 0, shard);
     auto st = static_cast<cudaStream_t>(m->stream());
     std::unique_ptr<dist::Comm> tp_host = world.split(w / l.tp, w), ep_host = world.split(w / l.ep, w);
@@ -310,9 +315,10 @@ TEST(CudaParallel, ShardedLoraOverNccl) {
 // `train --device cuda --tp/--ep --lora-rank` on one GPU: every rank of a layout (threads sharing GPU 0, host
 // collectives) runs its own trainer on the same data, as every process does under mpirun, with its micro-batches'
 // gradients from a LoraGpuRanks over its shard (the CLI's threads run the same micro_batch on a RankPool). Three AdamW
-// steps of two micro-batches, per-expert adapters and shared ones: the ranks end with bit-identical adapters (each
-// trainer's AdamW gets the same summed gradients), and the losses and adapters are as close to the fp32 CPU
-// trainer's as those of the same trainer whose gradients one GPU computes (within 1.25×, plus 1e-3).
+// steps of two micro-batches, per-expert adapters and shared ones, at TP2, EP2, TP2·EP2 and with two data-parallel
+// replicas (alone and of TP2): the ranks end with bit-identical adapters (each trainer's AdamW gets the same summed
+// gradients), and the losses and adapters are as close to the fp32 CPU trainer's as those of the same trainer whose
+// gradients one GPU computes (within 1.25×, plus 1e-3).
 TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
   const std::string dir = test::golden_dir("bf16_sharded");
   const ModelConfig cfg = load_config(dir + "/config.json");
@@ -365,8 +371,8 @@ TEST(CudaParallel, ShardedLoraTrainerMatchesOneGpu) {
     ASSERT_EQ(one_values.size(), ref.size());
     const double e1 = test::norm_rel_error(one_values.data(), ref.data(), ref.size());
 
-    for (const Layout& l : kLayouts) {
-      const int ranks = std::lcm(l.tp, l.ep);
+    for (const Layout& l : {Layout{2, 1}, Layout{1, 2}, Layout{2, 2}, Layout{1, 1, 2}, Layout{2, 1, 2}}) {
+      const int ranks = std::lcm(l.tp, l.ep) * l.replicas;
       std::vector<std::vector<double>> losses(ranks);
       std::vector<std::vector<float>> values(ranks);
       run_layout(dir, l, false, [&](dist::Comm& world, CudaModel& m) {
@@ -423,6 +429,11 @@ TEST(CudaParallel, LayoutErrorsNameTheFlag) {
         << e.what();
   }
   EXPECT_THROW(dist::cuda_shard(0, 4, 2, 1), Error);  // 4 ranks for a replica of 2
+  // LoRA training's replicas: runs of lcm(tp, ep) ranks; a world of another multiple does not split into them.
+  const CudaShard third = dist::cuda_shard(3, 8, 2, 4, /*replicas=*/true);
+  EXPECT_EQ(third.tp_rank, 1);
+  EXPECT_EQ(third.ep_rank, 3);
+  EXPECT_THROW(dist::cuda_shard(0, 6, 2, 4, /*replicas=*/true), Error);
   // A sharded model without its groups does not run.
   const std::unique_ptr<CudaModel> m = CudaModel::load(dir, 0, CudaShard{0, 2, 0, 1});
   EXPECT_THROW(m->next_token_logprobs(test_batch(256)), Error);

@@ -153,12 +153,12 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   tr->add_option("--resume", a.resume, "continue from this checkpoint (or --out directory)");
   tr->add_option("--threads", a.threads, "CPU threads (default: all)");
   tr->add_option("--tp", a.tp,
-                 "tensor-parallel ranks (CPU: under mpirun, divides -np and the head counts; --device cuda with "
-                 "--lora-rank: one GPU a rank, lcm(tp, ep) GPUs as threads of this process or mpirun -np lcm(tp, ep))")
+                 "tensor-parallel ranks (divides the head counts; under mpirun -np N, divides N, and the N / lcm(tp, "
+                 "ep) replicas split each step's sequences; --device cuda with --lora-rank: one GPU a rank, without "
+                 "mpirun lcm(tp, ep) GPUs as threads of this process)")
       ->capture_default_str();
   tr->add_option("--ep", a.ep,
-                 "expert-parallel ranks (divides n_routed_experts; CPU: under mpirun, divides -np, and the -np / "
-                 "lcm(tp, ep) replicas split each step's sequences (data parallelism); --device cuda: as --tp)")
+                 "expert-parallel ranks (divides n_routed_experts; otherwise as --tp)")
       ->capture_default_str();
   tr->add_option("--recompute", a.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
@@ -314,7 +314,7 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
     const int world = dist::launched_by_mpi() ? dist::world().size() : std::lcm(a.tp, a.ep);
     try {
       dist::validate_layout({a.tp, a.ep}, world, cfg);
-      dist::cuda_shard(0, world, a.tp, a.ep);
+      dist::cuda_shard(0, world, a.tp, a.ep, /*replicas=*/true);
     } catch (const Error& e) {
       throw TrainUsageError(e.what());
     }
@@ -497,9 +497,10 @@ int cmd_train(const TrainArgs& a, const CLI::App& cmd) {
               << ")\n";
 #ifdef NEXTLM_HAVE_NCCL
   if (lead && shards)
-    std::cerr << "parallel: " << shards->world_size() << " GPU ranks (tp " << a.tp << ", ep " << a.ep << ", "
-              << (dist::launched_by_mpi() ? "processes" : "threads of this process")
-              << "); the adapters' AdamW on the host\n";
+    std::cerr << "parallel: " << shards->world_size() << " GPU ranks ("
+              << (dist::launched_by_mpi() ? "processes" : "threads of this process") << "), "
+              << shards->world_size() / std::lcm(a.tp, a.ep) << " data-parallel replicas of " << std::lcm(a.tp, a.ep)
+              << " (tp " << a.tp << ", ep " << a.ep << "); the adapters' AdamW on the host\n";
 #endif
   if (lead && mesh)
     std::cerr << "parallel: " << mesh->world->size() << " ranks, " << mesh->dp->size()

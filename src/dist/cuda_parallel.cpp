@@ -20,11 +20,15 @@ int cuda_device_count() {
   return n;
 }
 
-CudaShard cuda_shard(int world_rank, int world_size, int tp, int ep) {
+CudaShard cuda_shard(int world_rank, int world_size, int tp, int ep, bool replicas) {
   check(tp >= 1 && ep >= 1, "--tp and --ep must be at least 1");
   const int replica = std::lcm(tp, ep);
-  check(world_size == replica, "--device cuda with --tp ", tp, " --ep ", ep, " runs on ", replica,
-        " ranks (one GPU each), not ", world_size);
+  if (replicas)
+    check(world_size % replica == 0, "--device cuda with --tp ", tp, " --ep ", ep, " runs on a multiple of ", replica,
+          " ranks (one GPU each, data-parallel replicas of ", replica, "), not ", world_size);
+  else
+    check(world_size == replica, "--device cuda with --tp ", tp, " --ep ", ep, " runs on ", replica,
+          " ranks (one GPU each), not ", world_size);
   CudaShard s;
   s.tp = tp, s.tp_rank = world_rank % tp;
   s.ep = ep, s.ep_rank = world_rank % ep;
@@ -32,9 +36,10 @@ CudaShard cuda_shard(int world_rank, int world_size, int tp, int ep) {
 }
 
 CudaRank make_cuda_rank(Comm& world, int tp, int ep, int device,
-                        const std::function<std::unique_ptr<CudaModel>(const CudaShard&, int device)>& load) {
+                        const std::function<std::unique_ptr<CudaModel>(const CudaShard&, int device)>& load,
+                        bool replicas) {
   const int r = world.rank();
-  const CudaShard shard = cuda_shard(r, world.size(), tp, ep);
+  const CudaShard shard = cuda_shard(r, world.size(), tp, ep, replicas);
   CudaRank out;
   out.model = load(shard, device);
   auto stream = static_cast<cudaStream_t>(out.model->stream());
@@ -73,7 +78,14 @@ double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter
                                 const PackedBatch& batch, LoraAdapter& grads) {
   if (refresh) model.set_lora(lora);
   model.zero_grads();
-  double loss = model.forward_backward(batch);
+  // This replica's sequences: all of them unless the world holds several replicas.
+  const int replica = std::lcm(model.shard().tp, model.shard().ep);
+  check(world.size() % replica == 0, "LoRA on GPU shards: a world of ", world.size(), " ranks for replicas of ",
+        replica);
+  const Range share = replica_share(batch, world.size() / replica, world.rank() / replica);
+  double loss = 0.0;
+  if (share.size() == batch.num_seqs()) loss = model.forward_backward(batch);
+  else if (share.size() > 0) loss = model.forward_backward(sub_batch(batch, share));
   std::vector<LoraModule>& mods = grads.modules();
   for (LoraModule& m : mods) {
     std::fill(m.dA.data.begin(), m.dA.data.end(), 0.0f);
@@ -89,16 +101,18 @@ double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter
       refs.push_back(r);
     }
   all_reduce_gradients(world, refs);
-  world.broadcast(&loss, sizeof loss, 0);
+  // Each replica's loss once (its first rank's), summed.
+  if (world.rank() % replica != 0) loss = 0.0;
+  world.all_reduce_sum(&loss, 1);
   return loss;
 }
 
 LoraGpuRanks::LoraGpuRanks(const std::string& base_dir, int tp, int ep,
                            const std::function<void(CudaModel&)>& prepare) {
-  auto load = [&](Comm& world, int device, Rank& r) {
-    r.gpu = make_cuda_rank(world, tp, ep, device, [&](const CudaShard& shard, int dev) {
-      return CudaModel::load(base_dir, dev, shard);
-    });
+  auto load = [&](Comm& world, int device, Rank& r, bool replicas) {
+    r.gpu = make_cuda_rank(
+        world, tp, ep, device,
+        [&](const CudaShard& shard, int dev) { return CudaModel::load(base_dir, dev, shard); }, replicas);
     r.model = r.gpu.model.get();
     if (prepare) prepare(*r.model);
   };
@@ -108,7 +122,7 @@ LoraGpuRanks::LoraGpuRanks(const std::string& base_dir, int tp, int ep,
     check(gpus > 0, "--device cuda: no CUDA device is available");
     size_ = world_->size(), rank_ = world_->rank();
     ranks_.resize(1);
-    load(*world_, rank_ % gpus, ranks_[0]);
+    load(*world_, rank_ % gpus, ranks_[0], /*replicas=*/true);
     return;
   }
   size_ = std::lcm(tp, ep);
@@ -117,7 +131,7 @@ LoraGpuRanks::LoraGpuRanks(const std::string& base_dir, int tp, int ep,
   ranks_.resize(static_cast<size_t>(size_));
   // Each rank's model and groups are made and freed on its own thread (its current device).
   pool_ = std::make_unique<RankPool>(
-      size_, [&](Comm& world) { load(world, world.rank(), ranks_[static_cast<size_t>(world.rank())]); },
+      size_, [&](Comm& world) { load(world, world.rank(), ranks_[static_cast<size_t>(world.rank())], false); },
       [this](Comm& world) { ranks_[static_cast<size_t>(world.rank())] = Rank{}; });
 }
 

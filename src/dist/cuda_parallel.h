@@ -26,13 +26,16 @@ struct CudaRank {
 };
 
 // This rank's shard of a world of lcm(tp, ep) ranks (an error naming the flag when the world has another size).
-CudaShard cuda_shard(int world_rank, int world_size, int tp, int ep);
+// With `replicas` the world may be any multiple of lcm(tp, ep): its runs of lcm(tp, ep) consecutive ranks are
+// data-parallel replicas, each holding every slice once (LoRA training, LoraGpuRanks).
+CudaShard cuda_shard(int world_rank, int world_size, int tp, int ep, bool replicas = false);
 
 // Collective over `world` (MPI or threads): loads this rank's slices on GPU `device` with `load` (given the shard
 // and the device), then joins its TP and EP groups' NCCL cliques on the model's stream (non-blocking: the
-// collectives run in stream order with the model's kernels).
+// collectives run in stream order with the model's kernels). `replicas` as for cuda_shard.
 CudaRank make_cuda_rank(Comm& world, int tp, int ep, int device,
-                        const std::function<std::unique_ptr<CudaModel>(const CudaShard&, int device)>& load);
+                        const std::function<std::unique_ptr<CudaModel>(const CudaShard&, int device)>& load,
+                        bool replicas = false);
 
 // Runs fn(world, device) on lcm(tp, ep) threads, rank r on GPU r (an error when the machine has fewer GPUs), and
 // rethrows the first exception any of them threw. fn must fail on every rank alike (a rank that throws while the
@@ -42,21 +45,24 @@ void run_gpu_ranks(int tp, int ep, const std::function<void(Comm& world, int dev
 // The GPUs this process sees.
 int cuda_device_count();
 
-// One micro-batch of LoRA training on a sharded device model, collective over `world` (the model's replica): uploads
-// the adapters' current A and B when `refresh` (set_lora of the trainer's adapter; the first call must refresh),
-// runs forward_backward from zeroed gradients, and sums the ranks' shares of dA and dB (lora_gradients) over the
-// world (all_reduce_gradients: in rank order), so that every rank's `grads` ends with the micro-batch's dA and
-// dB (grads: an adapter of the same layout as `lora`; its dA and dB are overwritten, its A and B unused). Returns
-// the loss, rank 0's on every rank.
+// One micro-batch of LoRA training on a sharded device model, collective over `world` (one replica of the model, or
+// several: runs of lcm(tp, ep) consecutive ranks, the model's shard telling tp and ep). Uploads the adapters'
+// current A and B when `refresh` (set_lora of the trainer's adapter; the first call must refresh); each replica
+// runs forward_backward from zeroed gradients on its share of the batch's sequences (replica_share, as the CPU's
+// ParallelTrainer splits them; a replica without one computes nothing); and the ranks' shares of dA and dB
+// (lora_gradients) are summed over the world (all_reduce_gradients: in rank order), so that every rank's `grads`
+// ends with the whole micro-batch's dA and dB (grads: an adapter of the same layout as `lora`; its dA and dB are
+// overwritten, its A and B unused). Returns the whole micro-batch's loss (the replicas' summed) on every rank.
 double sharded_lora_micro_batch(Comm& world, CudaModel& model, const LoraAdapter& lora, bool refresh,
                                 const PackedBatch& batch, LoraAdapter& grads);
 
-// The GPU ranks of `nextlm train --device cuda --tp T --ep E --lora-rank R`: the world of lcm(T, E) ranks, one GPU
-// each, every rank holding its slices of the frozen base read from its checkpoint and the adapters' bf16 copies,
-// while the trainer (model/trainer.h, its AdamW on the host) holds the adapters and their optimizer state. Without
-// an MPI launcher the ranks are threads of this process on GPUs 0 … lcm − 1 (a RankPool, so that each keeps its GPU
-// and NCCL groups for the whole run); under mpirun this process is one rank (GPU = world rank modulo the GPUs it
-// sees) and every process runs the same trainer on the same data, so that all hold the same adapters.
+// The GPU ranks of `nextlm train --device cuda --tp T --ep E --lora-rank R`: one GPU a rank, every rank holding its
+// slices of the frozen base read from its checkpoint and the adapters' bf16 copies, while the trainer
+// (model/trainer.h, its AdamW on the host) holds the adapters and their optimizer state. Without an MPI launcher
+// the world is one replica, lcm(T, E) threads of this process on GPUs 0 … lcm − 1 (a RankPool, so that each keeps
+// its GPU and NCCL groups for the whole run). Under `mpirun -np N` this process is one rank (GPU = world rank modulo
+// the GPUs it sees), N a multiple of lcm(T, E): N / lcm(T, E) data-parallel replicas split each micro-batch's
+// sequences, and every process runs the same trainer on the same data, so that all hold the same adapters.
 class LoraGpuRanks {
  public:
   // `prepare` runs on each rank's model once it is loaded (set_recompute and the like). A fixed recompute policy
