@@ -120,9 +120,9 @@ LoraGpuRanks::LoraGpuRanks(const std::string& base_dir, int tp, int ep,
     world_ = &dist::world();
     const int gpus = cuda_device_count();
     check(gpus > 0, "--device cuda: no CUDA device is available");
-    size_ = world_->size(), rank_ = world_->rank();
+    size_ = world_->size();
     ranks_.resize(1);
-    load(*world_, rank_ % gpus, ranks_[0], /*replicas=*/true);
+    load(*world_, world_->rank() % gpus, ranks_[0], /*replicas=*/true);
     return;
   }
   size_ = std::lcm(tp, ep);
@@ -136,7 +136,7 @@ LoraGpuRanks::LoraGpuRanks(const std::string& base_dir, int tp, int ep,
 }
 
 LoraGpuRanks::LoraGpuRanks(Comm& world, CudaModel& model)
-    : size_(world.size()), rank_(world.rank()), ranks_(1), world_(&world) {
+    : size_(world.size()), ranks_(1), world_(&world) {
   ranks_[0].model = &model;
 }
 

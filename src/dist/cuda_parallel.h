@@ -72,14 +72,15 @@ class LoraGpuRanks {
   // rank's shard with its collectives set; world and model must outlive this object.
   LoraGpuRanks(Comm& world, CudaModel& model);
   ~LoraGpuRanks();
+  LoraGpuRanks(const LoraGpuRanks&) = delete;  // the pool's ranks refer to this object
+  LoraGpuRanks& operator=(const LoraGpuRanks&) = delete;
   // Trainer::GradientFn's LoRA case: the micro-batch's loss, with its dA and dB added into lora's modules. The
   // adapters are uploaded again when version changes (the trainer's optimizer steps taken).
   double micro_batch(LoraAdapter& lora, int64_t version, const PackedBatch& batch);
   // Rank 0's model (under mpirun: this process's), for what every rank has alike (its recompute policy).
   const CudaModel& model() const;
-  // The world's size, and the rank this object computes for (0 when it drives them all as threads).
+  // The world's size (all ranks, with every replica's).
   int world_size() const { return size_; }
-  int rank() const { return rank_; }
 
  private:
   struct Rank {
@@ -89,7 +90,7 @@ class LoraGpuRanks {
     std::optional<int64_t> version;      // the adapters' version on the device (none before the first upload)
   };
   double step_rank(Comm& world, Rank& r, const LoraAdapter& lora, int64_t version, const PackedBatch& batch);
-  int size_ = 1, rank_ = 0;
+  int size_ = 1;
   std::vector<Rank> ranks_;         // threads: one per rank; else this process's
   Comm* world_ = nullptr;           // the world of this process's rank (not threads)
   std::unique_ptr<RankPool> pool_;  // threads only
