@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "cuda/testing_kda_backward.h"
+#include "io/safetensors.h"
 #include "model/backward.h"
 #include "model/kda.h"
 #include "test_util.h"
@@ -68,7 +69,8 @@ bool all_finite(const std::vector<float>& x) {
 // relative), far below 1e-4, while a wrong term in any gradient moves it by O(1).
 constexpr double kTol = 1e-4;
 
-void expect_close(const cuda_testing::KdaBackwardGrads& gpu, const cuda_testing::KdaBackwardGrads& cpu) {
+void expect_close(const cuda_testing::KdaBackwardGrads& gpu, const cuda_testing::KdaBackwardGrads& cpu,
+                  double tol = kTol) {
   const std::pair<const char*, std::pair<const std::vector<float>*, const std::vector<float>*>> outs[] = {
       {"dq", {&gpu.dq, &cpu.dq}}, {"dk", {&gpu.dk, &cpu.dk}},          {"dv", {&gpu.dv, &cpu.dv}},
       {"dg", {&gpu.dg, &cpu.dg}}, {"dbeta", {&gpu.dbeta, &cpu.dbeta}},
@@ -77,7 +79,7 @@ void expect_close(const cuda_testing::KdaBackwardGrads& gpu, const cuda_testing:
     ASSERT_EQ(p.first->size(), p.second->size()) << name;
     EXPECT_TRUE(all_finite(*p.first)) << name;
     const double e = test::norm_rel_error(p.first->data(), p.second->data(), p.second->size());
-    EXPECT_LE(e, kTol) << name;
+    EXPECT_LE(e, tol) << name;
     std::printf("%s rel err %.3g\n", name, e);
   }
 }
@@ -250,6 +252,30 @@ TEST_P(CudaBackwardKdaChunked, WrittenEqualsAddedIntoZeros) {
   EXPECT_EQ(written.dv, added.dv);
   EXPECT_EQ(written.dg, added.dg);
   EXPECT_EQ(written.dbeta, added.dbeta);
+}
+
+// With bf16 products (KdaBackwardProducts::Bf16: the hi planes alone, one MMA a product) on inputs as training feeds
+// them (q, k and v bf16 values, as the tensor-core forward read them): every operand formed in the kernel (the WY
+// factors, the decay-weighted keys, the states and their gradients) is rounded to bf16 (2^-9 relative) before its
+// product, so the gradients sit ~1e-3 from the CPU's, well inside 2e-2, while a wrong or missing term moves one by
+// O(1). Narrow and strong decays; the lo terms must be what is dropped (the split products are closer to the CPU).
+TEST_P(CudaBackwardKdaChunked, Bf16ProductsStayNearTheCpu) {
+  const int64_t K = GetParam(), H = 2;
+  for (const float gate : {0.5f, 5.0f}) {
+    Case c = make_case({130, 64, 1, 77}, H, K, 900 + static_cast<unsigned>(K), gate);
+    for (std::vector<float>* x : {&c.q, &c.k, &c.v})
+      for (float& e : *x) e = bf16_to_f32(f32_to_bf16(e));
+    auto cpu = zeros(c.cu.back(), H, K);
+    cpu_backward(c, cpu);
+    const auto bf16 = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, false,
+                                                         true);
+    const auto split = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
+    std::printf("gate %g, bf16 products:\n", gate);
+    expect_close(bf16, cpu, 2e-2);
+    const double eb = test::norm_rel_error(bf16.dk.data(), cpu.dk.data(), cpu.dk.size());
+    const double es = test::norm_rel_error(split.dk.data(), cpu.dk.data(), cpu.dk.size());
+    EXPECT_LT(es, eb) << "gate " << gate << ": the bf16 products should drop the lo terms";
+  }
 }
 
 // No atomics: two runs give the same bits.

@@ -103,6 +103,9 @@ void moe_gather_backward(const P* dxp, const int32_t* slot_of, float* dx, int64_
 void moe_route_backward(const float* logits, const int32_t* experts, const float* dweights, float* dlogits,
                         int64_t T, int64_t E, int64_t k, bool norm, float scale, cudaStream_t st);
 
+// How kda_chunked_backward forms its matrix products (see there).
+enum class KdaBackwardProducts { SplitBf16, Bf16 };
+
 // ---- KDA (src/cuda/kda_backward.cu, kda_chunked_backward.cu: the recurrence; kda_layer_backward.cu: the rest) ----
 
 // Backward of the delta rule (the recurrent form, the definition of kda_chunked) over packed sequences from zero
@@ -122,10 +125,13 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 // kda_chunked_backward_workspace_bytes(ch.num_chunks, T, H, K) bytes (385 KiB per chunk and head at K = 128, so
 // 1.5 GiB at T = 4096, H = 64). With accumulate false the gradients are written instead of added to, at every token
 // of ch's chunks (the same bits as adding into zeros; no zeroing pass needed).
+// products: SplitBf16 as above; Bf16 forms each product from the operands' bf16 roundings alone (one MMA in place
+// of three, as the tensor-core forward kda_tc.cu does: ~1e-3 relative in the gradients).
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
-                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true);
+                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
+                          KdaBackwardProducts products = KdaBackwardProducts::SplitBf16);
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient

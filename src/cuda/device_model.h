@@ -172,6 +172,11 @@ class CudaModel {
   void set_empty_selection(EmptySelection e);
   // Whether the KDA runs on the tensor-core kernels where they support the config (default) or on the fp32 ones.
   void set_kda_tensor_cores(bool on);
+  // Whether training's chunked KDA backward forms its matrix products in bf16, one MMA each (as the tensor-core
+  // forward does; ~1e-3 relative in the delta rule's gradients), or in split bf16 (three MMAs, ~1e-5: the default).
+  // cuda::KdaBackwardProducts; the fp32 KDA core (set_kda_tensor_cores(false)) always takes the split products.
+  // NEXTLM_KDA_BWD_BF16=1 in the environment makes bf16 the default.
+  void set_kda_backward_bf16(bool on);
   // Whether the forward's MLA attention runs the absorbed decoding kernels (over the normed latents) instead of
   // expanding every key and value through kv_b; batch-invariant mode always does. Off by default.
   void set_mla_absorbed(bool on);

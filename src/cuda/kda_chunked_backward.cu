@@ -33,6 +33,8 @@
 // (element by element) and intra's pairs i = j, the inverse A, and every element-wise step. The chunked form is thus
 // expected ~1e-5 (norm-relative) from the recurrent one instead of within fp32 rounding of it (dg ~2e-5 since the
 // split within blocks, 8.5e-6 before, at T = 4096 in kda_bwd_T4096_H64); the tests and the bench hold it to 1e-4.
+// KdaBackwardProducts::Bf16 drops the lo terms (one MMA a product, the hi planes alone, as the tensor-core forward
+// of kda_tc.cu rounds its factors to bf16): the products then round their operands to bf16, ~1e-3 relative.
 // Every output element is written by one thread with sums in a fixed order (no atomics; an MMA's sum order is fixed
 // too): reproducible run to run. Kernels of one call run in stream order, so inter and intra both add into dq, dk
 // and dg without a race; without accumulate, inter's contributions are the first (stored, not added) and intra's dv
@@ -85,6 +87,7 @@ struct Params {
   float *dq, *dk, *dv, *dg, *dbeta;
   float* ws;
   bool accumulate;  // add into dq, dk, dv, dg, dbeta; else write them (inter writes dq, dk, dg first, intra dv, dβ)
+  bool lo;          // split bf16 (the lo terms of every product); else the hi planes alone (KdaBackwardProducts::Bf16)
 };
 
 // e^x as __expf forms it (ex2.approx of x·log2(e)), with results below 2^−126 flushed to zero: without the flush
@@ -171,7 +174,7 @@ __device__ __forceinline__ void mma_tiles(float (&acc)[MT][NT][4], const uint32_
 // BT, as [n][k]; lo plane pb elements on.
 template <int MT, int NT, bool AT, bool BT>
 __device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int lda, int amt, int pa, const bf16* b,
-                                     int ldb, int pb, int kb, int ke) {
+                                     int ldb, int pb, int kb, int ke, bool lo) {
   static_assert(NT % 2 == 0, "B fragments come in pairs of n-tiles");
 #pragma unroll 1
   for (int kk = kb; kk < ke; ++kk) {
@@ -181,10 +184,10 @@ __device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int
       const bf16* t = a + mt * amt + (AT ? 16 * kk * lda : 16 * kk);
       if constexpr (AT) {
         load_a_t(ah[mt], t, lda);
-        load_a_t(al[mt], t + pa, lda);
+        if (lo) load_a_t(al[mt], t + pa, lda);
       } else {
         load_a(ah[mt], t, lda);
-        load_a(al[mt], t + pa, lda);
+        if (lo) load_a(al[mt], t + pa, lda);
       }
     }
 #pragma unroll
@@ -192,14 +195,16 @@ __device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int
       const bf16* t = b + (BT ? 16 * np * ldb + 16 * kk : 16 * kk * ldb + 16 * np);
       if constexpr (BT) {
         load_b_nk(bh[np], t, ldb);
-        load_b_nk(bl[np], t + pb, ldb);
+        if (lo) load_b_nk(bl[np], t + pb, ldb);
       } else {
         load_b_kn(bh[np], t, ldb);
-        load_b_kn(bl[np], t + pb, ldb);
+        if (lo) load_b_kn(bl[np], t + pb, ldb);
       }
     }
-    mma_tiles(acc, al, bh);
-    mma_tiles(acc, ah, bl);
+    if (lo) {
+      mma_tiles(acc, al, bh);
+      mma_tiles(acc, ah, bl);
+    }
     mma_tiles(acc, ah, bh);
   }
 }
@@ -222,9 +227,11 @@ __device__ __forceinline__ void drop_diagonal(uint32_t (&a)[4]) {
 }
 // acc += a·b on one 16×8 tile over one k-step in split bf16, in mma3's order (a_lo·b_hi, a_hi·b_lo, a_hi·b_hi).
 __device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
-  mma_bf16(acc, al, bh[0], bh[1]);
-  mma_bf16(acc, ah, bl[0], bl[1]);
+                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2], bool lo) {
+  if (lo) {
+    mma_bf16(acc, al, bh[0], bh[1]);
+    mma_bf16(acc, ah, bl[0], bl[1]);
+  }
   mma_bf16(acc, ah, bh[0], bh[1]);
 }
 
@@ -497,7 +504,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       if (diag_mma && warp >= NW - 2) {
         const int is_m = warp - (NW - 2);
         float acc[1][2][4] = {};
-        mma3<1, 2, false, true>(acc, xs + (96 + 16 * is_m) * KS, KS, 0, pl, xs + 80 * KS, KS, pl, 0, K / 16);
+        mma3<1, 2, false, true>(acc, xs + (96 + 16 * is_m) * KS, KS, 0, pl, xs + 80 * KS, KS, pl, 0, K / 16, p.lo);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -517,7 +524,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       if (warp < 2 * ib) {
         const int is_m = warp & 1, j0 = 16 * (warp >> 1);
         float acc[1][2][4] = {};
-        mma3<1, 2, false, true>(acc, xs + (48 + 16 * is_m) * KS, KS, 0, pl, xs + j0 * KS, KS, pl, 0, K / 16);
+        mma3<1, 2, false, true>(acc, xs + (48 + 16 * is_m) * KS, KS, 0, pl, xs + j0 * KS, KS, pl, 0, K / 16, p.lo);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -605,7 +612,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     // A is lower triangular: row tile rt needs the k-steps 0 … rt.
     {
       float acc[1][OT::NT][4] = {};
-      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sV + c0, KS, pX, 0, rt + 1);
+      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sV + c0, KS, pX, 0, rt + 1, p.lo);
 #pragma unroll
       for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
@@ -617,7 +624,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     {
       bf16* wW = reinterpret_cast<bf16*>(ws + lay.W());
       float acc[1][OT::NT][4] = {};
-      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sKg + c0, KS, pX, 0, rt + 1);
+      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sKg + c0, KS, pX, 0, rt + 1, p.lo);
 #pragma unroll
       for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
@@ -651,7 +658,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       if (HT::active(warp)) {
         const int d0 = HT::row0(warp), v0 = HT::col0(warp);
         float acc[MT][HT::NT][4] = {};
-        mma3<MT, HT::NT, true, false>(acc, sQg + d0, KS, 16, pX, sDo + v0, KS, pX, 0, kend);
+        mma3<MT, HT::NT, true, false>(acc, sQg + d0, KS, 16, pX, sDo + v0, KS, pX, 0, kend, p.lo);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -665,7 +672,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     }
     {  // Aqkᵀ is upper triangular: row tile rt needs the k-steps rt … kend − 1.
       float acc[1][OT::NT][4] = {};
-      mma3<1, OT::NT, true, false>(acc, sQk + r0, kCS, 16, pC, sDo + c0, KS, pX, rt, kend);
+      mma3<1, OT::NT, true, false>(acc, sQk + r0, kCS, 16, pC, sDo + c0, KS, pX, rt, kend, p.lo);
 #pragma unroll
       for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
@@ -743,7 +750,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
     __syncthreads();     // … and everyone's copies of it; the state is in shared memory
     {
       float acc[1][UT::NT][4] = {};
-      mma3<1, UT::NT, false, false>(acc, sw + ur * KS, KS, 0, kC * KS, sS + uc, VS, K * VS, 0, K / 16);
+      mma3<1, UT::NT, false, false>(acc, sw + ur * KS, KS, 0, kC * KS, sS + uc, VS, K * VS, 0, K / 16, p.lo);
 #pragma unroll
       for (int nt = 0; nt < UT::NT; ++nt)
 #pragma unroll
@@ -763,7 +770,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
       for (int nt = 0; nt < ST::NT; ++nt)
 #pragma unroll
         for (int x = 0; x < 4; ++x) S[0][nt][x] *= eg[x >> 1];
-      mma3<1, ST::NT, true, false>(S, skd + sr, KS, 16, kC * KS, su + sc, VS, kC * VS, 0, (n + 15) / 16);
+      mma3<1, ST::NT, true, false>(S, skd + sr, KS, 16, kC * KS, su + sc, VS, kC * VS, 0, (n + 15) / 16, p.lo);
     }
     __syncthreads();  // Kd and u no longer read
     if (c + 1 < first + count) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c + 1, lay.Kd()));
@@ -837,7 +844,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
     __syncthreads();     // … and everyone's copies of it; dSe is in shared memory
     {  // du = Aqkᵀ·dO + Kd·dSe
       float acc[1][UT::NT][4] = {};
-      mma3<1, UT::NT, false, false>(acc, skd + ur * KS, KS, 0, kC * KS, sdS + uc, VS, K * VS, 0, K / 16);
+      mma3<1, UT::NT, false, false>(acc, skd + ur * KS, KS, 0, kC * KS, sdS + uc, VS, K * VS, 0, K / 16, p.lo);
 #pragma unroll
       for (int nt = 0; nt < UT::NT; ++nt)
 #pragma unroll
@@ -854,7 +861,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
     cp_async_commit();
     if (s_on) {  // dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du (rows ≥ n of W and du are zero)
       float acc[1][ST::NT][4] = {};
-      mma3<1, ST::NT, true, false>(acc, sw + sr, KS, 16, kC * KS, sdu + sc, VS, kC * VS, 0, (n + 15) / 16);
+      mma3<1, ST::NT, true, false>(acc, sw + sr, KS, 16, kC * KS, sdu + sc, VS, kC * VS, 0, (n + 15) / 16, p.lo);
 #pragma unroll
       for (int nt = 0; nt < ST::NT; ++nt)
 #pragma unroll
@@ -908,7 +915,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   // 16-byte pieces along whole rows, a quarter of the global accesses and in whole sectors.
   {  // dW = −du·S0ᵀ (into its slot, split) and dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ = dQg∘Qg (du and dO as two m-tiles)
     float acc[2][NT][4] = {};
-    mma3<2, NT, false, true>(acc, sx + r0 * KS, KS, 2 * pX, pX, sS + c0 * KS, KS, pS, 0, K / 16);
+    mma3<2, NT, false, true>(acc, sx + r0 * KS, KS, 2 * pX, pX, sS + c0 * KS, KS, pS, 0, K / 16, p.lo);
     bf16* wdW = reinterpret_cast<bf16*>(ws + lay.dW());
     constexpr int NG = group_of<NT>();
 #pragma unroll
@@ -958,7 +965,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   float colp[NT][2];  // Σ over this thread's rows of dKd∘Kd, per column
   {  // dKd = u·dSeᵀ: dk += dKd∘e^(γ−Γ), dΓ −= dKd∘Kd, dγ += Σ_i dKd∘Kd
     float acc[1][NT][4] = {};
-    mma3<1, NT, false, true>(acc, sx + r0 * KS, KS, 0, pX, sS + c0 * KS, KS, pS, 0, K / 16);
+    mma3<1, NT, false, true>(acc, sx + r0 * KS, KS, 0, pX, sS + c0 * KS, KS, pS, 0, K / 16, p.lo);
     constexpr int NG = group_of<NT>();
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += NG) {
@@ -996,7 +1003,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   {  // dAqk = lower(dO·uᵀ) into the U slot; tiles wholly above the diagonal are zero
     const int i0 = CT::row0(warp), j0 = CT::col0(warp);
     float acc[1][CT::NT][4] = {};
-    if (j0 < i0 + 16) mma3<1, CT::NT, false, true>(acc, so + i0 * KS, KS, 0, pX, sx + j0 * KS, KS, pX, 0, K / 16);
+    if (j0 < i0 + 16) mma3<1, CT::NT, false, true>(acc, so + i0 * KS, KS, 0, pX, sx + j0 * KS, KS, pX, 0, K / 16, p.lo);
 #pragma unroll
     for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
@@ -1129,7 +1136,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   // global accesses of the accumulators' pairs on 8 rows a warp).
   {  // d(βv) = Aᵀ·du: dv += β·d(βv), dβ += rowsum(v∘d(βv))
     float acc[1][NT][4] = {}, rs[2] = {0.0f, 0.0f};
-    mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdu + c0, KS, pX, rt, nb);
+    mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdu + c0, KS, pX, rt, nb, p.lo);
     constexpr int NG = group_of<NT>();
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += NG) {
@@ -1155,7 +1162,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   }
   {  // d(βKg) = Aᵀ·dW: dKg = β·d(βKg); dk = dKg∘e^Γ, dΓ = dKg∘Kg, dβ += rowsum(Kg∘d(βKg))
     float acc[1][NT][4] = {}, rs[2] = {0.0f, 0.0f};
-    mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdW + c0, KS, pX, rt, nb);
+    mma3<1, NT, true, false>(acc, sA + r0, kCS, 16, pC, sdW + c0, KS, pX, rt, nb, p.lo);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1181,8 +1188,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   {  // Phase 2: dA = strict_lower(du·(βv)ᵀ + dW·(βKg)ᵀ); tiles wholly above the diagonal are zero
     float acc[1][CT::NT][4] = {};
     if (j0 < r0 + 16) {
-      mma3<1, CT::NT, false, true>(acc, sdu + r0 * KS, KS, 0, pX, sbv + j0 * KS, KS, pX, 0, K / 16);
-      mma3<1, CT::NT, false, true>(acc, sdW + r0 * KS, KS, 0, pX, sbk + j0 * KS, KS, pX, 0, K / 16);
+      mma3<1, CT::NT, false, true>(acc, sdu + r0 * KS, KS, 0, pX, sbv + j0 * KS, KS, pX, 0, K / 16, p.lo);
+      mma3<1, CT::NT, false, true>(acc, sdW + r0 * KS, KS, 0, pX, sbk + j0 * KS, KS, pX, 0, K / 16, p.lo);
     }
 #pragma unroll
     for (int nt = 0; nt < CT::NT; ++nt)
@@ -1196,7 +1203,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   add_tile<K, NTH>(p.dv + base, HK, fdv, FS, n, p.accumulate);  // read before phase 5's scratch covers it
   {  // Phase 3: T1 = Aᵀ·dA (over du; rows ≥ n of dA are zero)
     float acc[1][CT::NT][4] = {};
-    mma3<1, CT::NT, true, false>(acc, sA + r0, kCS, 16, pC, sdA + j0, kCS, pC, rt, nb);
+    mma3<1, CT::NT, true, false>(acc, sA + r0, kCS, 16, pC, sdA + j0, kCS, pC, rt, nb, p.lo);
 #pragma unroll
     for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
@@ -1214,7 +1221,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
       for (int hf = 0; hf < 2; ++hf) m2[nt][hf] = ld2(ws + lay.M() + (r0 + gq + 8 * hf) * kC + j0 + 8 * nt + 2 * tq);
     if (j0 < r0 + 16)
       mma3<1, CT::NT, false, true>(acc, sT1 + r0 * kCS, kCS, 0, pC, sA + j0 * kCS, kCS, pC, 0,
-                                   min(nb, (j0 + 8 * CT::NT + 15) / 16));
+                                   min(nb, (j0 + 8 * CT::NT + 15) / 16), p.lo);
 #pragma unroll
     for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
@@ -1315,12 +1322,12 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
           uint32_t bh[2], bl[2];
           float acc[2][4] = {};
           split_b(bh, bl, b1);
-          mma_split(acc[0], aqh, aql, bh, bl);
+          mma_split(acc[0], aqh, aql, bh, bl, p.lo);
           if (which == 0) {
-            mma_split(acc[1], amh, aml, bh, bl);
+            mma_split(acc[1], amh, aml, bh, bl, p.lo);
           } else {
             split_b(bh, bl, b2);
-            mma_split(acc[0], amh, aml, bh, bl);
+            mma_split(acc[0], amh, aml, bh, bl, p.lo);
           }
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
@@ -1411,7 +1418,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
 #pragma unroll
     for (int which = 0; which < 2; ++which) {  // unrolled: dq or dk is chosen at compile time
       float acc[1][NT][4] = {};
-      mma3<1, NT, false, false>(acc, (which ? sms : sqk) + r0 * kCS, kCS, 0, pC, xb, KS, pS, 0, rt);
+      mma3<1, NT, false, false>(acc, (which ? sms : sqk) + r0 * kCS, kCS, 0, pC, xb, KS, pS, 0, rt, p.lo);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1447,9 +1454,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     for (int br = rt + 1; br < 4 && 16 * br < n; ++br) {
       const int s = 16 * br;
       float acc[1][NT][4] = {};
-      mma3<1, NT, true, false>(acc, sqk + s * kCS + r0, kCS, 16, pC, sx + 32 * (br - 1) * KS + c0, KS, pS, 0, 1);
+      mma3<1, NT, true, false>(acc, sqk + s * kCS + r0, kCS, 16, pC, sx + 32 * (br - 1) * KS + c0, KS, pS, 0, 1, p.lo);
       mma3<1, NT, true, false>(acc, sms + s * kCS + r0, kCS, 16, pC, sx + (32 * (br - 1) + 16) * KS + c0, KS, pS,
-                               0, 1);
+                               0, 1, p.lo);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1542,7 +1549,7 @@ size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
-                          bool accumulate) {
+                          bool accumulate, KdaBackwardProducts products) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
   check(K == 32 || K == 64 || K == 128, "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
@@ -1553,7 +1560,8 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           static_cast<const void*>(dk), static_cast<const void*>(dv), static_cast<const void*>(dg),
                           static_cast<const void*>(work)})
     check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
-  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate};
+  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
+                 products == KdaBackwardProducts::SplitBf16};
   switch (K) {
     case 32: launch<32>(p, st); break;
     case 64: launch<64>(p, st); break;

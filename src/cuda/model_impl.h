@@ -469,6 +469,12 @@ struct CudaModel::Impl {
   bool empty_seen = false;       // empty selections attend to keys 0 … t (EmptySelection::SeenKeys), not all keys
   bool kda_tensor_cores = true;  // the tensor-core KDA where it supports the config (else the fp32 kernels)
   bool mla_absorbed = false;     // the forward's MLA attention on the absorbed decoding kernels
+  // CudaModel::set_kda_backward_bf16 (the chunked KDA backward's products in bf16, else split bf16); off by default,
+  // NEXTLM_KDA_BWD_BF16=1 in the environment makes the default on.
+  bool kda_backward_bf16 = [] {
+    const char* v = std::getenv("NEXTLM_KDA_BWD_BF16");
+    return v && std::string(v) == "1";
+  }();
   const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
   std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward

@@ -69,7 +69,7 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
                                       const std::vector<float>& v, const std::vector<float>& g,
                                       const std::vector<float>& beta, const std::vector<float>& do_,
                                       const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                      const KdaBackwardGrads& init, bool written) {
+                                      const KdaBackwardGrads& init, bool written, bool bf16_products) {
   const int64_t T = cu_seqlens.back();
   KdaBackwardBuffers b(q, k, v, g, beta, do_, init, T, H, K);
   if (written)
@@ -78,7 +78,8 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
   const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(ch.num_chunks(), T, H, K));
   cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), b.g.as<float>(), b.beta.as<float>(),
                              b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(), b.dk.as<float>(), b.dv.as<float>(),
-                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr, !written);
+                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr, !written,
+                             bf16_products ? cuda::KdaBackwardProducts::Bf16 : cuda::KdaBackwardProducts::SplitBf16);
   return b.get();
 }
 

@@ -24,11 +24,12 @@ KdaBackwardGrads kda_recurrent_backward(const std::vector<float>& q, const std::
 // cuda::kda_chunked_backward on the same inputs, with the chunks of 64 built from cu_seqlens as the forward's plan
 // builds them; the workspace is poisoned with NaN first (every factor read must have been written). Same init
 // convention as above; with written, the gradient buffers start as NaN instead and the kernel writes them
-// (accumulate false), so an element it misses shows.
+// (accumulate false), so an element it misses shows. bf16_products: cuda::KdaBackwardProducts::Bf16 (else split).
 KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::vector<float>& k,
                                       const std::vector<float>& v, const std::vector<float>& g,
                                       const std::vector<float>& beta, const std::vector<float>& do_,
                                       const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                      const KdaBackwardGrads& init = {}, bool written = false);
+                                      const KdaBackwardGrads& init = {}, bool written = false,
+                                      bool bf16_products = false);
 
 }  // namespace nextlm::cuda_testing

@@ -1027,8 +1027,11 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   if (chunked) {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_chunked_backward_workspace_bytes(p_.chunks.num_chunks, T, H, K)));
+    // bf16 products only behind the tensor-core forward, whose own products are bf16 (set_kda_backward_bf16).
+    const auto products = m_.kda_backward_bf16 && m_.kda_tc_path() ? KdaBackwardProducts::Bf16
+                                                                   : KdaBackwardProducts::SplitBf16;
     kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                         false);
+                         false, products);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
