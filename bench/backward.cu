@@ -134,8 +134,8 @@ struct KdaBackwardRun {
   double chunked_ms, recurrent_ms, max_rel;
 };
 
-KdaBackwardRun run_kda_backward(const KdaInputs& in, const std::vector<int64_t>& lens, cuda::KdaBackwardProducts products,
-                                cudaStream_t st) {
+KdaBackwardRun run_kda_backward(const KdaInputs& in, const std::vector<int64_t>& lens,
+                                cuda::KdaBackwardProducts products, cudaStream_t st) {
   const int64_t T = in.T, H = in.H, K = in.K, N = static_cast<int64_t>(lens.size());
   std::vector<int64_t> cu{0};
   for (int64_t L : lens) cu.push_back(cu.back() + L);
@@ -211,9 +211,9 @@ void kda_backward_case(const std::string& name) {
                 "%.3f ms, recurrent %.3f ms; chunked/recurrent speed-up %.1fx (1 seq), %.1fx (4 seqs); floor = "
                 "max(bytes %.2f GB -> %.3f ms, FLOPs %.2f TFLOP (3x the forward's chunked count) -> %.3f ms); chunked "
                 "vs recurrent max norm-rel err over dq,dk,dv,dg,dbeta: %.2g (1 seq), %.2g (4 seqs), bound %.0e",
-                ok ? "ok" : "CHECK FAILED", bf16 ? "bf16" : "split-bf16", four.chunked_ms, four.recurrent_ms, one.recurrent_ms / one.chunked_ms,
-                four.recurrent_ms / four.chunked_ms, bytes / 1e9, bytes / kBytesPerMs, flops / 1e12,
-                flops / kFlopsPerMs, one.max_rel, four.max_rel, tol);
+                ok ? "ok" : "CHECK FAILED", bf16 ? "bf16" : "split-bf16", four.chunked_ms, four.recurrent_ms,
+                one.recurrent_ms / one.chunked_ms, four.recurrent_ms / four.chunked_ms, bytes / 1e9,
+                bytes / kBytesPerMs, flops / 1e12, flops / kFlopsPerMs, one.max_rel, four.max_rel, tol);
   emit(name, one.chunked_ms, "step-serial recurrent kernel (cuda::kda_recurrent_backward), same run", one.recurrent_ms,
        floor_ms, note);
 }
