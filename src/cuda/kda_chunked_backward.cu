@@ -171,7 +171,8 @@ __device__ __forceinline__ void mma_tiles(float (&acc)[MT][NT][4], const uint32_
 // tiles, so that consecutive MMAs are independent). a points at A's element (row 0, k 0) in the hi plane of a split
 // matrix (lo plane pa elements on): row-major [m][k] with row stride lda or, with AT, stored as [k][m]; m-tile mt
 // starts amt elements after a. b points at B's element (k 0, column 0): stored [k][n] with row stride ldb or, with
-// BT, as [n][k]; lo plane pb elements on.
+// BT, as [n][k]; lo plane pb elements on. With lo false, A_hi·B_hi alone (KdaBackwardProducts::Bf16; the lo planes
+// are not read).
 template <int MT, int NT, bool AT, bool BT>
 __device__ __forceinline__ void mma3(float (&acc)[MT][NT][4], const bf16* a, int lda, int amt, int pa, const bf16* b,
                                      int ldb, int pb, int kb, int ke, bool lo) {
@@ -225,7 +226,8 @@ __device__ __forceinline__ void drop_diagonal(uint32_t (&a)[4]) {
   a[0] &= keep;
   a[3] &= keep;
 }
-// acc += a·b on one 16×8 tile over one k-step in split bf16, in mma3's order (a_lo·b_hi, a_hi·b_lo, a_hi·b_hi).
+// acc += a·b on one 16×8 tile over one k-step in split bf16, in mma3's order (a_lo·b_hi, a_hi·b_lo, a_hi·b_hi);
+// with lo false a_hi·b_hi alone.
 __device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
                                           const uint32_t (&bh)[2], const uint32_t (&bl)[2], bool lo) {
   if (lo) {
