@@ -1198,5 +1198,56 @@ TEST(CudaTrain, LoraTrainCliKeepsTheBaseOnDisk) {
               worst_resumed, resumed_err);
 }
 
+
+// The MoE's shared expert on the side stream beside the routing and the routed experts (set_train_overlap) runs the
+// same kernels on the same data: the loss is the same bits; the gradients are the same up to the atomics that
+// separate two runs of one setting (embedding, MLA keys: GradientsAccumulateAndZero), and the last layer's MoE,
+// which the backward reaches before any atomics, the same bits. Full-parameter with every sub-layer kept and
+// recomputed, and a LoRA step (one adapter per routed expert, folded into the grouped GEMMs at rank 16).
+TEST(CudaTrain, SharedExpertBesideTheRoutedGivesTheSameResults) {
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model m = Model::load(dir);
+  const ModelConfig& c = m.config();
+  ASSERT_GT(c.n_shared_experts, 0);
+  ASSERT_EQ(c.mlp_layer_types.back(), MlpType::Sparse) << "the last layer's MoE is compared bit for bit";
+  const std::string last_moe = "layers." + std::to_string(c.num_hidden_layers - 1) + ".mlp.";
+  const PackedBatch batch = golden_batch(dir);
+  CudaModel gpu(m);
+  for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
+    gpu.set_recompute(parse_recompute(policy));
+    std::array<double, 2> loss{};
+    std::array<ModelWeights, 2> grads;
+    for (const bool on : {false, true}) {
+      gpu.set_train_overlap(on);
+      gpu.zero_grads();
+      loss[on] = gpu.forward_backward(batch);
+      grads[on] = gpu.gradients();
+    }
+    EXPECT_EQ(loss[1], loss[0]) << policy;
+    const auto e = errors(hub_gradients(c, grads[1], ""), hub_gradients(c, grads[0], ""));
+    int last = 0;
+    for (const auto& [tensor, v] : e) {
+      EXPECT_LE(v, 1e-2) << policy << ": " << tensor;
+      if (tensor.find(last_moe) == std::string::npos) continue;
+      EXPECT_EQ(v, 0.0) << policy << ": " << tensor;
+      ++last;
+    }
+    EXPECT_GT(last, 0) << "no tensor named " << last_moe;
+    std::printf("[cuda train overlap] --recompute %s: all tensors %.3g from the shared expert in line\n", policy,
+                e.at("*"));
+  }
+  LoraOnGpu t("bf16_stable", LoraExperts::PerExpert, 16);
+  std::array<double, 2> loss{};
+  std::array<LoraAdapter, 2> grads{test::without_gradients(t.lora), test::without_gradients(t.lora)};
+  for (const bool on : {false, true}) {
+    t.gpu.set_train_overlap(on);
+    t.gpu.zero_grads();
+    loss[on] = t.gpu.forward_backward(t.batch);
+    t.gpu.lora_gradients(grads[on]);
+  }
+  EXPECT_EQ(loss[1], loss[0]);
+  expect_lora_gradients_near(grads[0], grads[1], 1e-4, "LoRA, the shared expert beside the routed");
+}
+
 }  // namespace
 }  // namespace nextlm

@@ -571,6 +571,7 @@ void CudaModel::set_kda_backward_bf16(bool on) { impl_->kda_backward_bf16 = on; 
 bool CudaModel::kda_on_tensor_cores() const { return impl_->kda_tc_path(); }
 void CudaModel::set_mla_absorbed(bool on) { impl_->mla_absorbed = on; }
 void CudaModel::set_decode_overlap(bool on) { impl_->decode_overlap = on; }
+void CudaModel::set_train_overlap(bool on) { impl_->train_overlap = on; }
 void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 
 // ---- CudaDecoder ----

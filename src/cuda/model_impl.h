@@ -448,14 +448,15 @@ struct CudaModel::Impl {
   cudaStream_t stream = nullptr;
   // Decoding runs independent chains of small, latency-bound kernels (the memory mostly idle meanwhile) side by side:
   // fork() makes `side` wait for the work issued so far on `stream`, on_side(f) issues f's work there, side_done(i)
-  // marks the side's work so far as join point i and join(i) makes `stream` wait for it. Captured into a step's graph these become parallel
-  // branches. Only outside batch-invariant mode (overlap()), whose GEMMs run on the Gemm's own stream; no result
-  // changes either way, each kernel computes what it computed in line.
+  // marks the side's work so far as join point i and join(i) makes `stream` wait for it. Captured into a step's
+  // graph these become parallel branches. Decoding does so outside batch-invariant mode only (overlap()); the
+  // training step's MoE with train_overlap. No result changes either way: each kernel computes what it computed in
+  // line.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_ev = nullptr, join_ev[2] = {nullptr, nullptr};
   cuda::Store store;
   cuda::Arena arena;
-  std::unique_ptr<cuda::Gemm> gemm;
+  std::unique_ptr<cuda::Gemm> gemm, side_gemm;
   cuda::bf16 *embed = nullptr, *lm_head = nullptr;
   float* final_norm = nullptr;
   std::vector<cuda::DLayer> layers;
@@ -526,6 +527,11 @@ struct CudaModel::Impl {
     return !(v && std::string(v) == "0");
   }();
   bool overlap() const { return decode_overlap && !gemm->batch_invariant(); }
+  // CudaModel::set_train_overlap; NEXTLM_TRAIN_OVERLAP=1 in the environment turns it on by default.
+  bool train_overlap = [] {
+    const char* v = std::getenv("NEXTLM_TRAIN_OVERLAP");
+    return v && std::string(v) == "1";
+  }();
   void fork() {
     NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
     NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));
@@ -533,16 +539,20 @@ struct CudaModel::Impl {
   // Marks what has been issued on `side` so far as join point i (0 or 1); join(i) waits for it on `stream`.
   void side_done(int i) { NEXTLM_CUDA_CHECK(cudaEventRecord(join_ev[i], side)); }
   void join(int i) { NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0)); }
+  // on_side swaps `gemm` for side_gemm too (made by its first call: cuBLASLt's workspace is per stream).
   template <class F>
   void on_side(F&& f) {
-    std::swap(stream, side);
+    if (!side_gemm) side_gemm = std::make_unique<cuda::Gemm>(side);
+    side_gemm->set_batch_invariant(gemm->batch_invariant());
+    const auto swap = [&] { std::swap(stream, side), std::swap(gemm, side_gemm); };
+    swap();
     try {
       f();
     } catch (...) {
-      std::swap(stream, side);
+      swap();
       throw;
     }
-    std::swap(stream, side);
+    swap();
   }
 
   // Every tensor build() filled, in order: set_weights() fills the same places again from another source.

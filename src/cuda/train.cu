@@ -839,6 +839,11 @@ class Step {
   void mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpActs& x, float* y);
   void mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x,
                     const bf16* dy16, float* da);
+  // Whether a MoE site's shared expert runs on the side stream beside its routed experts (CudaModel::
+  // set_train_overlap; on one GPU: a sharded step's collectives stay on one stream).
+  bool shared_beside(const DMoe& w) const {
+    return w.has_shared && m_.train_overlap && !m_.tp_comm && !m_.ep_comm;
+  }
   void moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y);
   void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
                     const bf16* dy16, float* da);
@@ -1229,6 +1234,14 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   // them (moe_localize on a copy: the router's backward needs the chosen experts' own ids), and their output rows
   // are zero, so that their routing weights get no gradient here (the ranks holding them give it).
   const int64_t El = m_.local_experts, buckets = El == E ? E : El + 1;
+  // The shared expert beside the routing and the routed experts (shared_beside): it reads a and writes y, which the
+  // combine adds the experts into once the two streams join.
+  const bool beside = shared_beside(w);
+  if (beside) {
+    m_.fork();
+    m_.on_side([&] { mlp_forward(i, true, w.shared, a, x.shared, y); });
+    m_.side_done(0);
+  }
   int32_t* keys_in = x.experts;
   if (El != E) {
     keys_in = ar.alloc<int32_t>(n);
@@ -1322,7 +1335,9 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     }
     down_adapters_forward(i, x);
   }
-  if (w.has_shared) {
+  if (beside) {
+    m_.join(0);
+  } else if (w.has_shared) {
     mlp_forward(i, true, w.shared, a, x.shared, y);  // in a recomputation, up to its act (output_forward)
   } else if (!recompute_) {
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(y, 0, T * D * sizeof(float), st));
@@ -1347,9 +1362,18 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // y = shared(a) + Σ_i w_i·out_i. The shared expert first: its input gradient is a share over TP, summed, and (as
   // in the forward) kept by EP rank 0 alone when the groups differ; the routed experts' and the router's shares
   // are then added and summed over EP.
-  // The shared expert writes da (its first writer); without one the routed experts' gathers add into zeros.
-  if (w.has_shared) mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da);
-  else NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
+  // The shared expert writes da (its first writer); without one the routed experts' gathers add into zeros. Beside
+  // the routed experts (shared_beside), joined before their gathers add into da.
+  const bool beside = shared_beside(w);
+  if (beside) {
+    m_.fork();
+    m_.on_side([&] { mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da); });
+    m_.side_done(0);
+  } else if (w.has_shared) {
+    mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da);
+  } else {
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
+  }
   if (m_.tp_comm != m_.ep_comm) {
     m_.all_reduce(m_.tp_comm, da, T * D);
     if (m_.ep_comm && m_.shard.ep_rank != 0) NEXTLM_CUDA_CHECK(cudaMemsetAsync(da, 0, T * D * sizeof(float), st));
@@ -1429,6 +1453,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
       m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
   }
   if (!fold_gu && !dxp16) expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
+  if (beside) m_.join(0);
   if (dxp16) moe_gather_backward(dxp_h, x.slot_of, da, T, k, D, st);
   else moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
   // The router through the chosen experts' weights.
