@@ -1199,11 +1199,12 @@ TEST(CudaTrain, LoraTrainCliKeepsTheBaseOnDisk) {
 }
 
 
-// The MoE's shared expert on the side stream beside the routing and the routed experts (set_train_overlap) runs the
-// same kernels on the same data: the loss is the same bits; the gradients are the same up to the atomics that
-// separate two runs of one setting (embedding, MLA keys: GradientsAccumulateAndZero), and the last layer's MoE,
-// which the backward reaches before any atomics, the same bits. Full-parameter with every sub-layer kept and
-// recomputed, and a LoRA step (one adapter per routed expert, folded into the grouped GEMMs at rank 16).
+// The MoE's shared expert on the side stream beside the routing and the routed experts, and the DSA layer's indexer
+// beside its projections (set_train_overlap), run the same kernels on the same data: the loss is the same bits; the
+// gradients are the same up to the atomics that separate two runs of one setting (embedding, MLA keys:
+// GradientsAccumulateAndZero), and the last layer's MoE, which the backward reaches before any atomics, the same
+// bits. Full-parameter with every sub-layer kept and recomputed, and a LoRA step (one adapter per routed expert,
+// folded into the grouped GEMMs at rank 16). The golden's last layer is a DSA layer with its own indexer.
 TEST(CudaTrain, SharedExpertBesideTheRoutedGivesTheSameResults) {
   const std::string dir = test::golden_dir("bf16_stable");
   const Model m = Model::load(dir);

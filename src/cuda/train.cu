@@ -839,11 +839,10 @@ class Step {
   void mlp_forward(size_t i, bool shared, const DMlp& w, const bf16* a, MlpActs& x, float* y);
   void mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf16* a, const MlpActs& x,
                     const bf16* dy16, float* da);
-  // Whether a MoE site's shared expert runs on the side stream beside its routed experts (CudaModel::
-  // set_train_overlap; on one GPU: a sharded step's collectives stay on one stream).
-  bool shared_beside(const DMoe& w) const {
-    return w.has_shared && m_.train_overlap && !m_.tp_comm && !m_.ep_comm;
-  }
+  // Whether independent work of a sub-layer runs on the side stream (CudaModel::set_train_overlap; on one GPU: a
+  // sharded step's collectives stay on one stream): a MoE's shared expert beside its routing and routed experts, a
+  // DSA layer's indexer beside its projections.
+  bool beside() const { return m_.train_overlap && !m_.tp_comm && !m_.ep_comm; }
   void moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y);
   void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
                     const bf16* dy16, float* da);
@@ -1076,8 +1075,17 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   linear_forward(i, {LoraKind::MlaQA}, w.q_a, a, D, x.qa);
   x.qr = ar.alloc<bf16>(T * QL);
   rmsnorm_rows(x.qa, QL, w.q_a_norm, x.qr, nullptr, T, QL, eps, st);
-  // The indexer's selection (frozen: no gradient), in the forward pass only.
-  if (select_ && w.has_indexer) m_.indexer(w, p_, a, x.qr, sels_[i].sel, sels_[i].count, max_sel());
+  // The indexer's selection (frozen: no gradient), in the forward pass only; beside the projections (beside()),
+  // joined before the attention reads it.
+  const bool select = select_ && w.has_indexer, indexer_beside = select && beside();
+  const auto indexer = [&] { m_.indexer(w, p_, a, x.qr, sels_[i].sel, sels_[i].count, max_sel()); };
+  if (indexer_beside) {
+    m_.fork();
+    m_.on_side(indexer);
+    m_.side_done(1);
+  } else if (select) {
+    indexer();
+  }
   // q and kv: in bf16 for the tensor-core attention, straight from the joined GEMMs with adapters on q_b and kv_b
   // (fp32 copies only for the backward's fp32 kernels, which widen the bf16 ones then); else fp32, then converted.
   const bool tc = mla_tc_supported(dqk, dv);
@@ -1096,6 +1104,7 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   x.lat16 = ar.alloc<bf16>(T * KL);
   rmsnorm_rows(x.lat, KL, w.kv_a_norm, x.lat16, nullptr, T, KL, eps, st);
   project(LoraKind::MlaKVB, w.kv_b, x.lat16, KL, nkv, x.kv, x.kv16);
+  if (indexer_beside) m_.join(1);
   // The attention, unless this is a recomputation and the forward kept its output (core_).
   const bool core_kept = recompute_ && core_.mla_o;
   x.o = core_.mla_o ? core_.mla_o : ar.alloc<bf16>(T * NH * dv);
@@ -1234,10 +1243,10 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   // them (moe_localize on a copy: the router's backward needs the chosen experts' own ids), and their output rows
   // are zero, so that their routing weights get no gradient here (the ranks holding them give it).
   const int64_t El = m_.local_experts, buckets = El == E ? E : El + 1;
-  // The shared expert beside the routing and the routed experts (shared_beside): it reads a and writes y, which the
+  // The shared expert beside the routing and the routed experts (beside()): it reads a and writes y, which the
   // combine adds the experts into once the two streams join.
-  const bool beside = shared_beside(w);
-  if (beside) {
+  const bool shared_beside = w.has_shared && beside();
+  if (shared_beside) {
     m_.fork();
     m_.on_side([&] { mlp_forward(i, true, w.shared, a, x.shared, y); });
     m_.side_done(0);
@@ -1335,7 +1344,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     }
     down_adapters_forward(i, x);
   }
-  if (beside) {
+  if (shared_beside) {
     m_.join(0);
   } else if (w.has_shared) {
     mlp_forward(i, true, w.shared, a, x.shared, y);  // in a recomputation, up to its act (output_forward)
@@ -1363,9 +1372,9 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // in the forward) kept by EP rank 0 alone when the groups differ; the routed experts' and the router's shares
   // are then added and summed over EP.
   // The shared expert writes da (its first writer); without one the routed experts' gathers add into zeros. Beside
-  // the routed experts (shared_beside), joined before their gathers add into da.
-  const bool beside = shared_beside(w);
-  if (beside) {
+  // the routed experts (beside()), joined before their gathers add into da.
+  const bool shared_beside = w.has_shared && beside();
+  if (shared_beside) {
     m_.fork();
     m_.on_side([&] { mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da); });
     m_.side_done(0);
@@ -1453,7 +1462,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
       m_.gemm->run_dx(dgu + r0 * 2 * I, 2 * I, w.experts[e].gate_up.w, 2 * I, D, dxp + r0 * D, D, rows, false);
   }
   if (!fold_gu && !dxp16) expert_adapters_backward(i, x, off, {LoraKind::ExpertGate, LoraKind::ExpertUp}, dgu, dxp);
-  if (beside) m_.join(0);
+  if (shared_beside) m_.join(0);
   if (dxp16) moe_gather_backward(dxp_h, x.slot_of, da, T, k, D, st);
   else moe_gather_backward(dxp, x.slot_of, da, T, k, D, st);
   // The router through the chosen experts' weights.
