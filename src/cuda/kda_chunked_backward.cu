@@ -116,24 +116,27 @@ __device__ __forceinline__ bool diag_wide(float g0, float gm, float g1) {
 
 __device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 
-// x0, x1 (adjacent columns) into a split matrix at p: hi there, lo `plane` elements further on.
-__device__ __forceinline__ void put2(bf16* p, int plane, float x0, float x1) {
+// x0, x1 (adjacent columns) into a split matrix at p: hi there, lo `plane` elements further on. With lo false
+// (KdaBackwardProducts::Bf16, whose products read no lo plane) the hi plane alone: the lo plane is left as it was.
+__device__ __forceinline__ void put2(bf16* p, int plane, float x0, float x1, bool lo) {
   const __nv_bfloat162 hi = __floats2bfloat162_rn(x0, x1);
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(x0 - __low2float(hi), x1 - __high2float(hi));
   *reinterpret_cast<__nv_bfloat162*>(p) = hi;
-  *reinterpret_cast<__nv_bfloat162*>(p + plane) = lo;
+  if (lo)
+    *reinterpret_cast<__nv_bfloat162*>(p + plane) =
+        __floats2bfloat162_rn(x0 - __low2float(hi), x1 - __high2float(hi));
 }
 // Four adjacent columns (p 8-byte aligned).
-__device__ __forceinline__ void put4(bf16* p, int plane, float4 x) {
+__device__ __forceinline__ void put4(bf16* p, int plane, float4 x, bool lo) {
   const __nv_bfloat162 h0 = __floats2bfloat162_rn(x.x, x.y), h1 = __floats2bfloat162_rn(x.z, x.w);
+  *reinterpret_cast<uint2*>(p) = make_uint2(bits(h0), bits(h1));
+  if (!lo) return;
   const __nv_bfloat162 l0 = __floats2bfloat162_rn(x.x - __low2float(h0), x.y - __high2float(h0));
   const __nv_bfloat162 l1 = __floats2bfloat162_rn(x.z - __low2float(h1), x.w - __high2float(h1));
-  *reinterpret_cast<uint2*>(p) = make_uint2(bits(h0), bits(h1));
   *reinterpret_cast<uint2*>(p + plane) = make_uint2(bits(l0), bits(l1));
 }
-// hi + lo of four adjacent columns.
-__device__ __forceinline__ float4 get4(const bf16* p, int plane) {
-  const uint2 h = *reinterpret_cast<const uint2*>(p), l = *reinterpret_cast<const uint2*>(p + plane);
+// hi + lo of four adjacent columns (with lo false, as put4 stored them then, hi alone).
+__device__ __forceinline__ float4 get4(const bf16* p, int plane, bool lo) {
+  const uint2 h = *reinterpret_cast<const uint2*>(p), l = lo ? *reinterpret_cast<const uint2*>(p + plane) : uint2{};
   auto lo16 = [](uint32_t x) { return __uint_as_float(x << 16); };
   auto hi16 = [](uint32_t x) { return __uint_as_float(x & 0xffff0000u); };
   return make_float4(lo16(h.x) + lo16(l.x), hi16(h.x) + hi16(l.x), lo16(h.y) + lo16(l.y), hi16(h.y) + hi16(l.y));
@@ -282,20 +285,21 @@ __device__ __forceinline__ void staged(int valid, Load load, Put put) {
 }
 
 // A ROWS × COLS fp32 matrix (row stride lds, 16-byte aligned rows) split into shared memory (row stride ld, lo plane
-// `plane` elements on); rows ≥ valid are zero.
+// `plane` elements on; with lo false the hi plane alone, as put4); rows ≥ valid are zero.
 template <int ROWS, int COLS, int NTH>
-__device__ __forceinline__ void stage_split(bf16* dst, int ld, int plane, const float* src, int64_t lds, int valid) {
+__device__ __forceinline__ void stage_split(bf16* dst, int ld, int plane, const float* src, int64_t lds, int valid,
+                                            bool lo) {
   staged<ROWS, COLS, NTH>(
       valid, [&](int r, int c) { return ld4(src + r * lds + c); },
-      [&](int r, int c, float4 x) { put4(dst + r * ld + c, plane, x); });
+      [&](int r, int c, float4 x) { put4(dst + r * ld + c, plane, x, lo); });
 }
 
 // A split ROWS × COLS matrix stored densely (hi plane, then lo plane) → shared memory (row stride ld, planes `plane`
-// elements apart) by cp.async; the caller commits and waits.
+// elements apart) by cp.async (with lo false the hi plane alone); the caller commits and waits.
 template <int ROWS, int COLS, int NTH>
-__device__ __forceinline__ void copy_split(bf16* dst, int ld, int plane, const bf16* src) {
+__device__ __forceinline__ void copy_split(bf16* dst, int ld, int plane, const bf16* src, bool lo) {
   constexpr int pieces = COLS / 8, per_plane = ROWS * pieces;
-  for (int idx = threadIdx.x; idx < 2 * per_plane; idx += NTH) {
+  for (int idx = threadIdx.x; idx < (lo ? 2 : 1) * per_plane; idx += NTH) {
     const int pl = idx / per_plane, rem = idx - pl * per_plane, r = rem / pieces, c = 8 * (rem - r * pieces);
     cp_async16(dst + pl * plane + r * ld + c, src + pl * (ROWS * COLS) + r * COLS + c, true);
   }
@@ -416,7 +420,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
       const float2 g = ld2(sg + i * KP + d);  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
       const float2 l = ld2(sg + (kC - 1) * KP + d), k2 = ld2(sk + i * KP + d);
-      put2(wkd + i * K + d, kC * K, k2.x * exp_ftz(l.x - g.x), k2.y * exp_ftz(l.y - g.y));
+      put2(wkd + i * K + d, kC * K, k2.x * exp_ftz(l.x - g.x), k2.y * exp_ftz(l.y - g.y), p.lo);
       st2(ws + lay.G() + i * K + d, g.x, g.y);
     }
   }
@@ -482,15 +486,15 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       for (int idx = tid; idx < r0 * K / 2; idx += NTH) {
         const int j = idx / (K / 2), d = 2 * (idx - j * (K / 2));
         const float2 kj = ld2(sk + j * KP + d), gj = ld2(sg + j * KP + d), gr = ld2(sg + r0 * KP + d);
-        put2(xs + j * KS + d, pl, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y));
+        put2(xs + j * KS + d, pl, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y), p.lo);
       }
       for (int idx = tid; idx < (ib > 0 ? 16 * K / 2 : 0); idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
         const float2 gi = ld2(sg + i * KP + d), gr = ld2(sg + r0 * KP + d);
         const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
         const float e0 = exp_ftz(gi.x - gr.x), e1 = exp_ftz(gi.y - gr.y);
-        put2(xs + (48 + il) * KS + d, pl, qi.x * e0, qi.y * e1);
-        put2(xs + (64 + il) * KS + d, pl, ki.x * e0, ki.y * e1);
+        put2(xs + (48 + il) * KS + d, pl, qi.x * e0, qi.y * e1, p.lo);
+        put2(xs + (64 + il) * KS + d, pl, ki.x * e0, ki.y * e1, p.lo);
       }
       for (int idx = tid; idx < (diag_mma ? 16 * K / 2 : 0); idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
@@ -498,9 +502,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
         const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
         const float u0 = exp_ftz(gi.x - gm.x), u1 = exp_ftz(gi.y - gm.y);  // e^(Γ_i − Γ_rm)
         const float w0 = exp_ftz(gm.x - gi.x), w1 = exp_ftz(gm.y - gi.y);  // e^(Γ_rm − Γ_i)
-        put2(xs + (80 + il) * KS + d, pl, ki.x * w0, ki.y * w1);
-        put2(xs + (96 + il) * KS + d, pl, qi.x * u0, qi.y * u1);
-        put2(xs + (112 + il) * KS + d, pl, ki.x * u0, ki.y * u1);
+        put2(xs + (80 + il) * KS + d, pl, ki.x * w0, ki.y * w1, p.lo);
+        put2(xs + (96 + il) * KS + d, pl, qi.x * u0, qi.y * u1, p.lo);
+        put2(xs + (112 + il) * KS + d, pl, ki.x * u0, ki.y * u1, p.lo);
       }
       __syncthreads();
       if (diag_mma && warp >= NW - 2) {
@@ -597,18 +601,18 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
       const float a0 = sa[i * kCP + j], a1 = sa[i * kCP + j + 1];
-      put2(sA + i * kCS + j, pC, a0, a1);
-      put2(wA + i * kC + j, kC * kC, a0, a1);
+      put2(sA + i * kCS + j, pC, a0, a1, p.lo);
+      put2(wA + i * kC + j, kC * kC, a0, a1, p.lo);
     }
     staged<kC, K, NTH>(
         n, [&](int i, int d) { return ld4(p.v + base + int64_t(i) * HK + d); },
         [&](int i, int d, float4 v) {
           const float b = sb[i];
           const float4 k4 = ld4(sk + i * KP + d), g4 = ld4(sg + i * KP + d);
-          put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w));
+          put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w), p.lo);
           put4(sKg + i * KS + d, pX,
                make_float4(k4.x * (b * exp_ftz(g4.x)), k4.y * (b * exp_ftz(g4.y)), k4.z * (b * exp_ftz(g4.z)),
-                           k4.w * (b * exp_ftz(g4.w))));
+                           k4.w * (b * exp_ftz(g4.w))), p.lo);
         });
     __syncthreads();
     // A is lower triangular: row tile rt needs the k-steps 0 … rt.
@@ -632,7 +636,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
-          put2(wW + i * K + d, kC * K, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
+          put2(wW + i * K + d, kC * K, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1], p.lo);
         }
     }
   }
@@ -645,12 +649,12 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
       const float2 qi = ld2(sq + i * KP + d), gi = ld2(sg + i * KP + d);
-      put2(sQg + i * KS + d, pX, qi.x * exp_ftz(gi.x), qi.y * exp_ftz(gi.y));
+      put2(sQg + i * KS + d, pX, qi.x * exp_ftz(gi.x), qi.y * exp_ftz(gi.y), p.lo);
     }
-    stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n);
+    stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n, p.lo);
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
-      put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1]);
+      put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1], p.lo);
     }
     __syncthreads();
     const int kend = (n + 15) / 16;
@@ -720,9 +724,9 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
   auto chunk_ws = [&](int64_t c) { return p.ws + (c * H + h) * lay.per(); };
   auto split_at = [&](int64_t c, int64_t off) { return reinterpret_cast<const bf16*>(chunk_ws(c) + off); };
   float S[1][ST::NT][4] = {};  // zero entering the sequence
-  copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(first, lay.W()));
+  copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(first, lay.W()), p.lo);
   cp_async_commit();
-  copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(first, lay.Kd()));
+  copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(first, lay.Kd()), p.lo);
   cp_async_commit();
   for (int64_t c = first; c < first + count; ++c) {
     float* ws = chunk_ws(c);
@@ -744,7 +748,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int d = sr + gq + 8 * hf, j = sc + 8 * nt + 2 * tq;
-          put2(sS + d * VS + j, K * VS, S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
+          put2(sS + d * VS + j, K * VS, S[0][nt][2 * hf], S[0][nt][2 * hf + 1], p.lo);
           st2(ws + lay.h() + d * K + c0 + j, S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
         }
     }
@@ -759,13 +763,13 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
         for (int hf = 0; hf < 2; ++hf) {
           const int i = ur + gq + 8 * hf, j = uc + 8 * nt + 2 * tq;
           const float u0 = U[nt][2 * hf] - acc[0][nt][2 * hf], u1 = U[nt][2 * hf + 1] - acc[0][nt][2 * hf + 1];
-          put2(su + i * VS + j, kC * VS, u0, u1);
+          put2(su + i * VS + j, kC * VS, u0, u1, p.lo);
           st2(ws + lay.u() + i * K + c0 + j, u0, u1);
         }
     }
     cp_async_wait<0>();  // Kd of this chunk
     __syncthreads();     // u complete, W and the state's copy no longer read
-    if (c + 1 < first + count) copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(c + 1, lay.W()));
+    if (c + 1 < first + count) copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(c + 1, lay.W()), p.lo);
     cp_async_commit();
     if (s_on) {  // rows ≥ n of Kd and u are zero
 #pragma unroll
@@ -775,7 +779,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
       mma3<1, ST::NT, true, false>(S, skd + sr, KS, 16, kC * KS, su + sc, VS, kC * VS, 0, (n + 15) / 16, p.lo);
     }
     __syncthreads();  // Kd and u no longer read
-    if (c + 1 < first + count) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c + 1, lay.Kd()));
+    if (c + 1 < first + count) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c + 1, lay.Kd()), p.lo);
     cp_async_commit();
   }
 }
@@ -806,9 +810,9 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
   auto split_at = [&](int64_t c, int64_t off) { return reinterpret_cast<const bf16*>(chunk_ws(c) + off); };
   float dS[1][ST::NT][4] = {};  // zero leaving the sequence
   const int64_t last = first + count - 1;
-  copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(last, lay.Kd()));
+  copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(last, lay.Kd()), p.lo);
   cp_async_commit();
-  copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(last, lay.W()));
+  copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(last, lay.W()), p.lo);
   cp_async_commit();
   for (int64_t c = last; c >= first; --c) {
     float* ws = chunk_ws(c);
@@ -838,7 +842,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int d = sr + gq + 8 * hf, j = sc + 8 * nt + 2 * tq;
-          put2(sdS + d * VS + j, K * VS, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
+          put2(sdS + d * VS + j, K * VS, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1], p.lo);
           st2(ws + lay.dh() + d * K + c0 + j, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
         }
     }
@@ -853,13 +857,13 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
         for (int hf = 0; hf < 2; ++hf) {
           const int i = ur + gq + 8 * hf, j = uc + 8 * nt + 2 * tq;
           const float a0 = du0[nt][2 * hf] + acc[0][nt][2 * hf], a1 = du0[nt][2 * hf + 1] + acc[0][nt][2 * hf + 1];
-          put2(sdu + i * VS + j, kC * VS, a0, a1);
+          put2(sdu + i * VS + j, kC * VS, a0, a1, p.lo);
           st2(ws + lay.du() + i * K + c0 + j, a0, a1);
         }
     }
     cp_async_wait<0>();  // W of this chunk
     __syncthreads();     // du complete, Kd and dSe's copy no longer read
-    if (c > first) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c - 1, lay.Kd()));
+    if (c > first) copy_split<kC, K, NTH>(skd, KS, kC * KS, split_at(c - 1, lay.Kd()), p.lo);
     cp_async_commit();
     if (s_on) {  // dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du (rows ≥ n of W and du are zero)
       float acc[1][ST::NT][4] = {};
@@ -870,7 +874,7 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p
         for (int x = 0; x < 4; ++x) dS[0][nt][x] = fmaf(eg[x >> 1], dS[0][nt][x], p0[nt][x]) - acc[0][nt][x];
     }
     __syncthreads();  // W and du no longer read
-    if (c > first) copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(c - 1, lay.W()));
+    if (c > first) copy_split<kC, K, NTH>(sw, KS, kC * KS, split_at(c - 1, lay.W()), p.lo);
     cp_async_commit();
   }
 }
@@ -909,9 +913,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16;
   float dG[NT][4];  // dΓ of this thread's elements
 
-  stage_split<K, K, NTH>(sS, KS, pS, ws + lay.h(), K, K);
-  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC);
-  stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n);
+  stage_split<K, K, NTH>(sS, KS, pS, ws + lay.h(), K, K, p.lo);
+  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC, p.lo);
+  stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n, p.lo);
   __syncthreads();
   // dq and dk leave through sst: the accumulators are pairs on 8 rows a warp, while add_tile moves the staged tile in
   // 16-byte pieces along whole rows, a quarter of the global accesses and in whole sectors.
@@ -937,7 +941,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int nt = n0 + j, i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
-          put2(wdW + i * K + d, kC * K, -acc[0][nt][2 * hf], -acc[0][nt][2 * hf + 1]);
+          put2(wdW + i * K + d, kC * K, -acc[0][nt][2 * hf], -acc[0][nt][2 * hf + 1], p.lo);
           const float d0 = acc[1][nt][2 * hf] * exp_ftz(g2[j][hf].x);
           const float d1 = acc[1][nt][2 * hf + 1] * exp_ftz(g2[j][hf].y);
           dG[nt][2 * hf] = d0 * q2[j][hf].x;  // zero on rows ≥ n (q = 0 there)
@@ -955,14 +959,14 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
       K, [&](int r, int cc) { return ld4(ws + lay.dh() + r * K + cc); },
       [&](int r, int cc, float4 x) {
         bf16* at = sS + r * KS + cc;
-        const float4 s0 = get4(at, pS);
+        const float4 s0 = get4(at, pS, p.lo);
         float s = s0.x * x.x + s0.y * x.y + s0.z * x.z + s0.w * x.w;
-        put4(at, pS, x);
+        put4(at, pS, x, p.lo);
 #pragma unroll
         for (int o = K / 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (cc == 0) sdir[r] = s;
       });
-  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.u(), K, kC);
+  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.u(), K, kC, p.lo);
   __syncthreads();
   float colp[NT][2];  // Σ over this thread's rows of dKd∘Kd, per column
   {  // dKd = u·dSeᵀ: dk += dKd∘e^(γ−Γ), dΓ −= dKd∘Kd, dγ += Σ_i dKd∘Kd
@@ -1100,12 +1104,12 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   float dq[NT][4], dk[NT][4], dG[NT][4];  // this thread's elements of dq, dk and dΓ
 
   // Phase 1: A, dW (split slots), du, β v, β Kg.
-  copy_split<kC, kC, NTH>(sA, kCS, pC, reinterpret_cast<const bf16*>(ws + lay.A()));
-  copy_split<kC, K, NTH>(sdW, KS, pX, reinterpret_cast<const bf16*>(ws + lay.dW()));
+  copy_split<kC, kC, NTH>(sA, kCS, pC, reinterpret_cast<const bf16*>(ws + lay.A()), p.lo);
+  copy_split<kC, K, NTH>(sdW, KS, pX, reinterpret_cast<const bf16*>(ws + lay.dW()), p.lo);
   cp_async_commit();
   for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   for (int i = tid; i < CG * kC; i += NTH) sdb[i] = 0.0f;
-  stage_split<kC, K, NTH>(sdu, KS, pX, ws + lay.du(), K, kC);
+  stage_split<kC, K, NTH>(sdu, KS, pX, ws + lay.du(), K, kC, p.lo);
   struct VB {  // a row's β and four elements of v (or k) and Γ
     float4 x, g;
     float b;
@@ -1113,7 +1117,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   staged<kC, K, NTH>(
       n, [&](int r, int cc) { return VB{ld4(p.v + base + int64_t(r) * HK + cc), {}, p.beta[(t0 + r) * H + h]}; },
       [&](int r, int cc, const VB& a) {
-        put4(sbv + r * KS + cc, pX, make_float4(a.b * a.x.x, a.b * a.x.y, a.b * a.x.z, a.b * a.x.w));
+        put4(sbv + r * KS + cc, pX, make_float4(a.b * a.x.x, a.b * a.x.y, a.b * a.x.z, a.b * a.x.w), p.lo);
       });
   staged<kC, K, NTH>(
       n,
@@ -1123,7 +1127,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
       [&](int r, int cc, const VB& a) {
         put4(sbk + r * KS + cc, pX,
              make_float4(a.b * a.x.x * exp_ftz(a.g.x), a.b * a.x.y * exp_ftz(a.g.y), a.b * a.x.z * exp_ftz(a.g.z),
-                         a.b * a.x.w * exp_ftz(a.g.w)));
+                         a.b * a.x.w * exp_ftz(a.g.w)), p.lo);
       });
   bool wide = false;  // as prep decides it, from the same Γ
   for (int idx = tid; idx < (kC / 16) * K; idx += NTH) {
@@ -1198,7 +1202,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int i = r0 + gq + 8 * hf, j = j0 + 8 * nt + 2 * tq;
-        put2(sdA + i * kCS + j, pC, j < i ? acc[0][nt][2 * hf] : 0.0f, j + 1 < i ? acc[0][nt][2 * hf + 1] : 0.0f);
+        put2(sdA + i * kCS + j, pC, j < i ? acc[0][nt][2 * hf] : 0.0f, j + 1 < i ? acc[0][nt][2 * hf + 1] : 0.0f, p.lo);
       }
   }
   __syncthreads();
@@ -1210,7 +1214,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
-        put2(sT1 + (r0 + gq + 8 * hf) * kCS + j0 + 8 * nt + 2 * tq, pC, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
+        put2(sT1 + (r0 + gq + 8 * hf) * kCS + j0 + 8 * nt + 2 * tq, pC, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1], p.lo);
   }
   __syncthreads();
   {  // Phase 4: dL = −strict_lower(T1·Aᵀ); dβ += rowsum(dL∘M), dM = β·dL (split and fp32). Aᵀ[m, j] = A[j, m] is
@@ -1232,7 +1236,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         const float l0 = j < i ? -acc[0][nt][2 * hf] : 0.0f, l1 = j + 1 < i ? -acc[0][nt][2 * hf + 1] : 0.0f;
         rs[hf] = fmaf(l0, m2[nt][hf].x, fmaf(l1, m2[nt][hf].y, rs[hf]));  // M rows ≥ n are zero
         const float m0 = sb[i] * l0, m1 = sb[i] * l1;
-        put2(sms + i * kCS + j, pC, m0, m1);
+        put2(sms + i * kCS + j, pC, m0, m1, p.lo);
         fm[i * kCP + j] = m0;
         fm[i * kCP + j + 1] = m1;
       }
@@ -1265,7 +1269,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         [&](int i, int j, float4 a) {
           float* f = fqk + i * kCP + j;
           f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-          put4(sqk + i * kCS + j, pC, a);
+          put4(sqk + i * kCS + j, pC, a, p.lo);
         });
   }
   __syncthreads();
@@ -1273,7 +1277,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     const int row = idx / (K / 2), d = 2 * (idx - row * (K / 2));
     const int bi = row < 16 ? 1 : (row < 48 ? 2 : 3), j = row - 8 * bi * (bi - 1), r = 16 * bi;
     const float2 kj = ld2(fk + j * FS + d), gj = ld2(fG + j * FS + d), gr = ld2(fG + r * FS + d);
-    put2(sx + row * KS + d, pS, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y));
+    put2(sx + row * KS + d, pS, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y), p.lo);
   }
   __syncthreads();
   // Pairs within the warp's own 16-row block. With diag_mma on tensor cores, the decay split at the block's middle
@@ -1446,8 +1450,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     const float2 gr = ld2(fG + r * FS + d), gs = ld2(fG + s * FS + d), qr = ld2(fq + r * FS + d),
                  kr = ld2(fk + r * FS + d);
     const float e0 = exp_ftz(gr.x - gs.x), e1 = exp_ftz(gr.y - gs.y);
-    put2(sx + (32 * (br - 1) + l) * KS + d, pS, qr.x * e0, qr.y * e1);
-    put2(sx + (32 * (br - 1) + 16 + l) * KS + d, pS, kr.x * e0, kr.y * e1);
+    put2(sx + (32 * (br - 1) + l) * KS + d, pS, qr.x * e0, qr.y * e1, p.lo);
+    put2(sx + (32 * (br - 1) + 16 + l) * KS + d, pS, kr.x * e0, kr.y * e1, p.lo);
   }
   __syncthreads();
   // Z of row block rt ≤ 2 against each later block br: e^(Γ_s − Γ_j) times (dAqk[br, rt]ᵀ·q̃ + dM[br, rt]ᵀ·k̃).
