@@ -1202,7 +1202,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int i = r0 + gq + 8 * hf, j = j0 + 8 * nt + 2 * tq;
-        put2(sdA + i * kCS + j, pC, j < i ? acc[0][nt][2 * hf] : 0.0f, j + 1 < i ? acc[0][nt][2 * hf + 1] : 0.0f, p.lo);
+        put2(sdA + i * kCS + j, pC, j < i ? acc[0][nt][2 * hf] : 0.0f, j + 1 < i ? acc[0][nt][2 * hf + 1] : 0.0f,
+             p.lo);
       }
   }
   __syncthreads();
@@ -1214,7 +1215,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     for (int nt = 0; nt < CT::NT; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
-        put2(sT1 + (r0 + gq + 8 * hf) * kCS + j0 + 8 * nt + 2 * tq, pC, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1], p.lo);
+        put2(sT1 + (r0 + gq + 8 * hf) * kCS + j0 + 8 * nt + 2 * tq, pC, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1],
+             p.lo);
   }
   __syncthreads();
   {  // Phase 4: dL = −strict_lower(T1·Aᵀ); dβ += rowsum(dL∘M), dM = β·dL (split and fp32). Aᵀ[m, j] = A[j, m] is
