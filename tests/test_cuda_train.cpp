@@ -1198,14 +1198,14 @@ TEST(CudaTrain, LoraTrainCliKeepsTheBaseOnDisk) {
               worst_resumed, resumed_err);
 }
 
-
-// The MoE's shared expert on the side stream beside the routing and the routed experts, and the DSA layer's indexer
-// beside its projections (set_train_overlap), run the same kernels on the same data: the loss is the same bits; the
-// gradients are the same up to the atomics that separate two runs of one setting (embedding, MLA keys:
-// GradientsAccumulateAndZero), and the last layer's MoE, which the backward reaches before any atomics, the same
-// bits. Full-parameter with every sub-layer kept and recomputed, and a LoRA step (one adapter per routed expert,
-// folded into the grouped GEMMs at rank 16). The golden's last layer is a DSA layer with its own indexer.
-TEST(CudaTrain, SharedExpertBesideTheRoutedGivesTheSameResults) {
+// Independent work on the side stream (set_train_overlap: the MoE's shared expert beside the routing and the routed
+// experts, the KDA layer's output gate beside its recurrence, the DSA layer's indexer beside its projections) runs
+// the same kernels on the same data: the loss is the same bits; the gradients are the same up to the atomics that
+// separate two runs of one setting (embedding, MLA keys: GradientsAccumulateAndZero), and the last layer's MoE, which
+// the backward reaches before any atomics, the same bits. Full-parameter with every sub-layer kept and recomputed,
+// and a LoRA step (one adapter per routed expert, folded into the grouped GEMMs at rank 16). The golden's layers:
+// three KDA, then a DSA layer with its own indexer; a dense MLP, then three MoE.
+TEST(CudaTrain, TrainOverlapGivesTheSameResults) {
   const std::string dir = test::golden_dir("bf16_stable");
   const Model m = Model::load(dir);
   const ModelConfig& c = m.config();
@@ -1234,7 +1234,7 @@ TEST(CudaTrain, SharedExpertBesideTheRoutedGivesTheSameResults) {
       ++last;
     }
     EXPECT_GT(last, 0) << "no tensor named " << last_moe;
-    std::printf("[cuda train overlap] --recompute %s: all tensors %.3g from the shared expert in line\n", policy,
+    std::printf("[cuda train overlap] --recompute %s: all tensors %.3g from the step in line\n", policy,
                 e.at("*"));
   }
   LoraOnGpu t("bf16_stable", LoraExperts::PerExpert, 16);
@@ -1247,7 +1247,7 @@ TEST(CudaTrain, SharedExpertBesideTheRoutedGivesTheSameResults) {
     t.gpu.lora_gradients(grads[on]);
   }
   EXPECT_EQ(loss[1], loss[0]);
-  expect_lora_gradients_near(grads[0], grads[1], 1e-4, "LoRA, the shared expert beside the routed");
+  expect_lora_gradients_near(grads[0], grads[1], 1e-4, "LoRA, overlapped");
 }
 
 }  // namespace

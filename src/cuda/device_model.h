@@ -186,9 +186,10 @@ class CudaModel {
   // on the same data either way, so the same bits. On by default; NEXTLM_DECODE_OVERLAP=0 makes the default off.
   void set_decode_overlap(bool on);
   // Whether the training step runs independent work of a sub-layer on a second stream: each MoE site's shared
-  // expert beside the routing and the routed experts (forward and backward), each DSA layer's indexer beside its
-  // projections (on one GPU, not on a shard). The same kernels on the same data either way, so the same bits. Off by
-  // default; NEXTLM_TRAIN_OVERLAP=1 in the environment makes the default on.
+  // expert beside the routing and the routed experts and each KDA layer's output gate beside its recurrence (forward
+  // and backward), each DSA layer's indexer beside its projections (on one GPU, not on a shard). The same kernels on
+  // the same data either way, so the same bits. Off by default; NEXTLM_TRAIN_OVERLAP=1 in the environment makes the
+  // default on.
   void set_train_overlap(bool on);
   // How the routed experts' weights lie on the device (cuda::GroupedWeightLayout: 0 row-major, the default; 1 in
   // column blocks; 2 in 128 × 64 tiles), so that each TMA box of the grouped GEMM's weight tiles is fewer, longer runs

@@ -841,7 +841,8 @@ class Step {
                     const bf16* dy16, float* da);
   // Whether independent work of a sub-layer runs on the side stream (CudaModel::set_train_overlap; on one GPU: a
   // sharded step's collectives stay on one stream): a MoE's shared expert beside its routing and routed experts, a
-  // DSA layer's indexer beside its projections.
+  // DSA layer's indexer beside its projections, a KDA layer's output gate beside its recurrence (forward and
+  // backward).
   bool beside() const { return m_.train_overlap && !m_.tp_comm && !m_.ep_comm; }
   void moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y);
   void moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
@@ -969,11 +970,22 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.beta = ar.alloc<float>(T * H);
   linear_forward(i, {LoraKind::KdaB}, w.b, a, D, x.beta);
   sigmoid_inplace(x.beta, T * H, st);
-  x.ga = ar.alloc<float>(T * K);
-  linear_forward(i, {LoraKind::KdaGA}, w.g_a, a, D, x.ga);
-  x.ga16 = half(x.ga, T * K);
-  x.gate = ar.alloc<float>(T * HK);
-  linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
+  // The output gate beside the recurrence (beside()), joined before the output norm reads it.
+  const bool gate_beside = beside();
+  const auto gate = [&] {
+    x.ga = ar.alloc<float>(T * K);
+    linear_forward(i, {LoraKind::KdaGA}, w.g_a, a, D, x.ga);
+    x.ga16 = half(x.ga, T * K);
+    x.gate = ar.alloc<float>(T * HK);
+    linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
+  };
+  if (gate_beside) {
+    m_.fork();
+    m_.on_side(gate);
+    m_.side_done(1);
+  } else {
+    gate();
+  }
   // The recurrence, unless this is a recomputation and the forward kept its output (core_).
   const bool core_kept = recompute_ && (core_.kda_o16 || core_.kda_o);
   const float eps = static_cast<float>(c_.rms_norm_eps);
@@ -986,6 +998,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
       kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, x.o_tc, p_.chunks,
                      kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
     }
+    if (gate_beside) m_.join(1);
     kda_out_norm(x.o_tc, x.gate, w.o_norm, x.o16, T, H, K, eps, st);
   } else {
     x.o = core_.kda_o ? core_.kda_o : ar.alloc<float>(T * HK);
@@ -993,6 +1006,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
       float* work = ar.alloc<float>(kda_workspace_floats(p_.chunks.num_chunks, H, K));
       kda_chunked(x.q, x.k, x.v, x.g, x.beta, x.o, p_.chunks, work, T, H, K, st);
     }
+    if (gate_beside) m_.join(1);
     kda_out_norm(x.o, x.gate, w.o_norm, x.o16, T, H, K, eps, st);
   }
   output_forward(i, {LoraKind::KdaO}, w.o, x.o16, HK, y);
@@ -1017,12 +1031,23 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
   else
     kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
-  float* dga = ar.alloc<float>(T * K);
-  linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, dgate, dga, gw.g_b, true);
   // da: g_a, b and f_a joined (narrow) after q|k|v's GEMM, which then writes it; else g_a's writes, the later add.
   Narrow n = narrow(i, {{&w.g_a, LoraKind::KdaGA}, {&w.b, LoraKind::KdaB}, {&w.f_a, LoraKind::KdaFA}}, a, D, da);
-  if (n.dy) narrow_backward(i, {LoraKind::KdaGA}, n, 0, dga, gw.g_a);
-  else linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a, true);
+  // The output gate's backward beside the recurrence's (beside()), joined before b's adds into da.
+  const bool gate_beside = beside();
+  const auto gate = [&] {
+    float* dga = ar.alloc<float>(T * K);
+    linear_backward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, dgate, dga, gw.g_b, true);
+    if (n.dy) narrow_backward(i, {LoraKind::KdaGA}, n, 0, dga, gw.g_a);
+    else linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a, true);
+  };
+  if (gate_beside) {
+    m_.fork();
+    m_.on_side(gate);
+    m_.side_done(1);
+  } else {
+    gate();
+  }
   // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
   // backward through time (which adds into zeroed ones).
   const bool chunked = K == 32 || K == 64 || K == 128;
@@ -1042,6 +1067,7 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     kda_recurrent_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.cu, p_.num_seqs, T, H, K, dq, dk, dv, dg, dbeta, work,
                            st);
   }
+  if (gate_beside) m_.join(1);
   // beta = sigmoid(b_proj·a)
   sigmoid_backward_inplace(x.beta, dbeta, T * H, st);
   if (n.dy) narrow_backward(i, {LoraKind::KdaB}, n, 1, dbeta, gw.b);
