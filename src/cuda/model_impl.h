@@ -539,12 +539,18 @@ struct CudaModel::Impl {
   // Marks what has been issued on `side` so far as join point i (0 or 1); join(i) waits for it on `stream`.
   void side_done(int i) { NEXTLM_CUDA_CHECK(cudaEventRecord(join_ev[i], side)); }
   void join(int i) { NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0)); }
-  // on_side swaps `gemm` for side_gemm too (made by its first call: cuBLASLt's workspace is per stream).
-  template <class F>
-  void on_side(F&& f) {
+  // on_side swaps `gemm` for side_gemm too where there is one (cuBLASLt's workspace is per stream): the training
+  // step's overlap makes it (use_side_gemm); decoding's side work runs no cuBLASLt GEMM.
+  void use_side_gemm() {
     if (!side_gemm) side_gemm = std::make_unique<cuda::Gemm>(side);
     side_gemm->set_batch_invariant(gemm->batch_invariant());
-    const auto swap = [&] { std::swap(stream, side), std::swap(gemm, side_gemm); };
+  }
+  template <class F>
+  void on_side(F&& f) {
+    const auto swap = [&] {
+      std::swap(stream, side);
+      if (side_gemm) std::swap(gemm, side_gemm);
+    };
     swap();
     try {
       f();

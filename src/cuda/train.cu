@@ -1586,6 +1586,7 @@ double Step::run(const float* row_weight) {
   const size_t Lyr = m_.layers.size();
   Arena& ar = m_.arena;
   cudaStream_t st = m_.stream;
+  if (beside()) m_.use_side_gemm();
   // The rows' losses, read once the backward is queued (reading them after the head would leave the GPU idle while
   // the host waits for them and then starts queueing the backward: 0.14 ms a step).
   double* loss_rows = ar.alloc<double>(T);
