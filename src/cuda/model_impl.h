@@ -450,8 +450,8 @@ struct CudaModel::Impl {
   // fork() makes `side` wait for the work issued so far on `stream`, on_side(f) issues f's work there, side_done(i)
   // marks the side's work so far as join point i and join(i) makes `stream` wait for it. Captured into a step's
   // graph these become parallel branches. Decoding does so outside batch-invariant mode only (overlap()); the
-  // training step's MoE with train_overlap. No result changes either way: each kernel computes what it computed in
-  // line.
+  // training step with train_overlap (CudaModel::set_train_overlap). No result changes either way: each kernel
+  // computes what it computed in line.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_ev = nullptr, join_ev[2] = {nullptr, nullptr};
   cuda::Store store;
