@@ -539,6 +539,13 @@ struct CudaModel::Impl {
   // Marks what has been issued on `side` so far as join point i (0 or 1); join(i) waits for it on `stream`.
   void side_done(int i) { NEXTLM_CUDA_CHECK(cudaEventRecord(join_ev[i], side)); }
   void join(int i) { NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0)); }
+  // fork(), on_side(f) and side_done(i) in one: f's work on `side` from here on, join(i) waits for it.
+  template <class F>
+  void run_beside(int i, F&& f) {
+    fork();
+    on_side(std::forward<F>(f));
+    side_done(i);
+  }
   // on_side swaps `gemm` for side_gemm too where there is one (cuBLASLt's workspace is per stream): the training
   // step's overlap makes it (use_side_gemm); decoding's side work runs no cuBLASLt GEMM.
   void use_side_gemm() {
@@ -1019,9 +1026,7 @@ struct CudaModel::Impl {
     const bool shared_beside = step && w.has_shared && overlap();
     if (shared_beside) {
       lin(a, D, w.router.w, E, D, logits, E, T);
-      fork();
-      on_side([&] { mlp_step(w.shared, a, T, y); });
-      side_done(0);
+      run_beside(0, [&] { mlp_step(w.shared, a, T, y); });
     } else if (step && w.has_shared) {
       const int64_t Is = w.shared.I;
       shared_gu = arena.alloc<float>(T * 2 * Is);
@@ -1332,11 +1337,7 @@ struct CudaModel::Impl {
         indexer_decode_append(ip, stream);
       }
     };
-    if (beside) {
-      fork();
-      on_side(appends);
-      side_done(0);
-    }
+    if (beside) run_beside(0, appends);
     rmsnorm_rows(qa, QL, w.q_a_norm, qr, nullptr, B, QL, eps, stream);
     if (w.has_indexer) {
       lin_multi({{qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk}, {qr, QL, w.idx.wq_b.w, IH * ID, QL, qi, IH * ID}}, B);
@@ -1344,9 +1345,7 @@ struct CudaModel::Impl {
       lin(qr, QL, w.q_b.w, NH * dqk, QL, q, NH * dqk, B);
     }
     if (beside) {
-      fork();
-      on_side([&] { mla_decode_absorb(mp, stream); });
-      side_done(1);
+      run_beside(1, [&] { mla_decode_absorb(mp, stream); });
       join(0);
     } else {
       appends();

@@ -979,13 +979,8 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
     x.gate = ar.alloc<float>(T * HK);
     linear_forward(i, {LoraKind::KdaGB}, w.g_b, x.ga16, K, x.gate);
   };
-  if (gate_beside) {
-    m_.fork();
-    m_.on_side(gate);
-    m_.side_done(1);
-  } else {
-    gate();
-  }
+  if (gate_beside) m_.run_beside(1, gate);
+  else gate();
   // The recurrence, unless this is a recomputation and the forward kept its output (core_).
   const bool core_kept = recompute_ && (core_.kda_o16 || core_.kda_o);
   const float eps = static_cast<float>(c_.rms_norm_eps);
@@ -1041,13 +1036,8 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     if (n.dy) narrow_backward(i, {LoraKind::KdaGA}, n, 0, dga, gw.g_a);
     else linear_backward(i, {LoraKind::KdaGA}, w.g_a, a, D, half(dga, T * K), da, gw.g_a, true);
   };
-  if (gate_beside) {
-    m_.fork();
-    m_.on_side(gate);
-    m_.side_done(1);
-  } else {
-    gate();
-  }
+  if (gate_beside) m_.run_beside(1, gate);
+  else gate();
   // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
   // backward through time (which adds into zeroed ones).
   const bool chunked = K == 32 || K == 64 || K == 128;
@@ -1105,13 +1095,8 @@ void Step::dsa_forward(size_t i, const DDsa& w, const bf16* a, const int32_t* se
   // joined before the attention reads it.
   const bool select = select_ && w.has_indexer, indexer_beside = select && beside();
   const auto indexer = [&] { m_.indexer(w, p_, a, x.qr, sels_[i].sel, sels_[i].count, max_sel()); };
-  if (indexer_beside) {
-    m_.fork();
-    m_.on_side(indexer);
-    m_.side_done(1);
-  } else if (select) {
-    indexer();
-  }
+  if (indexer_beside) m_.run_beside(1, indexer);
+  else if (select) indexer();
   // q and kv: in bf16 for the tensor-core attention, straight from the joined GEMMs with adapters on q_b and kv_b
   // (fp32 copies only for the backward's fp32 kernels, which widen the bf16 ones then); else fp32, then converted.
   const bool tc = mla_tc_supported(dqk, dv);
@@ -1272,11 +1257,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   // The shared expert beside the routing and the routed experts (beside()): it reads a and writes y, which the
   // combine adds the experts into once the two streams join.
   const bool shared_beside = w.has_shared && beside();
-  if (shared_beside) {
-    m_.fork();
-    m_.on_side([&] { mlp_forward(i, true, w.shared, a, x.shared, y); });
-    m_.side_done(0);
-  }
+  if (shared_beside) m_.run_beside(0, [&] { mlp_forward(i, true, w.shared, a, x.shared, y); });
   int32_t* keys_in = x.experts;
   if (El != E) {
     keys_in = ar.alloc<int32_t>(n);
@@ -1401,9 +1382,7 @@ void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const 
   // the routed experts (beside()), joined before their gathers add into da.
   const bool shared_beside = w.has_shared && beside();
   if (shared_beside) {
-    m_.fork();
-    m_.on_side([&] { mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da); });
-    m_.side_done(0);
+    m_.run_beside(0, [&] { mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da); });
   } else if (w.has_shared) {
     mlp_backward(i, true, w.shared, gw.shared, a, x.shared, dy16, da);
   } else {
