@@ -913,7 +913,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16;
   float dG[NT][4];  // dΓ of this thread's elements
 
-  stage_split<K, K, NTH>(sS, KS, pS, ws + lay.h(), K, K, p.lo);
+  // S0 with its lo plane in either mode: rowsum(S0∘dSe) below reads it whole (get4), not through the products.
+  stage_split<K, K, NTH>(sS, KS, pS, ws + lay.h(), K, K, true);
   stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC, p.lo);
   stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n, p.lo);
   __syncthreads();
@@ -959,7 +960,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
       K, [&](int r, int cc) { return ld4(ws + lay.dh() + r * K + cc); },
       [&](int r, int cc, float4 x) {
         bf16* at = sS + r * KS + cc;
-        const float4 s0 = get4(at, pS, p.lo);
+        const float4 s0 = get4(at, pS, true);
         float s = s0.x * x.x + s0.y * x.y + s0.z * x.z + s0.w * x.w;
         put4(at, pS, x, p.lo);
 #pragma unroll
