@@ -437,6 +437,8 @@ void slice4_train_step_case(const std::string& name) {
       {"recompute", policy_name(used)},
       {"expert_layout", layout},
       {"device_memory_gib", memory_gib},
+      {"kda_backward_products", model->kda_backward_bf16() ? "bf16" : "split bf16"},
+      {"train_overlap", model->train_overlap()},
       {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
                                   "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
                                   "top-8; optimizer not included, it runs on the host in `train --device cuda`)"
@@ -444,7 +446,8 @@ void slice4_train_step_case(const std::string& name) {
                                   "LoRA step: adapters and optimizer not included)") +
                    " at " + std::to_string(kT) + " tokens, " + policy_words(used) +
                    "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
-                   "forward core on tensor cores and chunked (WY) backward in fp32, MLA attention backward on tensor "
+                   "forward core on tensor cores and chunked (WY) backward on tensor cores (kda_backward_products), MLA "
+                   "attention backward on tensor "
                    "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
                    " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
@@ -473,6 +476,7 @@ constexpr int kLoraStepIters = 3;
 struct LoraSteps {
   double wall_ms = 0, device_ms = 0, loss = 0;
   double memory_gib = 0;  // the device's memory in use after the steps
+  bool kda_backward_bf16 = false, train_overlap = false;  // the model's modes (CudaModel) the steps ran under
   size_t modules = 0;
   int64_t parameters = 0;
   std::vector<LoraModule> layout;  // the adapter's modules (for the FLOP count)
@@ -528,6 +532,7 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
   }
   r.wall_ms = median(wall), r.device_ms = median(gpu);
   r.memory_gib = device_memory_gib("lora step");
+  r.kda_backward_bf16 = model.kda_backward_bf16(), r.train_overlap = model.train_overlap();
   r.modules = lora.modules().size(), r.parameters = lora.num_parameters(), r.layout = lora.modules();
   return r;
 }
@@ -624,6 +629,8 @@ void slice4_lora_step_case(const std::string& name) {
                         : "; device_memory_gib: the GPU's memory in use after the steps (weights, adapters and their "
                           "AdamW state, the arena)")}};
   if (!par) line["device_memory_gib"] = r.memory_gib;
+  line["kda_backward_products"] = r.kda_backward_bf16 ? "bf16" : "split bf16";
+  line["train_overlap"] = r.train_overlap;
   line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);
   line["expert_layout"] = layout;
   if (par) {

@@ -568,10 +568,12 @@ void CudaModel::set_expert_layout(int layout) {
 void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e == EmptySelection::SeenKeys; }
 void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
 void CudaModel::set_kda_backward_bf16(bool on) { impl_->kda_backward_bf16 = on; }
+bool CudaModel::kda_backward_bf16() const { return impl_->kda_backward_bf16; }
 bool CudaModel::kda_on_tensor_cores() const { return impl_->kda_tc_path(); }
 void CudaModel::set_mla_absorbed(bool on) { impl_->mla_absorbed = on; }
 void CudaModel::set_decode_overlap(bool on) { impl_->decode_overlap = on; }
 void CudaModel::set_train_overlap(bool on) { impl_->train_overlap = on; }
+bool CudaModel::train_overlap() const { return impl_->train_overlap; }
 void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 
 // ---- CudaDecoder ----

@@ -173,10 +173,11 @@ class CudaModel {
   // Whether the KDA runs on the tensor-core kernels where they support the config (default) or on the fp32 ones.
   void set_kda_tensor_cores(bool on);
   // Whether training's chunked KDA backward forms its matrix products in bf16, one MMA each (as the tensor-core
-  // forward does; ~1e-3 relative in the delta rule's gradients), or in split bf16 (three MMAs, ~1e-5: the default).
+  // forward does; ~1e-3 relative in the delta rule's gradients: the default), or in split bf16 (three MMAs, ~1e-5).
   // cuda::KdaBackwardProducts; the fp32 KDA core (set_kda_tensor_cores(false)) always takes the split products.
-  // NEXTLM_KDA_BWD_BF16=1 in the environment makes bf16 the default.
+  // NEXTLM_KDA_BWD_BF16=0 in the environment makes split bf16 the default.
   void set_kda_backward_bf16(bool on);
+  bool kda_backward_bf16() const;
   // Whether the forward's MLA attention runs the absorbed decoding kernels (over the normed latents) instead of
   // expanding every key and value through kv_b; batch-invariant mode always does. Off by default.
   void set_mla_absorbed(bool on);
@@ -188,9 +189,10 @@ class CudaModel {
   // Whether the training step runs independent work of a sub-layer on a second stream: each MoE site's shared
   // expert beside the routing and the routed experts and each KDA layer's output gate beside its recurrence (forward
   // and backward), each DSA layer's indexer beside its projections (on one GPU, not on a shard). The same kernels on
-  // the same data either way, so the same bits. Off by default; NEXTLM_TRAIN_OVERLAP=1 in the environment makes the
-  // default on.
+  // the same data either way, so the same bits. On by default; NEXTLM_TRAIN_OVERLAP=0 in the environment makes the
+  // default off.
   void set_train_overlap(bool on);
+  bool train_overlap() const;
   // How the routed experts' weights lie on the device (cuda::GroupedWeightLayout: 0 row-major, the default; 1 in
   // column blocks; 2 in 128 × 64 tiles), so that each TMA box of the grouped GEMM's weight tiles is fewer, longer runs
   // of memory. Converts them in place. Other layouts than the rows need the TMA variants of the grouped GEMM

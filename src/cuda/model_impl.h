@@ -470,11 +470,11 @@ struct CudaModel::Impl {
   bool empty_seen = false;       // empty selections attend to keys 0 … t (EmptySelection::SeenKeys), not all keys
   bool kda_tensor_cores = true;  // the tensor-core KDA where it supports the config (else the fp32 kernels)
   bool mla_absorbed = false;     // the forward's MLA attention on the absorbed decoding kernels
-  // CudaModel::set_kda_backward_bf16 (the chunked KDA backward's products in bf16, else split bf16); off by default,
-  // NEXTLM_KDA_BWD_BF16=1 in the environment makes the default on.
+  // CudaModel::set_kda_backward_bf16 (the chunked KDA backward's products in bf16, else split bf16); on by default,
+  // NEXTLM_KDA_BWD_BF16=0 in the environment makes the default off.
   bool kda_backward_bf16 = [] {
     const char* v = std::getenv("NEXTLM_KDA_BWD_BF16");
-    return v && std::string(v) == "1";
+    return !(v && std::string(v) == "0");
   }();
   const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
@@ -527,10 +527,10 @@ struct CudaModel::Impl {
     return !(v && std::string(v) == "0");
   }();
   bool overlap() const { return decode_overlap && !gemm->batch_invariant(); }
-  // CudaModel::set_train_overlap; NEXTLM_TRAIN_OVERLAP=1 in the environment turns it on by default.
+  // CudaModel::set_train_overlap; NEXTLM_TRAIN_OVERLAP=0 in the environment turns it off by default.
   bool train_overlap = [] {
     const char* v = std::getenv("NEXTLM_TRAIN_OVERLAP");
-    return v && std::string(v) == "1";
+    return !(v && std::string(v) == "0");
   }();
   void fork() {
     NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
