@@ -722,7 +722,8 @@ TEST(CudaTrain, NarrowInputGradientsMatchOneGemmEach) {
 // (the lm_head's weight gradient summed over the blocks among them).
 TEST(CudaTrain, HeadRowBlocksGiveTheSameGradients) {
   struct Restore {
-    ~Restore() { set_head_block_bytes(size_t{1} << 30); }
+    const size_t before = head_block_bytes();
+    ~Restore() { set_head_block_bytes(before); }
   } restore;
   const std::string dir = test::golden_dir("bf16_stable");
   const Model m = Model::load(dir);
@@ -733,7 +734,7 @@ TEST(CudaTrain, HeadRowBlocksGiveTheSameGradients) {
   std::array<double, 2> loss{};
   std::array<ModelWeights, 2> grads;
   for (const bool small : {false, true}) {
-    set_head_block_bytes(small ? static_cast<size_t>(3 * m.config().vocab_size * 4 + 5) : size_t{1} << 30);
+    set_head_block_bytes(small ? static_cast<size_t>(3 * m.config().vocab_size * 4 + 5) : restore.before);
     gpu.zero_grads();
     loss[small] = gpu.forward_backward(batch);
     grads[small] = gpu.gradients();

@@ -107,7 +107,7 @@ int64_t narrow_joined_gradients() { return g_narrow_joined; }
 void note_narrow_joined_gradient() { ++g_narrow_joined; }
 
 namespace {
-std::atomic<size_t> g_head_block_bytes{size_t{1} << 30};
+std::atomic<size_t> g_head_block_bytes{size_t{2} << 30};
 }  // namespace
 
 void set_head_block_bytes(size_t bytes) { g_head_block_bytes = bytes; }

@@ -83,7 +83,7 @@ void set_narrow_joining(bool on);
 bool narrow_joining();
 int64_t narrow_joined_gradients();
 
-// The most bytes of fp32 logits one row block of the lm_head holds in a training step (default 1 GiB; at least one
+// The most bytes of fp32 logits one row block of the lm_head holds in a training step (default 2 GiB; at least one
 // row a block). Process-wide, for tests: a row's loss and gradients do not depend on its block but through the
 // head GEMMs' summation order (cuBLASLt may pick other kernels for other block sizes).
 void set_head_block_bytes(size_t bytes);

@@ -1508,10 +1508,10 @@ void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, con
   m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
 }
 
-// Rows per block of the lm_head in the training step: at most head_block_bytes() of fp32 logits (1 GiB), the blocks
+// Rows per block of the lm_head in the training step: at most head_block_bytes() of fp32 logits (2 GiB), the blocks
 // as even as that allows and, where it stays under the cap, a multiple of 256 rows, the GEMMs' row tiles (T = 4096
-// at V = 154880: blocks of 1536, 1536 and 1024 rows, where 1733, 1733 and 630 left a part-filled tile in each: 17
-// tiles of 256 rows for 16 rows' worth).
+// at V = 154880: two blocks of 2048 rows; under a 1 GiB cap 1536, 1536 and 1024 rows, where 1733, 1733 and 630 left
+// a part-filled tile in each: 17 tiles of 256 rows for 16 rows' worth).
 int64_t head_block_rows(int64_t T, int64_t V) {
   const int64_t bytes = static_cast<int64_t>(std::min<size_t>(head_block_bytes(), size_t{1} << 62));
   const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(T, bytes / (V * 4)));
