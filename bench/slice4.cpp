@@ -616,9 +616,7 @@ void slice4_lora_step_case(const std::string& name) {
                         : ", clipping and AdamW on the device's fp32 adapters (nothing goes to the host)") +
                    ", " + policy_words(used) +
                    "; median host wall time of " +
-                   std::to_string(kLoraStepIters) +
-                   " steps, back to back (device_ms: the forward + backward alone, which on one GPU waits for the "
-                   "last step's AdamW a layer at a time where it still runs on its own stream); MFU = FLOPs "
+                   std::to_string(kLoraStepIters) + " steps (device_ms: the forward + backward alone); MFU = FLOPs "
                    "needed (forward, input gradients, adapters; step_flops in bench/slice4.cpp) / wall time / "
                    "989.4 TFLOP/s" +
                    (par ? " of all " + std::to_string(std::lcm(tp, ep)) + " GPUs; tp " + std::to_string(tp) +

@@ -1251,45 +1251,5 @@ TEST(CudaTrain, TrainOverlapGivesTheSameResults) {
   expect_lora_gradients_near(grads[0], grads[1], 1e-4, "LoRA, overlapped");
 }
 
-// The device LoRA optimizer's AdamW on its own stream (lora_adamw_step with set_train_overlap on), a layer at a time,
-// with the next step's forward waiting for each layer's adapters before it runs that layer and anything else for the
-// whole update: over three steps, with a scoring forward between two of them, the losses, the log-probs, the
-// adapters and their moments are the same bits as with the update in line.
-TEST(CudaTrain, LoraUpdateBesideTheForwardGivesTheSameSteps) {
-  std::array<std::vector<double>, 2> losses;
-  std::array<std::vector<std::vector<double>>, 2> logprobs;
-  std::vector<LoraAdapter> adapters;  // [off, on]
-  std::array<std::vector<std::vector<float>>, 2> moments;
-  for (const bool on : {false, true}) {
-    LoraOnGpu t("bf16_stable", LoraExperts::PerExpert, 16);
-    t.gpu.set_train_overlap(on);
-    t.gpu.start_lora_optimizer(t.lora);
-    for (int step = 1; step <= 3; ++step) {
-      t.gpu.zero_grads();
-      losses[on].push_back(t.gpu.forward_backward(t.batch));
-      t.gpu.lora_adamw_step(AdamWOptions{}, 1e-2, step, 1.0 / 64, step == 1 ? 1e-3 : 1e9);
-      if (step == 2) logprobs[on] = t.gpu.next_token_logprobs(t.batch);
-    }
-    adapters.push_back(test::without_gradients(t.lora));
-    std::vector<ParamRef> params = adapters.back().params("");
-    AdamW state(params, AdamWOptions{});
-    t.gpu.download_lora(adapters.back(), &state);
-    for (size_t k = 0; k < params.size(); ++k) {
-      moments[on].push_back(state.m()[k]);
-      moments[on].push_back(state.v()[k]);
-    }
-  }
-  EXPECT_EQ(losses[1], losses[0]);
-  EXPECT_NE(losses[0][2], losses[0][0]) << "the steps moved the adapters";
-  EXPECT_EQ(logprobs[1], logprobs[0]);
-  std::vector<ParamRef> a = adapters[0].params(""), b = adapters[1].params("");
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t k = 0; k < a.size(); ++k)
-    EXPECT_EQ(std::memcmp(a[k].w, b[k].w, static_cast<size_t>(a[k].n) * sizeof(float)), 0) << a[k].name;
-  EXPECT_EQ(moments[1], moments[0]);
-  std::printf("[cuda lora update beside] losses %.9g %.9g %.9g, the same with the update in line\n", losses[1][0],
-              losses[1][1], losses[1][2]);
-}
-
 }  // namespace
 }  // namespace nextlm

@@ -285,7 +285,6 @@ CudaModel::~CudaModel() = default;
 void CudaModel::set_weights(const Model& model) {
   impl_->weights_changed();
   Impl& m = *impl_;
-  m.drain_update();
   const ModelConfig& c = model.config();
   check(c.num_hidden_layers == m.cfg.num_hidden_layers && c.hidden_size == m.cfg.hidden_size &&
             c.vocab_size == m.cfg.vocab_size && c.layer_types == m.cfg.layer_types,
@@ -318,10 +317,7 @@ double CudaModel::last_forward_ms() const { return impl_->last_ms; }
 
 const ModelConfig& CudaModel::config() const { return impl_->full; }
 const CudaShard& CudaModel::shard() const { return impl_->shard; }
-void* CudaModel::stream() const {
-  impl_->settle_update();  // work its user issues there comes after the optimizer's update
-  return impl_->stream;
-}
+void* CudaModel::stream() const { return impl_->stream; }
 
 void CudaModel::set_collectives(dist::Comm* tp, dist::Comm* ep) {
   Impl& m = *impl_;
@@ -519,7 +515,6 @@ std::vector<float> CudaModel::sublayer(int64_t layer, bool ffn, const std::vecto
 void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, std::vector<float>& post,
                         std::vector<float>& comb, std::vector<float>& a) {
   Impl& m = *impl_;
-  m.settle_update();
   m.arena.reset();
   const int64_t S = m.cfg.hc_mult, D = m.cfg.hidden_size, T = static_cast<int64_t>(h.size()) / (S * D);
   const cuda::DLayer& L = m.layers.at(layer);
@@ -539,7 +534,6 @@ void CudaModel::mhc_pre(int64_t layer, bool ffn, const std::vector<float>& h, st
 // In place, an expert at a time through a scratch copy of its weights (each expert's layout fills its own range).
 void CudaModel::set_expert_layout(int layout) {
   Impl& m = *impl_;
-  m.drain_update();
   check(layout >= 0 && layout <= 2, "set_expert_layout: layout ", layout, " is not 0 (rows), 1 (column blocks) or 2 "
         "(tiles)");
   const auto to = static_cast<cuda::GroupedWeightLayout>(layout);
@@ -631,7 +625,6 @@ CudaDecoder::CudaDecoder(CudaModel& model, int64_t max_seqs, int64_t max_len) : 
   State& s = *st_;
   s.m = model.impl_.get();
   check(!s.m->sharded(), "CudaDecoder: decoding runs on one GPU (a tensor- or expert-parallel model cannot decode)");
-  s.m->drain_update();
   const ModelConfig& c = s.m->cfg;
   check(max_seqs >= 1 && max_len >= 1, "CudaDecoder needs at least one slot of at least one token, got ", max_seqs,
         " × ", max_len);
@@ -803,7 +796,6 @@ void CudaDecoder::step_no_copy(const std::vector<int64_t>& slots, const std::vec
 const float* CudaDecoder::run_step(const std::vector<int64_t>& slots, const std::vector<int32_t>& tokens) {
   State& s = *st_;
   CudaModel::Impl& m = *s.m;
-  m.settle_update();  // a training step's optimizer update of the adapters a step reads
   const ModelConfig& c = m.cfg;
   check(slots.size() == tokens.size() && !slots.empty(), "step: ", slots.size(), " slots for ", tokens.size(),
         " tokens");

@@ -376,15 +376,6 @@ struct LoraState {
     int64_t chunks = 0;
     void* workspace = nullptr;
     double* sq = nullptr;  // the squared gradient norm of the last step
-    // The tensors by layer for an update on the model's update stream (Impl::upd): runs of consecutive tensors of one
-    // layer, in the params() order, with their chunks (optim_chunks); by_layer when each layer has one run.
-    struct Run {
-      int64_t layer = 0;
-      int begin = 0, count = 0;
-      int64_t chunks = 0;
-    };
-    std::vector<Run> runs;
-    bool by_layer = false;
     ~Optimizer() { cudaFree(base); }
   };
   std::unique_ptr<Optimizer> opt;
@@ -463,20 +454,6 @@ struct CudaModel::Impl {
   // computes what it computed in line.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_ev = nullptr, join_ev[2] = {nullptr, nullptr};
-  // The device LoRA optimizer's AdamW on a stream of its own (lora_adamw_step with train_overlap, on one GPU), so
-  // that the next step's forward runs beside it: upd_layer[L] marks layer L's adapters updated (the forward waits for
-  // it before layer L: wait_update), upd_all the whole update and the gradients' clearing that zero_grads queued
-  // after it (the backward, and every other use of the model, waits for it first: settle_update). Made on first use.
-  cudaStream_t upd = nullptr;
-  cudaEvent_t upd_fork = nullptr, upd_all = nullptr;
-  std::vector<cudaEvent_t> upd_layer;
-  mutable std::vector<char> upd_pending;  // per layer: its update not yet waited for on `stream`
-  mutable bool upd_inflight = false, upd_by_layer = false;
-  // With train_overlap; NEXTLM_UPDATE_OVERLAP=0 in the environment keeps the update on `stream` (for measuring).
-  bool update_overlap = [] {
-    const char* v = std::getenv("NEXTLM_UPDATE_OVERLAP");
-    return !(v && std::string(v) == "0");
-  }();
   cuda::Store store;
   cuda::Arena arena;
   std::unique_ptr<cuda::Gemm> gemm, side_gemm;
@@ -534,10 +511,6 @@ struct CudaModel::Impl {
     gemm = std::make_unique<cuda::Gemm>(stream);
   }
   ~Impl() {
-    if (upd) cudaStreamSynchronize(upd), cudaStreamDestroy(upd);
-    for (cudaEvent_t e : upd_layer) cudaEventDestroy(e);
-    if (upd_fork) cudaEventDestroy(upd_fork);
-    if (upd_all) cudaEventDestroy(upd_all);
     for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
     if (fwd_begin) cudaEventDestroy(fwd_begin);
     if (fwd_end) cudaEventDestroy(fwd_end);
@@ -566,36 +539,6 @@ struct CudaModel::Impl {
   // Marks what has been issued on `side` so far as join point i (0 or 1); join(i) waits for it on `stream`.
   void side_done(int i) { NEXTLM_CUDA_CHECK(cudaEventRecord(join_ev[i], side)); }
   void join(int i) { NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, join_ev[i], 0)); }
-  // The update stream's work (upd) before what is issued next on `stream`.
-  void settle_update() const {
-    if (!upd_inflight) return;
-    NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, upd_all, 0));
-    upd_inflight = false;
-    std::fill(upd_pending.begin(), upd_pending.end(), 0);
-  }
-  // Layer L's adapters updated before what is issued next on `stream` (all of the update where it is not by layer).
-  void wait_update(size_t layer) {
-    if (!upd_inflight) return;
-    if (!upd_by_layer) return settle_update();
-    if (layer < upd_pending.size() && upd_pending[layer]) {
-      NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, upd_layer[layer], 0));
-      upd_pending[layer] = 0;
-    }
-  }
-  // The update finished on the device (before its memory is freed or replaced).
-  void drain_update() const {
-    settle_update();
-    if (upd) NEXTLM_CUDA_CHECK(cudaStreamSynchronize(upd));
-  }
-  void make_update_stream() {
-    if (upd) return;
-    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&upd, cudaStreamNonBlocking));
-    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&upd_fork, cudaEventDisableTiming));
-    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&upd_all, cudaEventDisableTiming));
-    upd_layer.assign(layers.size(), nullptr);
-    for (cudaEvent_t& e : upd_layer) NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    upd_pending.assign(layers.size(), 0);
-  }
   // fork(), on_side(f) and side_done(i) in one: f's work on `side` from here on, join(i) waits for it.
   template <class F>
   void run_beside(int i, F&& f) {
@@ -1474,12 +1417,9 @@ struct CudaModel::Impl {
     return logits;
   }
 
-  // update_by_layer: the training step's, whose forward waits for the optimizer's update a layer at a time
-  // (wait_update) and whose backward for all of it; any other run waits for all of it here.
-  void start(const PackedBatch& b, bool update_by_layer = false) {
+  void start(const PackedBatch& b) {
     check(!sharded() || ((shard.tp == 1 || tp_comm) && (shard.ep == 1 || ep_comm)),
           "a tensor- or expert-parallel CudaModel needs its groups (set_collectives)");
-    if (!update_by_layer) settle_update();
     arena.reset();
     accum.clear();
     NEXTLM_CUDA_CHECK(cudaEventRecord(fwd_begin, stream));

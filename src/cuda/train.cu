@@ -1626,9 +1626,6 @@ double Step::run(const float* row_weight) {
   m_.embed_into(p_.tokens, Lyr ? site_h[0] : h, T);
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
-    // The last optimizer step's AdamW (lora_adamw_step) may still run on the update stream: its adapters of this
-    // layer are written before the layer reads them, the later layers' go on beside it.
-    m_.wait_update(i);
     for (bool ffn : {false, true}) {
       site_ = 2 * i + ffn;
       Site& s = sites[site_];
@@ -1667,7 +1664,6 @@ double Step::run(const float* row_weight) {
     }
   }
   m_.mark_end("train: forward");
-  m_.settle_update();  // all of it (and the gradients' clearing after it) before the backward writes gradients
   const Arena::Mark head_mark = ar.mark();
   m_.mark_begin("train: head");
   head_backward(h, row_weight, dh, loss_rows);
@@ -1844,11 +1840,8 @@ void zero_device_grads(CudaModel::Impl& m) {
   if (m.grads)
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
   if (!m.lora) return;
-  // While the optimizer's update runs (it reads the gradients), the clearing goes after it on its stream.
-  cudaStream_t st = m.upd_inflight ? m.upd : m.stream;
   for (const auto& [at, bytes] : m.lora->cleared)
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, st));
-  if (m.upd_inflight) NEXTLM_CUDA_CHECK(cudaEventRecord(m.upd_all, m.upd));
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, m.stream));
   m.lora->unwritten = !m.lora->overwritten.empty();
 }
 
@@ -1862,7 +1855,7 @@ void settle_lora_grads(const CudaModel::Impl& m) {
 
 // One forward + backward under the policy's current flags.
 double forward_backward_once(CudaModel::Impl& m, const PackedBatch& batch) {
-  m.start(batch, true);  // the optimizer's update waited for a layer at a time (Step::run)
+  m.start(batch);
   const cuda::Plan p = m.plan(batch);
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(),
         "batch: target_weight has ", batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
@@ -2129,7 +2122,6 @@ void overwritten_grads(cuda::LoraState& st) {
 
 void CudaModel::set_lora(const LoraAdapter& adapter) {
   Impl& m = *impl_;
-  m.drain_update();  // the optimizer's update writes the adapters this replaces
   m.weights_changed();
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
@@ -2273,7 +2265,6 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
 void CudaModel::lora_gradients(LoraAdapter& adapter) const {
   const Impl& m = *impl_;
   check(m.lora != nullptr, "no LoRA adapter on the device (set_lora)");
-  m.settle_update();
   std::vector<LoraModule>& mods = adapter.modules();
   check(mods.size() == m.lora->order.size(), "LoRA gradients: the adapter has ", mods.size(), " modules, the device ",
         m.lora->order.size());
@@ -2328,7 +2319,6 @@ const cuda::LoraState& whole_lora(const CudaModel::Impl& m, const LoraAdapter& a
 
 void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state) {
   Impl& m = *impl_;
-  m.drain_update();  // the update of an optimizer this replaces
   const cuda::LoraState& ls = whole_lora(m, adapter);
   const std::vector<LoraModule>& mods = adapter.modules();
   const size_t count = 2 * mods.size();
@@ -2354,20 +2344,6 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
   }
   for (size_t j = 0; j < count; ++j) opt->host[j].n = sizes[j];
   opt->chunks = cuda::optim_chunks(opt->host.data(), static_cast<int>(count));
-  // Runs of one layer's tensors, for the update by layer (lora_adamw_step): by layer when no layer has two.
-  for (size_t i = 0; i < mods.size(); ++i)
-    if (opt->runs.empty() || opt->runs.back().layer != mods[i].layer)
-      opt->runs.push_back({mods[i].layer, static_cast<int>(2 * i), 0, 0});
-  std::vector<char> seen(m.layers.size(), 0);
-  opt->by_layer = true;
-  for (size_t k = 0; k < opt->runs.size(); ++k) {
-    auto& r = opt->runs[k];
-    r.count = (k + 1 < opt->runs.size() ? opt->runs[k + 1].begin : static_cast<int>(count)) - r.begin;
-    r.chunks = cuda::optim_chunks(opt->host.data() + r.begin, r.count);
-    const bool in_range = r.layer >= 0 && r.layer < static_cast<int64_t>(seen.size());
-    if (!in_range || seen[static_cast<size_t>(r.layer)]) opt->by_layer = false;
-    if (in_range) seen[static_cast<size_t>(r.layer)] = 1;
-  }
   const size_t at_params = take(count * sizeof(cuda::DeviceParam)),
                at_ws = take(static_cast<size_t>(cuda::optim_workspace_bytes(static_cast<int>(count), opt->chunks))),
                at_sq = take(sizeof(double));
@@ -2411,33 +2387,12 @@ double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, d
   Impl& m = *impl_;
   check(m.lora && m.lora->opt, "no device LoRA optimizer (start_lora_optimizer)");
   cuda::LoraState::Optimizer& opt = *m.lora->opt;
-  m.settle_update();  // an update no forward waited for yet
   settle_lora_grads(m);
   const int count = static_cast<int>(opt.host.size());
   const float scale = static_cast<float>(grad_scale);
   cuda::grad_sq_norm(opt.params, count, opt.chunks, scale, opt.sq, opt.workspace, m.stream);
-  if (m.train_overlap && m.update_overlap && !m.tp_comm && !m.ep_comm && !opt.runs.empty()) {
-    // On the update stream, a layer at a time (the same AdamW on the same elements, so the same bits): the next
-    // forward_backward waits for each layer's before it runs that layer, anything else for all of it
-    // (settle_update). The clipping's norm is formed here first; the update reads it after.
-    m.make_update_stream();
-    NEXTLM_CUDA_CHECK(cudaEventRecord(m.upd_fork, m.stream));
-    NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(m.upd, m.upd_fork, 0));
-    for (const auto& r : opt.runs) {
-      cuda::adamw_update(opt.params + r.begin, r.count, r.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2,
-                         o.eps, o.weight_decay, t, opt.workspace, m.upd);
-      if (opt.by_layer) {
-        NEXTLM_CUDA_CHECK(cudaEventRecord(m.upd_layer[static_cast<size_t>(r.layer)], m.upd));
-        m.upd_pending[static_cast<size_t>(r.layer)] = 1;
-      }
-    }
-    NEXTLM_CUDA_CHECK(cudaEventRecord(m.upd_all, m.upd));
-    m.upd_inflight = true;
-    m.upd_by_layer = opt.by_layer;
-  } else {
-    cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
-                       o.weight_decay, t, opt.workspace, m.stream);
-  }
+  cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
+                     o.weight_decay, t, opt.workspace, m.stream);
   double sq = 0;
   NEXTLM_CUDA_CHECK(cudaMemcpyAsync(&sq, opt.sq, sizeof(double), cudaMemcpyDeviceToHost, m.stream));
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
@@ -2450,7 +2405,6 @@ void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
   check(m.lora->opt != nullptr, "no device LoRA optimizer (start_lora_optimizer)");
   const cuda::LoraState::Optimizer& opt = *m.lora->opt;
   std::vector<LoraModule>& mods = adapter.modules();
-  m.settle_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   if (state) {
     state->m().resize(opt.host.size());
@@ -2488,7 +2442,6 @@ ModelWeights CudaModel::gradients() const {
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   check(m.grads != nullptr, "no gradients yet: run forward_backward first");
-  m.settle_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   const cuda::Grads& g = *m.grads;
   // On a shard: this rank's slices (the layout of dist::ShardedModel, which dist::gather_gradients assembles), the
