@@ -23,6 +23,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -869,6 +870,28 @@ TEST(LoraCli, TrainScoreMergeAndResume) {
             0);
   const CliResult s32 = run_nextlm("score --threads 1 --model " + shell_quote(dir.str("m32")) + " --input " + shell_quote(data));
   EXPECT_EQ(s32.out, with.out);
+  // generate and serve decode with the adapter merged as score merges it: the f32 merge's tokens and log-probs.
+  const std::string gen = "generate --threads 1 --prompt-tokens 84,104,101,32,99 --max-new-tokens 8 --temperature 0 "
+                          "--ignore-eos --format json --model ";
+  const CliResult g_with = run_nextlm(gen + q + " --adapter " + shell_quote(ck));
+  const CliResult g_m32 = run_nextlm(gen + shell_quote(dir.str("m32")));
+  const CliResult g_plain = run_nextlm(gen + q);
+  ASSERT_EQ(g_with.rc, 0) << g_with.err;
+  ASSERT_EQ(g_m32.rc, 0) << g_m32.err;
+  ASSERT_EQ(g_plain.rc, 0) << g_plain.err;
+  EXPECT_EQ(g_with.out, g_m32.out);
+  // The adapter changes the greedy tokens here, so that the server's tokens below tell whether it applied it.
+  EXPECT_NE(json::parse(g_with.out).at("tokens"), json::parse(g_plain.out).at("tokens"));
+  {
+    ServeProcess server(NEXTLM_BINARY, {"--model", tiny_dir(), "--threads", "1", "--adapter", ck});
+    httplib::Client client("127.0.0.1", server.port());
+    client.set_read_timeout(30);
+    const json req = {{"prompt", {84, 104, 101, 32, 99}}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+    const auto res = client.Post("/v1/completions", req.dump(), "application/json");
+    ASSERT_TRUE(res) << httplib::to_string(res.error());
+    ASSERT_EQ(res->status, 200) << res->body;
+    EXPECT_EQ(json::parse(res->body)["choices"][0]["tokens"], json::parse(g_with.out).at("tokens")) << res->body;
+  }
   const CliResult mg = run_nextlm("merge --model " + q + " --adapter " + shell_quote(ck) + " --out " + shell_quote(dir.str("m")));
   ASSERT_EQ(mg.rc, 0) << mg.err;
   const CliResult sb = run_nextlm("score --threads 1 --model " + shell_quote(dir.str("m")) + " --input " + shell_quote(data));
@@ -917,6 +940,9 @@ TEST(LoraCli, BadValuesGiveOneLineErrors) {
        "--dtype"},
       {"merge --model " + q + " --out " + shell_quote(out), 2, "--adapter"},
       {"score --model " + q + " --adapter " + shell_quote(dir.str("none")) + " --input " + shell_quote(data), 1, "none"},
+      {"generate --model " + q + " --adapter " + shell_quote(dir.str("none")) + " --prompt-tokens 1 --max-new-tokens 1",
+       1, "none"},
+      {"serve --port 0 --model " + q + " --adapter " + shell_quote(dir.str("none")), 1, "none"},
   };
   for (const Case& c : cases) {
     const CliResult r = run_nextlm(c.args);

@@ -550,7 +550,7 @@ int cmd_grad(const GradArgs& a) {
 }
 
 struct GenerateArgs {
-  std::string model, prompt_tokens, prompt, stop_tokens, device = "cpu", format = "text";
+  std::string model, prompt_tokens, prompt, stop_tokens, device = "cpu", format = "text", adapter;
   int64_t max_new_tokens = 0;
   double temperature = 1.0, top_p = 1.0, min_p = 0.0;
   int64_t top_k = 0;
@@ -617,16 +617,18 @@ int cmd_generate(const GenerateArgs& a, bool has_prompt_tokens, bool has_prompt)
 #endif
   if (parallel_run(a.tp, a.ep)) {
     if (a.device != "cpu") throw UsageError("--tp/--ep and mpirun run on --device cpu only");
+    if (!a.adapter.empty()) throw UsageError("--adapter is not supported with --tp/--ep or mpirun (merge it first)");
     load_parallel(a.model, a.tp, a.ep, mesh, sharded);
   } else if (a.device == "cuda") {
 #ifdef NEXTLM_HAVE_CUDA
     // Straight from the checkpoint in bf16, as `score --device cuda` loads it, so that the log-probs reported here
-    // agree with its scores.
-    gpu = CudaModel::load(a.model);
+    // agree with its scores; with an adapter, as score loads it too: merged into the fp32 host weights first.
+    gpu = a.adapter.empty() ? CudaModel::load(a.model)
+                            : std::make_unique<CudaModel>(load_model_with_adapter(a.model, a.adapter));
     gpu->set_batch_invariant(a.batch_invariant);
 #endif
   } else {
-    model.emplace(Model::load(a.model));
+    model.emplace(load_model_with_adapter(a.model, a.adapter));  // no --adapter: the model as it is
   }
   const ModelConfig* config = model ? &model->config() : sharded ? &sharded->config : nullptr;
 #ifdef NEXTLM_HAVE_CUDA
@@ -827,6 +829,8 @@ int run_cli_impl(int argc, char** argv) {
   GenerateArgs gen;
   CLI::App* ge = app.add_subcommand("generate", "continue a prompt (greedy or sampled), with log-probabilities");
   ge->add_option("--model", gen.model, "model directory (config.json + safetensors)")->required()->check(non_empty());
+  ge->add_option("--adapter", gen.adapter, "LoRA adapter directory (PEFT) to apply, merged in fp32")
+      ->check(non_empty());
   CLI::Option* gen_prompt_tokens =
       ge->add_option("--prompt-tokens", gen.prompt_tokens, "prompt token ids, comma-separated")->check(non_empty());
   CLI::Option* gen_prompt =
@@ -867,6 +871,8 @@ int run_cli_impl(int argc, char** argv) {
   serve::ServeOptions srv;
   CLI::App* sv = app.add_subcommand("serve", "OpenAI-compatible HTTP server (completions, chat, streaming)");
   sv->add_option("--model", srv.model_dir, "model directory (config.json + safetensors)")->required()->check(non_empty());
+  sv->add_option("--adapter", srv.adapter, "LoRA adapter directory (PEFT) to apply, merged in fp32")
+      ->check(non_empty());
   sv->add_option("--port", srv.port, "TCP port (0: any free port, printed on stdout)")
       ->required()
       ->check(CLI::Range(0, 65535));

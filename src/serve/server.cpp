@@ -25,6 +25,7 @@
 #include "io/chat_template.h"
 #include "io/tokenizer.h"
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "serve/backend.h"
 #include "serve/scheduler.h"
@@ -589,8 +590,10 @@ int run_server(const ServeOptions& opt) {
 #endif
   if (opt.device == "cuda") {
 #ifdef NEXTLM_HAVE_CUDA
-    // Straight from the checkpoint in bf16, as `generate --device cuda` loads it.
-    gpu = CudaModel::load(opt.model_dir);
+    // Straight from the checkpoint in bf16, as `generate --device cuda` loads it (with an adapter, as it loads
+    // that: merged into the fp32 host weights first).
+    gpu = opt.adapter.empty() ? CudaModel::load(opt.model_dir)
+                              : std::make_unique<CudaModel>(load_model_with_adapter(opt.model_dir, opt.adapter));
     gpu->set_batch_invariant(opt.batch_invariant);
     backend = std::make_unique<CudaBackend>(*gpu, opt.max_batch, decoder_max_len(opt));
     config = &gpu->config();
@@ -598,7 +601,7 @@ int run_server(const ServeOptions& opt) {
     fail("--device cuda needs a build with the CUDA backend (NEXTLM_CUDA)");
 #endif
   } else {
-    model.emplace(Model::load(opt.model_dir));
+    model.emplace(load_model_with_adapter(opt.model_dir, opt.adapter));  // no adapter: the model as it is
     backend = std::make_unique<CpuBackend>(*model, opt.max_batch, opt.threads);
     config = &model->config();
   }

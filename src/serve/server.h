@@ -8,6 +8,7 @@ namespace nextlm::serve {
 
 struct ServeOptions {
   std::string model_dir;
+  std::string adapter;  // a LoRA adapter directory (PEFT), merged into the fp32 weights at load; empty: none
   std::string host = "127.0.0.1";
   int port = 8000;             // 0 picks a free port; the one bound is printed ("listening on http://HOST:PORT")
   int64_t max_batch = 8;       // requests decoded together; more wait in a queue
