@@ -446,9 +446,8 @@ void slice4_train_step_case(const std::string& name) {
                                   "LoRA step: adapters and optimizer not included)") +
                    " at " + std::to_string(kT) + " tokens, " + policy_words(used) +
                    "; device_memory_gib: the GPU's memory in use after the step (weights, gradients, arena); KDA "
-                   "forward core on tensor cores and chunked (WY) backward on tensor cores (kda_backward_products), MLA "
-                   "attention backward on tensor "
-                   "cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
+                   "forward core on tensor cores and chunked (WY) backward on tensor cores (kda_backward_products), "
+                   "MLA attention backward on tensor cores, dx of the experts on the grouped GEMM; median of " + std::to_string(kStepIters) +
                    " CUDA-event timings (host wall median " +
                    fmt("%.1f", median(wall)) + " ms); MFU = FLOPs needed (forward, input gradients" +
                    (full ? ", weight gradients" : "") +
