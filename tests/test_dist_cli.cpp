@@ -11,7 +11,13 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
+#include <vector>
 
+#include <signal.h>
+#include <stdlib.h>
+
+#include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
@@ -158,6 +164,67 @@ TEST_P(DistCli, MpiGenerateEqualsSingleProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, DistCli, ::testing::ValuesIn(golden_cases()),
                          [](const auto& info) { return param_name(info.param); });
+
+// `mpirun -np 2 nextlm serve --tp 2`, and `--ep 2`: rank 0 serves HTTP, rank 1 runs each of its scheduler's calls
+// on its slices. Three greedy completions sent at once (so that the prefills and steps carry several slots) give
+// the tokens of `mpirun -np 2 nextlm generate` with that layout, and their log-probabilities within 1e-6 (the same
+// calls on the same slices); a SIGTERM to mpirun ends every rank.
+TEST(DistCliServe, ServeUnderMpirunEqualsParallelGenerate) {
+  const std::string dir = std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next";
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const std::vector<std::string> mpi = {NEXTLM_MPIEXEC, "--oversubscribe", "--bind-to", "none", "--mca",
+                                        "btl_vader_single_copy_mechanism", "none", "-np", "2"};
+  const std::vector<std::string> prompts = {"Hello, world", "Once upon a time", "ab"};
+  for (const std::string layout : {"--tp", "--ep"}) {
+    ServeProcess server(NEXTLM_BINARY, {"--model", dir, "--threads", "1", "--max-batch", "3", layout, "2"}, 60, true,
+                        mpi);
+    std::vector<nlohmann::json> replies(prompts.size());
+    std::vector<std::thread> clients;
+    for (size_t i = 0; i < prompts.size(); ++i)
+      clients.emplace_back([&, i] {
+        httplib::Client c("127.0.0.1", server.port());
+        c.set_read_timeout(60);
+        const nlohmann::json req = {{"prompt", prompts[i]}, {"max_tokens", 10}, {"temperature", 0}, {"logprobs", 1}};
+        const auto res = c.Post("/v1/completions", req.dump(), "application/json");
+        if (res && res->status == 200) replies[i] = nlohmann::json::parse(res->body, nullptr, false);
+      });
+    for (std::thread& t : clients) t.join();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const CliResult g = run_mpi(2, "generate --model " + shell_quote(dir) + " --prompt " + shell_quote(prompts[i]) +
+                                         " --max-new-tokens 10 --temperature 0 --format json --threads 1 " + layout +
+                                         " 2");
+      ASSERT_EQ(g.rc, 0) << describe(g);
+      const nlohmann::json want = nlohmann::json::parse(g.out);
+      ASSERT_TRUE(replies[i].is_object()) << layout << ": no answer to prompt " << i;
+      const nlohmann::json& c = replies[i]["choices"][0];
+      EXPECT_EQ(c["tokens"], want["tokens"]) << layout << ": prompt " << i;
+      ASSERT_EQ(c["logprobs"]["token_logprobs"].size(), want["logprobs"].size()) << layout << ": prompt " << i;
+      for (size_t t = 0; t < want["logprobs"].size(); ++t)
+        EXPECT_NEAR(c["logprobs"]["token_logprobs"][t].get<double>(), want["logprobs"][t].get<double>(), 1e-6)
+            << layout << ": prompt " << i << ", token " << t;
+    }
+    EXPECT_NE(server.stop(SIGTERM, 30), -1) << layout << ": mpirun did not end within 30 s of SIGTERM";
+  }
+}
+
+// serve's layout flags fail before anything loads, with one line naming the flag: an adapter or the GPU with them, a
+// layout that does not divide the processes.
+TEST(DistCliServe, LayoutErrorsAreUsageErrors) {
+  const std::string dir = shell_quote(std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--tp 2 --adapter " + shell_quote(::testing::TempDir()), "--adapter"},
+      {"--tp 3", "--tp 3"},
+      {"--ep 2 --threads 1 --tp 1 --max-batch 0", "--max-batch"},
+  };
+  for (const auto& [flags, mention] : cases) {
+    const CliResult r = run_nextlm("serve --port 0 --model " + dir + " " + flags);
+    EXPECT_EQ(r.rc, 2) << flags << "\n" << describe(r);
+    EXPECT_EQ(r.err.rfind("error:", 0), 0u) << describe(r);
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << describe(r);
+    EXPECT_NE(r.err.find(mention), std::string::npos) << flags << "\n" << describe(r);
+  }
+}
 
 // The error line appears once (rank 0 prints it), whatever mpirun adds after it, and the job fails.
 void expect_one_error(const CliResult& r, const std::string& line) {

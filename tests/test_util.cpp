@@ -152,12 +152,16 @@ void copy_dir(const std::string& from, const std::string& to) {
                                       std::filesystem::copy_options::overwrite_existing);
 }
 
-ServeProcess::ServeProcess(const std::string& binary, std::vector<std::string> args, int start_seconds, bool quiet) {
+ServeProcess::ServeProcess(const std::string& binary, std::vector<std::string> args, int start_seconds, bool quiet,
+                           const std::vector<std::string>& launcher) {
   int out[2];
   if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
   args.insert(args.begin(), {binary, "serve", "--port", "0"});
+  args.insert(args.begin(), launcher.begin(), launcher.end());
+  group_ = !launcher.empty();
   pid_ = ::fork();
   if (pid_ == 0) {
+    if (!launcher.empty()) ::setpgid(0, 0);
     ::dup2(out[1], 1);
     if (quiet) ::dup2(::open("/dev/null", O_WRONLY), 2);
     ::close(out[0]);
@@ -180,14 +184,18 @@ ServeProcess::ServeProcess(const std::string& binary, std::vector<std::string> a
     line.append(buf, static_cast<size_t>(n));
   }
   const size_t colon = line.rfind(':');
-  if (line.rfind("listening on http://127.0.0.1:", 0) != 0 || colon == std::string::npos)
+  if (line.rfind("listening on http://127.0.0.1:", 0) != 0 || colon == std::string::npos) {
+    ::kill(group_ ? -pid_ : pid_, SIGKILL);  // no destructor runs: take it down here
+    ::waitpid(pid_, nullptr, 0);
+    ::close(out_);
     throw std::runtime_error("the server did not start: \"" + line + "\"");
+  }
   port_ = std::stoi(line.substr(colon + 1));
 }
 
 ServeProcess::~ServeProcess() {
   if (pid_ > 0) {
-    ::kill(pid_, SIGKILL);
+    ::kill(group_ ? -pid_ : pid_, SIGKILL);
     ::waitpid(pid_, nullptr, 0);
   }
   if (out_ >= 0) ::close(out_);
@@ -204,7 +212,7 @@ int ServeProcess::stop(int sig, int timeout_seconds) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ::kill(pid_, SIGKILL);
+  ::kill(group_ ? -pid_ : pid_, SIGKILL);
   ::waitpid(pid_, &status, 0);
   pid_ = -1;
   return -1;

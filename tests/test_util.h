@@ -83,10 +83,12 @@ std::string shell_quote(const std::string& s);
 // `BINARY serve --port 0 ARGS` as a child process: its stdout is read for the "listening on http://127.0.0.1:PORT"
 // line for up to start_seconds (CUDA start-up and a weights upload take a while); its stderr is this process's, or
 // /dev/null when quiet. Throws std::runtime_error with what it printed when it did not start. Killed and reaped when
-// this dies, unless stop() ran.
+// this dies, unless stop() ran. With a launcher (`mpiexec … -np 2`), `LAUNCHER BINARY serve --port 0 ARGS` in a
+// process group of its own, which is killed whole.
 class ServeProcess {
  public:
-  ServeProcess(const std::string& binary, std::vector<std::string> args, int start_seconds = 30, bool quiet = true);
+  ServeProcess(const std::string& binary, std::vector<std::string> args, int start_seconds = 30, bool quiet = true,
+               const std::vector<std::string>& launcher = {});
   ~ServeProcess();
   ServeProcess(const ServeProcess&) = delete;
   ServeProcess& operator=(const ServeProcess&) = delete;
@@ -98,6 +100,7 @@ class ServeProcess {
   int pid_ = -1;
   int out_ = -1;
   int port_ = 0;
+  bool group_ = false;  // pid_ leads a process group (a launcher's)
 };
 
 // Copies a checkpoint directory.

@@ -37,6 +37,7 @@
 #include "model/train.h"
 #include "dist/parallel_decode.h"
 #include "dist/parallel_model.h"
+#include "serve/dist_backend.h"
 #include "dist/parallel_train.h"
 #include "serve/server.h"
 #ifdef NEXTLM_HAVE_CUDA
@@ -715,6 +716,23 @@ int cmd_serve(const serve::ServeOptions& opt, bool has_max_len) {
     if (opt.batch_invariant) throw UsageError("--batch-invariant applies to --device cuda only");
     if (has_max_len) throw UsageError("--max-len applies to --device cuda only (the CPU decoder has no fixed length)");
   }
+  // Under mpirun, or with --tp/--ep: every rank loads its slices; rank 0 serves, the others follow its calls.
+  if (parallel_run(opt.tp, opt.ep)) {
+    if (opt.device != "cpu")
+      throw UsageError("--tp/--ep and mpirun serve on --device cpu only (the GPU decoder runs on one GPU)");
+    if (!opt.adapter.empty()) throw UsageError("--adapter is not supported with --tp/--ep or mpirun (merge it first)");
+    check(dist::mpi_calls_from_any_thread(), "serve under mpirun needs an MPI that allows calls from any thread, "
+          "one at a time (MPI_THREAD_SERIALIZED)");
+    std::optional<dist::Mesh> mesh;
+    std::optional<dist::ShardedModel> model;
+    load_parallel(opt.model_dir, opt.tp, opt.ep, mesh, model);
+    if (dist::world().rank() != 0) {
+      serve::follow_server(*model, *mesh, opt.max_batch, opt.threads);
+      return 0;
+    }
+    return serve::run_server(opt, std::make_unique<serve::DistBackend>(*model, *mesh, opt.max_batch, opt.threads),
+                             model->config);
+  }
   return serve::run_server(opt);
 }
 
@@ -895,6 +913,10 @@ int run_cli_impl(int argc, char** argv) {
   sv->add_flag("--batch-invariant", srv.batch_invariant,
                "--device cuda: nextlm's own batch-invariant GEMM instead of cuBLASLt (slower), so that a request's "
                "tokens do not depend on the requests prefilled with it: they are `generate --batch-invariant`'s");
+  sv->add_option("--tp", srv.tp, "tensor-parallel ranks (under mpirun, --device cpu; divides -np and the head counts)")
+      ->check(rank_count())->capture_default_str();
+  sv->add_option("--ep", srv.ep, "expert-parallel ranks (under mpirun, --device cpu; divides -np and n_routed_experts)")
+      ->check(rank_count())->capture_default_str();
 
   TrainArgs train;
   CLI::App* tr = add_train_command(app, train);

@@ -165,8 +165,8 @@ class MpiComm final : public Comm {
 // Initialises MPI on first use and finalises it when the process exits normally (static destruction).
 struct MpiSession {
   MpiSession() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    // Serialized: `serve` makes its calls from the scheduler's thread, one thread at a time.
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     // Errors come back as codes and become nextlm::Error instead of aborting the job with MPI's own report.
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     comm = std::make_unique<MpiComm>(MPI_COMM_WORLD, false);
@@ -178,17 +178,22 @@ struct MpiSession {
     if (!finalized) MPI_Finalize();
   }
   std::unique_ptr<MpiComm> comm;
+  int provided = 0;
 };
+
+MpiSession& mpi_session() {
+  static MpiSession session;
+  return session;
+}
 
 }  // namespace
 
 bool mpi_available() { return true; }
 
+bool mpi_calls_from_any_thread() { return !launched_by_mpi() || mpi_session().provided >= MPI_THREAD_SERIALIZED; }
+
 Comm& world() {
-  if (launched_by_mpi()) {
-    static MpiSession session;
-    return *session.comm;
-  }
+  if (launched_by_mpi()) return *mpi_session().comm;
   static LocalComm local;
   return local;
 }
@@ -196,6 +201,8 @@ Comm& world() {
 #else
 
 bool mpi_available() { return false; }
+
+bool mpi_calls_from_any_thread() { return true; }
 
 Comm& world() {
   static LocalComm local;

@@ -62,6 +62,9 @@ class LocalComm final : public Comm {
 
 // True when this build has the MPI backend.
 bool mpi_available();
+// Whether world()'s collectives may be called from a thread other than the one that started MPI (one thread at a
+// time: MPI_THREAD_SERIALIZED, which MPI is asked for); true when MPI is not in use. Starts MPI under a launcher.
+bool mpi_calls_from_any_thread();
 // True when this process was started by an MPI launcher (mpirun / mpiexec set OMPI_COMM_WORLD_SIZE, PMI_SIZE or
 // PMIX_RANK).
 bool launched_by_mpi();

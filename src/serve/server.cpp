@@ -571,7 +571,9 @@ int64_t decoder_max_len(const ServeOptions& opt) {
   return len;
 }
 
-int run_server(const ServeOptions& opt) {
+namespace {
+
+void check_options(const ServeOptions& opt) {
   check(opt.max_batch >= 1, "--max-batch must be >= 1, got ", opt.max_batch);
   check(opt.max_tokens >= 2, "--max-tokens must be >= 2, got ", opt.max_tokens);
   check(opt.port >= 0 && opt.port <= 65535, "--port must be from 0 to 65535, got ", opt.port);
@@ -579,6 +581,12 @@ int run_server(const ServeOptions& opt) {
   check(opt.device == "cuda" || (opt.max_len == 0 && !opt.batch_invariant),
         "--max-len and --batch-invariant apply to --device cuda only");
   check(opt.max_len == 0 || opt.max_len >= 2, "--max-len must be >= 2, got ", opt.max_len);
+}
+
+}  // namespace
+
+int run_server(const ServeOptions& opt) {
+  check_options(opt);
   cpu::set_num_threads(opt.threads);
 
   // The model on its device and the scheduler's decoder over it (both outlive the scheduler).
@@ -605,7 +613,12 @@ int run_server(const ServeOptions& opt) {
     backend = std::make_unique<CpuBackend>(*model, opt.max_batch, opt.threads);
     config = &model->config();
   }
+  return run_server(opt, std::move(backend), *config);
+}
 
+int run_server(const ServeOptions& opt, std::unique_ptr<DecodeBackend> backend, const ModelConfig& model_config) {
+  check_options(opt);
+  const ModelConfig* config = &model_config;
   Context ctx;
   ctx.model_name = model_name(opt.model_dir);
   ctx.vocab_size = config->vocab_size;
@@ -684,7 +697,10 @@ int run_server(const ServeOptions& opt) {
   std::cerr << "serve: model " << ctx.model_name << " (vocab " << ctx.vocab_size
             << (tokenizer ? ", tokenizer.json" : ctx.byte_level ? ", bytes" : ", token ids only") << ", eos "
             << (ctx.eos_tokens.empty() ? std::string("none") : dump(ctx.eos_tokens)) << "), device " << opt.device
-            << (opt.batch_invariant ? " (batch-invariant)" : "") << ", max batch " << opt.max_batch
+            << (opt.batch_invariant ? " (batch-invariant)" : "")
+            << (opt.tp > 1 || opt.ep > 1 ? " (tp " + std::to_string(opt.tp) + ", ep " + std::to_string(opt.ep) + ")"
+                                         : std::string())
+            << ", max batch " << opt.max_batch
             << ", max tokens " << ctx.max_tokens << " (" << ctx.limit_flag << ")\n";
   std::cout << "listening on http://" << opt.host << ":" << port << std::endl;
   svr.listen_after_bind();  // returns once stopped and every handler has returned

@@ -2,7 +2,11 @@
 // GET /v1/models, GET /health) on the CPU decode path or the GPU's, with continuous batching (serve/scheduler.h).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
+
+#include "model/config.h"
+#include "serve/backend.h"
 
 namespace nextlm::serve {
 
@@ -19,6 +23,7 @@ struct ServeOptions {
   // of max_tokens, the model's max_position_embeddings and kDefaultMaxLen.
   int64_t max_len = 0;
   bool batch_invariant = false;  // cuda: CudaModel::set_batch_invariant (prefills independent of the other prompts)
+  int tp = 1, ep = 1;  // tensor- and expert-parallel ranks under mpirun (cpu; the CLI makes the DistBackend)
 };
 
 constexpr int64_t kDefaultMaxLen = 8192;
@@ -33,5 +38,8 @@ int64_t decoder_max_len(const ServeOptions& opt);
 // cancels its request. Throws Error when the model cannot be loaded, the options do not fit the device (max_len or
 // batch_invariant without cuda, cuda in a build without it) or the address cannot be bound.
 int run_server(const ServeOptions& opt);
+// The same with a backend made by the caller over a model it holds (config): `serve --tp/--ep`'s DistBackend on
+// rank 0 (serve/dist_backend.h).
+int run_server(const ServeOptions& opt, std::unique_ptr<DecodeBackend> backend, const ModelConfig& config);
 
 }  // namespace nextlm::serve
