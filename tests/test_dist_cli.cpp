@@ -28,13 +28,18 @@ namespace {
 
 constexpr double kTol = 1e-5;
 
-// mpiexec with the flags a CI container needs: root allowed, more ranks than cores, no core binding, and no
-// cross-process memory attach for the shared-memory transport (containers often forbid the ptrace it needs).
+// mpiexec -np NP with the flags a CI container needs: more ranks than cores, no core binding, and no cross-process
+// memory attach for the shared-memory transport (containers often forbid the ptrace it needs). Root is allowed by
+// the environment (OMPI_ALLOW_RUN_AS_ROOT*), which run_mpi sets on its command and ServeProcess's callers in theirs.
+std::vector<std::string> mpi_launcher(int np) {
+  return {NEXTLM_MPIEXEC, "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none",
+          "-np", std::to_string(np)};
+}
+
 CliResult run_mpi(int np, const std::string& args) {
-  const std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + shell_quote(NEXTLM_MPIEXEC) +
-                          " --oversubscribe --bind-to none --mca btl_vader_single_copy_mechanism none -np " +
-                          std::to_string(np) + " " +
-                          shell_quote(NEXTLM_BINARY) + " " + args;
+  std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
+  for (const std::string& a : mpi_launcher(np)) cmd += " " + shell_quote(a);
+  cmd += " " + shell_quote(NEXTLM_BINARY) + " " + args;
   CliResult r;
   r.rc = run_command(cmd, &r.out, &r.err);
   return r;
@@ -173,8 +178,7 @@ TEST(DistCliServe, ServeUnderMpirunEqualsParallelGenerate) {
   const std::string dir = std::string(NEXTLM_SOURCE_DIR) + "/examples/tiny-glm5-next";
   ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
   ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  const std::vector<std::string> mpi = {NEXTLM_MPIEXEC, "--oversubscribe", "--bind-to", "none", "--mca",
-                                        "btl_vader_single_copy_mechanism", "none", "-np", "2"};
+  const std::vector<std::string> mpi = mpi_launcher(2);
   const std::vector<std::string> prompts = {"Hello, world", "Once upon a time", "ab"};
   for (const std::string layout : {"--tp", "--ep"}) {
     ServeProcess server(NEXTLM_BINARY, {"--model", dir, "--threads", "1", "--max-batch", "3", layout, "2"}, 60, true,
@@ -215,7 +219,7 @@ TEST(DistCliServe, LayoutErrorsAreUsageErrors) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--tp 2 --adapter " + shell_quote(::testing::TempDir()), "--adapter"},
       {"--tp 3", "--tp 3"},
-      {"--ep 2 --threads 1 --tp 1 --max-batch 0", "--max-batch"},
+      {"--ep 2 --device cuda", "--device"},
   };
   for (const auto& [flags, mention] : cases) {
     const CliResult r = run_nextlm("serve --port 0 --model " + dir + " " + flags);

@@ -37,8 +37,8 @@
 #include "model/train.h"
 #include "dist/parallel_decode.h"
 #include "dist/parallel_model.h"
-#include "serve/dist_backend.h"
 #include "dist/parallel_train.h"
+#include "serve/dist_backend.h"
 #include "serve/server.h"
 #ifdef NEXTLM_HAVE_CUDA
 #include "cuda/device_model.h"

@@ -160,7 +160,7 @@ std::vector<std::vector<float>> DistBackend::step(const std::vector<int64_t>& sl
 }
 
 void DistBackend::clear(int64_t slot) {
-  check(slot >= 0 && slot < slots(), "decoder slot ", slot, " is outside [0, ", slots(), ")");
+  slots_.check_slot(slot);
   Call c;
   c.op = Op::Clear;
   c.slots = {slot};

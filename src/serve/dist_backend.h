@@ -25,6 +25,7 @@ class DistSlots {
   DistSlots(const dist::ShardedModel& model, const dist::Mesh& mesh, int64_t slots);
 
   int64_t slots() const { return static_cast<int64_t>(states_.size()); }
+  void check_slot(int64_t slot) const;  // Error when slot is outside [0, slots())
   // The checks of a call (Error when it does not fit the slots), made before any collective; rank 0 makes them
   // before it sends the call, so that a call the others receive passes them there too.
   void check_prefill(const std::vector<int64_t>& slots, const std::vector<std::vector<int32_t>>& prompts) const;
@@ -35,8 +36,6 @@ class DistSlots {
   void clear(int64_t slot);
 
  private:
-  void check_slot(int64_t slot) const;
-
   const dist::ShardedModel& model_;
   const dist::Mesh& mesh_;
   std::vector<std::optional<dist::ParallelDecodeState>> states_;  // [slots]: empty until prefilled
