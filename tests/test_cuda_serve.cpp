@@ -4,6 +4,7 @@
 // decoder's prefill and step calls; cancelling a request frees its slot, cleared, for a queued one; a request longer
 // than the decoder's max_len fails before it reaches the GPU. And end to end: `nextlm serve --device cuda` answers
 // concurrent requests with what `nextlm generate --device cuda` prints, and refuses one beyond --max-len with a 400.
+// With a LoRA adapter (--adapter) generate, score and serve on the GPU give what its f32 merge gives there.
 #include <signal.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -368,6 +370,64 @@ TEST(CudaServe, HttpCompletionsEqualGenerate) {
   EXPECT_EQ(refused["error"]["code"], "context_length_exceeded") << refused.dump();
   EXPECT_NE(refused["error"]["message"].get<std::string>().find("limit of 64 tokens (--max-len)"), std::string::npos)
       << refused.dump();
+  EXPECT_EQ(server.stop(), 0);
+}
+
+
+// A LoRA adapter on the GPU (`generate`/`score`/`serve --device cuda --adapter`): merged into the fp32 host weights
+// at load and rounded onto the device, as `merge --dtype f32` writes them and the GPU then loads them. An adapter
+// trained for three steps on the CPU; generate's greedy tokens and log-probs and score's log-probs with --adapter are
+// exactly those of the f32 merge on the GPU, generate's tokens differ from the base's (so the adapter was applied),
+// and the server's greedy completion with --adapter equals generate's.
+TEST(CudaServe, AdapterOnTheGpuEqualsItsF32Merge) {
+  if (!std::filesystem::exists(nextlm_binary())) GTEST_SKIP() << "no nextlm binary at " << nextlm_binary();
+  const std::string model = test::golden_dir("tiny-glm5-next"), bin = test::shell_quote(nextlm_binary());
+  test::TempDir dir;
+  const std::string data = dir.str("data.jsonl");
+  {
+    std::ofstream f(data);
+    for (const std::string& l : {std::string("the cat sat on the mat."), std::string("the dog sat on the log."),
+                                 std::string("a cat and a dog.")}) {
+      f << "{\"tokens\": [";
+      for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
+      f << "]}\n";
+    }
+  }
+  auto run = [&](const std::string& args) {
+    std::string out, err;
+    const int rc = test::run_command(bin + " " + args, &out, &err);
+    EXPECT_EQ(rc, 0) << args << "\n" << err;
+    return out;
+  };
+  const std::string q = test::shell_quote(model), ck = dir.str("run") + "/checkpoint";
+  run("train --model " + q + " --data " + test::shell_quote(data) + " --out " + test::shell_quote(dir.str("run")) +
+      " --lora-rank 4 --lora-alpha 8 --steps 3 --lr 2e-2 --warmup 1 --batch-tokens 64 --threads 1");
+  ASSERT_TRUE(std::filesystem::exists(ck + "/adapter_model.safetensors"));
+  run("merge --model " + q + " --adapter " + test::shell_quote(ck) + " --out " + test::shell_quote(dir.str("m32")) +
+      " --dtype f32");
+  const std::string gen = "generate --device cuda --batch-invariant --prompt-tokens 84,104,101,32,99 "
+                          "--max-new-tokens 12 --temperature 0 --ignore-eos --format json --model ";
+  const std::string g_with = run(gen + q + " --adapter " + test::shell_quote(ck));
+  const std::string g_m32 = run(gen + test::shell_quote(dir.str("m32")));
+  const std::string g_plain = run(gen + q);
+  ASSERT_FALSE(g_with.empty());
+  EXPECT_EQ(g_with, g_m32);
+  const nlohmann::json with = nlohmann::json::parse(g_with);
+  EXPECT_NE(with.at("tokens"), nlohmann::json::parse(g_plain).at("tokens"));
+  const std::string score = "score --device cuda --input " + test::shell_quote(data) + " --model ";
+  const std::string s_with = run(score + q + " --adapter " + test::shell_quote(ck));
+  EXPECT_FALSE(s_with.empty());
+  EXPECT_EQ(s_with, run(score + test::shell_quote(dir.str("m32"))));
+  EXPECT_NE(s_with, run(score + q));
+  ServerProcess server({"--model", model, "--device", "cuda", "--batch-invariant", "--adapter", ck, "--max-batch",
+                        "2", "--max-len", "64", "--threads", "1"});
+  int status = 0;
+  const nlohmann::json got = post(server.port(),
+                                  {{"prompt", {84, 104, 101, 32, 99}}, {"max_tokens", 12}, {"temperature", 0},
+                                   {"ignore_eos", true}},
+                                  &status);
+  ASSERT_EQ(status, 200) << got.dump();
+  EXPECT_EQ(got["choices"][0]["tokens"], with.at("tokens")) << got.dump();
   EXPECT_EQ(server.stop(), 0);
 }
 
