@@ -207,13 +207,14 @@ void kda_backward_case(const std::string& name) {
   const bool ok = one.max_rel <= tol && four.max_rel <= tol;
   char note[700];
   std::snprintf(note, sizeof note,
-                "%s: chunked (WY) form, %s tensor cores, T=4096 in 1 sequence; 4 sequences of 1024: chunked "
+                "%s: chunked (WY) form, %s tensor cores%s, T=4096 in 1 sequence; 4 sequences of 1024: chunked "
                 "%.3f ms, recurrent %.3f ms; chunked/recurrent speed-up %.1fx (1 seq), %.1fx (4 seqs); floor = "
                 "max(bytes %.2f GB -> %.3f ms, FLOPs %.2f TFLOP (3x the forward's chunked count) -> %.3f ms); chunked "
                 "vs recurrent max norm-rel err over dq,dk,dv,dg,dbeta: %.2g (1 seq), %.2g (4 seqs), bound %.0e",
-                ok ? "ok" : "CHECK FAILED", bf16 ? "bf16" : "split-bf16", four.chunked_ms, four.recurrent_ms,
-                one.recurrent_ms / one.chunked_ms, four.recurrent_ms / four.chunked_ms, bytes / 1e9,
-                bytes / kBytesPerMs, flops / 1e12, flops / kFlopsPerMs, one.max_rel, four.max_rel, tol);
+                ok ? "ok" : "CHECK FAILED", bf16 ? "bf16" : "split-bf16",
+                bf16 ? (cuda::kda_backward_compact_prep() ? " (compact prep)" : " (full prep)") : "", four.chunked_ms,
+                four.recurrent_ms, one.recurrent_ms / one.chunked_ms, four.recurrent_ms / four.chunked_ms,
+                bytes / 1e9, bytes / kBytesPerMs, flops / 1e12, flops / kFlopsPerMs, one.max_rel, four.max_rel, tol);
   emit(name, one.chunked_ms, "step-serial recurrent kernel (cuda::kda_recurrent_backward), same run", one.recurrent_ms,
        floor_ms, note);
 }

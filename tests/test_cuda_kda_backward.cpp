@@ -278,6 +278,27 @@ TEST_P(CudaBackwardKdaChunked, Bf16ProductsStayNearTheCpu) {
   }
 }
 
+// The bf16 products' compact prep kernel (two blocks an SM) gives the full form's bits, on both paths of the pairs
+// within a block (gate 0.5: on tensor cores; 5: element by element) and on partial chunks.
+TEST_P(CudaBackwardKdaChunked, CompactPrepGivesTheSameBits) {
+  const int64_t K = GetParam(), H = 2;
+  const bool was = cuda_testing::kda_backward_compact_prep();
+  for (const float gate : {0.5f, 5.0f}) {
+    const Case c = make_case({130, 64, 1, 77}, H, K, 950 + static_cast<unsigned>(K), gate);
+    cuda_testing::set_kda_backward_compact_prep(true);
+    const auto a = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, false, true);
+    cuda_testing::set_kda_backward_compact_prep(false);
+    const auto b = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, false, true);
+    SCOPED_TRACE("gate " + std::to_string(gate));
+    EXPECT_EQ(a.dq, b.dq);
+    EXPECT_EQ(a.dk, b.dk);
+    EXPECT_EQ(a.dv, b.dv);
+    EXPECT_EQ(a.dg, b.dg);
+    EXPECT_EQ(a.dbeta, b.dbeta);
+  }
+  cuda_testing::set_kda_backward_compact_prep(was);
+}
+
 // No atomics: two runs give the same bits.
 TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const int64_t K = GetParam(), H = 2;

@@ -128,6 +128,11 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 // products: SplitBf16 as above; Bf16 forms each product from the operands' bf16 roundings alone (one MMA in place
 // of three, as the tensor-core forward kda_tc.cu does: ~1e-3 relative in the gradients).
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
+// Bf16 products run the first kernel (prep) in a compact form, two blocks an SM, with the same bits as the full form
+// (on by default; NEXTLM_KDA_PREP_COMPACT=0 or set_kda_backward_compact_prep(false), process-wide, for the tests and
+// the benches' comparisons).
+void set_kda_backward_compact_prep(bool on);
+bool kda_backward_compact_prep();
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
                           float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,

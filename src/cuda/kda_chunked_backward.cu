@@ -39,6 +39,10 @@
 // too): reproducible run to run. Kernels of one call run in stream order, so inter and intra both add into dq, dk
 // and dg without a race; without accumulate, inter's contributions are the first (stored, not added) and intra's dv
 // and dβ are stored.
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
 #include "cuda/backward_kernels.h"
 #include "cuda/mma.cuh"
 
@@ -364,29 +368,38 @@ constexpr int chunk_warps() {
 // ---- prep: per (chunk, head), the forward's factors (as kda.cu's chunk_prepare, with A and M kept apart) and the
 // state pass's products with dO ----
 
-template <int K>
+// The compact form (kCompact, for KdaBackwardProducts::Bf16 alone): no lo planes in the scratch and q, k read from
+// global memory where they are used instead of staged, so that its shared memory (109 KiB at K = 128 against 223)
+// and eight warps' registers let two blocks share an SM: the phases of one overlap the other's (a block alone is a
+// chain of loads, products and barriers). The same operations on the same values: the same bits as the full form.
+template <int K, bool kCompact = false>
 struct PrepSmem {
   static constexpr int KP = K + 4, KS = K + 8;  // KP: 16-byte rows (staged and read as float4)
-  static constexpr int floats = 3 * kC * KP + 2 * kC * kCP + kC;  // Γ, k, q; A, Aqk (fp32); β
-  static constexpr int cross = 2 * 128 * KS;                        // split [128, KS]
-  static constexpr int factors = 2 * kC * kCS + 4 * kC * KS;        // split [C, CS] and two split [C, KS]
+  static constexpr int NP = kCompact ? 1 : 2;   // planes of a split matrix in the scratch
+  static constexpr int floats = (kCompact ? 1 : 3) * kC * KP + 2 * kC * kCP + kC;  // Γ (, k, q); A, Aqk (fp32); β
+  static constexpr int cross = NP * 128 * KS;                                       // split [128, KS]
+  static constexpr int factors = NP * (kC * kCS + 2 * kC * KS);  // split [C, CS] and two split [C, KS]
   static constexpr size_t bytes = size_t(floats) * 4 + size_t(cross > factors ? cross : factors) * 2;
 };
+template <int K, bool kCompact>
+constexpr int prep_warps() {
+  return kCompact ? 8 : chunk_warps<K>();
+}
 
-template <int K>
-__global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p) {
-  constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
+template <int K, bool kCompact>
+__global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 : 1) prep_kernel(Params p) {
+  constexpr int NW = prep_warps<K, kCompact>(), NTH = 32 * NW, NP = PrepSmem<K, kCompact>::NP;
   constexpr int KP = PrepSmem<K>::KP, KS = K + 8, pX = kC * KS, pC = kC * kCS;
   using OT = WarpTile<kC, K, 1, NW>;
   static_assert(OT::RT * OT::CG == NW, "every warp has a tile of the [C, K] outputs");
   extern __shared__ __align__(16) unsigned char smem[];
-  float* sg = reinterpret_cast<float*>(smem);  // [C, KP] Γ
-  float* sk = sg + kC * KP;                    // [C, KP] k
-  float* sq = sk + kC * KP;                    // [C, KP] q
-  float* sa = sq + kC * KP;                    // [C, CP] A
-  float* sqk = sa + kC * kCP;                  // [C, CP] Aqk
-  float* sb = sqk + kC * kCP;                  // [C] β
-  bf16* xs = reinterpret_cast<bf16*>(sb + kC);  // split scratch
+  float* sg = reinterpret_cast<float*>(smem);          // [C, KP] Γ
+  float* sk = sg + kC * KP;                            // [C, KP] k (full form)
+  float* sq = sk + kC * KP;                            // [C, KP] q (full form)
+  float* sa = kCompact ? sg + kC * KP : sq + kC * KP;  // [C, CP] A
+  float* sqk = sa + kC * kCP;                          // [C, CP] Aqk
+  float* sb = sqk + kC * kCP;                          // [C] β
+  bf16* xs = reinterpret_cast<bf16*>(sb + kC);         // split scratch
   float* xf = reinterpret_cast<float*>(xs);     // the same, as fp32 scratch of the inverse
   const int64_t c = blockIdx.x, h = blockIdx.y, H = p.H, HK = H * K;
   const int t0 = p.ch.chunk_start[c], n = p.ch.chunk_len[c];
@@ -394,9 +407,19 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
   const Layout lay{K};
   float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
+  const bool lo = !kCompact && p.lo;  // the compact form is the bf16 products' alone
+  // Row i's k and q at columns d …: staged (full form) or from global memory (compact); zero at rows ≥ n.
+  auto rowk = [&](int i) { return kCompact ? p.k + base + int64_t(i) * HK : sk + i * KP; };
+  auto rowq = [&](int i) { return kCompact ? p.q + base + int64_t(i) * HK : sq + i * KP; };
+  auto k2 = [&](int i, int d) { return !kCompact || i < n ? ld2(rowk(i) + d) : make_float2(0.0f, 0.0f); };
+  auto q2 = [&](int i, int d) { return !kCompact || i < n ? ld2(rowq(i) + d) : make_float2(0.0f, 0.0f); };
+  auto k4 = [&](int i, int d) { return !kCompact || i < n ? ld4(rowk(i) + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f); };
+  auto q4 = [&](int i, int d) { return !kCompact || i < n ? ld4(rowq(i) + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f); };
   stage<kC, K, NTH>(sg, KP, p.g + base, HK, n);
-  stage<kC, K, NTH>(sk, KP, p.k + base, HK, n);
-  stage<kC, K, NTH>(sq, KP, p.q + base, HK, n);
+  if constexpr (!kCompact) {
+    stage<kC, K, NTH>(sk, KP, p.k + base, HK, n);
+    stage<kC, K, NTH>(sq, KP, p.q + base, HK, n);
+  }
   for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   sync_staged();
   bool wide = false;  // a block of this thread's column too wide for the split at its middle row
@@ -419,8 +442,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
       const float2 g = ld2(sg + i * KP + d);  // rows ≥ n have g = 0: Γ[C−1] = Γ[n−1]
-      const float2 l = ld2(sg + (kC - 1) * KP + d), k2 = ld2(sk + i * KP + d);
-      put2(wkd + i * K + d, kC * K, k2.x * exp_ftz(l.x - g.x), k2.y * exp_ftz(l.y - g.y), p.lo);
+      const float2 l = ld2(sg + (kC - 1) * KP + d), kk = k2(i, d);
+      put2(wkd + i * K + d, kC * K, kk.x * exp_ftz(l.x - g.x), kk.y * exp_ftz(l.y - g.y), lo);
       st2(ws + lay.G() + i * K + d, g.x, g.y);
     }
   }
@@ -441,9 +464,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
         float4 gi[RI], ki[RI], qi[RI];
 #pragma unroll
         for (int a = 0; a < RI; ++a)
-          gi[a] = ld4(sg + (i0 + a) * KP + d), ki[a] = ld4(sk + (i0 + a) * KP + d), qi[a] = ld4(sq + (i0 + a) * KP + d);
+          gi[a] = ld4(sg + (i0 + a) * KP + d), ki[a] = k4(i0 + a, d), qi[a] = q4(i0 + a, d);
         const float4 gj[2] = {ld4(sg + j0 * KP + d), ld4(sg + (j0 + 1) * KP + d)};
-        const float4 kj[2] = {ld4(sk + j0 * KP + d), ld4(sk + (j0 + 1) * KP + d)};
+        const float4 kj[2] = {k4(j0, d), k4(j0 + 1, d)};
         auto at = [](const float4& v, int x) { return x == 0 ? v.x : (x == 1 ? v.y : (x == 2 ? v.z : v.w)); };
 #pragma unroll
         for (int x = 0; x < 4; ++x)
@@ -485,32 +508,32 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       __syncthreads();  // the scratch is no longer read
       for (int idx = tid; idx < r0 * K / 2; idx += NTH) {
         const int j = idx / (K / 2), d = 2 * (idx - j * (K / 2));
-        const float2 kj = ld2(sk + j * KP + d), gj = ld2(sg + j * KP + d), gr = ld2(sg + r0 * KP + d);
-        put2(xs + j * KS + d, pl, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y), p.lo);
+        const float2 kj = k2(j, d), gj = ld2(sg + j * KP + d), gr = ld2(sg + r0 * KP + d);
+        put2(xs + j * KS + d, pl, kj.x * exp_ftz(gr.x - gj.x), kj.y * exp_ftz(gr.y - gj.y), lo);
       }
       for (int idx = tid; idx < (ib > 0 ? 16 * K / 2 : 0); idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
         const float2 gi = ld2(sg + i * KP + d), gr = ld2(sg + r0 * KP + d);
-        const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
+        const float2 qi = q2(i, d), ki = k2(i, d);
         const float e0 = exp_ftz(gi.x - gr.x), e1 = exp_ftz(gi.y - gr.y);
-        put2(xs + (48 + il) * KS + d, pl, qi.x * e0, qi.y * e1, p.lo);
-        put2(xs + (64 + il) * KS + d, pl, ki.x * e0, ki.y * e1, p.lo);
+        put2(xs + (48 + il) * KS + d, pl, qi.x * e0, qi.y * e1, lo);
+        put2(xs + (64 + il) * KS + d, pl, ki.x * e0, ki.y * e1, lo);
       }
       for (int idx = tid; idx < (diag_mma ? 16 * K / 2 : 0); idx += NTH) {
         const int il = idx / (K / 2), d = 2 * (idx - il * (K / 2)), i = r0 + il;
         const float2 gi = ld2(sg + i * KP + d), gm = ld2(sg + rm * KP + d);
-        const float2 qi = ld2(sq + i * KP + d), ki = ld2(sk + i * KP + d);
+        const float2 qi = q2(i, d), ki = k2(i, d);
         const float u0 = exp_ftz(gi.x - gm.x), u1 = exp_ftz(gi.y - gm.y);  // e^(Γ_i − Γ_rm)
         const float w0 = exp_ftz(gm.x - gi.x), w1 = exp_ftz(gm.y - gi.y);  // e^(Γ_rm − Γ_i)
-        put2(xs + (80 + il) * KS + d, pl, ki.x * w0, ki.y * w1, p.lo);
-        put2(xs + (96 + il) * KS + d, pl, qi.x * u0, qi.y * u1, p.lo);
-        put2(xs + (112 + il) * KS + d, pl, ki.x * u0, ki.y * u1, p.lo);
+        put2(xs + (80 + il) * KS + d, pl, ki.x * w0, ki.y * w1, lo);
+        put2(xs + (96 + il) * KS + d, pl, qi.x * u0, qi.y * u1, lo);
+        put2(xs + (112 + il) * KS + d, pl, ki.x * u0, ki.y * u1, lo);
       }
       __syncthreads();
       if (diag_mma && warp >= NW - 2) {
         const int is_m = warp - (NW - 2);
         float acc[1][2][4] = {};
-        mma3<1, 2, false, true>(acc, xs + (96 + 16 * is_m) * KS, KS, 0, pl, xs + 80 * KS, KS, pl, 0, K / 16, p.lo);
+        mma3<1, 2, false, true>(acc, xs + (96 + 16 * is_m) * KS, KS, 0, pl, xs + 80 * KS, KS, pl, 0, K / 16, lo);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -530,7 +553,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       if (warp < 2 * ib) {
         const int is_m = warp & 1, j0 = 16 * (warp >> 1);
         float acc[1][2][4] = {};
-        mma3<1, 2, false, true>(acc, xs + (48 + 16 * is_m) * KS, KS, 0, pl, xs + j0 * KS, KS, pl, 0, K / 16, p.lo);
+        mma3<1, 2, false, true>(acc, xs + (48 + 16 * is_m) * KS, KS, 0, pl, xs + j0 * KS, KS, pl, 0, K / 16, lo);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -594,31 +617,37 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
   // U = A·(β v) and W = A·(β k∘e^Γ); A split into the scratch and into its workspace slot (for intra).
   const int r0 = OT::row0(warp), c0 = OT::col0(warp), rt = r0 / 16;
   {
-    bf16* sA = xs;             // [C, CS] A
-    bf16* sV = sA + 2 * pC;    // [C, KS] β v
-    bf16* sKg = sV + 2 * pX;   // [C, KS] β k∘e^Γ
+    bf16* sA = xs;              // [C, CS] A
+    bf16* sV = sA + NP * pC;    // [C, KS] β v
+    bf16* sKg = sV + NP * pX;   // [C, KS] β k∘e^Γ
     bf16* wA = reinterpret_cast<bf16*>(ws + lay.A());
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
       const float a0 = sa[i * kCP + j], a1 = sa[i * kCP + j + 1];
-      put2(sA + i * kCS + j, pC, a0, a1, p.lo);
-      put2(wA + i * kC + j, kC * kC, a0, a1, p.lo);
+      put2(sA + i * kCS + j, pC, a0, a1, lo);
+      put2(wA + i * kC + j, kC * kC, a0, a1, lo);
     }
+    struct VK {  // four elements of a row's v and k
+      float4 v, k;
+    };
     staged<kC, K, NTH>(
-        n, [&](int i, int d) { return ld4(p.v + base + int64_t(i) * HK + d); },
-        [&](int i, int d, float4 v) {
+        n,
+        [&](int i, int d) {
+          return VK{ld4(p.v + base + int64_t(i) * HK + d), kCompact ? ld4(rowk(i) + d) : float4{}};
+        },
+        [&](int i, int d, const VK& x) {
           const float b = sb[i];
-          const float4 k4 = ld4(sk + i * KP + d), g4 = ld4(sg + i * KP + d);
-          put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w), p.lo);
+          const float4 v = x.v, kk = kCompact ? x.k : ld4(sk + i * KP + d), g4 = ld4(sg + i * KP + d);
+          put4(sV + i * KS + d, pX, make_float4(b * v.x, b * v.y, b * v.z, b * v.w), lo);
           put4(sKg + i * KS + d, pX,
-               make_float4(k4.x * (b * exp_ftz(g4.x)), k4.y * (b * exp_ftz(g4.y)), k4.z * (b * exp_ftz(g4.z)),
-                           k4.w * (b * exp_ftz(g4.w))), p.lo);
+               make_float4(kk.x * (b * exp_ftz(g4.x)), kk.y * (b * exp_ftz(g4.y)), kk.z * (b * exp_ftz(g4.z)),
+                           kk.w * (b * exp_ftz(g4.w))), lo);
         });
     __syncthreads();
     // A is lower triangular: row tile rt needs the k-steps 0 … rt.
     {
       float acc[1][OT::NT][4] = {};
-      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sV + c0, KS, pX, 0, rt + 1, p.lo);
+      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sV + c0, KS, pX, 0, rt + 1, lo);
 #pragma unroll
       for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
@@ -630,31 +659,31 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     {
       bf16* wW = reinterpret_cast<bf16*>(ws + lay.W());
       float acc[1][OT::NT][4] = {};
-      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sKg + c0, KS, pX, 0, rt + 1, p.lo);
+      mma3<1, OT::NT, false, false>(acc, sA + r0 * kCS, kCS, 0, pC, sKg + c0, KS, pX, 0, rt + 1, lo);
 #pragma unroll
       for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * nt + 2 * tq;
-          put2(wW + i * K + d, kC * K, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1], p.lo);
+          put2(wW + i * K + d, kC * K, acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1], lo);
         }
     }
   }
   __syncthreads();
   // Qgᵀ·dO [K, K] and Aqkᵀ·dO [C, K], sums over the chunk's rows (rows ≥ n are zero in Qg, dO and Aqk).
   {
-    bf16* sQg = xs;            // [C, KS] q∘e^Γ
-    bf16* sDo = sQg + 2 * pX;  // [C, KS] dO
-    bf16* sQk = sDo + 2 * pX;  // [C, CS] Aqk
+    bf16* sQg = xs;             // [C, KS] q∘e^Γ
+    bf16* sDo = sQg + NP * pX;  // [C, KS] dO
+    bf16* sQk = sDo + NP * pX;  // [C, CS] Aqk
     for (int idx = tid; idx < kC * K / 2; idx += NTH) {
       const int i = idx / (K / 2), d = 2 * (idx - i * (K / 2));
-      const float2 qi = ld2(sq + i * KP + d), gi = ld2(sg + i * KP + d);
-      put2(sQg + i * KS + d, pX, qi.x * exp_ftz(gi.x), qi.y * exp_ftz(gi.y), p.lo);
+      const float2 qi = q2(i, d), gi = ld2(sg + i * KP + d);
+      put2(sQg + i * KS + d, pX, qi.x * exp_ftz(gi.x), qi.y * exp_ftz(gi.y), lo);
     }
-    stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n, p.lo);
+    stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n, lo);
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
-      put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1], p.lo);
+      put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1], lo);
     }
     __syncthreads();
     const int kend = (n + 15) / 16;
@@ -664,7 +693,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
       if (HT::active(warp)) {
         const int d0 = HT::row0(warp), v0 = HT::col0(warp);
         float acc[MT][HT::NT][4] = {};
-        mma3<MT, HT::NT, true, false>(acc, sQg + d0, KS, 16, pX, sDo + v0, KS, pX, 0, kend, p.lo);
+        mma3<MT, HT::NT, true, false>(acc, sQg + d0, KS, 16, pX, sDo + v0, KS, pX, 0, kend, lo);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -678,7 +707,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) prep_kernel(Params p
     }
     {  // Aqkᵀ is upper triangular: row tile rt needs the k-steps rt … kend − 1.
       float acc[1][OT::NT][4] = {};
-      mma3<1, OT::NT, true, false>(acc, sQk + r0, kCS, 16, pC, sDo + c0, KS, pX, rt, kend, p.lo);
+      mma3<1, OT::NT, true, false>(acc, sQk + r0, kCS, 16, pC, sDo + c0, KS, pX, rt, kend, lo);
 #pragma unroll
       for (int nt = 0; nt < OT::NT; ++nt)
 #pragma unroll
@@ -1514,6 +1543,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   }
 }
 
+std::atomic<int> g_compact_prep{-1};  // −1: not yet read from the environment
+
 template <class Kernel>
 void set_smem(Kernel kernel, size_t bytes) {
   NEXTLM_CUDA_CHECK(
@@ -1529,12 +1560,23 @@ void launch(const Params& p, cudaStream_t st) {
                    intra = IntraSmem<K>::bytes;
   constexpr size_t limit = 227 * 1024;  // dynamic shared memory of one block on the H100/H200
   static_assert(prep <= limit && state <= limit && inter <= limit && intra <= limit, "shared memory");
-  set_smem(prep_kernel<K>, prep);
+  // Two compact prep blocks an SM: 228 KiB of shared memory less 1 KiB reserved per block.
+  constexpr size_t prep_compact = PrepSmem<K, true>::bytes;
+  static_assert(2 * (prep_compact + 1024) <= 228 * 1024, "two compact prep blocks an SM");
+  const bool compact = !p.lo && kda_backward_compact_prep();
   set_smem(fwd_state_kernel<K>, state);
   set_smem(bwd_state_kernel<K>, state);
   set_smem(inter_kernel<K>, inter);
   set_smem(intra_kernel<K>, intra);
-  prep_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), prep, st>>>(p);
+  if (compact) {
+    set_smem(prep_kernel<K, true>, prep_compact);
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prep_kernel<K, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+    prep_kernel<K, true><<<per_chunk, 32 * prep_warps<K, true>(), prep_compact, st>>>(p);
+  } else {
+    set_smem(prep_kernel<K, false>, prep);
+    prep_kernel<K, false><<<per_chunk, 32 * prep_warps<K, false>(), prep, st>>>(p);
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (ns > 0) {
     fwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
@@ -1549,6 +1591,18 @@ void launch(const Params& p, cudaStream_t st) {
 }
 
 }  // namespace
+
+void set_kda_backward_compact_prep(bool on) { g_compact_prep.store(on ? 1 : 0); }
+
+bool kda_backward_compact_prep() {
+  int v = g_compact_prep.load();
+  if (v < 0) {
+    const char* e = std::getenv("NEXTLM_KDA_PREP_COMPACT");
+    v = e && std::string(e) == "0" ? 0 : 1;
+    g_compact_prep.store(v);
+  }
+  return v == 1;
+}
 
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K) {
   if (T <= 0 || num_chunks <= 0 || H <= 0 || K <= 0) return 0;

@@ -83,4 +83,7 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
   return b.get();
 }
 
+void set_kda_backward_compact_prep(bool on) { cuda::set_kda_backward_compact_prep(on); }
+bool kda_backward_compact_prep() { return cuda::kda_backward_compact_prep(); }
+
 }  // namespace nextlm::cuda_testing

@@ -32,4 +32,8 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
                                       const KdaBackwardGrads& init = {}, bool written = false,
                                       bool bf16_products = false);
 
+// cuda::set_kda_backward_compact_prep / kda_backward_compact_prep (process-wide).
+void set_kda_backward_compact_prep(bool on);
+bool kda_backward_compact_prep();
+
 }  // namespace nextlm::cuda_testing
