@@ -13,7 +13,6 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -384,15 +383,7 @@ TEST(CudaServe, AdapterOnTheGpuEqualsItsF32Merge) {
   const std::string model = test::golden_dir("tiny-glm5-next"), bin = test::shell_quote(nextlm_binary());
   test::TempDir dir;
   const std::string data = dir.str("data.jsonl");
-  {
-    std::ofstream f(data);
-    for (const std::string& l : {std::string("the cat sat on the mat."), std::string("the dog sat on the log."),
-                                 std::string("a cat and a dog.")}) {
-      f << "{\"tokens\": [";
-      for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
-      f << "]}\n";
-    }
-  }
+  test::write_byte_jsonl(data, {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog."});
   auto run = [&](const std::string& args) {
     std::string out, err;
     const int rc = test::run_command(bin + " " + args, &out, &err);

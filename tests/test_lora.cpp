@@ -822,13 +822,7 @@ TEST(LoraTrain, BaseOnDiskHoldsNoWeightOfTheRealModel) {
 
 std::string write_data(const TempDir& dir) {
   const std::string path = dir.str("data.jsonl");
-  std::ofstream f(path);
-  for (const std::string& l : {std::string("the cat sat on the mat."), std::string("the dog sat on the log."),
-                               std::string("a cat and a dog.")}) {
-    f << "{\"tokens\": [";
-    for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
-    f << "]}\n";
-  }
+  write_byte_jsonl(path, {"the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog."});
   return path;
 }
 

@@ -113,6 +113,16 @@ std::string slurp(const std::string& path) {
 }
 }  // namespace
 
+void write_byte_jsonl(const std::string& path, const std::vector<std::string>& texts) {
+  std::ofstream f(path);
+  for (const std::string& t : texts) {
+    f << "{\"tokens\": [";
+    for (size_t i = 0; i < t.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(t[i]));
+    f << "]}\n";
+  }
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
 int run_command(const std::string& cmd, std::string* out, std::string* err) {
   TempDir tmp;
   const std::string o = tmp.str("out"), e = tmp.str("err");

@@ -67,6 +67,10 @@ double norm_rel_error(const float* a, const float* b, size_t n);
 // Random normal values (deterministic for a seed).
 std::vector<float> randn(size_t n, unsigned seed, float scale = 1.0f);
 
+// Writes path as JSONL, one {"tokens": [...]} line per text: its bytes as token ids (the byte-level vocabulary of
+// the bundled models).
+void write_byte_jsonl(const std::string& path, const std::vector<std::string>& texts);
+
 // Runs a command through the shell; returns the exit status and fills stdout/stderr text.
 int run_command(const std::string& cmd, std::string* out, std::string* err);
 
