@@ -42,6 +42,7 @@ namespace nextlm {
 namespace {
 
 using test::csv_losses;
+using test::write_byte_jsonl;
 
 constexpr double kGradTol = 5e-2;
 constexpr double kNoiseRatio = 5.0;
@@ -51,16 +52,6 @@ PackedBatch golden_batch(const std::string& dir) {
   PackedBatch b;
   for (const auto& s : test::golden_sequences(dir)) b.add(s);
   return b;
-}
-
-// Byte-level JSONL training data, one {"tokens": [...]} line per text.
-void write_byte_jsonl(const std::string& path, const std::vector<std::string>& texts) {
-  std::ofstream f(path);
-  for (const std::string& l : texts) {
-    f << "{\"tokens\": [";
-    for (size_t i = 0; i < l.size(); ++i) f << (i ? ", " : "") << int(static_cast<unsigned char>(l[i]));
-    f << "]}\n";
-  }
 }
 
 // The LoRA CLI tests' data: three short sentences, four times each, as byte tokens.
