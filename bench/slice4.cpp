@@ -630,6 +630,7 @@ void slice4_lora_step_case(const std::string& name) {
   if (!par) line["device_memory_gib"] = r.memory_gib;
   line["kda_backward_products"] = r.kda_backward_bf16 ? "bf16" : "split bf16";
   line["train_overlap"] = r.train_overlap;
+  line["mhc_mix_fold"] = mhc_mix_fold();
   line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);
   line["expert_layout"] = layout;
   if (par) {

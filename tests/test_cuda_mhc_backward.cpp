@@ -207,6 +207,39 @@ TEST(CudaBackwardMhc, PostMatchesCpu) {
   }
 }
 
+// A frozen site's backward as training runs it: the pre-mix's backward forming the post-mix's dh term itself (the
+// post-mix's backward writing no dh) gives the same bits as the post-mix's writing dh and the pre-mix's adding to it;
+// T = 1 and 130, D = 4096 (the model's width), D = 66 (4-byte copies, the statistics kernel in place of the
+// forward's mix), S = 1, 2, 3 (comb rows of 1, 4 and 9 floats).
+TEST(CudaBackwardMhc, FrozenSiteFormsThePostMixTermWithTheSameBits) {
+  unsigned seed = 8030;
+  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{130, 4, 4096}, {1, 4, 320}, {70, 4, 66},
+                                {65, 2, 200}, {40, 1, 100}, {45, 3, 100}}) {
+    ModelConfig c;
+    const int64_t M = (2 + S) * S;
+    const float eps = static_cast<float>(c.rms_norm_eps), hc_eps = static_cast<float>(c.hc_eps);
+    const int iters = static_cast<int>(c.hc_sinkhorn_iters);
+    const std::vector<float> fn = test::randn(M * S * D, ++seed, 0.02f), base = test::randn(M, ++seed, 0.5f);
+    const std::vector<float> scale = {0.8f, 1.2f, 0.9f};
+    std::vector<float> norm_w = test::randn(D, ++seed, 0.2f);
+    for (float& x : norm_w) x += 1.0f;
+    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const std::vector<float> post = test::randn(T * S, ++seed), comb = test::randn(T * S * S, ++seed, 0.5f);
+    const std::vector<float> dout = test::randn(T * S * D, ++seed), da = test::randn(T * D, ++seed);
+    std::vector<float> dh, dy, dp, dc, fdh, fdy, fdp, fdc;
+    cuda_testing::mhc_site_backward_frozen(h, y, post, comb, dout, fn, base, scale, norm_w, da, T, S, D, eps, hc_eps,
+                                           iters, false, dh, dy, dp, dc);
+    cuda_testing::mhc_site_backward_frozen(h, y, post, comb, dout, fn, base, scale, norm_w, da, T, S, D, eps, hc_eps,
+                                           iters, true, fdh, fdy, fdp, fdc);
+    const std::string at = "T=" + std::to_string(T) + " S=" + std::to_string(S) + " D=" + std::to_string(D);
+    for (const float v : dh) ASSERT_TRUE(std::isfinite(v)) << "dh " << at;
+    EXPECT_EQ(fdh, dh) << "dh " << at;
+    EXPECT_EQ(fdy, dy) << "dy " << at;
+    EXPECT_EQ(fdp, dp) << "dpost " << at;
+    EXPECT_EQ(fdc, dc) << "dcomb " << at;
+  }
+}
+
 // Training's form: dy written in bf16 (the sub-layer's GEMMs' operand) as well as in fp32 (the MoE's routing
 // weights), or in bf16 alone; the bf16 bits are to_bf16's of the fp32 dy (round to nearest even), and dh, dpost and
 // dcomb the same bits either way; vectorised and scalar widths.

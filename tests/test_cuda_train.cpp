@@ -1242,5 +1242,34 @@ TEST(CudaTrain, TrainOverlapGivesTheSameResults) {
   expect_lora_gradients_near(grads[0], grads[1], 1e-4, "LoRA, overlapped");
 }
 
+// A LoRA step (the mHC frozen) with the post-mix's dh term formed inside the pre-mix's dh kernel, against the
+// post-mix's backward writing it: the same loss and the same adapter gradients, bit for bit, kept or recomputed.
+TEST(CudaTrain, MhcMixFoldGivesTheSameBits) {
+  LoraOnGpu t("bf16_stable", LoraExperts::PerExpert, 16);
+  ASSERT_LE(t.base.config().hc_mult, 4) << "the fold runs at hc_mult <= 4";
+  const bool was = mhc_mix_fold();
+  for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
+    t.gpu.set_recompute(parse_recompute(policy));
+    std::array<double, 2> loss{};
+    std::array<LoraAdapter, 2> grads{test::without_gradients(t.lora), test::without_gradients(t.lora)};
+    for (const bool on : {false, true}) {
+      set_mhc_mix_fold(on);
+      t.gpu.zero_grads();
+      loss[on] = t.gpu.forward_backward(t.batch);
+      t.gpu.lora_gradients(grads[on]);
+    }
+    EXPECT_EQ(loss[1], loss[0]) << policy;
+    size_t n = 0;
+    for (size_t i = 0; i < grads[0].modules().size(); ++i) {
+      const LoraModule &a = grads[0].modules()[i], &b = grads[1].modules()[i];
+      EXPECT_EQ(b.dA.data, a.dA.data) << policy << ": module " << i;
+      EXPECT_EQ(b.dB.data, a.dB.data) << policy << ": module " << i;
+      n += a.dA.data.size();
+    }
+    EXPECT_GT(n, 0u) << policy;
+  }
+  set_mhc_mix_fold(was);
+}
+
 }  // namespace
 }  // namespace nextlm

@@ -31,11 +31,18 @@ void rmsnorm_backward(const float* x, int64_t ldx, const float* w, const float* 
 // mix (optional): the forward's mix of h (mhc_pre's), which the backward then takes instead of projecting h again
 // (the forward's coefficients bit for bit, and a streaming statistics pass without the projection's FMAs, 96 of 110
 // a column at S = 4), where D is a multiple of 4 and h, da and norm_w are 16-byte aligned (else it projects again).
+// dout and comb (optional, both or neither): the site's post-mix output gradient [T, S, D] and matrices [T, S, S]
+// (mhc_post_backward's dout and comb), where that call was given no dh: dh is then written (not added to) as the
+// post-mix's term Σ_s comb[t, r, s]·dout[t, s] plus this site's, the same bits as the two calls with dh, without
+// writing and reading that term back. Only where mhc_pre_backward_forms_mix(S, parameter gradients wanted) holds.
 // Matches mhc_pre_backward + rmsnorm_backward of the CPU.
 int64_t mhc_pre_backward_workspace_floats(int64_t T, int64_t S, int64_t D);
 void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
                       float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work, cudaStream_t st,
-                      const float* mix = nullptr);
+                      const float* mix = nullptr, const float* dout = nullptr, const float* comb = nullptr);
+// Whether mhc_pre_backward takes dout and comb at S streams, with or without the parameter gradients: without them, at
+// S ≤ 4 (the all-streams dh kernel).
+bool mhc_pre_backward_forms_mix(int64_t S, bool params);
 
 // Backward of mhc_post (h_out[t, s] = post[t, s]·y[t] + Σ_r comb[t, r, s]·h[t, r]) given dout [T, S, D]; h [T, S, D]
 // are the streams before the post-mix, y [T, D] the sub-layer output. dh [T, S, D], dy [T, D], dpost [T, S],

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <tuple>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "cuda/decode_kernels.h"
@@ -75,6 +77,21 @@ void set_expert_lora_fold(int mode) {
   g_expert_lora_fold = mode;
 }
 int expert_lora_fold() { return g_expert_lora_fold; }
+
+namespace {
+std::atomic<int> g_mhc_mix_fold{-1};  // −1: not yet read from the environment
+}  // namespace
+
+void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.store(on ? 1 : 0); }
+bool mhc_mix_fold() {
+  int v = g_mhc_mix_fold.load();
+  if (v < 0) {
+    const char* e = std::getenv("NEXTLM_MHC_MIX_FOLD");
+    v = e && std::string(e) == "0" ? 0 : 1;
+    g_mhc_mix_fold.store(v);
+  }
+  return v == 1;
+}
 
 namespace {
 std::atomic<bool> g_lora_stacking{true};

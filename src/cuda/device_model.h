@@ -54,6 +54,13 @@ int frozen_expert_layout(const ModelConfig& c);
 void set_expert_lora_fold(int mode);
 int expert_lora_fold();
 
+// Whether training's backward of a frozen mHC site (a LoRA step) forms the post-mix's dh term inside the pre-mix's
+// dh kernel (cuda::mhc_pre_backward's dout and comb) instead of the post-mix's backward writing it and the pre-mix's
+// reading it back: the same bits, 2·T·S·D floats less traffic a site. On by default; NEXTLM_MHC_MIX_FOLD=0 in the
+// environment turns it off by default. Process-wide, for tests and benchmarks.
+void set_mhc_mix_fold(bool on);
+bool mhc_mix_fold();
+
 // Whether training stacks the dense LoRA adapters that read one input (a KDA layer's q, k, v, f_a, g_a and b; an
 // MLA layer's q_a and kv_a; an MLP's gate and up): one GEMM for all their u, and in the backward one for all their
 // dA and one for all their dx, in place of one each (on one GPU; the default). Process-wide, for tests and

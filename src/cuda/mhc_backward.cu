@@ -810,26 +810,39 @@ constexpr int kApplyStages = 4;
 constexpr int64_t kApplyBlocks = 1280;   // blocks aimed at: about two waves on an H200 at S = 4
 
 // A pipeline stage of the per-column passes below: TT tokens' h and dh [TT][S][COLS] and da [TT][COLS] on the block's
-// columns d0 … d0+COLS−1, and their coefficient rows [TT][W] (from the coefficient kernel).
-template <int S, int COLS, int TT>
+// columns d0 … d0+COLS−1, and their coefficient rows [TT][W] (from the coefficient kernel); with MIX also their
+// post-mix matrices comb [TT][S·S] (and dh holds the post-mix's output gradient dout instead).
+template <int S, int COLS, int TT, bool MIX = false>
 struct ColumnStage {
   static constexpr int W = row_width(S);
   static constexpr int h_floats = TT * S * COLS;
-  static constexpr int floats = 2 * h_floats + TT * COLS + TT * W;
+  static constexpr int floats = 2 * h_floats + TT * COLS + TT * W + (MIX ? TT * S * S : 0);
   float* base;  // the stage's buffer in shared memory
   __device__ float* h() const { return base; }
   __device__ float* dh() const { return base + h_floats; }
   __device__ float* da() const { return base + 2 * h_floats; }
   __device__ float* rows() const { return base + 2 * h_floats + TT * COLS; }
+  __device__ float* comb() const { return base + 2 * h_floats + TT * COLS + TT * W; }
 
   // The copies of the tokens tt0 …, left of them inside the block's range, by NT threads (VEC: 16-byte copies); a
   // missing dh or da and everything out of range is zero-filled. Trip counts are fixed at compile time, offsets
-  // inside the stage in 32 bits (a stage spans TT·S rows of D floats) from 64-bit stage bases.
+  // inside the stage in 32 bits (a stage spans TT·S rows of D floats) from 64-bit stage bases. comb: [T, S, S], read
+  // with MIX only (4-byte copies: S·S need not be a multiple of 4).
   template <bool VEC, int NT>
   __device__ __forceinline__ void load(const float* h, const float* dh, const float* da, const float* rows,
-                                       int64_t tt0, int left, int64_t d0, int64_t D) const {
+                                       const float* comb, int64_t tt0, int left, int64_t d0, int64_t D) const {
     constexpr int V = VEC ? 4 : 1, PR = COLS / V;
     constexpr int NHV = TT * S * PR, NA = TT * PR, NR = TT * (W / V);
+    if constexpr (MIX) {
+      constexpr int NC = TT * S * S;
+#pragma unroll
+      for (int q = 0; q < (NC + NT - 1) / NT; ++q) {
+        const int idx = threadIdx.x + q * NT;
+        if (NC % NT && idx >= NC) break;
+        const bool in = idx / (S * S) < left;
+        cp_async_f<false>(this->comb() + idx, in ? comb + tt0 * (S * S) + idx : h, in);
+      }
+    }
     const int64_t SD = S * D;
     const float* h_st = h + tt0 * SD + d0;
     const float* dh_st = dh ? dh + tt0 * SD + d0 : h;
@@ -869,13 +882,14 @@ struct ColumnStage {
 // use(stage, first token, count of tokens).
 template <int STAGES, class Stage, bool VEC, int NT, int TT, class Use>
 __device__ __forceinline__ void column_stages(float* smem, const float* h, const float* dh, const float* da,
-                                              const float* rows, int64_t t0, int64_t t1, int64_t d0, int64_t D,
-                                              Use&& use) {
+                                              const float* rows, const float* comb, int64_t t0, int64_t t1,
+                                              int64_t d0, int64_t D, Use&& use) {
   const int nst = t1 > t0 ? static_cast<int>((t1 - t0 + TT - 1) / TT) : 0;
   auto stage = [&](int i) { return Stage{smem + (i % STAGES) * Stage::floats}; };
   auto load = [&](int i) {
     const int64_t tt0 = t0 + int64_t(i) * TT;
-    stage(i).template load<VEC, NT>(h, dh, da, rows, tt0, static_cast<int>(min(int64_t(TT), t1 - tt0)), d0, D);
+    stage(i).template load<VEC, NT>(h, dh, da, rows, comb, tt0, static_cast<int>(min(int64_t(TT), t1 - tt0)), d0,
+                                    D);
   };
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -935,7 +949,7 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
   float dnw = 0.0f;
 
   column_stages<kApplyStages, ApplyStage<S>, VEC, 32 * S, kApplyTT>(
-      smem, h, dh, da, rows, t0, t1, d0, D, [&](const ApplyStage<S>& st, int64_t tt0, int cnt) {
+      smem, h, dh, da, rows, nullptr, t0, t1, d0, D, [&](const ApplyStage<S>& st, int64_t tt0, int cnt) {
         const float* hb = st.h();
         const float* dhb = st.dh();
         const float* ab = st.da();
@@ -998,11 +1012,16 @@ __global__ void __launch_bounds__(32 * S, S == 4 ? 5 : 1)
 // token's row of coefficients (r1, c1, r2, c2, pre, dm) is read from shared memory once per S·32 elements instead of
 // once per 32: the per-stream kernel was bound by those shared-memory reads (L1 88 % busy on the H200 at T = 4096,
 // D = 4096; 0.345 → 0.238 ms a site).
+// MIX: the site's post-mix backward left dh alone (mhc_post_backward with a null dh) and this kernel forms its term
+// itself, from the post-mix's output gradient dout and comb: dh_r = Σ_s comb[r, s]·dout_s (the post-mix kernel's
+// operations: an fma chain over s from 0, then 0 + it, as its vectorised store into a zeroed float4 adds) takes the
+// place of the dh it would have written and this kernel read back, and dh is written. The same bits as the two
+// kernels in turn, without 2·T·S·D floats of traffic.
 constexpr int kDhCols = 128, kDhTT = 4, kDhStages = 3;
 constexpr int64_t kDhBlocks = 800;  // blocks aimed at: about two waves of three blocks an SM on an H200
 
-template <int S>
-using DhStage = ColumnStage<S, kDhCols, kDhTT>;
+template <int S, bool MIX>
+using DhStage = ColumnStage<S, kDhCols, kDhTT, MIX>;
 
 ApplyPlan dh_plan(int64_t T, int64_t D) {
   const int64_t dtiles = ceil_div(D, kDhCols);
@@ -1011,11 +1030,11 @@ ApplyPlan dh_plan(int64_t T, int64_t D) {
   return {dtiles, ceil_div(std::max<int64_t>(T, 1), tpb), tpb};
 }
 
-template <int S, bool VEC>
+template <int S, bool VEC, bool MIX>
 __global__ void __launch_bounds__(kDhCols, 3)
     mhc_bwd_dh_kernel(const float* __restrict__ h, const float* __restrict__ fn, const float* __restrict__ norm_w,
-                      const float* __restrict__ da, const float* __restrict__ rows, float* __restrict__ dh, int64_t T,
-                      int64_t D, int64_t tpb) {
+                      const float* __restrict__ da, const float* __restrict__ rows, const float* __restrict__ dout,
+                      const float* __restrict__ comb, float* __restrict__ dh, int64_t T, int64_t D, int64_t tpb) {
   static_assert(S <= 4, "fn's columns of every stream in registers");
   constexpr int M = (2 + S) * S, W = row_width(S), P0 = row_dm(S);
   extern __shared__ __align__(16) float smem[];
@@ -1031,10 +1050,10 @@ __global__ void __launch_bounds__(kDhCols, 3)
     for (int j = 0; j < M; ++j) f[s][j] = ok ? fn[j * SD + s * D + d] : 0.0f;
   const float w = ok && has_da ? norm_w[d] : 0.0f;
 
-  column_stages<kDhStages, DhStage<S>, VEC, kDhCols, kDhTT>(
-      smem, h, dh, da, rows, t0, t1, d0, D, [&](const DhStage<S>& st, int64_t tt0, int cnt) {
+  column_stages<kDhStages, DhStage<S, MIX>, VEC, kDhCols, kDhTT>(
+      smem, h, MIX ? dout : dh, da, rows, comb, t0, t1, d0, D, [&](const DhStage<S, MIX>& st, int64_t tt0, int cnt) {
         const float* hb = st.h();
-        const float* dhb = st.dh();
+        const float* dhb = st.dh();  // with MIX, dout
         const float* ab = st.da();
         const float* rb = st.rows();
         float* dh_st = dh + tt0 * SD + d;  // this thread's element of stream 0 at the stage's first token
@@ -1062,11 +1081,27 @@ __global__ void __launch_bounds__(kDhCols, 3)
 #pragma unroll
                 for (int s = 0; s < S; ++s) df[s] = __fmaf_rn(comp(d4, u), f[s][j + u], df[s]);
           }
+          float base[S];
+          if constexpr (MIX) {
+            const float* cm = st.comb() + tt * S * S;
+            float g[S];
+#pragma unroll
+            for (int s = 0; s < S; ++s) g[s] = dhb[(tt * S + s) * kDhCols + c];
+#pragma unroll
+            for (int r = 0; r < S; ++r) {
+              float v = 0.0f;
+#pragma unroll
+              for (int s = 0; s < S; ++s) v = fmaf(cm[r * S + s], g[s], v);
+              base[r] = __fadd_rn(0.0f, v);
+            }
+          } else {
+#pragma unroll
+            for (int s = 0; s < S; ++s) base[s] = dhb[(tt * S + s) * kDhCols + c];
+          }
           if (ok) {
 #pragma unroll
             for (int s = 0; s < S; ++s)
-              dh_st[tt * SD + s * D] =
-                  dh_update(dhb[(tt * S + s) * kDhCols + c], has_da, pr[s], dx, r1, c1, df[s], hv[s]);
+              dh_st[tt * SD + s * D] = dh_update(base[s], has_da, pr[s], dx, r1, c1, df[s], hv[s]);
           }
         }
       });
@@ -1146,7 +1181,7 @@ void allow_smem(K kernel, size_t bytes) {
 template <int S>
 void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
                          float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work,
-                         const float* mix, cudaStream_t st) {
+                         const float* mix, const float* dout, const float* comb, cudaStream_t st) {
   constexpr int M = (2 + S) * S;
   const int64_t T = p.T, D = p.D;
   const PreWork wk(T, S, D);
@@ -1158,6 +1193,10 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
   const bool params = dfn != nullptr;
   check(params == (dbase != nullptr) && params == (dscale != nullptr) && (params || !dnorm_w),
         "CUDA mHC backward: dfn, dbase, dscale (and dnorm_w) are all given or all null");
+  const bool fold = dout != nullptr;
+  check(fold == (comb != nullptr), "CUDA mHC backward: dout and comb are given together or not at all");
+  check(!fold || (mhc_pre_backward_forms_mix(S, params) && dh), "CUDA mHC backward: the post-mix's dh term is formed "
+        "here only without parameter gradients, at hc_mult <= 4, into a given dh");
 
   // With the forward's mix (and 16-byte rows), the statistics without the projection, in one split.
   const bool gram = mix && D % 4 == 0 && aligned16(h) && aligned16(p.norm_w) && aligned16(da);
@@ -1189,12 +1228,14 @@ void launch_pre_backward(const MhcParams& p, const float* h, const float* dpost,
     if (!params) {  // dh alone: the all-streams kernel
       if (!dh) return;
       const ApplyPlan dp = dh_plan(T, D);
-      const bool vec = D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows);
-      auto kernel = vec ? mhc_bwd_dh_kernel<S, true> : mhc_bwd_dh_kernel<S, false>;
-      const size_t smem = sizeof(float) * kDhStages * DhStage<S>::floats;
+      const bool vec =
+          D % 4 == 0 && aligned16(h) && aligned16(dh) && aligned16(da) && aligned16(rows) && aligned16(dout);
+      auto kernel = fold ? (vec ? mhc_bwd_dh_kernel<S, true, true> : mhc_bwd_dh_kernel<S, false, true>)
+                         : (vec ? mhc_bwd_dh_kernel<S, true, false> : mhc_bwd_dh_kernel<S, false, false>);
+      const size_t smem = sizeof(float) * kDhStages * (fold ? DhStage<S, true>::floats : DhStage<S, false>::floats);
       allow_smem(kernel, smem);
       kernel<<<dim3(static_cast<unsigned>(dp.dtiles), static_cast<unsigned>(dp.blocks)), kDhCols, smem, st>>>(
-          h, p.fn, p.norm_w, da, rows, dh, T, D, dp.tpb);
+          h, p.fn, p.norm_w, da, rows, dout, comb, dh, T, D, dp.tpb);
       NEXTLM_CUDA_CHECK(cudaGetLastError());
       return;
     }
@@ -1257,11 +1298,14 @@ void rmsnorm_backward(const float* x, int64_t ldx, const float* w, const float* 
 
 int64_t mhc_pre_backward_workspace_floats(int64_t T, int64_t S, int64_t D) { return PreWork(T, S, D).total; }
 
+bool mhc_pre_backward_forms_mix(int64_t S, bool params) { return !params && S >= 1 && S <= 4; }
+
 void mhc_pre_backward(const MhcParams& p, const float* h, const float* dpost, const float* dcomb, const float* da,
                       float* dh, float* dfn, float* dbase, float* dscale, float* dnorm_w, float* work,
-                      cudaStream_t st, const float* mix) {
+                      cudaStream_t st, const float* mix, const float* dout, const float* comb) {
   if (!p.T) return;
-#define CALL(S) launch_pre_backward<S>(p, h, dpost, dcomb, da, dh, dfn, dbase, dscale, dnorm_w, work, mix, st)
+#define CALL(S) \
+  launch_pre_backward<S>(p, h, dpost, dcomb, da, dh, dfn, dbase, dscale, dnorm_w, work, mix, dout, comb, st)
   NEXTLM_MHC_BWD_DISPATCH(p.S, CALL)
 #undef CALL
 }

@@ -50,6 +50,38 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
   dnorm_w = download<float>(gdw);
 }
 
+void mhc_site_backward_frozen(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                              const std::vector<float>& comb, const std::vector<float>& dout,
+                              const std::vector<float>& fn, const std::vector<float>& base,
+                              const std::vector<float>& scale, const std::vector<float>& norm_w,
+                              const std::vector<float>& da, int64_t T, int64_t S, int64_t D, float rms_eps,
+                              float hc_eps, int iters, bool fold, std::vector<float>& dh, std::vector<float>& dy,
+                              std::vector<float>& dpost, std::vector<float>& dcomb) {
+  Buf gh = upload(h), gy = upload(y), gpost = upload(post), gcomb = upload(comb), gdout = upload(dout);
+  Buf gfn = upload(fn), gbase = upload(base), gscale = upload(scale), gw = upload(norm_w), gda = upload(da);
+  Buf gdh = poisoned<float>(T * S * D), gdy = poisoned<float>(T * D), gdpost = poisoned<float>(T * S),
+      gdcomb = poisoned<float>(T * S * S);
+  const cuda::MhcParams p{ptr(gfn), ptr(gbase), ptr(gscale), ptr(gw), T, S, D, rms_eps, hc_eps, iters};
+  Buf mix = poisoned<float>(T * ((2 + S) * S + 1));
+  {
+    Buf fpost = poisoned<float>(T * S), fcomb = poisoned<float>(T * S * S), a = poisoned<cuda::bf16>(T * D);
+    Buf fwork = poisoned<float>(cuda::mhc_pre_workspace_floats(T, S, D));
+    cuda::mhc_pre(p, ptr(gh), fpost.as<float>(), fcomb.as<float>(), a.as<cuda::bf16>(), fwork.as<float>(), nullptr,
+                  mix.as<float>());
+  }
+  Buf work = poisoned<float>(cuda::mhc_pre_backward_workspace_floats(T, S, D));
+  cuda::mhc_post_backward(ptr(gh), ptr(gy), ptr(gpost), ptr(gcomb), ptr(gdout), fold ? nullptr : ptr(gdh), ptr(gdy),
+                          ptr(gdpost), ptr(gdcomb), T, S, D, nullptr, false);
+  cuda::mhc_pre_backward(p, ptr(gh), ptr(gdpost), ptr(gdcomb), ptr(gda), ptr(gdh), nullptr, nullptr, nullptr, nullptr,
+                         work.as<float>(), nullptr, mix.as<float>(), fold ? ptr(gdout) : nullptr,
+                         fold ? ptr(gcomb) : nullptr);
+  finish();
+  dh = download<float>(gdh);
+  dy = download<float>(gdy);
+  dpost = download<float>(gdpost);
+  dcomb = download<float>(gdcomb);
+}
+
 void mhc_post_backward(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
                        const std::vector<float>& comb, const std::vector<float>& dout, int64_t T, int64_t S, int64_t D,
                        std::vector<float>& dh, std::vector<float>& dy, std::vector<float>& dpost,

@@ -18,6 +18,19 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
                       std::vector<float>& dfn, std::vector<float>& dbase, std::vector<float>& dscale,
                       std::vector<float>& dnorm_w, bool forward_mix = false);
 
+// A site's backward with its mHC frozen, as training runs it (written, not added: outputs start as NaN): the
+// post-mix's backward (cuda::mhc_post_backward on h_out's gradient dout, y, post, comb) and then the pre-mix's
+// (cuda::mhc_pre_backward on h with fn, base, scale, norm_w, the forward's mix, that dpost and dcomb, and da), with
+// fold: the pre-mix's forming the post-mix's dh term (the post-mix's given no dh), else the post-mix's writing dh
+// and the pre-mix's adding to it. dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] come out.
+void mhc_site_backward_frozen(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                              const std::vector<float>& comb, const std::vector<float>& dout,
+                              const std::vector<float>& fn, const std::vector<float>& base,
+                              const std::vector<float>& scale, const std::vector<float>& norm_w,
+                              const std::vector<float>& da, int64_t T, int64_t S, int64_t D, float rms_eps,
+                              float hc_eps, int iters, bool fold, std::vector<float>& dh, std::vector<float>& dy,
+                              std::vector<float>& dpost, std::vector<float>& dcomb);
+
 // cuda::mhc_post_backward: dh [T, S, D], dy [T, D], dpost [T, S], dcomb [T, S, S] are added to, or without
 // accumulate written (their device buffers then start as NaN, so an element left unwritten shows). With dy16, dy's
 // bf16 bits too (written, from NaN); with fp32_dy false the kernel gets no fp32 dy (dy is left alone).

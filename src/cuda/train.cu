@@ -1704,16 +1704,21 @@ double Step::run(const float* row_weight) {
       float* dy = ffn && m_.layers[i].moe_layer ? ar.alloc<float>(T * D) : nullptr;
       bf16* dy16 = ar.alloc<bf16>(T * D);
       float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S), *da = ar.alloc<float>(T * D);
-      mhc_post_backward(hin, s.y, s.post, s.comb, dh, dh_prev, dy, dpost, dcomb, T, S, D, st, false, dy16);
+      // With the mHC frozen, the pre-mix's backward forms the post-mix's dh term itself (from dh and comb) as it
+      // writes dh_prev: the post-mix backward then writes no dh_prev, which nobody reads in between.
+      const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
+      const bool fold = mhc_mix_fold() && mhc_pre_backward_forms_mix(S, gh.fn != nullptr);
+      mhc_post_backward(hin, s.y, s.post, s.comb, dh, fold ? nullptr : dh_prev, dy, dpost, dcomb, T, S, D, st, false,
+                        dy16);
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
       sub_backward(i, ffn, s.a, s.x, dy, dy16, da);
       flush_lora_groups();
       m_.mark_end("train: backward " + kind);
       m_.mark_begin("train: backward mhc");
-      const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
       mhc_pre_backward(mp, hin, dpost, dcomb, da, dh_prev, gh.fn, gh.base, gh.scale, ffn ? G.post_norm : G.in_norm,
-                       ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st, s.mix);
+                       ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st, s.mix, fold ? dh : nullptr,
+                       fold ? s.comb : nullptr);
       m_.mark_end("train: backward mhc");
       std::swap(dh, dh_prev);
       ar.rewind(s.mark);
