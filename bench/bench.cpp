@@ -97,6 +97,7 @@ int main(int argc, char** argv) {
       // One mHC site's backward (post + pre) at the slice's width (bench/mhc_backward.cu).
       {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_T4096_forward_mix", nextlm::bench::mhc_backward_case},
+      {"mhc_bwd_frozen_T4096", nextlm::bench::mhc_backward_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA

@@ -3,6 +3,8 @@
 // helpers only nvcc compiles.
 #include "mhc_backward.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -38,6 +40,52 @@ void fill(const Buf& b, int64_t n, cuda::DistSpec d, uint64_t key, cudaStream_t 
 
 void zero(const Buf& b, cudaStream_t st) { NEXTLM_CUDA_CHECK(cudaMemsetAsync(b.p, 0, b.bytes, st)); }
 
+// `mhc_bwd_frozen_T4096`: a frozen site's backward as the LoRA step runs it (dh alone, the forward's mix), the pre
+// backward forming the post backward's dh term (ours) against the post backward writing it and the pre backward
+// adding to it (peer), alternately timed; whether both give the same dh bits.
+void frozen_case(const std::string& name, const cuda::MhcParams& p, const Buf& h, const Buf& y, const Buf& post,
+                 const Buf& comb, const Buf& dout, const Buf& da, const Buf& mix, const Buf& work, const Buf& dh,
+                 const Buf& dy, const Buf& dpost, const Buf& dcomb, cudaStream_t st) {
+  const int64_t T = p.T, S = p.S, D = p.D, SD = S * D;
+  auto site = [&](bool fold) {
+    cuda::mhc_post_backward(h.as<float>(), y.as<float>(), post.as<float>(), comb.as<float>(), dout.as<float>(),
+                            fold ? nullptr : dh.as<float>(), dy.as<float>(), dpost.as<float>(), dcomb.as<float>(), T,
+                            S, D, st, false);
+    cuda::mhc_pre_backward(p, h.as<float>(), dpost.as<float>(), dcomb.as<float>(), da.as<float>(), dh.as<float>(),
+                           nullptr, nullptr, nullptr, nullptr, work.as<float>(), st, mix.as<float>(),
+                           fold ? dout.as<float>() : nullptr, fold ? comb.as<float>() : nullptr);
+  };
+  std::vector<double> ours, peer;
+  for (int r = 0; r < 3; ++r) {
+    ours.push_back(median_ms([&] { site(true); }, st, kWarm, kIters));
+    peer.push_back(median_ms([&] { site(false); }, st, kWarm, kIters));
+  }
+  std::sort(ours.begin(), ours.end());
+  std::sort(peer.begin(), peer.end());
+  auto dh_bits = [&](bool fold) {
+    site(fold);
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+    return cuda_testing::detail::download<float>(dh);
+  };
+  const std::vector<float> a = dh_bits(true), b = dh_bits(false);
+  const bool same = std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  bool finite = true;
+  for (const float v : a) finite = finite && std::isfinite(v);
+  // Bytes: post reads dout, h, y and writes dy (and dh without the fold); the statistics read h and da; the dh pass
+  // reads h, da and dout (dh without the fold) and writes dh.
+  const double fold_bytes = 4.0 * (5.0 * T * SD + 4.0 * T * D), two_bytes = fold_bytes + 4.0 * T * SD;
+  char note[512];
+  std::snprintf(note, sizeof note,
+                "%s one frozen site (dh alone, the forward's mix), S=4 D=4096: the pre backward forming the post "
+                "backward's dh term (%.2f GB) against the post backward writing it (peer, %.2f GB), alternately, "
+                "medians of 3x%d runs: %.3f/%.3f/%.3f against %.3f/%.3f/%.3f ms; dh %s%s; floor at 4.14 TB/s",
+                same && finite ? "ok" : "CHECK FAILED", fold_bytes / 1e9, two_bytes / 1e9, kIters, ours[0], ours[1],
+                ours[2], peer[0], peer[1], peer[2], same ? "the same bits" : "DIFFERS", finite ? "" : ", NON-FINITE");
+  std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"peer_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n",
+              name.c_str(), ours[1], peer[1], fold_bytes / kBytesPerMs, note);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 void mhc_backward_case(const std::string& name) {
@@ -66,7 +114,8 @@ void mhc_backward_case(const std::string& name) {
     const cuda::MhcParams p{fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D,
                             1e-5f, 1e-6f, 20};
     // _forward_mix: the forward's mix of h (mhc_pre's, untimed), which the pre backward then reuses, as training's.
-    const bool forward_mix = name.find("_forward_mix") != std::string::npos;
+    const bool forward_mix =
+        name.find("_forward_mix") != std::string::npos || name.find("_frozen") != std::string::npos;
     Buf mix = floats(forward_mix ? T * (M + 1) : 0);
     if (forward_mix) {
       Buf fpost = floats(T * S), fcomb = floats(T * S * S), fa(static_cast<size_t>(T * D) * sizeof(cuda::bf16)),
@@ -85,6 +134,10 @@ void mhc_backward_case(const std::string& name) {
                              dfn.as<float>(), dbase.as<float>(), dscale.as<float>(), dnorm_w.as<float>(),
                              work.as<float>(), st, mix.or_null<float>());
     };
+    if (name.find("_frozen") != std::string::npos) {
+      frozen_case(name, p, h, y, post, comb, dout, da, mix, work, dh, dy, dpost, dcomb, st);
+      return;
+    }
     // The gradients accumulate over the timed runs (the kernels add): they stay O(runs), far from overflow.
     const double ours = median_ms([&] { post_bwd(), pre_bwd(); }, st, kWarm, kIters);
     const double post_ms = median_ms(post_bwd, st, kWarm, kIters);

@@ -10,7 +10,10 @@ namespace nextlm::bench {
 // (post: dout, h, y read, dy and dh read and written; pre: h and da read twice, dh read and written, fn read, dfn
 // read and written). The note has each half's median, whether every output is finite, and whether two runs of the
 // pre backward from the same gradients gave the same bits. `mhc_bwd_T4096_forward_mix`: the pre backward given the
-// forward's mix (mhc_pre's, made once untimed), as the training step runs it.
+// forward's mix (mhc_pre's, made once untimed), as the training step runs it. `mhc_bwd_frozen_T4096`: a frozen
+// site's (a LoRA step's: dh alone, the forward's mix), the pre backward forming the post backward's dh term
+// (mhc_pre_backward's dout and comb) against the post backward writing it, alternately; "peer_ms" is the latter, and
+// the note says whether both gave the same dh bits.
 void mhc_backward_case(const std::string& name);
 
 }  // namespace nextlm::bench
