@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -15,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "core/env.h"
 #include "cuda/decode_kernels.h"
 #include "cuda/distribution_compare.h"
 #include "cuda/gemm.h"
@@ -79,19 +79,11 @@ void set_expert_lora_fold(int mode) {
 int expert_lora_fold() { return g_expert_lora_fold; }
 
 namespace {
-std::atomic<int> g_mhc_mix_fold{-1};  // −1: not yet read from the environment
+EnvSwitch g_mhc_mix_fold{"NEXTLM_MHC_MIX_FOLD"};
 }  // namespace
 
-void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.store(on ? 1 : 0); }
-bool mhc_mix_fold() {
-  int v = g_mhc_mix_fold.load();
-  if (v < 0) {
-    const char* e = std::getenv("NEXTLM_MHC_MIX_FOLD");
-    v = e && std::string(e) == "0" ? 0 : 1;
-    g_mhc_mix_fold.store(v);
-  }
-  return v == 1;
-}
+void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.set(on); }
+bool mhc_mix_fold() { return g_mhc_mix_fold.on(); }
 
 namespace {
 std::atomic<bool> g_lora_stacking{true};

@@ -39,10 +39,7 @@
 // too): reproducible run to run. Kernels of one call run in stream order, so inter and intra both add into dq, dk
 // and dg without a race; without accumulate, inter's contributions are the first (stored, not added) and intra's dv
 // and dβ are stored.
-#include <atomic>
-#include <cstdlib>
-#include <string>
-
+#include "core/env.h"
 #include "cuda/backward_kernels.h"
 #include "cuda/mma.cuh"
 
@@ -1543,7 +1540,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
   }
 }
 
-std::atomic<int> g_compact_prep{-1};  // −1: not yet read from the environment
+EnvSwitch g_compact_prep{"NEXTLM_KDA_PREP_COMPACT"};
 
 template <class Kernel>
 void set_smem(Kernel kernel, size_t bytes) {
@@ -1592,17 +1589,9 @@ void launch(const Params& p, cudaStream_t st) {
 
 }  // namespace
 
-void set_kda_backward_compact_prep(bool on) { g_compact_prep.store(on ? 1 : 0); }
+void set_kda_backward_compact_prep(bool on) { g_compact_prep.set(on); }
 
-bool kda_backward_compact_prep() {
-  int v = g_compact_prep.load();
-  if (v < 0) {
-    const char* e = std::getenv("NEXTLM_KDA_PREP_COMPACT");
-    v = e && std::string(e) == "0" ? 0 : 1;
-    g_compact_prep.store(v);
-  }
-  return v == 1;
-}
+bool kda_backward_compact_prep() { return g_compact_prep.on(); }
 
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K) {
   if (T <= 0 || num_chunks <= 0 || H <= 0 || K <= 0) return 0;

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -13,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/env.h"
 #include "cuda/decode_kernels.h"
 #include "cuda/decode_linear.h"
 #include "cuda/device_model.h"
@@ -472,10 +472,7 @@ struct CudaModel::Impl {
   bool mla_absorbed = false;     // the forward's MLA attention on the absorbed decoding kernels
   // CudaModel::set_kda_backward_bf16 (the chunked KDA backward's products in bf16, else split bf16); on by default,
   // NEXTLM_KDA_BWD_BF16=0 in the environment makes the default off.
-  bool kda_backward_bf16 = [] {
-    const char* v = std::getenv("NEXTLM_KDA_BWD_BF16");
-    return !(v && std::string(v) == "0");
-  }();
+  bool kda_backward_bf16 = env_switch_on("NEXTLM_KDA_BWD_BF16");
   const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
   std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward
@@ -522,16 +519,10 @@ struct CudaModel::Impl {
   }
 
   // CudaModel::set_decode_overlap; NEXTLM_DECODE_OVERLAP=0 in the environment turns it off by default.
-  bool decode_overlap = [] {
-    const char* v = std::getenv("NEXTLM_DECODE_OVERLAP");
-    return !(v && std::string(v) == "0");
-  }();
+  bool decode_overlap = env_switch_on("NEXTLM_DECODE_OVERLAP");
   bool overlap() const { return decode_overlap && !gemm->batch_invariant(); }
   // CudaModel::set_train_overlap; NEXTLM_TRAIN_OVERLAP=0 in the environment turns it off by default.
-  bool train_overlap = [] {
-    const char* v = std::getenv("NEXTLM_TRAIN_OVERLAP");
-    return !(v && std::string(v) == "0");
-  }();
+  bool train_overlap = env_switch_on("NEXTLM_TRAIN_OVERLAP");
   void fork() {
     NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
     NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));

@@ -1,0 +1,35 @@
+// Switches a benchmark or test can set through the environment: on by default, off where the environment sets the
+// variable to 0.
+#pragma once
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace nextlm {
+
+// Whether `name` is not set to "0" in the environment.
+inline bool env_switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
+// A process-wide switch read from the environment (env_switch_on) at its first use, unless set before.
+class EnvSwitch {
+ public:
+  explicit constexpr EnvSwitch(const char* name) : name_(name) {}
+  bool on() {
+    int v = state_.load();
+    if (v < 0) {
+      v = env_switch_on(name_) ? 1 : 0;
+      state_.store(v);
+    }
+    return v == 1;
+  }
+  void set(bool on) { state_.store(on ? 1 : 0); }
+
+ private:
+  const char* name_;
+  std::atomic<int> state_{-1};  // −1: not yet read from the environment
+};
+
+}  // namespace nextlm
