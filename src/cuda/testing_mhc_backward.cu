@@ -18,6 +18,20 @@ namespace {
 // The device pointer of an uploaded vector, null for an empty one (an absent optional input).
 float* ptr(const Buf& b) { return b.or_null<float>(); }
 
+// The forward's mix of h [p.T, S, D] (cuda::mhc_pre's: fn·h and Σh² a token), in a buffer that starts as NaN (an
+// entry mhc_pre left unwritten would show in every gradient).
+Buf forward_mix_of(const cuda::MhcParams& p, const Buf& h) {
+  const int64_t T = p.T, S = p.S, D = p.D;
+  Buf mix = poisoned<float>(T * ((2 + S) * S + 1));
+  if (!T) return mix;
+  Buf post = poisoned<float>(T * S), comb = poisoned<float>(T * S * S), a = poisoned<cuda::bf16>(T * D);
+  Buf work = poisoned<float>(cuda::mhc_pre_workspace_floats(T, S, D));
+  cuda::mhc_pre(p, ptr(h), post.as<float>(), comb.as<float>(), a.as<cuda::bf16>(), work.as<float>(), nullptr,
+                mix.as<float>());
+  finish();
+  return mix;
+}
+
 }  // namespace
 
 void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn, const std::vector<float>& base,
@@ -31,15 +45,7 @@ void mhc_pre_backward(const std::vector<float>& h, const std::vector<float>& fn,
   Buf gdh = upload(dh), gdfn = upload(dfn), gdbase = upload(dbase), gdscale = upload(dscale), gdw = upload(dnorm_w);
   Buf work = poisoned<float>(cuda::mhc_pre_backward_workspace_floats(T, S, D));
   const cuda::MhcParams p{ptr(gfn), ptr(gbase), ptr(gscale), ptr(gw), T, S, D, rms_eps, hc_eps, iters};
-  // The forward's mix of h, from NaN (an entry mhc_pre left unwritten would show in every gradient).
-  Buf mix = poisoned<float>(forward_mix ? static_cast<size_t>(T * ((2 + S) * S + 1)) : 0);
-  if (forward_mix && T) {
-    Buf post = poisoned<float>(T * S), comb = poisoned<float>(T * S * S), a = poisoned<cuda::bf16>(T * D);
-    Buf fwork = poisoned<float>(cuda::mhc_pre_workspace_floats(T, S, D));
-    cuda::mhc_pre(p, ptr(gh), post.as<float>(), comb.as<float>(), a.as<cuda::bf16>(), fwork.as<float>(), nullptr,
-                  mix.as<float>());
-    finish();
-  }
+  Buf mix = forward_mix ? forward_mix_of(p, gh) : Buf(0);
   cuda::mhc_pre_backward(p, ptr(gh), ptr(gdpost), ptr(gdcomb), ptr(gda), ptr(gdh), ptr(gdfn), ptr(gdbase), ptr(gdscale),
                          ptr(gdw), work.as<float>(), nullptr, mix.or_null<float>());
   finish();
@@ -62,13 +68,7 @@ void mhc_site_backward_frozen(const std::vector<float>& h, const std::vector<flo
   Buf gdh = poisoned<float>(T * S * D), gdy = poisoned<float>(T * D), gdpost = poisoned<float>(T * S),
       gdcomb = poisoned<float>(T * S * S);
   const cuda::MhcParams p{ptr(gfn), ptr(gbase), ptr(gscale), ptr(gw), T, S, D, rms_eps, hc_eps, iters};
-  Buf mix = poisoned<float>(T * ((2 + S) * S + 1));
-  {
-    Buf fpost = poisoned<float>(T * S), fcomb = poisoned<float>(T * S * S), a = poisoned<cuda::bf16>(T * D);
-    Buf fwork = poisoned<float>(cuda::mhc_pre_workspace_floats(T, S, D));
-    cuda::mhc_pre(p, ptr(gh), fpost.as<float>(), fcomb.as<float>(), a.as<cuda::bf16>(), fwork.as<float>(), nullptr,
-                  mix.as<float>());
-  }
+  const Buf mix = forward_mix_of(p, gh);
   Buf work = poisoned<float>(cuda::mhc_pre_backward_workspace_floats(T, S, D));
   cuda::mhc_post_backward(ptr(gh), ptr(gy), ptr(gpost), ptr(gcomb), ptr(gdout), fold ? nullptr : ptr(gdh), ptr(gdy),
                           ptr(gdpost), ptr(gdcomb), T, S, D, nullptr, false);
