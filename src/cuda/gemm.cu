@@ -2,6 +2,7 @@
 #include "cuda/gemm.h"
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "cuda/decode_kernels.h"
 #include "cuda/grouped_gemm.h"
@@ -102,6 +103,13 @@ void Gemm::lt(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const bf16* A, 
     check(found > 0, "cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " GEMM");
     it = algos_.emplace(key, res.algo).first;
   }
+  // NEXTLM_GEMM_LOG=1: one line a GEMM on stderr (operands' transposes, m, n, k, output type, beta), for matching
+  // a kernel trace's cuBLASLt launches (one each, a split-K one followed by its reduction) to the products.
+  static const bool log = std::getenv("NEXTLM_GEMM_LOG") != nullptr;
+  if (log)
+    std::fprintf(stderr, "gemm %c%c m=%lld n=%lld k=%lld %s beta=%d\n", ta ? 'T' : 'N', tb ? 'T' : 'N',
+                 static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                 ctype == CUDA_R_32F ? "f32" : "bf16", accumulate ? 1 : 0);
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   NEXTLM_CUBLAS_CHECK(cublasLtMatmul(handle_, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &it->second, workspace_,
                                      workspace_bytes_, stream_));
