@@ -13,7 +13,6 @@
 #include "cuda/testing.h"
 #include "decode.h"
 #include "decode_gemv.h"
-#include "lora_dense.h"
 #include "mhc_backward.h"
 #include "moe_gemm.h"
 #include "slice4.h"
@@ -99,8 +98,6 @@ int main(int argc, char** argv) {
       {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_T4096_forward_mix", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_frozen_T4096", nextlm::bench::mhc_backward_case},
-      // The dense LoRA adapters' rank-r products against cuBLASLt (bench/lora_dense.cu).
-      {"lora_dense_T4096", nextlm::bench::lora_dense_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA

@@ -602,31 +602,6 @@ TEST(CudaTrain, JoinedLoraProjectionsMatchTheAdditivePath) {
                        [](bool on) { return on; }, 1e-4);
 }
 
-// The dense adapters' rank-r products on lora_dense.h's kernels (set_lora_dense, the default) against cuBLASLt's
-// GEMMs: the same loss and gradients up to the sums' order, at rank 16, 8 and 4, every sub-layer kept and
-// recomputed, with the adapters stacked (groups of 2 and 6 adapters: up to 96 columns, in pieces of 32) and one at a
-// time, joined and not. The kernels take ranks that are multiples of 8: at rank 4 only the stacked groups' u and dA
-// (8 and 24 columns) run on them.
-TEST(CudaTrain, DenseLoraKernelsMatchTheGemms) {
-  const JoiningCase c;
-  struct Restore {
-    ~Restore() {
-      set_lora_dense(true);
-      set_lora_stacking(true);
-    }
-  } restore;
-  for (const bool stacking : {true, false}) {
-    set_lora_stacking(stacking);
-    for (const bool joining : {true, false}) {
-      set_lora_joining(joining);
-      for (const int rank : {16, 8, 4})
-        for (const char* policy : {"all", "none"})
-          lora_switch_runs(c.base, c.batch, rank, policy, set_lora_dense, lora_dense_launches,
-                           [&](bool on) { return on && (rank % 8 == 0 || stacking); }, 1e-4);
-    }
-  }
-}
-
 // With a frozen base the joined weights are kept from step to step (W copied once); the adapters' B in them must
 // follow the optimizer's updates. Two AdamW steps (lr 1e-2: every adapter element moves) with and without joining:
 // the second forward's loss agrees within 5 % of what the first update moved it (a stale B would leave about half

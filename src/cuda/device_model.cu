@@ -86,16 +86,6 @@ void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.set(on); }
 bool mhc_mix_fold() { return g_mhc_mix_fold.on(); }
 
 namespace {
-EnvSwitch g_lora_dense{"NEXTLM_LORA_DENSE"};
-std::atomic<int64_t> g_lora_dense_launches{0};
-}  // namespace
-
-void set_lora_dense(bool on) { g_lora_dense.set(on); }
-bool lora_dense() { return g_lora_dense.on(); }
-int64_t lora_dense_launches() { return g_lora_dense_launches; }
-void note_lora_dense_launch() { ++g_lora_dense_launches; }
-
-namespace {
 std::atomic<bool> g_lora_stacking{true};
 std::atomic<int64_t> g_lora_stacked_groups{0};
 }  // namespace

@@ -69,15 +69,6 @@ void set_lora_stacking(bool on);
 bool lora_stacking();
 int64_t lora_stacked_groups();
 
-// Whether training runs the dense LoRA adapters' rank-r products (u = s·x·Aᵀ, dB, s·dy·B, dA) on lora_dense.h's
-// kernels, which read dy once for dB and dy·B together and stream every wide operand at full width (on by default;
-// NEXTLM_LORA_DENSE=0 turns it off by default), in place of cuBLASLt GEMMs with r-column outputs; shapes they do
-// not take stay on cuBLASLt. Process-wide, for tests and benchmarks; lora_dense_launches() counts the adapters'
-// passes run on them so far in this process.
-void set_lora_dense(bool on);
-bool lora_dense();
-int64_t lora_dense_launches();
-
 // Whether training joins a dense projection and its adapters into one GEMM, [x | u]·[W | B]ᵀ, where that saves
 // memory traffic (train.cu's joined_forward, 2·out > in: a KDA layer's q|k|v, f_b and g_b, an MLA layer's q_b and
 // kv_b, the MLPs' gate|up, the shared expert's down; with a trained base only inputs up to 2048 wide; the default), in

@@ -33,7 +33,6 @@ void note_lora_stacked_group();
 void note_lora_joined_projection();
 void note_lora_joined_input_gradient();  // counts in lora_joined_projections() too
 void note_narrow_joined_gradient();
-void note_lora_dense_launch();
 
 namespace cuda {
 

@@ -23,7 +23,6 @@
 #include <optional>
 
 #include "cuda/backward_kernels.h"
-#include "cuda/lora_dense.h"
 #include "cuda/model_impl.h"
 #include "model/backward.h"
 
@@ -195,58 +194,7 @@ class Step {
     scale_to_bf16_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(ceil_div(rows * cols, 256), 4096)), 256, 0,
                                 m_.stream>>>(x, s, y, ldy, rows, cols);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
-  }  // ---- The adapters' rank-r products: lora_dense.h's kernels (set_lora_dense) where they take the shapes ----
-  // Whether they take an r-wide product (in pieces of 32 columns) over a Q-wide x (and p) on these rows.
-  bool dense_takes(int64_t r, int64_t Q, const bf16* x, int64_t ldx, const bf16* p = nullptr, int64_t ldp = 0) const {
-    const int piece = static_cast<int>(std::min<int64_t>(r, 32));
-    return lora_dense() && r % 8 == 0 && lora_dense_takes(piece, Q, x, ldx, p, ldp);
   }
-  float* dense_work(int64_t floats) { return floats > 0 ? m_.arena.alloc<float>(floats) : nullptr; }
-  // u = bf16(s·x·Aᵀ) [rows, r] (row stride r) for A [r, in].
-  bf16* lora_factor(const bf16* x, int64_t ldx, const bf16* A, int64_t r, int64_t in, float s, int64_t rows) {
-    if (!dense_takes(r, in, x, ldx)) {
-      float* u = m_.arena.alloc<float>(rows * r);
-      m_.gemm->run(x, ldx, A, r, in, u, r, rows);
-      return scaled_bf16(u, s, rows * r);
-    }
-    bf16* u = m_.arena.alloc<bf16>(rows * r);
-    for (int64_t j0 = 0; j0 < r; j0 += 32) {
-      const int rj = static_cast<int>(std::min<int64_t>(32, r - j0));
-      lora_dense_factor(x, ldx, A + j0 * in, rj, in, rows, s, u + j0, r,
-                        dense_work(lora_dense_work(rows, in, rj, true, false)), m_.stream);
-    }
-    note_lora_dense_launch();
-    return u;
-  }
-  // dA [r, in] += gsᵀ·x for gs [rows, r] (row stride ldg).
-  void lora_grad_a(const bf16* gs, int64_t ldg, const bf16* x, int64_t ldx, int64_t r, int64_t in, int64_t rows,
-                   float* dA) {
-    if (!dense_takes(r, in, x, ldx, gs, ldg)) return m_.gemm->run_dw(gs, ldg, x, ldx, r, in, rows, dA, true);
-    for (int64_t j0 = 0; j0 < r; j0 += 32) {
-      const int rj = static_cast<int>(std::min<int64_t>(32, r - j0));
-      lora_dense_grad(x, ldx, gs + j0, ldg, rj, in, rows, dA + j0 * in, true,
-                      dense_work(lora_dense_work(rows, in, rj, false, true)), m_.stream);
-    }
-    note_lora_dense_launch();
-  }
-  // An adapter's dB += dyᵀ·u (u [rows, r], row stride ldu) and g = dy·B from its output's gradient dy (bf16, row
-  // stride lddy, from the adapter's first column): g into g32 (fp32, row stride ldg) when given, else bf16(s·g) into
-  // g16 (row stride ldg).
-  void lora_dy(const DAdapter& ad, const bf16* dy, int64_t lddy, const bf16* u, int64_t ldu, int64_t rows, float* g32,
-               bf16* g16, int64_t ldg) {
-    if (ad.r > 32 || !dense_takes(ad.r, ad.out, dy, lddy, u, ldu)) {
-      m_.gemm->run_dw(dy, lddy, u, ldu, ad.out, ad.r, rows, ad.dB, true);
-      float* g = g32 ? g32 : m_.arena.alloc<float>(rows * ad.r);
-      m_.gemm->run_dx(dy, lddy, ad.B, ad.out, ad.r, g, g32 ? ldg : ad.r, rows, false);
-      if (!g32) scaled_bf16_into(g, ad.scale, g16, ldg, rows, ad.r);
-      return;
-    }
-    const int r = static_cast<int>(ad.r);
-    lora_dense_dy(dy, lddy, u, ldu, ad.B, r, ad.out, rows, ad.dB, true, g32, g16, ldg, ad.scale,
-                  dense_work(lora_dense_work(rows, ad.out, r, true, true)), m_.stream);
-    note_lora_dense_launch();
-  }
-
   // ---- Stacked adapters (lora_input_groups) ----
   // A site's dense adapters that read the same input rows, when they share rank, input width and scale and set_lora
   // laid their A and dA back to back (and the model is on one GPU): their u come from one GEMM on the stacked A
@@ -292,7 +240,9 @@ class Step {
           return false;
       }
       const int64_t ld = static_cast<int64_t>(ads.size()) * a0.r;
-      bf16* us = lora_factor(x, ldx, a0.A, ld, a0.in, a0.scale, rows);
+      float* u = m_.arena.alloc<float>(rows * ld);
+      m_.gemm->run(x, ldx, a0.A, ld, a0.in, u, ld, rows);
+      bf16* us = scaled_bf16(u, a0.scale, rows * ld);
       const size_t gi = lora_groups_[site_].size();
       for (size_t j = 0; j < ads.size(); ++j) {
         lora_u_[site_][{ads[j], x}] = us + static_cast<int64_t>(j) * a0.r;
@@ -315,7 +265,7 @@ class Step {
       const DAdapter& a0 = *g.ads[0];
       const int64_t ld = g.ld();
       bf16* gs = scaled_bf16(g.g, a0.scale, g.rows * ld);
-      lora_grad_a(gs, ld, g.x, g.ldx, ld, a0.in, g.rows, a0.dA);
+      m_.gemm->run_dw(gs, ld, g.x, g.ldx, ld, a0.in, g.rows, a0.dA, true);
       if (g.dx) m_.gemm->run_dx(gs, ld, a0.A, ld, a0.in, g.dx, a0.in, g.rows, true);
       g.g = nullptr, g.done = 0, g.dx = nullptr;
     }
@@ -394,7 +344,7 @@ class Step {
       const int64_t r = grp->ld();
       bf16* gs = n.dy + n.pieces;
       scaled_bf16_into(grp->g, a0.scale, gs, n.ld, T, r);
-      lora_grad_a(gs, n.ld, grp->x, grp->ldx, r, a0.in, T, a0.dA);
+      m_.gemm->run_dw(gs, n.ld, grp->x, grp->ldx, r, a0.in, T, a0.dA, true);
       NEXTLM_CUDA_CHECK(cudaMemcpyAsync(wj + n.pieces * in, a0.A, r * in * sizeof(bf16), cudaMemcpyDeviceToDevice,
                                         m_.stream));
       grp->g = nullptr, grp->done = 0, grp->dx = nullptr;  // flushed
@@ -419,7 +369,9 @@ class Step {
       check(g->x == x && g->rows == rows, "stacked LoRA adapters on different inputs");
       us = lora_u_[site_].at({&ad, x}), ldu = g->ld();
     } else {
-      us = lora_factor(x, ldx, ad.A, ad.r, ad.in, ad.scale, rows);
+      float* u = m_.arena.alloc<float>(rows * ad.r);
+      m_.gemm->run(x, ldx, ad.A, ad.r, ad.in, u, ad.r, rows);
+      us = scaled_bf16(u, ad.scale, rows * ad.r);
       lora_u_[site_][{&ad, x}] = us;
     }
     if (!factors_only_) m_.gemm->run(us, ldu, ad.B, ad.out, ad.r, y + ad.col0, ldy, rows, accumulate);
@@ -436,15 +388,18 @@ class Step {
       check(sg->x == x && sg->rows == rows && (sg->done == 0 || sg->dx == dx),
             "stacked LoRA adapters with different inputs or input gradients");
       const int64_t ld = sg->ld(), j = lora_member_[site_].at(&ad).second;
+      m_.gemm->run_dw(dy + ad.col0, lddy, it->second, ld, ad.out, ad.r, rows, ad.dB, true);
       if (!sg->g) sg->g = m_.arena.alloc<float>(rows * ld);
-      lora_dy(ad, dy + ad.col0, lddy, it->second, ld, rows, sg->g + j * ad.r, nullptr, ld);
+      m_.gemm->run_dx(dy + ad.col0, lddy, ad.B, ad.out, ad.r, sg->g + j * ad.r, ld, rows, false);
       sg->dx = dx;
       ++sg->done;
       return;
     }
-    bf16* gs = m_.arena.alloc<bf16>(rows * ad.r);
-    lora_dy(ad, dy + ad.col0, lddy, it->second, ad.r, rows, nullptr, gs, ad.r);
-    lora_grad_a(gs, ad.r, x, ldx, ad.r, ad.in, rows, ad.dA);
+    m_.gemm->run_dw(dy + ad.col0, lddy, it->second, ad.r, ad.out, ad.r, rows, ad.dB, true);
+    float* g = m_.arena.alloc<float>(rows * ad.r);
+    m_.gemm->run_dx(dy + ad.col0, lddy, ad.B, ad.out, ad.r, g, ad.r, rows, false);
+    bf16* gs = scaled_bf16(g, ad.scale, rows * ad.r);
+    m_.gemm->run_dw(gs, ad.r, x, ldx, ad.r, ad.in, rows, ad.dA, true);
     if (dx) m_.gemm->run_dx(gs, ad.r, ad.A, ad.r, ad.in, dx, ad.in, rows, true);
   }
   void copy_cols(bf16* dst, int64_t ldd, const bf16* src, int64_t lds, int64_t rows, int64_t cols) {
@@ -634,8 +589,11 @@ class Step {
     if (K != W.out + r)
       NEXTLM_CUDA_CHECK(
           cudaMemset2DAsync(dyj + W.out + r, K * sizeof(bf16), 0, (K - W.out - r) * sizeof(bf16), T, m_.stream));
-    lora_dy(ad, dy, W.out, u->second, r, T, nullptr, dyj + W.out, K);
-    lora_grad_a(dyj + W.out, K, x, ldx, r, ad.in, T, ad.dA);
+    m_.gemm->run_dw(dy, W.out, u->second, r, ad.out, r, T, ad.dB, true);
+    float* g = m_.arena.alloc<float>(T * r);
+    m_.gemm->run_dx(dy, W.out, ad.B, ad.out, r, g, r, T, false);
+    scaled_bf16_into(g, ad.scale, dyj + W.out, K, T, r);
+    m_.gemm->run_dw(dyj + W.out, K, x, ldx, r, ad.in, T, ad.dA, true);
     m_.gemm->run_dx(dyj, K, wj, K, W.in, dx, W.in, T, !set_dx);
     note_lora_joined_input_gradient();
     return true;
