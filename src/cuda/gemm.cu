@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "cuda/decode_kernels.h"
 #include "cuda/grouped_gemm.h"
@@ -103,9 +104,13 @@ void Gemm::lt(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const bf16* A, 
     check(found > 0, "cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " GEMM");
     it = algos_.emplace(key, res.algo).first;
   }
-  // NEXTLM_GEMM_LOG=1: one line a GEMM on stderr (operands' transposes, m, n, k, output type, beta), for matching
-  // a kernel trace's cuBLASLt launches (one each, a split-K one followed by its reduction) to the products.
-  static const bool log = std::getenv("NEXTLM_GEMM_LOG") != nullptr;
+  // NEXTLM_GEMM_LOG set (and not 0): one line a GEMM on stderr (operands' transposes, m, n, k, output type, beta),
+  // for matching a kernel trace's cuBLASLt launches (one each, a split-K one followed by its reduction) to the
+  // products.
+  static const bool log = [] {
+    const char* v = std::getenv("NEXTLM_GEMM_LOG");
+    return v && std::strcmp(v, "0") != 0;
+  }();
   if (log)
     std::fprintf(stderr, "gemm %c%c m=%lld n=%lld k=%lld %s beta=%d\n", ta ? 'T' : 'N', tb ? 'T' : 'N',
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
