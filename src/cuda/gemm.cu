@@ -3,8 +3,8 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
+#include "core/env.h"
 #include "cuda/decode_kernels.h"
 #include "cuda/grouped_gemm.h"
 
@@ -107,10 +107,7 @@ void Gemm::lt(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const bf16* A, 
   // NEXTLM_GEMM_LOG set (and not 0): one line a GEMM on stderr (operands' transposes, m, n, k, output type, beta),
   // for matching a kernel trace's cuBLASLt launches (one each, a split-K one followed by its reduction) to the
   // products.
-  static const bool log = [] {
-    const char* v = std::getenv("NEXTLM_GEMM_LOG");
-    return v && std::strcmp(v, "0") != 0;
-  }();
+  static const bool log = std::getenv("NEXTLM_GEMM_LOG") && env_switch_on("NEXTLM_GEMM_LOG");
   if (log)
     std::fprintf(stderr, "gemm %c%c m=%lld n=%lld k=%lld %s beta=%d\n", ta ? 'T' : 'N', tb ? 'T' : 'N',
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
