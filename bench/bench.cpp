@@ -16,6 +16,7 @@
 #include "mhc_backward.h"
 #include "moe_gemm.h"
 #include "slice4.h"
+#include "xent.h"
 
 namespace {
 
@@ -98,6 +99,8 @@ int main(int argc, char** argv) {
       {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_T4096_forward_mix", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_frozen_T4096", nextlm::bench::mhc_backward_case},
+      // The training head's cross-entropy at the slice's vocabulary, both kernels (bench/xent.cu).
+      {"xent_R2048_V154880", nextlm::bench::xent_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.
       {"slice4_prefill_T4096", nextlm::bench::slice4_prefill_case},
       // The same in batch-invariant mode (what `score --batch-invariant` costs), and with only the forward's MLA

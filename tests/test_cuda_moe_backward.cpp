@@ -122,6 +122,21 @@ TEST(CudaBackwardMoe, SoftmaxXentMatchesCpuHeadLoss) {
 
 TEST(CudaBackwardMoe, SoftmaxXentFullVocabulary) { check_xent(4, 154880, true, 5); }
 
+// Wide rows go through the streaming kernel (a cluster of CTAs a row, segments loaded two rows ahead): more rows than
+// clusters fit at once (each cluster walks several, its buffers refilled), rows without a term among them, a last
+// segment shorter than the others (V = 20004: seven of 2504 floats and one of 2476), and the largest segments it
+// takes (7 float4 a thread); and the same rows through the block-a-row kernel with the switch off.
+TEST(CudaBackwardMoe, SoftmaxXentStreamsWideRows) {
+  ASSERT_TRUE(cuda_testing::xent_stream());
+  check_xent(300, 20004, true, 8);
+  check_xent(41, 154880, false, 9);
+  check_xent(9, 204800, true, 10);
+  cuda_testing::set_xent_stream(false);
+  check_xent(41, 154880, false, 9);
+  check_xent(300, 20004, true, 8);
+  cuda_testing::set_xent_stream(true);
+}
+
 // The vector path (V a multiple of 4) with a row narrower than a block (most threads idle) and many rows.
 TEST(CudaBackwardMoe, SoftmaxXentNarrowRows) {
   check_xent(20000, 12, true, 6);

@@ -2,10 +2,17 @@
 // src/model/head_backward.cpp), the embedding (embedding_backward), the clamped SwiGLU, the MoE combine / gather
 // and the router weights (src/model/moe_backward.cpp). The GEMMs between them are the caller's.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
+#include <cooperative_groups.h>
+
+#include "core/env.h"
 #include "cuda/backward_kernels.h"
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
 
 namespace nextlm::cuda {
 
@@ -13,6 +20,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kXentThreads = 512;  // softmax_xent_kernel: a row's block (fewer, larger blocks: better-filled waves)
+constexpr int kXentCluster = 8;                 // softmax_xent_stream_kernel: CTAs a row
+constexpr int kXentStreamThreads = 1024;        // and threads a CTA
+constexpr int64_t kXentStreamMinV = 16384;      // narrower rows take softmax_xent_kernel
+constexpr size_t kXentStreamSmem = 200 * 1024;  // the limit of a CTA's two segment buffers
+EnvSwitch g_xent_stream("NEXTLM_XENT_STREAM");
 
 // Blocks for a grid-stride loop over n items (every kernel below loops, so the grid only has to be big enough).
 int grid_for(int64_t n, int per_block = kThreads) {
@@ -109,6 +121,155 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(const float*
       loss[r] = static_cast<double>(w) * (lse - static_cast<double>(row[tg]));
     }
   }
+}
+
+// 2^x (ex2.approx.ftz: ~2 ulp, results below 2^−126 flushed to zero); exp(x − m) is ex2(x·log2 e − m·log2 e).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The online-softmax states (max m, Σ exp(x − m)) of a warp's lanes merged by butterflies: the max first, then each
+// lane's sum brought to it and added. Every lane ends with the same bits, and every warp that merges the same states
+// does so in the same order.
+__device__ __forceinline__ void warp_state_merge(float& m, float& s) {
+  float mx = m;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  s = m == -INFINITY ? 0.0f : s * ex2((m - mx) * kLog2e);  // an empty state adds nothing
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  m = mx;
+}
+
+// The same terms with each row cut into kXentCluster segments of seg floats (a multiple of 4), one for each CTA of
+// a thread-block cluster, so that every logit is read from memory once (softmax_xent_kernel reads each row twice:
+// the rows are far larger than the caches) and takes one exponential. The grid is persistent: cluster c takes rows
+// c, c + clusters, …, and each CTA streams its segments of them into two shared-memory buffers with bulk copies
+// (cp.async.bulk, L2 evict_first), two rows ahead, so that the loads of the next rows run while this one is reduced,
+// merged and written. A thread takes its NV float4 of the segment into registers, forms their max m_t and
+// e = exp(x − m_t) in place (ex2.approx), and the states (max, Σe) are merged by butterflies: the warp's lanes, the
+// CTA's warps (every warp alike, from shared memory), the cluster's CTAs (every warp alike, through distributed
+// shared memory), so that every thread of the cluster holds the same M and S; the gradient is e·exp(m_t − M)/S.
+// Rows without a term are loaded too (the CTAs decide alike and skip the merge). Needs V a multiple of 4, 16-byte
+// aligned logits, 8-byte aligned dlogits and seg ≤ 4·NV·kXentStreamThreads (softmax_xent_backward checks); a CTA
+// whose segment lies past V, and a thread past its segment, hold an empty state.
+template <int NV>
+__global__ void __cluster_dims__(kXentCluster, 1, 1) __launch_bounds__(kXentStreamThreads, 1)
+    softmax_xent_stream_kernel(const float* logits, const int32_t* target, const float* wt, double* loss,
+                               bf16* dlogits, int64_t n, int64_t V, int64_t seg) {
+  constexpr int NT = kXentStreamThreads, NW = NT / 32;
+  static_assert(NW == 32 && kXentCluster <= 32, "a warp's lanes merge the CTA's warps and the cluster's CTAs");
+  extern __shared__ __align__(128) float4 xbuf[];  // [2][seg / 4]: this CTA's segments of two rows
+  __shared__ __align__(8) uint64_t full[2];        // a buffer's copy has landed
+  __shared__ float2 wstate[2][NW];                 // the warps' states of a row (alternate rows, alternate slots)
+  __shared__ float2 part[2];  // the CTA's state of a row, read by the whole cluster (alternate merges, alternate slots)
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t start = static_cast<int64_t>(cluster.block_rank()) * seg;
+  const int64_t c0 = start < V ? start : V, c1 = c0 + seg < V ? c0 + seg : V;  // this CTA's columns
+  const int nv4 = static_cast<int>((c1 - c0) / 4), seg4 = static_cast<int>(seg / 4);
+  const uint32_t bytes = 16u * static_cast<uint32_t>(nv4);
+  const bool lead = cluster.block_rank() == 0 && threadIdx.x == 0;  // writes the loss
+  const int64_t cid = blockIdx.x / kXentCluster, clusters = gridDim.x / kXentCluster;
+  const uint32_t full_s = smem_addr(full), buf_s = smem_addr(xbuf);
+  if (threadIdx.x == 0) {
+    mbar_init(full_s, 1);
+    mbar_init(full_s + 8, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  // Row r's segment into buffer b (thread 0).
+  const auto issue = [&](int64_t r, int b) {
+    mbar_arrive_expect_tx(full_s + 8 * b, bytes);
+    if (bytes) bulk_load(buf_s + 16u * b * seg4, logits + r * V + c0, bytes, full_s + 8 * b, l2_policy_evict_first());
+  };
+  if (threadIdx.x == 0)
+    for (int b = 0; b < 2 && cid + b * clusters < n; ++b) issue(cid + b * clusters, b);
+  int slot = 0;  // flips on every row the cluster merges (the skipped rows have no merge)
+  int i = 0;     // this cluster's rows so far: row i sits in buffer i mod 2, that buffer's (i / 2)-th copy
+  for (int64_t r = cid; r < n; r += clusters, ++i) {
+    const int b = i & 1;
+    mbar_wait(full_s + 8 * b, (i >> 1) & 1);
+    const float4* xs = xbuf + b * seg4;
+    float4 x[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int v = static_cast<int>(threadIdx.x) + j * NT;
+      x[j] = v < nv4 ? xs[v] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+    }
+    __syncthreads();  // every thread holds its part: the buffer takes the row two ahead
+    if (threadIdx.x == 0 && r + 2 * clusters < n) issue(r + 2 * clusters, b);
+    bf16* drow = dlogits + r * V + c0;
+    const int32_t tg = target[r];
+    const float w = tg >= 0 && wt ? wt[r] : 1.0f;
+    if (tg < 0 || w == 0.0f) {  // no term; the same decision in every CTA of the cluster
+      for (int v = threadIdx.x; v < nv4; v += NT) *reinterpret_cast<uint2*>(drow + 4 * v) = make_uint2(0u, 0u);
+      if (lead) loss[r] = 0.0;
+      continue;
+    }
+    float mt = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) mt = fmaxf(mt, fmaxf(fmaxf(x[j].x, x[j].y), fmaxf(x[j].z, x[j].w)));
+    float st = 0.0f;
+    const float base = mt == -INFINITY ? 0.0f : mt * kLog2e;  // an empty state's e are ex2(−inf) = 0
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      x[j].x = ex2(fmaf(x[j].x, kLog2e, -base)), x[j].y = ex2(fmaf(x[j].y, kLog2e, -base));
+      x[j].z = ex2(fmaf(x[j].z, kLog2e, -base)), x[j].w = ex2(fmaf(x[j].w, kLog2e, -base));
+      st += (x[j].x + x[j].y) + (x[j].z + x[j].w);
+    }
+    float m = mt, s = st;
+    warp_state_merge(m, s);
+    if (lane == 0) wstate[slot][warp] = make_float2(m, s);
+    __syncthreads();
+    // Every warp merges the CTA's warps alike; warp 0 publishes the CTA's state. A slot of wstate and part is written
+    // again two merges later, after the barriers of the merge between, which every thread reaches only once it has
+    // read this one.
+    {
+      const float2 o = wstate[slot][lane];
+      m = o.x, s = o.y;
+      warp_state_merge(m, s);
+    }
+    if (threadIdx.x == 0) part[slot] = make_float2(m, s);
+    cluster.sync();
+    {
+      float2 o = make_float2(-INFINITY, 0.0f);
+      if (lane < kXentCluster) o = *cluster.map_shared_rank(&part[slot], static_cast<unsigned>(lane));
+      m = o.x, s = o.y;
+      warp_state_merge(m, s);  // the lanes past the cluster's CTAs hold empty states
+    }
+    slot ^= 1;
+    const float f = mt == -INFINITY ? 0.0f : ex2((mt - m) * kLog2e) / s;  // p = e·f
+    const float wf = w * f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int v = static_cast<int>(threadIdx.x) + j * NT;
+      if (v >= nv4) break;
+      const int64_t c = c0 + 4 * v;
+      __nv_bfloat162 g01 = __floats2bfloat162_rn(wf * x[j].x, wf * x[j].y);
+      __nv_bfloat162 g23 = __floats2bfloat162_rn(wf * x[j].z, wf * x[j].w);
+      if (tg >= c && tg < c + 4) {  // the target's term: w·(p − 1)
+        __align__(8) bf16 g[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float p = (k == 0 ? x[j].x : k == 1 ? x[j].y : k == 2 ? x[j].z : x[j].w) * f;
+          g[k] = __float2bfloat16(w * (c + k == tg ? p - 1.0f : p));
+        }
+        g01 = __halves2bfloat162(g[0], g[1]), g23 = __halves2bfloat162(g[2], g[3]);
+      }
+      *reinterpret_cast<uint2*>(drow + 4 * v) =
+          make_uint2(*reinterpret_cast<uint32_t*>(&g01), *reinterpret_cast<uint32_t*>(&g23));
+    }
+    if (lead) {
+      const double lse = static_cast<double>(m) + log(static_cast<double>(s));
+      loss[r] = static_cast<double>(w) * (lse - static_cast<double>(logits[r * V + tg]));
+    }
+  }
+  cluster.sync();  // no CTA leaves while another may still read its states
 }
 
 // ---- Embedding ----
@@ -319,12 +480,57 @@ __global__ void moe_route_backward_kernel(const float* logits, const int32_t* ex
 
 }  // namespace
 
+namespace {
+
+// softmax_xent_stream_kernel<NV> on a persistent grid of the clusters that fit at once (found per device and NV).
+template <int NV>
+void launch_xent_stream(const float* logits, const int32_t* target, const float* wt, double* loss, bf16* dlogits,
+                        int64_t n, int64_t V, int64_t seg, cudaStream_t st) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> resident[kMaxDevices];
+  int dev = 0;
+  NEXTLM_CUDA_CHECK(cudaGetDevice(&dev));
+  check(dev >= 0 && dev < kMaxDevices, "softmax_xent_backward: device ordinal ", dev, " out of range");
+  const auto kernel = softmax_xent_stream_kernel<NV>;
+  const size_t smem = 2 * static_cast<size_t>(seg) * sizeof(float);
+  // The attribute covers the largest buffers any call takes, so that it is set once (graph captures make no calls).
+  int clusters = resident[dev].load(std::memory_order_relaxed);
+  if (!clusters) {
+    NEXTLM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kXentStreamSmem)));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(kXentCluster * std::max(1, sm_count() / kXentCluster)));
+    cfg.blockDim = dim3(kXentStreamThreads);
+    cfg.dynamicSmemBytes = kXentStreamSmem;
+    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    check(clusters >= 1, "softmax_xent_backward: clusters of ", kXentCluster, " CTAs do not fit on this device");
+    resident[dev].store(clusters, std::memory_order_relaxed);
+  }
+  const int64_t grid = kXentCluster * std::min<int64_t>(n, clusters);
+  kernel<<<static_cast<unsigned>(grid), kXentStreamThreads, smem, st>>>(logits, target, wt, loss, dlogits, n, V, seg);
+}
+
+}  // namespace
+
+void set_xent_stream(bool on) { g_xent_stream.set(on); }
+bool xent_stream() { return g_xent_stream.on(); }
+
 void softmax_xent_backward(const float* logits, const int32_t* target, const float* wt, double* loss, bf16* dlogits,
                            int64_t n, int64_t V, cudaStream_t st) {
   if (n <= 0) return;
   check(V > 0, "softmax_xent_backward: V must be positive");
-  softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
-                                                                                              loss, dlogits, n, V);
+  // Wide rows (a vocabulary) whose two segment buffers fit in shared memory: one read of each logit.
+  const int64_t seg = 4 * ceil_div(ceil_div(V, kXentCluster), 4);
+  const int64_t per_thread = ceil_div(seg / 4, kXentStreamThreads);  // float4 a thread
+  if (xent_stream() && V >= kXentStreamMinV && V % 4 == 0 && is_aligned16(logits) &&
+      reinterpret_cast<uintptr_t>(dlogits) % 8 == 0 && 2 * seg * sizeof(float) <= kXentStreamSmem) {
+    if (per_thread <= 2) launch_xent_stream<2>(logits, target, wt, loss, dlogits, n, V, seg, st);
+    else if (per_thread <= 5) launch_xent_stream<5>(logits, target, wt, loss, dlogits, n, V, seg, st);  // V 154880
+    else launch_xent_stream<7>(logits, target, wt, loss, dlogits, n, V, seg, st);
+  } else {
+    softmax_xent_kernel<<<static_cast<int>(std::min<int64_t>(n, 65535)), kXentThreads, 0, st>>>(logits, target, wt,
+                                                                                                loss, dlogits, n, V);
+  }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 

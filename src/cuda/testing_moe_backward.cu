@@ -29,6 +29,9 @@ void softmax_xent_backward(const std::vector<float>& logits, const std::vector<i
   dlogits = widen(download<cuda::bf16>(dd));
 }
 
+void set_xent_stream(bool on) { cuda::set_xent_stream(on); }
+bool xent_stream() { return cuda::xent_stream(); }
+
 void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float>& dh, std::vector<float>& dembed,
                         int64_t T, int64_t S, int64_t D, int64_t pad_id) {
   Buf dt = upload(tok);

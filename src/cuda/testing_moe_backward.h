@@ -11,6 +11,9 @@ namespace nextlm::cuda_testing {
 void softmax_xent_backward(const std::vector<float>& logits, const std::vector<int32_t>& target,
                            const std::vector<float>& wt, int64_t n, int64_t V, std::vector<double>& loss,
                            std::vector<float>& dlogits);
+// cuda::set_xent_stream / xent_stream (process-wide): whether wide rows take the streaming kernel.
+void set_xent_stream(bool on);
+bool xent_stream();
 
 // embedding_backward: dembed [V, D] (uploaded, then accumulated into) from tok [T] and dh [T, S, D].
 void embedding_backward(const std::vector<int32_t>& tok, const std::vector<float>& dh, std::vector<float>& dembed,

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) tensor memory accelerator and thread-block cluster helpers: mbarriers with transaction counts,
-// tiled TMA loads (optionally multicast to every CTA of the cluster), remote mbarrier arrivals, cluster barriers.
+// tiled TMA loads (optionally multicast to every CTA of the cluster), bulk copies, remote mbarrier arrivals, cluster
+// barriers.
 // PTX ISA: "Tensor Copy" (cp.async.bulk.tensor), "mbarrier", "Cluster" (mapa, barrier.cluster).
 #pragma once
 #include <cuda.h>
@@ -127,6 +128,16 @@ __device__ __forceinline__ void tma_load_5d_mc(uint32_t dst, const CUtensorMap* 
       ".L2::cache_hint [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8, %9;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "h"(mask),
       "l"(pol)
+      : "memory");
+}
+
+// A contiguous copy (no tensor map) of `bytes` (a multiple of 16; dst and src 16-byte aligned) from global memory
+// into this CTA's shared memory at dst, completing `bar`'s transactions, under the L2 cache policy `pol`
+// (PTX "cp.async.bulk").
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar), "l"(pol)
       : "memory");
 }
 
