@@ -273,7 +273,8 @@ class CudaModel {
   // `state` (zeros when null or empty; parallel to adapter.params()) to the device. Each lora_adamw_step then takes
   // the device gradients (summed since zero_grads) times grad_scale, clips their global norm to max_norm (when > 0),
   // applies AdamW (model/optim.h's arithmetic; t the step count after this update) to the device's fp32 values and
-  // refreshes the bf16 copies the forward reads; it returns the norm before clipping (one small transfer).
+  // refreshes the bf16 copies the forward reads; it returns the norm before clipping (one small transfer) as soon as
+  // the norm is known, the update still running on the device (whatever reads the adapters next is queued after it).
   // download_lora copies the values (and the moments into `state`) back, for checkpoints. set_lora drops the
   // device optimizer (the host's values are the ones to use then).
   void start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state = nullptr);

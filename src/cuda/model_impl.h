@@ -467,6 +467,36 @@ struct CudaModel::Impl {
   cudaEvent_t fwd_begin = nullptr, fwd_end = nullptr;
   double last_ms = 0.0;
 
+  // Page-locked host memory for a step's small transfers, so that the host waits on the stream only where it needs a
+  // result: the batch plan's uploads (plan_staging, reused once the copies that read it have run: staged_ev), the
+  // training loss's rows and the LoRA optimizer's gradient norm (read back as soon as it exists: norm_ev, while the
+  // update runs on).
+  class Pinned {
+   public:
+    Pinned() = default;
+    Pinned(const Pinned&) = delete;
+    Pinned& operator=(const Pinned&) = delete;
+    ~Pinned() {
+      if (p_) cudaFreeHost(p_);
+    }
+    // At least `bytes` (grown as needed: the contents are not kept).
+    void* get(size_t bytes) {
+      if (bytes > bytes_) {
+        if (p_) NEXTLM_CUDA_CHECK(cudaFreeHost(p_));
+        p_ = nullptr, bytes_ = 0;
+        NEXTLM_CUDA_CHECK(cudaMallocHost(&p_, bytes));
+        bytes_ = bytes;
+      }
+      return p_;
+    }
+
+   private:
+    void* p_ = nullptr;
+    size_t bytes_ = 0;
+  };
+  Pinned plan_staging, loss_host, norm_host;
+  cudaEvent_t staged_ev = nullptr, norm_ev = nullptr;
+
   bool empty_seen = false;       // empty selections attend to keys 0 … t (EmptySelection::SeenKeys), not all keys
   bool kda_tensor_cores = true;  // the tensor-core KDA where it supports the config (else the fp32 kernels)
   bool mla_absorbed = false;     // the forward's MLA attention on the absorbed decoding kernels
@@ -505,12 +535,16 @@ struct CudaModel::Impl {
     for (cudaEvent_t& e : join_ev) NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_begin));
     NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_end));
+    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&staged_ev, cudaEventDisableTiming));
+    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&norm_ev, cudaEventDisableTiming));
     gemm = std::make_unique<cuda::Gemm>(stream);
   }
   ~Impl() {
     for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
     if (fwd_begin) cudaEventDestroy(fwd_begin);
     if (fwd_end) cudaEventDestroy(fwd_end);
+    if (staged_ev) cudaEventDestroy(staged_ev);
+    if (norm_ev) cudaEventDestroy(norm_ev);
     if (fork_ev) cudaEventDestroy(fork_ev);
     for (cudaEvent_t e : join_ev)
       if (e) cudaEventDestroy(e);
@@ -818,9 +852,21 @@ struct CudaModel::Impl {
       seen[t] = static_cast<int32_t>(t - start[t] + 1);
       pos[t] = seen[t] - 1;
     }
+    std::vector<int32_t> cu(b.cu_seqlens.begin(), b.cu_seqlens.end());
+    // The vectors go up from one page-locked staging buffer, so that the host waits neither for the copies nor for
+    // the stream's earlier work (a training step's optimizer update may still be running); the buffer is refilled
+    // once the last plan's copies from it have run.
+    size_t staged = 0;
+    const std::vector<int32_t>* parts[] = {&b.tokens, &targets, &start, &len, &pool_base, &pool_token, &seen,
+                                           &pos,      &cu,      &cs,    &cl,  &sf,        &sn};
+    for (const std::vector<int32_t>* v : parts) staged += v->size();
+    NEXTLM_CUDA_CHECK(cudaEventSynchronize(staged_ev));
+    int32_t* stage = static_cast<int32_t*>(plan_staging.get(std::max<size_t>(staged, 1) * sizeof(int32_t)));
     auto up = [&](const std::vector<int32_t>& v) {
       int32_t* d = arena.alloc<int32_t>(static_cast<int64_t>(v.size()));
-      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      std::copy(v.begin(), v.end(), stage);
+      NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d, stage, v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      stage += v.size();
       return d;
     };
     p.tokens = up(b.tokens);
@@ -831,11 +877,9 @@ struct CudaModel::Impl {
     p.pool_token = up(pool_token);
     p.seen_len = up(seen);
     p.pos = up(pos);
-    std::vector<int32_t> cu(b.cu_seqlens.begin(), b.cu_seqlens.end());
     p.cu = up(cu);
     p.chunks = KdaChunks{up(cs), up(cl), up(sf), up(sn), static_cast<int64_t>(cs.size()), p.num_seqs};
-    // The uploads read host vectors that die here: wait for them.
-    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    NEXTLM_CUDA_CHECK(cudaEventRecord(staged_ev, stream));
     return p;
   }
 

@@ -1738,10 +1738,11 @@ double Step::run(const float* row_weight) {
     }
     embedding_backward(tok, dh, g_.embed, T, S, D, pad, st);
   }
-  std::vector<double> host(T);
-  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(host.data(), loss_rows, T * sizeof(double), cudaMemcpyDeviceToHost, st));
+  m_.end_timing();  // the step's device work ends here; its loss comes back after
+  double* host = static_cast<double*>(m_.loss_host.get(static_cast<size_t>(std::max<int64_t>(T, 1)) * sizeof(double)));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(host, loss_rows, T * sizeof(double), cudaMemcpyDeviceToHost, st));
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
-  return std::accumulate(host.begin(), host.end(), 0.0);
+  return std::accumulate(host, host + T, 0.0);
 }
 
 // Carves the gradients out of one zeroed allocation, laid out as the weights; without `linears`, those of the
@@ -1881,9 +1882,8 @@ double forward_backward_once(CudaModel::Impl& m, const PackedBatch& batch) {
     NEXTLM_CUDA_CHECK(cudaMemcpyAsync(row_weight, rw.data(), p.T * sizeof(float), cudaMemcpyHostToDevice, m.stream));
   }
   cuda::Step step(m, p, *m.grads);
-  const double loss = step.run(row_weight);
-  if (m.lora) m.lora->unwritten = false;  // the backward wrote the grouped adapters' gradients
-  m.end_timing();
+  const double loss = step.run(row_weight);  // (which marks the end of the step's timing)
+  if (m.lora) m.lora->unwritten = false;    // the backward wrote the grouped adapters' gradients
   m.finish_profile();
   return loss;
 }
@@ -1921,12 +1921,12 @@ double CudaModel::forward_backward(const PackedBatch& batch) {
   }
 }
 
+// Queued on the model's stream, like the steps that add into the gradients and every read of them.
 void CudaModel::zero_grads() {
   Impl& m = *impl_;
   zero_device_grads(m);
   m.since_zero.clear();
   m.untracked = false;
-  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
 namespace {
@@ -2128,6 +2128,9 @@ void overwritten_grads(cuda::LoraState& st) {
 void CudaModel::set_lora(const LoraAdapter& adapter) {
   Impl& m = *impl_;
   m.weights_changed();
+  // The copies below (the legacy stream's) replace what the model's stream may still read or write (an optimizer
+  // update still running).
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
   std::vector<std::tuple<int, int64_t, int64_t, int64_t>> keys;
@@ -2324,6 +2327,7 @@ const cuda::LoraState& whole_lora(const CudaModel::Impl& m, const LoraAdapter& a
 
 void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state) {
   Impl& m = *impl_;
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // as set_lora: an update may still be running
   const cuda::LoraState& ls = whole_lora(m, adapter);
   const std::vector<LoraModule>& mods = adapter.modules();
   const size_t count = 2 * mods.size();
@@ -2396,12 +2400,14 @@ double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, d
   const int count = static_cast<int>(opt.host.size());
   const float scale = static_cast<float>(grad_scale);
   cuda::grad_sq_norm(opt.params, count, opt.chunks, scale, opt.sq, opt.workspace, m.stream);
+  double* sq = static_cast<double*>(m.norm_host.get(sizeof(double)));
+  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(sq, opt.sq, sizeof(double), cudaMemcpyDeviceToHost, m.stream));
+  NEXTLM_CUDA_CHECK(cudaEventRecord(m.norm_ev, m.stream));
   cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
                      o.weight_decay, t, opt.workspace, m.stream);
-  double sq = 0;
-  NEXTLM_CUDA_CHECK(cudaMemcpyAsync(&sq, opt.sq, sizeof(double), cudaMemcpyDeviceToHost, m.stream));
-  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-  return std::sqrt(sq);
+  // The norm is back before the update has run: the host goes on (the next step's plan, its launches) meanwhile.
+  NEXTLM_CUDA_CHECK(cudaEventSynchronize(m.norm_ev));
+  return std::sqrt(*sq);
 }
 
 void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
