@@ -122,15 +122,17 @@ TEST(CudaBackwardMoe, SoftmaxXentMatchesCpuHeadLoss) {
 
 TEST(CudaBackwardMoe, SoftmaxXentFullVocabulary) { check_xent(4, 154880, true, 5); }
 
-// Wide rows go through the streaming kernel (a cluster of CTAs a row, segments loaded two rows ahead): more rows than
-// clusters fit at once (each cluster walks several, its buffers refilled), rows without a term among them, a last
-// segment shorter than the others (V = 20004: seven of 2504 floats and one of 2476), and the largest segments it
-// takes (7 float4 a thread); and the same rows through the block-a-row kernel with the switch off.
+// Wide rows go through the streaming kernel (a cluster of CTAs a row, each segment loaded while the row before is
+// worked on): more rows than clusters fit at once (each cluster walks several, its buffer refilled), rows without a
+// term among them, a last segment shorter than the others (V = 20004: seven of 2504 floats and one of 2476), and the
+// largest segments it takes (V = 163840: 10 float4 a thread); V = 204800 is past it (the block-a-row kernel); and the
+// same rows through the block-a-row kernel with the switch off.
 TEST(CudaBackwardMoe, SoftmaxXentStreamsWideRows) {
   ASSERT_TRUE(cuda_testing::xent_stream());
   check_xent(300, 20004, true, 8);
   check_xent(41, 154880, false, 9);
-  check_xent(9, 204800, true, 10);
+  check_xent(9, 163840, true, 10);
+  check_xent(5, 204800, true, 11);
   cuda_testing::set_xent_stream(false);
   check_xent(41, 154880, false, 9);
   check_xent(300, 20004, true, 8);

@@ -65,8 +65,8 @@ void stream_mean_norm_backward(const float* h, const float* w, const float* dout
 // For rows of logits [n, V] (fp32) with targets target [n] (< 0: no term) and optional weights wt [n] (null: 1):
 // loss[r] = −wt[r]·log softmax(logits[r])[target[r]] (written; 0 without a term), and dlogits [n, V] (bf16, written)
 // = wt[r]·(softmax(logits[r]) − onehot(target[r])), zero rows without a term.
-// Rows of at least 16384 logits (V a multiple of 4, aligned rows) are read once, each cut over a cluster of CTAs that
-// stream them in (softmax_xent_stream_kernel); narrower ones are read twice by a block a row.
+// Rows of 16384 to 163840 logits (V a multiple of 4, aligned rows) are read once, each cut over a cluster of CTAs
+// that stream them in (softmax_xent_stream_kernel); others are read twice by a block a row.
 void softmax_xent_backward(const float* logits, const int32_t* target, const float* wt, double* loss, bf16* dlogits,
                            int64_t n, int64_t V, cudaStream_t st);
 // Whether softmax_xent_backward may take the streaming kernel (on by default; NEXTLM_XENT_STREAM=0 or
