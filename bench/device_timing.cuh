@@ -33,6 +33,20 @@ double median_ms(F&& f, cudaStream_t st, int warm, int iters) {
   return ms[ms.size() / 2];
 }
 
+// Two forms of the same work timed alternately, `rounds` times each (median_ms of each, a then b): the medians of each
+// form's runs, sorted (the middle one is the figure to report).
+template <class A, class B>
+void alternate_medians(A&& a, B&& b, cudaStream_t st, int warm, int iters, int rounds, std::vector<double>& ma,
+                       std::vector<double>& mb) {
+  ma.clear(), mb.clear();
+  for (int r = 0; r < rounds; ++r) {
+    ma.push_back(median_ms(a, st, warm, iters));
+    mb.push_back(median_ms(b, st, warm, iters));
+  }
+  std::sort(ma.begin(), ma.end());
+  std::sort(mb.begin(), mb.end());
+}
+
 // ‖a − b‖ / ‖b‖ over n elements of two device arrays (bf16 or fp32) copied to the host; a non-finite element gives
 // +inf.
 template <class T>

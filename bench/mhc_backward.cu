@@ -56,12 +56,7 @@ void frozen_case(const std::string& name, const cuda::MhcParams& p, const Buf& h
                            fold ? dout.as<float>() : nullptr, fold ? comb.as<float>() : nullptr);
   };
   std::vector<double> ours, peer;
-  for (int r = 0; r < 3; ++r) {
-    ours.push_back(median_ms([&] { site(true); }, st, kWarm, kIters));
-    peer.push_back(median_ms([&] { site(false); }, st, kWarm, kIters));
-  }
-  std::sort(ours.begin(), ours.end());
-  std::sort(peer.begin(), peer.end());
+  alternate_medians([&] { site(true); }, [&] { site(false); }, st, kWarm, kIters, 3, ours, peer);
   auto dh_bits = [&](bool fold) {
     site(fold);
     NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));

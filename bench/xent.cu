@@ -42,12 +42,7 @@ void xent_case(const std::string& name) {
                                   dl.as<cuda::bf16>(), n, V, st);
     };
     std::vector<double> ours, peer;
-    for (int r = 0; r < 3; ++r) {
-      ours.push_back(median_ms([&] { run(true); }, st, kWarm, kIters));
-      peer.push_back(median_ms([&] { run(false); }, st, kWarm, kIters));
-    }
-    std::sort(ours.begin(), ours.end());
-    std::sort(peer.begin(), peer.end());
+    alternate_medians([&] { run(true); }, [&] { run(false); }, st, kWarm, kIters, 3, ours, peer);
     auto outputs = [&](bool stream, std::vector<double>& l, std::vector<cuda::bf16>& d) {
       run(stream);
       NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));

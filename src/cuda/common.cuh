@@ -61,6 +61,15 @@ __device__ __forceinline__ int block_sum_int(int v) {
   return r;
 }
 
+// 2^x by ex2.approx with results below 2^−126 flushed to zero. exp2f is the same instruction for x ≥ −126 (the same
+// bits) and rescales around it below, a range check and two multiplies more per exponential in the softmax loops.
+// The values it flushes are below fp32's normal range, far under anything a sum of them can show.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 

@@ -96,11 +96,7 @@ struct Params {
 // are issue-bound (the pairs within a block in prep and intra). Every exponential here is of a non-positive decay
 // difference or a gate, so the flushed values are below fp32's normal range, far under the products' 1e-5, or of a
 // difference within ±kDiagSpan (the split at a block's middle row, below), whose results are normal.
-__device__ __forceinline__ float exp_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269502f));
-  return y;
-}
+__device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * 1.44269502f); }
 
 // The pairs within a 16-row block (rows r0 … r0 + 15) run on tensor cores with the decay split at the block's middle
 // row rm = r0 + 8: e^(Γ_i − Γ_j) = e^(Γ_i − Γ_rm)·e^(Γ_rm − Γ_j), one factor per operand, each at most e^kDiagSpan

@@ -4,16 +4,9 @@
 #pragma once
 #include <cstdint>
 
-namespace nextlm::cuda {
+#include "cuda/common.cuh"  // exp2_ftz, which the attention kernels' softmax takes with these masks
 
-// 2^x by ex2.approx with results below 2^−126 flushed to zero. exp2f is the same instruction for x ≥ −126 (the same
-// bits) and rescales around it below, a range check and two multiplies more per exponential in the softmax loops.
-// The probabilities it flushes are below fp32's normal range, far under anything a sum of them can show.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+namespace nextlm::cuda {
 
 // Bits for positions p … p+63 that fall in [0, len).
 __device__ __forceinline__ uint64_t range64(int64_t p, int64_t len) {

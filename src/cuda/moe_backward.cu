@@ -125,13 +125,7 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(const float*
   }
 }
 
-// 2^x (ex2.approx.ftz: ~2 ulp, results below 2^−126 flushed to zero); exp(x − m) is ex2(x·log2 e − m·log2 e).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x − m) = exp2_ftz(x·log2 e − m·log2 e)
 
 // The online-softmax states (max m, Σ exp(x − m)) of a warp's lanes merged by butterflies: the max first, then each
 // lane's sum brought to it and added. Every lane ends with the same bits, and every warp that merges the same states
@@ -140,7 +134,7 @@ __device__ __forceinline__ void warp_state_merge(float& m, float& s) {
   float mx = m;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  s = m == -INFINITY ? 0.0f : s * ex2((m - mx) * kLog2e);  // an empty state adds nothing
+  s = m == -INFINITY ? 0.0f : s * exp2_ftz((m - mx) * kLog2e);  // an empty state adds nothing
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   m = mx;
@@ -215,11 +209,11 @@ __global__ void __cluster_dims__(kXentCluster, 1, 1) __launch_bounds__(kXentStre
 #pragma unroll
     for (int j = 0; j < NV; ++j) mt = fmaxf(mt, fmaxf(fmaxf(x[j].x, x[j].y), fmaxf(x[j].z, x[j].w)));
     float st = 0.0f;
-    const float base = mt == -INFINITY ? 0.0f : mt * kLog2e;  // an empty state's e are ex2(−inf) = 0
+    const float base = mt == -INFINITY ? 0.0f : mt * kLog2e;  // an empty state's e are exp2_ftz(−inf) = 0
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      x[j].x = ex2(fmaf(x[j].x, kLog2e, -base)), x[j].y = ex2(fmaf(x[j].y, kLog2e, -base));
-      x[j].z = ex2(fmaf(x[j].z, kLog2e, -base)), x[j].w = ex2(fmaf(x[j].w, kLog2e, -base));
+      x[j].x = exp2_ftz(fmaf(x[j].x, kLog2e, -base)), x[j].y = exp2_ftz(fmaf(x[j].y, kLog2e, -base));
+      x[j].z = exp2_ftz(fmaf(x[j].z, kLog2e, -base)), x[j].w = exp2_ftz(fmaf(x[j].w, kLog2e, -base));
       st += (x[j].x + x[j].y) + (x[j].z + x[j].w);
     }
     float m = mt, s = st;
@@ -243,7 +237,7 @@ __global__ void __cluster_dims__(kXentCluster, 1, 1) __launch_bounds__(kXentStre
       warp_state_merge(m, s);  // the lanes past the cluster's CTAs hold empty states
     }
     slot ^= 1;
-    const float f = mt == -INFINITY ? 0.0f : ex2((mt - m) * kLog2e) / s;  // p = e·f
+    const float f = mt == -INFINITY ? 0.0f : exp2_ftz((mt - m) * kLog2e) / s;  // p = e·f
     const float wf = w * f;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
