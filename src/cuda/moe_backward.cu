@@ -131,12 +131,8 @@ constexpr float kLog2e = 1.4426950408889634f;  // exp(x − m) = exp2_ftz(x·log
 // lane's sum brought to it and added. Every lane ends with the same bits, and every warp that merges the same states
 // does so in the same order.
 __device__ __forceinline__ void warp_state_merge(float& m, float& s) {
-  float mx = m;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  s = m == -INFINITY ? 0.0f : s * exp2_ftz((m - mx) * kLog2e);  // an empty state adds nothing
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float mx = warp_max(m);
+  s = warp_sum(m == -INFINITY ? 0.0f : s * exp2_ftz((m - mx) * kLog2e));  // an empty state adds nothing
   m = mx;
 }
 
