@@ -145,6 +145,8 @@ int main(int argc, char** argv) {
       {"moe_grouped_gemm_dx", nextlm::bench::moe_grouped_gemm_dx_case},  // the backward's dx pair (w_kn)
       {"moe_grouped_gemm_skewed", nextlm::bench::moe_grouped_gemm_case},        // log-normally skewed routing
       {"moe_grouped_gemm_dx_skewed", nextlm::bench::moe_grouped_gemm_dx_case},
+      // The routed experts' grouped LoRA kernels of one MoE layer of the LoRA step (bench/moe_gemm.cu).
+      {"grouped_lora_T4096", nextlm::bench::grouped_lora_case},
   };
   // `only` may name several cases, comma-separated.
   for (const Case& c : cases)

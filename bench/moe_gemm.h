@@ -27,4 +27,13 @@ void moe_grouped_gemm_case(const std::string& name);
 // FLOPs. One JSON line per kernel variant, named as in moe_grouped_gemm. The byte floor is that of the forward pair.
 void moe_grouped_gemm_dx_case(const std::string& name);
 
+// `grouped_lora_T4096`: the routed experts' grouped LoRA kernels (src/cuda/grouped_lora.h) of one MoE layer of the
+// LoRA step at 4096 tokens (top-8 over 288 experts, the skewed routing of `_skewed`, rank 16): the forward's factors
+// (u of gate and up in one pass over x [n, 4096], u of down from act [n, 2048]) and the backward's (the down
+// adapter's dB, gs and dA from dout [n, 4096] and act; the gate and up adapters' from dgu [n, 4096] and x), as the
+// step calls them (no dx: the step folds gs·A_e into the experts' input-gradient GEMM). Memory-bound: the floor is
+// their bytes (the activations each call reads, the fp32 gradients and bf16 factors it writes) at 4.14 TB/s; no peer.
+// The note gives the forward's and the backward's parts and whether every output is finite.
+void grouped_lora_case(const std::string& name);
+
 }  // namespace nextlm::bench

@@ -438,6 +438,7 @@ void slice4_train_step_case(const std::string& name) {
       {"expert_layout", layout},
       {"device_memory_gib", memory_gib},
       {"kda_backward_products", model->kda_backward_bf16() ? "bf16" : "split bf16"},
+      {"kda_keep_states", model->kda_keep_states()},
       {"train_overlap", model->train_overlap()},
       {"note", std::string(full ? "full-parameter forward + backward (every weight's fp32 gradient) of "
                                   "bench/small8/config.json (8 layers in the real pattern, hidden 2048, 64 experts "
@@ -475,7 +476,8 @@ constexpr int kLoraStepIters = 3;
 struct LoraSteps {
   double wall_ms = 0, device_ms = 0, loss = 0;
   double memory_gib = 0;  // the device's memory in use after the steps
-  bool kda_backward_bf16 = false, train_overlap = false;  // the model's modes (CudaModel) the steps ran under
+  // The model's modes (CudaModel) the steps ran under.
+  bool kda_backward_bf16 = false, train_overlap = false, kda_keep_states = false;
   size_t modules = 0;
   int64_t parameters = 0;
   std::vector<LoraModule> layout;  // the adapter's modules (for the FLOP count)
@@ -532,6 +534,7 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
   r.wall_ms = median(wall), r.device_ms = median(gpu);
   r.memory_gib = device_memory_gib("lora step");
   r.kda_backward_bf16 = model.kda_backward_bf16(), r.train_overlap = model.train_overlap();
+  r.kda_keep_states = model.kda_keep_states();
   r.modules = lora.modules().size(), r.parameters = lora.num_parameters(), r.layout = lora.modules();
   return r;
 }
@@ -629,6 +632,7 @@ void slice4_lora_step_case(const std::string& name) {
                           "AdamW state, the arena)")}};
   if (!par) line["device_memory_gib"] = r.memory_gib;
   line["kda_backward_products"] = r.kda_backward_bf16 ? "bf16" : "split bf16";
+  line["kda_keep_states"] = r.kda_keep_states;
   line["train_overlap"] = r.train_overlap;
   line["mhc_mix_fold"] = mhc_mix_fold();
   line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);

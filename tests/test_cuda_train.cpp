@@ -1242,6 +1242,37 @@ TEST(CudaTrain, TrainOverlapGivesTheSameResults) {
   expect_lora_gradients_near(grads[0], grads[1], 1e-4, "LoRA, overlapped");
 }
 
+// A kept KDA site's forward keeping the recurrence's chunk states and v_new for the chunked backward
+// (set_kda_keep_states) against the backward forming them again: the same loss bit for bit (the forward computes the
+// same values either way); the gradients differ by the rounding of the two computations of the states (the
+// forward's bf16 factors against the backward's own), well inside the gradient goldens' 5e-2. Recomputed sites keep
+// nothing, so under the recomputing policy the gradients are those of the step without (up to the atomics that
+// separate two runs: GradientsAccumulateAndZero).
+TEST(CudaTrain, KdaKeptStatesGiveCloseGradients) {
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model m = Model::load(dir);
+  const ModelConfig& c = m.config();
+  const PackedBatch batch = golden_batch(dir);
+  CudaModel gpu(m);
+  ASSERT_TRUE(gpu.kda_keep_states()) << "on by default";
+  for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
+    gpu.set_recompute(parse_recompute(policy));
+    std::array<double, 2> loss{};
+    std::array<ModelWeights, 2> grads;
+    for (const bool on : {false, true}) {
+      gpu.set_kda_keep_states(on);
+      gpu.zero_grads();
+      loss[on] = gpu.forward_backward(batch);
+      grads[on] = gpu.gradients();
+    }
+    EXPECT_EQ(loss[1], loss[0]) << policy;
+    const auto e = errors(hub_gradients(c, grads[1], ""), hub_gradients(c, grads[0], ""));
+    for (const auto& [tensor, v] : e) EXPECT_LE(v, 1e-2) << policy << ": " << tensor;
+    std::printf("[cuda kda kept states] --recompute %s: all tensors %.3g from the step without\n", policy, e.at("*"));
+  }
+  gpu.set_kda_keep_states(true);
+}
+
 // A LoRA step (the mHC frozen) with the post-mix's dh term formed inside the pre-mix's dh kernel, against the
 // post-mix's backward writing it: the same loss and the same adapter gradients, bit for bit, kept or recomputed.
 TEST(CudaTrain, MhcMixFoldGivesTheSameBits) {

@@ -140,6 +140,9 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 // of ch's chunks (the same bits as adding into zeros; no zeroing pass needed).
 // products: SplitBf16 as above; Bf16 forms each product from the operands' bf16 roundings alone (one MMA in place
 // of three, as the tensor-core forward kda_tc.cu does: ~1e-3 relative in the gradients).
+// kept_h, kept_u: the states entering every chunk and v_new as the tensor-core forward left them
+// (KdaTcStates::chunk_h, chunk_u, for the same ch), taken instead of recomputed (the first state pass does not run:
+// the gradient of the forward's own values); both or neither.
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
 // Bf16 products run the first kernel (prep) in a compact form, two blocks an SM, with the same bits as the full form
 // (on by default; NEXTLM_KDA_PREP_COMPACT=0 or set_kda_backward_compact_prep(false), process-wide, for the tests and
@@ -149,7 +152,8 @@ bool kda_backward_compact_prep();
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
                           float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
-                          KdaBackwardProducts products = KdaBackwardProducts::SplitBf16);
+                          KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
+                          const float* kept_h = nullptr, const float* kept_u = nullptr);
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient

@@ -578,6 +578,8 @@ void CudaModel::set_empty_selection(EmptySelection e) { impl_->empty_seen = e ==
 void CudaModel::set_kda_tensor_cores(bool on) { impl_->kda_tensor_cores = on; }
 void CudaModel::set_kda_backward_bf16(bool on) { impl_->kda_backward_bf16 = on; }
 bool CudaModel::kda_backward_bf16() const { return impl_->kda_backward_bf16; }
+void CudaModel::set_kda_keep_states(bool on) { impl_->kda_keep_states = on; }
+bool CudaModel::kda_keep_states() const { return impl_->kda_keep_states; }
 bool CudaModel::kda_on_tensor_cores() const { return impl_->kda_tc_path(); }
 void CudaModel::set_mla_absorbed(bool on) { impl_->mla_absorbed = on; }
 void CudaModel::set_decode_overlap(bool on) { impl_->decode_overlap = on; }

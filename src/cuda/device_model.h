@@ -185,6 +185,13 @@ class CudaModel {
   // NEXTLM_KDA_BWD_BF16=0 in the environment makes split bf16 the default.
   void set_kda_backward_bf16(bool on);
   bool kda_backward_bf16() const;
+  // Whether a training forward that keeps a KDA site's activations (the site is not recomputed) also keeps the
+  // tensor-core recurrence's state entering every chunk and its v_new (fp32, H·K·(K + 64) floats a chunk: 384 MiB a
+  // layer at 4096 tokens, H 64, K 128), so that the chunked backward takes them instead of running its first state
+  // pass again (and differentiates the forward's own values). On by default; NEXTLM_KDA_KEEP_STATES=0 in the
+  // environment makes the default off.
+  void set_kda_keep_states(bool on);
+  bool kda_keep_states() const;
   // Whether the forward's MLA attention runs the absorbed decoding kernels (over the normed latents) instead of
   // expanding every key and value through kv_b; batch-invariant mode always does. Off by default.
   void set_mla_absorbed(bool on);

@@ -89,6 +89,9 @@ struct Params {
   float* ws;
   bool accumulate;  // add into dq, dk, dv, dg, dbeta; else write them (inter writes dq, dk, dg first, intra dv, dβ)
   bool lo;          // split bf16 (the lo terms of every product); else the hi planes alone (KdaBackwardProducts::Bf16)
+  // The forward's S0 [C·H, K, K] and u [C·H, C, K] per (chunk, head) (KdaTcStates::chunk_h, chunk_u), or null: then
+  // fwd_state forms them in the workspace's h and u slots.
+  const float *kh, *ku;
 };
 
 // e^x as __expf forms it (ex2.approx of x·log2(e)), with results below 2^−126 flushed to zero: without the flush
@@ -936,7 +939,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   float dG[NT][4];  // dΓ of this thread's elements
 
   // S0 with its lo plane in either mode: rowsum(S0∘dSe) below reads it whole (get4), not through the products.
-  stage_split<K, K, NTH>(sS, KS, pS, ws + lay.h(), K, K, true);
+  stage_split<K, K, NTH>(sS, KS, pS, p.kh ? p.kh + (c * H + h) * K * K : ws + lay.h(), K, K, true);
   stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC, p.lo);
   stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n, p.lo);
   __syncthreads();
@@ -989,7 +992,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
         for (int o = K / 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (cc == 0) sdir[r] = s;
       });
-  stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.u(), K, kC, p.lo);
+  // (The forward's u holds the chunk's rows alone; the workspace's rows ≥ n are zeros.)
+  if (p.ku) stage_split<kC, K, NTH>(sx, KS, pX, p.ku + (c * H + h) * kC * K, K, n, p.lo);
+  else stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.u(), K, kC, p.lo);
   __syncthreads();
   float colp[NT][2];  // Σ over this thread's rows of dKd∘Kd, per column
   {  // dKd = u·dSeᵀ: dk += dKd∘e^(γ−Γ), dΓ −= dKd∘Kd, dγ += Σ_i dKd∘Kd
@@ -1572,8 +1577,10 @@ void launch(const Params& p, cudaStream_t st) {
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (ns > 0) {
-    fwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
-    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    if (!p.kh) {  // else the forward's states
+      fwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
+      NEXTLM_CUDA_CHECK(cudaGetLastError());
+    }
     bwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
@@ -1597,7 +1604,8 @@ size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
-                          bool accumulate, KdaBackwardProducts products) {
+                          bool accumulate, KdaBackwardProducts products, const float* kept_h,
+                          const float* kept_u) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
   check(K == 32 || K == 64 || K == 128, "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
@@ -1608,8 +1616,10 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           static_cast<const void*>(dk), static_cast<const void*>(dv), static_cast<const void*>(dg),
                           static_cast<const void*>(work)})
     check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
-  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
-                 products == KdaBackwardProducts::SplitBf16};
+  check(!kept_h == !kept_u && is_aligned16(kept_h) && is_aligned16(kept_u),
+        "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
+  const Params p{q,     k,  v,  g,  beta,  do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
+                 products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
   switch (K) {
     case 32: launch<32>(p, st); break;
     case 64: launch<64>(p, st); break;

@@ -402,7 +402,8 @@ __global__ void __launch_bounds__(kThreads)
     const int cidx = first + it, st = it & 1;
     if (it + 1 < count) load_stage(cidx + 1, st ^ 1);
     cp_async_commit();
-    // S → bf16 for the products below (Sb is free: the last iteration ended with a barrier).
+    // S → bf16 for the products below (Sb is free: the last iteration ended with a barrier); the backward's copy.
+    float* keep_h = states.chunk_h ? states.chunk_h + (int64_t(cidx) * H + h) * K * K + c0 : nullptr;
 #pragma unroll
     for (int qi = 0; qi < MTW; ++qi) {
       const int mt = warp + 4 * qi;
@@ -411,6 +412,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int nt = 0; nt < NT; ++nt) {
         store2(Sb + (16 * mt + gq) * VS + 8 * nt + 2 * tq, s[qi][nt][0], s[qi][nt][1]);
         store2(Sb + (16 * mt + gq + 8) * VS + 8 * nt + 2 * tq, s[qi][nt][2], s[qi][nt][3]);
+        if (keep_h) {
+          const int col = 8 * nt + 2 * tq;
+          *reinterpret_cast<float2*>(keep_h + (16 * mt + gq) * K + col) = make_float2(s[qi][nt][0], s[qi][nt][1]);
+          *reinterpret_cast<float2*>(keep_h + (16 * mt + gq + 8) * K + col) = make_float2(s[qi][nt][2], s[qi][nt][3]);
+        }
       }
     }
     cp_async_wait<1>();
@@ -445,13 +451,16 @@ __global__ void __launch_bounds__(kThreads)
         mma_bf16(oc[2 * np + 1], aq, b[2], b[3]);
       }
     }
+    float* keep_u = states.chunk_u ? states.chunk_u + (int64_t(cidx) * H + h) * kC * K + c0 : nullptr;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = r0 + gq + 8 * hf, col = 8 * nt + 2 * tq;
         const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(Us + row * VS + col);
-        store2(VN + row * VS + col, __low2float(u) - p[nt][2 * hf], __high2float(u) - p[nt][2 * hf + 1]);
+        const float v0 = __low2float(u) - p[nt][2 * hf], v1 = __high2float(u) - p[nt][2 * hf + 1];
+        store2(VN + row * VS + col, v0, v1);
+        if (keep_u && row < n) *reinterpret_cast<float2*>(keep_u + row * K + col) = make_float2(v0, v1);
       }
     __syncthreads();
     if (rc.vn && it == count - 1) {  // a decoding slot's partial chunk: its v_new rows

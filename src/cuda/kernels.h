@@ -106,11 +106,16 @@ struct KdaTcWork {
 // The fp32 states [rows, H, K, K] a sequence starts from (in) and leaves (out); each may be null (zero start, nothing
 // left); in may equal out. Sequence n uses row row[n] (row null: row n). With boundary, out gets the state after the
 // sequence's last complete (64-token) chunk, and is left as it is for a sequence without one.
+// chunk_h, chunk_u (training: a forward whose activations the backward keeps): every chunk's start state S0 fp32
+// [num_chunks, H, K, K] and v_new = U − W·S0 fp32 [num_chunks, H, 64, K] (rows past the chunk's length untouched),
+// in kda_chunked_backward's per (chunk, head) order, which then takes them instead of recomputing them.
 struct KdaTcStates {
   const float* in = nullptr;
   float* out = nullptr;
   const int32_t* row = nullptr;
   bool boundary = false;
+  float* chunk_h = nullptr;
+  float* chunk_u = nullptr;
 };
 // What decoding keeps of a slot's partial chunk besides its inputs (decode_kernels.h, kda_tc_step), per (slot, head):
 // t [64, 64] the rows of T = (I + β·strict(Akk))⁻¹ (fp32, the blocks on and left of the diagonal), xs [64, 48] the

@@ -503,6 +503,9 @@ struct CudaModel::Impl {
   // CudaModel::set_kda_backward_bf16 (the chunked KDA backward's products in bf16, else split bf16); on by default,
   // NEXTLM_KDA_BWD_BF16=0 in the environment makes the default off.
   bool kda_backward_bf16 = env_switch_on("NEXTLM_KDA_BWD_BF16");
+  // CudaModel::set_kda_keep_states (a kept KDA site's forward keeps every chunk's start state and v_new for the
+  // chunked backward); on by default, NEXTLM_KDA_KEEP_STATES=0 in the environment makes the default off.
+  bool kda_keep_states = env_switch_on("NEXTLM_KDA_KEEP_STATES");
   const cuda::Capture* capture = nullptr;  // set by CudaDecoder::prefill
   size_t cur_layer = 0;                    // the layer hidden() is running (to find its caches)
   std::unique_ptr<cuda::Grads> grads;      // the training gradients (train.cu), made by the first backward

@@ -122,6 +122,9 @@ struct KdaActs {
   float* o = nullptr;
   bf16* o_tc = nullptr;
   bf16 *fa16, *ga16, *o16;
+  // The tensor-core recurrence's state entering each chunk and v_new, for the chunked backward (set_kda_keep_states;
+  // null: the backward forms them).
+  float *chunk_h = nullptr, *chunk_u = nullptr;
 };
 struct DsaActs {
   float *qa, *q, *lat, *kv;
@@ -988,10 +991,17 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   if (tc) {
     x.o_tc = core_.kda_o16 ? core_.kda_o16 : ar.alloc<bf16>(T * HK);
     if (!core_kept) {
+      // A kept site's forward (neither transient nor a recomputation) keeps the states for the chunked backward.
+      KdaTcStates keep;
+      if (m_.kda_keep_states && !transient_ && !recompute_ && (K == 32 || K == 64 || K == 128)) {
+        const int64_t C = p_.chunks.num_chunks;
+        x.chunk_h = keep.chunk_h = ar.alloc<float>(C * H * K * K);
+        x.chunk_u = keep.chunk_u = ar.alloc<float>(C * H * 64 * K);
+      }
       void* work =
           ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
       kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, x.o_tc, p_.chunks,
-                     kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, KdaTcStates{}, st);
+                     kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, keep, st);
     }
     if (gate_beside) m_.join(1);
     kda_out_norm(x.o_tc, x.gate, w.o_norm, x.o16, T, H, K, eps, st);
@@ -1050,7 +1060,7 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     const auto products = m_.kda_backward_bf16 && m_.kda_tc_path() ? KdaBackwardProducts::Bf16
                                                                    : KdaBackwardProducts::SplitBf16;
     kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                         false, products);
+                         false, products, x.chunk_h, x.chunk_u);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
