@@ -305,8 +305,9 @@ std::vector<double> csv_losses(const std::string& path) {
   return out;
 }
 
-Model bf16_weights_reference(const std::string& dir) {
-  const Model m = Model::load(dir);
+Model bf16_weights_reference(const std::string& dir) { return bf16_weights_reference(Model::load(dir)); }
+
+Model bf16_weights_reference(const Model& m) {
   ModelWeights w = m.weights();
   round_tensor(w.embed);
   round_tensor(w.lm_head);

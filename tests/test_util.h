@@ -25,6 +25,8 @@ std::string param_name(const std::string& name);
 // lm_head; norms, mHC, conv, gates and the correction bias stay fp32 on both): the CPU reference of the CUDA path.
 // For a bf16 checkpoint this changes nothing; for an fp32 one it removes the weight rounding from the comparison.
 Model bf16_weights_reference(const std::string& dir);
+// The same for a model in memory.
+Model bf16_weights_reference(const Model& m);
 
 // The token sequences tokens.0, tokens.1, … of a golden case's golden.safetensors (the inputs its goldens were made
 // from).
