@@ -21,7 +21,8 @@
 // sequence, head and 64 value columns: the states entering every chunk and u), bwd_state (the same grid, backward:
 // dSe of every chunk and du), inter and intra (per chunk and head). A block of prep, inter or intra has sixteen warps
 // (eight at K = 32: chunk_warps), of a state pass eight; a product's output is cut into one 16-row tile per warp
-// (WarpTile), and the state passes keep their fp32 state in the accumulators.
+// (WarpTile), and the state passes keep their fp32 state in the accumulators. Given the states and u the tensor-core
+// forward kept (kept_h, kept_u: a training step's kept site), fwd_state does not run and inter reads those.
 //
 // Precision. Every matrix product runs on tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulation) in split
 // bf16: an operand x is held as x_hi = bf16(x) and x_lo = bf16(x − x_hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
@@ -60,9 +61,9 @@ constexpr int state_cols() {
 // (bf16, rows × cols) followed by its lo plane, in the space of the fp32 matrix. From prep: U [C, K] (fp32), W and
 // Kd = k∘e^(γ−Γ) [C, K] (split), Γ [C, K]; A [C, C] (split, unit lower), M [C, C] (strictly lower); γ [K]; and the
 // parts of the state pass that do not depend on the carried gradient, Qgᵀ·dO [K, K] in the dh slot and Aqkᵀ·dO
-// [C, K] in the du slot. From fwd_state: h = S0 [K, K] and u [C, K]; from bwd_state (over what prep left there): dSe
-// [K, K] and du [C, K]; from inter: dW [C, K] (split) and dAqk [C, C] in the U slot (U is dead by then). Rows ≥ n of
-// a chunk hold zeros (U, W, Kd, u, du, dW, dAqk) or are unused.
+// [C, K] in the du slot. From fwd_state: h = S0 [K, K] and u [C, K] (unused given kept_h, kept_u); from bwd_state
+// (over what prep left there): dSe [K, K] and du [C, K]; from inter: dW [C, K] (split) and dAqk [C, C] in the U slot
+// (U is dead by then). Rows ≥ n of a chunk hold zeros (U, W, Kd, u, du, dW, dAqk) or are unused.
 struct Layout {
   int64_t K;
   __host__ __device__ int64_t ck() const { return kC * K; }
@@ -1618,7 +1619,7 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
     check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
   check(!kept_h == !kept_u && is_aligned16(kept_h) && is_aligned16(kept_u),
         "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
-  const Params p{q,     k,  v,  g,  beta,  do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
+  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
                  products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
   switch (K) {
     case 32: launch<32>(p, st); break;
