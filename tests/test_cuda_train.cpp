@@ -1190,6 +1190,23 @@ TEST(CudaTrain, LoraTrainCliKeepsTheBaseOnDisk) {
               worst_resumed, resumed_err);
 }
 
+// forward_backward from zeroed gradients with a mode of the model off, then on (set(false), set(true)): the loss
+// and the gradients of each, indexed by the mode.
+struct OffOn {
+  std::array<double, 2> loss{};
+  std::array<ModelWeights, 2> grads;
+};
+OffOn off_then_on(CudaModel& gpu, const PackedBatch& batch, const std::function<void(bool)>& set) {
+  OffOn r;
+  for (const bool on : {false, true}) {
+    set(on);
+    gpu.zero_grads();
+    r.loss[on] = gpu.forward_backward(batch);
+    r.grads[on] = gpu.gradients();
+  }
+  return r;
+}
+
 // Independent work on the side stream (set_train_overlap: the MoE's shared expert beside the routing and the routed
 // experts, the KDA layer's output gate beside its recurrence, the DSA layer's indexer beside its projections) runs
 // the same kernels on the same data: the loss is the same bits; the gradients are the same up to the atomics that
@@ -1208,16 +1225,9 @@ TEST(CudaTrain, TrainOverlapGivesTheSameResults) {
   CudaModel gpu(m);
   for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
     gpu.set_recompute(parse_recompute(policy));
-    std::array<double, 2> loss{};
-    std::array<ModelWeights, 2> grads;
-    for (const bool on : {false, true}) {
-      gpu.set_train_overlap(on);
-      gpu.zero_grads();
-      loss[on] = gpu.forward_backward(batch);
-      grads[on] = gpu.gradients();
-    }
-    EXPECT_EQ(loss[1], loss[0]) << policy;
-    const auto e = errors(hub_gradients(c, grads[1], ""), hub_gradients(c, grads[0], ""));
+    const OffOn r = off_then_on(gpu, batch, [&](bool on) { gpu.set_train_overlap(on); });
+    EXPECT_EQ(r.loss[1], r.loss[0]) << policy;
+    const auto e = errors(hub_gradients(c, r.grads[1], ""), hub_gradients(c, r.grads[0], ""));
     int last = 0;
     for (const auto& [tensor, v] : e) {
       EXPECT_LE(v, 1e-2) << policy << ": " << tensor;
@@ -1269,18 +1279,11 @@ TEST(CudaTrain, KdaKeptStatesGiveCloseGradients) {
   ASSERT_TRUE(gpu.kda_keep_states()) << "on by default";
   for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
     gpu.set_recompute(parse_recompute(policy));
-    std::array<double, 2> loss{};
-    std::array<ModelWeights, 2> grads;
-    for (const bool on : {false, true}) {
-      gpu.set_kda_keep_states(on);
-      gpu.zero_grads();
-      loss[on] = gpu.forward_backward(batch);
-      grads[on] = gpu.gradients();
-    }
-    EXPECT_EQ(loss[1], loss[0]) << policy;
-    const auto e = errors(hub_gradients(c, grads[1], ""), hub_gradients(c, grads[0], ""));
-    const auto e_on = errors(hub_gradients(c, grads[1], ""), hub_gradients(c, ref, ""));
-    const auto e_off = errors(hub_gradients(c, grads[0], ""), hub_gradients(c, ref, ""));
+    const OffOn r = off_then_on(gpu, batch, [&](bool on) { gpu.set_kda_keep_states(on); });
+    EXPECT_EQ(r.loss[1], r.loss[0]) << policy;
+    const auto e = errors(hub_gradients(c, r.grads[1], ""), hub_gradients(c, r.grads[0], ""));
+    const auto e_on = errors(hub_gradients(c, r.grads[1], ""), hub_gradients(c, ref, ""));
+    const auto e_off = errors(hub_gradients(c, r.grads[0], ""), hub_gradients(c, ref, ""));
     for (const auto& [tensor, v] : e) EXPECT_LE(v, kGradTol) << policy << ": " << tensor;
     EXPECT_LE(e_on.at("*"), 1.25 * e_off.at("*") + 1e-4) << policy;
     std::string q0;  // the first KDA layer's q projection, whatever the checkpoint's prefix
