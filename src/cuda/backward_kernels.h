@@ -144,6 +144,8 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 // (KdaTcStates::chunk_h, chunk_u, for the same ch), taken instead of recomputed (the first state pass does not run:
 // the gradient of the forward's own values); both or neither.
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
+// The head dims the chunked form takes (else kda_recurrent_backward).
+inline bool kda_chunked_backward_supported(int64_t K) { return K == 32 || K == 64 || K == 128; }
 // Bf16 products run the first kernel (prep) in a compact form, two blocks an SM, with the same bits as the full form
 // (on by default; NEXTLM_KDA_PREP_COMPACT=0 or set_kda_backward_compact_prep(false), process-wide, for the tests and
 // the benches' comparisons).

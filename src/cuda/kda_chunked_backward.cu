@@ -1608,7 +1608,7 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           bool accumulate, KdaBackwardProducts products, const float* kept_h,
                           const float* kept_u) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
-  check(K == 32 || K == 64 || K == 128, "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
+  check(kda_chunked_backward_supported(K), "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
         "kda_chunked_backward: grid too large");
   // Rows of K floats are read and written as float2/float4.

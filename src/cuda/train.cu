@@ -993,7 +993,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
     if (!core_kept) {
       // A kept site's forward (neither transient nor a recomputation) keeps the states for the chunked backward.
       KdaTcStates keep;
-      if (m_.kda_keep_states && !transient_ && !recompute_ && (K == 32 || K == 64 || K == 128)) {
+      if (m_.kda_keep_states && !transient_ && !recompute_ && kda_chunked_backward_supported(K)) {
         const int64_t C = p_.chunks.num_chunks;
         x.chunk_h = keep.chunk_h = ar.alloc<float>(C * H * K * K);
         x.chunk_u = keep.chunk_u = ar.alloc<float>(C * H * 64 * K);
@@ -1050,7 +1050,7 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   else gate();
   // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
   // backward through time (which adds into zeroed ones).
-  const bool chunked = K == 32 || K == 64 || K == 128;
+  const bool chunked = kda_chunked_backward_supported(K);
   auto grad = [&](int64_t n) { return chunked ? ar.alloc<float>(n) : zeros(n); };
   float *dq = grad(T * HK), *dk = grad(T * HK), *dv = grad(T * HK), *dg = grad(T * HK), *dbeta = grad(T * H);
   if (chunked) {
