@@ -361,7 +361,7 @@ std::string policy_name(const RecomputePolicy& p) {
 std::string policy_words(const RecomputePolicy& p) {
   RecomputePolicy q = p;
   q.adaptive = false;
-  const std::string how = p.adaptive ? "the default, --recompute auto: the fastest of none, " +
+  const std::string how = p.adaptive ? "the default, --recompute auto: the fastest of none, states, " +
                                            recompute_to_string(default_recompute()) + " and all that fits the card, "
                                      : "";
   const std::string but = "every sub-layer recomputed before its backward up to its output projection (the outputs "

@@ -1260,7 +1260,8 @@ TEST(CudaTrain, TrainOverlapGivesTheSameResults) {
 // forward's v_new from its bf16 U, the backward's from fp32 U; not zero, which shows the kept states were taken),
 // each tensor within the CUDA golden bound, and the kept states' gradients are no further from the CPU's fp32 ones on
 // the same (bf16-rounded) weights than the recomputed states' (both 4.5 % on an H100: the bf16 model's noise).
-// Recomputed sites keep nothing: under the recomputing policy the two runs are the same computation.
+// Recomputed sites keep nothing: under the recomputing policy the two runs are the same computation. The policy's
+// states component is the switch's off, and --recompute auto's rung after none.
 TEST(CudaTrain, KdaKeptStatesGiveCloseGradients) {
   ModelConfig c = Model::load(test::golden_dir("bf16_stable")).config();
   c.hidden_size = 128, c.moe_intermediate_size = 128, c.intermediate_size = 192, c.vocab_size = 512;
@@ -1277,6 +1278,7 @@ TEST(CudaTrain, KdaKeptStatesGiveCloseGradients) {
   CudaModel gpu(cpu);
   ASSERT_TRUE(gpu.kda_on_tensor_cores());
   ASSERT_TRUE(gpu.kda_keep_states()) << "on by default";
+  ModelWeights without_states;  // the gradients under none with set_kda_keep_states(false)
   for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
     gpu.set_recompute(parse_recompute(policy));
     const OffOn r = off_then_on(gpu, batch, [&](bool on) { gpu.set_kda_keep_states(on); });
@@ -1295,8 +1297,36 @@ TEST(CudaTrain, KdaKeptStatesGiveCloseGradients) {
     std::printf("[cuda kda kept states] --recompute %s: all tensors %.3g (%s %.3g) from the step without; from the "
                 "CPU %.3g with, %.3g without\n",
                 policy, e.at("*"), q0.c_str(), e.at(q0), e_on.at("*"), e_off.at("*"));
+    if (std::string(policy) == "none") without_states = r.grads[0];
   }
   gpu.set_kda_keep_states(true);
+
+  // The policy's states (recomputed): the step without kept states, in less memory; --recompute auto falls back to
+  // it from none when that memory is what does not fit (the rung before kda,mla,moe,mhc).
+  auto run = [&](const RecomputePolicy& p) {
+    gpu.set_recompute(p);
+    gpu.zero_grads();
+    const double loss = gpu.forward_backward(batch);
+    return std::make_pair(loss, gpu.gradients());
+  };
+  const auto none = run(parse_recompute("none"));
+  const size_t none_peak = gpu.activation_peak();
+  const auto states = run(parse_recompute("states"));
+  const size_t states_peak = gpu.activation_peak();
+  ASSERT_LT(states_peak, none_peak) << "the states take memory";
+  EXPECT_EQ(states.first, none.first);
+  EXPECT_LE(errors(hub_gradients(c, states.second, ""), hub_gradients(c, without_states, "")).at("*"), 1e-5)
+      << "states: the step without kept states";
+  gpu.set_activation_limit((states_peak + none_peak) / 2);
+  const auto fell = run(auto_recompute());
+  RecomputePolicy rung = parse_recompute("states");
+  rung.adaptive = true;
+  EXPECT_EQ(gpu.recompute(), rung) << "auto's rung after none: states";
+  EXPECT_EQ(fell.first, none.first);
+  EXPECT_LE(errors(hub_gradients(c, fell.second, ""), hub_gradients(c, states.second, "")).at("*"), 1e-5);
+  gpu.set_activation_limit(0);
+  std::printf("[cuda kda kept states] activations: none %.1f MiB, states %.1f MiB\n", none_peak / 1048576.0,
+              states_peak / 1048576.0);
 }
 
 // A LoRA step (the mHC frozen) with the post-mix's dh term formed inside the pre-mix's dh kernel, against the

@@ -258,38 +258,49 @@ namespace {
 
 TEST(RecomputePolicy, ParsesAndPrints) {
   EXPECT_EQ(parse_recompute("all"), RecomputePolicy{});
-  const RecomputePolicy none{false, false, false, false, false, false};
+  const RecomputePolicy none{false, false, false, false, false, false, false};
   EXPECT_EQ(parse_recompute("none"), none);
-  const RecomputePolicy kda_moe{true, false, true, false, false, false};
+  const RecomputePolicy kda_moe{true, false, true, false, false, false, false};
   EXPECT_EQ(parse_recompute("kda,moe"), kda_moe);
   EXPECT_EQ(parse_recompute("moe,kda"), kda_moe);
   EXPECT_EQ(recompute_to_string(kda_moe), "kda,moe");
   EXPECT_EQ(recompute_to_string(RecomputePolicy{}), "all");
   EXPECT_EQ(recompute_to_string(none), "none");
   EXPECT_EQ(parse_recompute("kda,mla,moe,experts,mlp,mhc"), RecomputePolicy{});
-  EXPECT_EQ(parse_recompute("experts,moe"), (RecomputePolicy{false, false, true, false, false, true}));
+  EXPECT_EQ(parse_recompute("experts,moe"), (RecomputePolicy{false, false, true, false, false, true, false}));
+  // states: the KDA chunk states formed again with the KDA kept (the first rung of auto after none).
+  EXPECT_EQ(parse_recompute("states"), (RecomputePolicy{false, false, false, false, false, false, true}));
+  EXPECT_EQ(recompute_to_string(parse_recompute("mla,states")), "mla,states");
+  EXPECT_FALSE(parse_recompute("states") == none);
+  EXPECT_TRUE(parse_recompute("kda").recomputes_states()) << "a recomputed KDA keeps no states";
   // The default keeps the routed experts' gate|up and the dense MLP.
   EXPECT_EQ(recompute_to_string(default_recompute()), "kda,mla,moe,mhc");
   EXPECT_FALSE(default_recompute().recomputes_experts());
   EXPECT_FALSE(default_recompute() == RecomputePolicy{});
   // experts counts only inside a recomputed MoE: with the MoE kept, either value is the same policy.
-  EXPECT_EQ((RecomputePolicy{true, true, false, true, true, true}),
-            (RecomputePolicy{true, true, false, true, true, false}));
-  // Every one of the 64 flag settings reads back from its printed form.
-  for (int bits = 0; bits < 64; ++bits) {
-    const RecomputePolicy p{(bits & 1) != 0,  (bits & 2) != 0,  (bits & 4) != 0,
-                            (bits & 8) != 0, (bits & 16) != 0, (bits & 32) != 0};
+  EXPECT_EQ((RecomputePolicy{true, true, false, true, true, true, true}),
+            (RecomputePolicy{true, true, false, true, true, false, true}));
+  // states counts only with the KDA kept: with it recomputed, either value is the same policy.
+  EXPECT_EQ((RecomputePolicy{true, false, false, false, false, false, true}),
+            (RecomputePolicy{true, false, false, false, false, false, false}));
+  EXPECT_FALSE((RecomputePolicy{false, false, false, false, false, false, true}) ==
+               (RecomputePolicy{false, false, false, false, false, false, false}));
+  // Every one of the 128 flag settings reads back from its printed form.
+  for (int bits = 0; bits < 128; ++bits) {
+    const RecomputePolicy p{(bits & 1) != 0,  (bits & 2) != 0,  (bits & 4) != 0, (bits & 8) != 0,
+                            (bits & 16) != 0, (bits & 32) != 0, (bits & 64) != 0};
     EXPECT_EQ(parse_recompute(recompute_to_string(p)), p) << recompute_to_string(p);
   }
   for (const char* bad : {"", "kda,", ",kda", "KDA", "kda,kda", "attention", "all,kda", "none,mhc", "kda moe",
-                          "experts", "kda,experts", "moe,experts,experts", "auto,kda", "AUTO"})
+                          "experts", "kda,experts", "moe,experts,experts", "auto,kda", "AUTO", "kda,states",
+                          "states,kda", "states,states", "none,states", "State"})
     EXPECT_THROW(parse_recompute(bad), Error) << '"' << bad << '"';
 }
 
-// auto: adaptive, starting from everything kept, its rungs none → the default → all (the GPU falls back along them,
-// test_cuda_train.cpp); where nothing can be run again it stands for the default.
+// auto: adaptive, starting from everything kept, its rungs none → states → the default → all (the GPU falls back
+// along them, test_cuda_train.cpp); where nothing can be run again it stands for the default.
 TEST(RecomputePolicy, AutoFallsBackAlongItsRungs) {
-  const RecomputePolicy none{false, false, false, false, false, false};
+  const RecomputePolicy none{false, false, false, false, false, false, false};
   const RecomputePolicy a = parse_recompute("auto");
   EXPECT_TRUE(a.adaptive);
   EXPECT_EQ(a, auto_recompute());
@@ -302,7 +313,11 @@ TEST(RecomputePolicy, AutoFallsBackAlongItsRungs) {
   EXPECT_EQ(rung_of(a), none);
   EXPECT_EQ(fixed_recompute(a), default_recompute());
   EXPECT_EQ(fixed_recompute(none), none);
-  const std::optional<RecomputePolicy> r1 = recompute_fallback(a);
+  const std::optional<RecomputePolicy> r0 = recompute_fallback(a);
+  ASSERT_TRUE(r0.has_value());
+  EXPECT_TRUE(r0->adaptive);
+  EXPECT_EQ(rung_of(*r0), parse_recompute("states"));
+  const std::optional<RecomputePolicy> r1 = recompute_fallback(*r0);
   ASSERT_TRUE(r1.has_value());
   EXPECT_TRUE(r1->adaptive);
   EXPECT_EQ(rung_of(*r1), default_recompute());
@@ -312,7 +327,7 @@ TEST(RecomputePolicy, AutoFallsBackAlongItsRungs) {
   EXPECT_TRUE(r2->adaptive);
   EXPECT_EQ(rung_of(*r2), RecomputePolicy{});
   EXPECT_FALSE(recompute_fallback(*r2).has_value()) << "nothing past all";
-  for (const RecomputePolicy& fixed : {none, default_recompute(), RecomputePolicy{}})
+  for (const RecomputePolicy& fixed : {none, parse_recompute("states"), default_recompute(), RecomputePolicy{}})
     EXPECT_FALSE(recompute_fallback(fixed).has_value()) << "a fixed policy stays";
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/env.h"
+#include "cuda/backward_kernels.h"
 #include "cuda/decode_kernels.h"
 #include "cuda/decode_linear.h"
 #include "cuda/device_model.h"
@@ -1275,6 +1276,14 @@ struct CudaModel::Impl {
   bool kda_tc_path() const {
     return kda_tensor_cores && cuda::kda_tc_supported(cfg.linear_head_dim, cfg.linear_lower_bound.has_value(),
                                                       static_cast<float>(cfg.linear_lower_bound.value_or(0.0)));
+  }
+
+  // Whether a kept KDA site's forward keeps its chunk states under the recompute policy p (set_kda_keep_states on,
+  // the tensor-core path, a head dim the chunked backward takes, a KDA layer, and p keeping the states).
+  bool kda_keeps_states(const RecomputePolicy& p) const {
+    const bool kda = std::any_of(layers.begin(), layers.end(), [](const cuda::DLayer& L) { return L.kda_layer; });
+    return kda_keep_states && !p.recomputes_states() && kda_tc_path() &&
+           cuda::kda_chunked_backward_supported(cfg.linear_head_dim) && kda;
   }
 
   struct StepRows {

@@ -993,7 +993,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
     if (!core_kept) {
       // A kept site's forward (neither transient nor a recomputation) keeps the states for the chunked backward.
       KdaTcStates keep;
-      if (m_.kda_keep_states && !transient_ && !recompute_ && kda_chunked_backward_supported(K)) {
+      if (m_.kda_keeps_states(m_.recompute) && !transient_ && !recompute_) {
         const int64_t C = p_.chunks.num_chunks;
         x.chunk_h = keep.chunk_h = ar.alloc<float>(C * H * K * K);
         x.chunk_u = keep.chunk_u = ar.alloc<float>(C * H * 64 * K);
@@ -1918,7 +1918,14 @@ double CudaModel::forward_backward(const PackedBatch& batch) {
     } catch (const OutOfMemory& e) {
       NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels already queued are done with the arena
       m.arena.release();
-      const std::optional<RecomputePolicy> next = recompute_fallback(m.recompute);
+      std::optional<RecomputePolicy> next = recompute_fallback(m.recompute);
+      // A rung that frees nothing here (the states one where no KDA site keeps chunk states) is passed over.
+      auto but_states = [](RecomputePolicy p) {
+        p.states = true;
+        return p;
+      };
+      while (next && but_states(*next) == but_states(m.recompute) && !m.kda_keeps_states(m.recompute))
+        next = recompute_fallback(*next);
       if (!next || m.untracked) throw;
       RecomputePolicy rung = *next;
       rung.adaptive = false;

@@ -34,19 +34,25 @@ namespace nextlm {
 // skips the pass over the streams that forms them.
 // adaptive ("auto", the default of `train` and `grad`): on one GPU, the fastest policy whose activations fit the
 // device: the components' flags are the rung in use, from none (everything kept) on; a step that runs out of device
-// memory is run again under the next rung (recompute_fallback: none, then default_recompute(), then all), which
-// gives it the same loss bit for bit (CudaModel::forward_backward). Where nothing can be run again (the CPU, whose
-// memory is the host's; tensor/expert-parallel ranks, which would have to fall back together) it is
+// memory is run again under the next rung (recompute_fallback: none, then states, then default_recompute(), then
+// all), which gives it the same loss bit for bit (CudaModel::forward_backward). Where nothing can be run again (the
+// CPU, whose memory is the host's; tensor/expert-parallel ranks, which would have to fall back together) it is
 // default_recompute() (fixed_recompute).
+// states: a kept KDA site's chunk states (the state entering each 64-token chunk and v_new, fp32: 384 MiB a layer
+// at 4096 tokens, 64 heads of 128) formed again by the chunked backward instead of kept from the tensor-core forward
+// (on the GPU only: the CPU and the recurrent backward keep none; a recomputed KDA site keeps none either).
 struct RecomputePolicy {
-  bool kda = true, mla = true, moe = true, mlp = true, mhc = true, experts = true;
+  bool kda = true, mla = true, moe = true, mlp = true, mhc = true, experts = true, states = true;
   bool adaptive = false;
   // Whether the routed experts' gate|up runs again (experts counts only inside a recomputed MoE).
   bool recomputes_experts() const { return moe && experts; }
+  // Whether the KDA chunk states are formed again (states counts only for a kept KDA).
+  bool recomputes_states() const { return kda || states; }
   // Written out (not defaulted): nvcc compiles the CUDA sources that include this header as C++17.
   bool operator==(const RecomputePolicy& o) const {
     return kda == o.kda && mla == o.mla && moe == o.moe && mlp == o.mlp && mhc == o.mhc &&
-           recomputes_experts() == o.recomputes_experts() && adaptive == o.adaptive;
+           recomputes_experts() == o.recomputes_experts() && recomputes_states() == o.recomputes_states() &&
+           adaptive == o.adaptive;
   }
 };
 // The default of `train` and `grad` ("kda,mla,moe,mhc"; RecomputePolicy{} is "all"): every component recomputed but
@@ -59,14 +65,14 @@ RecomputePolicy default_recompute();
 RecomputePolicy auto_recompute();
 // The fixed policy p stands for: p itself, or default_recompute() for an adaptive p.
 RecomputePolicy fixed_recompute(const RecomputePolicy& p);
-// An adaptive policy's next rung (none → default_recompute() → all, still adaptive), or none past all or for a fixed
-// policy.
+// An adaptive policy's next rung (none → states → default_recompute() → all, still adaptive), or none past all or for
+// a fixed policy.
 std::optional<RecomputePolicy> recompute_fallback(const RecomputePolicy& p);
 // The policy as --recompute writes it: "auto" (adaptive), "all", "none", or the recomputed components
-// comma-separated in the order kda,mla,moe,experts,mlp,mhc (the others are kept).
+// comma-separated in the order kda,mla,moe,experts,mlp,mhc,states (the others are kept; states only with kda kept).
 std::string recompute_to_string(const RecomputePolicy& p);
 // Reads that form: "auto", "all", "none" or a comma-separated list of the components to recompute (any order, no
-// repeats; experts only with moe). Throws Error naming the bad part.
+// repeats; experts only with moe, states only without kda). Throws Error naming the bad part.
 RecomputePolicy parse_recompute(const std::string& s);
 
 }  // namespace nextlm

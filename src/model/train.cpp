@@ -62,11 +62,11 @@ ModelWeights zeros_like(const ModelWeights& w) {
 
 namespace {
 
-constexpr const char* kComponents[] = {"kda", "mla", "moe", "experts", "mlp", "mhc"};
+constexpr const char* kComponents[] = {"kda", "mla", "moe", "experts", "mlp", "mhc", "states"};
 
 // The flag of kComponents[i].
 bool& component(RecomputePolicy& p, size_t i) {
-  bool* f[] = {&p.kda, &p.mla, &p.moe, &p.experts, &p.mlp, &p.mhc};
+  bool* f[] = {&p.kda, &p.mla, &p.moe, &p.experts, &p.mlp, &p.mhc, &p.states};
   return *f[i];
 }
 
@@ -96,7 +96,7 @@ RecomputePolicy default_recompute() {
 }
 
 RecomputePolicy auto_recompute() {
-  RecomputePolicy p{false, false, false, false, false, false};
+  RecomputePolicy p{false, false, false, false, false, false, false};
   p.adaptive = true;
   return p;
 }
@@ -107,8 +107,13 @@ std::optional<RecomputePolicy> recompute_fallback(const RecomputePolicy& p) {
   if (!p.adaptive) return std::nullopt;
   RecomputePolicy rung = p;
   rung.adaptive = false;
+  const RecomputePolicy none{false, false, false, false, false, false, false};
+  RecomputePolicy states = none;
+  states.states = true;
   RecomputePolicy next;
-  if (rung == RecomputePolicy{false, false, false, false, false, false})
+  if (rung == none)
+    next = states;
+  else if (rung == states)
     next = default_recompute();
   else if (rung == default_recompute())
     next = RecomputePolicy{};
@@ -124,6 +129,7 @@ std::string recompute_to_string(const RecomputePolicy& p) {
   std::string out;
   RecomputePolicy q = p;
   q.experts = p.recomputes_experts();
+  q.states = !p.kda && p.states;
   for (size_t i = 0; i < std::size(kComponents); ++i) {
     if (!component(q, i)) continue;
     if (!out.empty()) out += ',';
@@ -134,10 +140,10 @@ std::string recompute_to_string(const RecomputePolicy& p) {
 
 RecomputePolicy parse_recompute(const std::string& s) {
   const std::string expected =
-      " (expected auto, all, none or a comma-separated list of kda, mla, moe, experts, mlp, mhc)";
+      " (expected auto, all, none or a comma-separated list of kda, mla, moe, experts, mlp, mhc, states)";
   if (s == "auto") return auto_recompute();
   if (s == "all") return RecomputePolicy{};
-  RecomputePolicy p{false, false, false, false, false, false};
+  RecomputePolicy p{false, false, false, false, false, false, false};
   if (s == "none") return p;
   check(!s.empty(), "empty recompute policy", expected);
   size_t b = 0;
@@ -154,6 +160,8 @@ RecomputePolicy parse_recompute(const std::string& s) {
   }
   check(!p.experts || p.moe, "experts without moe in \"", s, "\": the routed experts run again only inside a "
         "recomputed MoE");
+  check(!p.states || !p.kda, "states with kda in \"", s, "\": a recomputed KDA layer keeps no chunk states");
+  if (p.kda) p.states = true;
   return p;
 }
 
