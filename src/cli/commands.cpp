@@ -830,11 +830,10 @@ int run_cli_impl(int argc, char** argv) {
   gr->add_option("--recompute", grad.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
                  "more memory, less time, the same gradients bit for bit but for the kept KDA chunk states' bf16 "
-                 "rounding): auto, all, none, or a comma-separated "
-                 "list of kda, mla, moe, experts, mlp, mhc, states (experts: the routed experts' gate|up inside a "
-                 "recomputed MoE; states: a kept KDA layer's chunk states; both on the GPU). auto: on one GPU "
-                 "everything kept, falling back to states, kda,mla,moe,mhc and then all when out of device memory; "
-                 "elsewhere kda,mla,moe,mhc")
+                 "rounding): auto, all, none, or a comma-separated list of kda, mla, moe, experts, mlp, mhc, states "
+                 "(experts: the routed experts' gate|up inside a recomputed MoE; states: a kept KDA layer's chunk "
+                 "states; both on the GPU). auto: on one GPU everything kept, falling back to states, kda,mla,moe,mhc "
+                 "and then all when out of device memory; elsewhere kda,mla,moe,mhc")
       ->type_name("POLICY")
       ->capture_default_str();
   gr->add_option("--tp", grad.tp,

@@ -162,11 +162,11 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   tr->add_option("--recompute", a.recompute,
                  "sub-layers the backward runs forward again (the others keep their activations from the forward: "
-                 "more memory, less time, the same results): auto, all, none, or a comma-separated list of kda, mla, "
-                 "moe, experts, mlp, mhc, states (experts: the routed experts' gate|up inside a recomputed MoE; states: a "
-                 "kept KDA layer's chunk states; both on the GPU). auto: on one GPU everything kept, falling back to "
-                 "states, kda,mla,moe,mhc and then all when a step runs out of device memory; on the CPU and on GPU "
-                 "shards (--tp/--ep) kda,mla,moe,mhc")
+                 "more memory, less time, the same results but for the kept KDA chunk states' bf16 rounding): auto, "
+                 "all, none, or a comma-separated list of kda, mla, moe, experts, mlp, mhc, states (experts: the "
+                 "routed experts' gate|up inside a recomputed MoE; states: a kept KDA layer's chunk states; both on "
+                 "the GPU). auto: on one GPU everything kept, falling back to states, kda,mla,moe,mhc and then all "
+                 "when a step runs out of device memory; on the CPU and on GPU shards (--tp/--ep) kda,mla,moe,mhc")
       ->type_name("POLICY")
       ->capture_default_str();
   tr->add_option("--device", a.device,
