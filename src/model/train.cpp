@@ -64,6 +64,9 @@ namespace {
 
 constexpr const char* kComponents[] = {"kda", "mla", "moe", "experts", "mlp", "mhc", "states"};
 
+// "none": every component kept (the chunk states too).
+RecomputePolicy nothing_recomputed() { return RecomputePolicy{false, false, false, false, false, false, false}; }
+
 // The flag of kComponents[i].
 bool& component(RecomputePolicy& p, size_t i) {
   bool* f[] = {&p.kda, &p.mla, &p.moe, &p.experts, &p.mlp, &p.mhc, &p.states};
@@ -96,7 +99,7 @@ RecomputePolicy default_recompute() {
 }
 
 RecomputePolicy auto_recompute() {
-  RecomputePolicy p{false, false, false, false, false, false, false};
+  RecomputePolicy p = nothing_recomputed();
   p.adaptive = true;
   return p;
 }
@@ -107,7 +110,7 @@ std::optional<RecomputePolicy> recompute_fallback(const RecomputePolicy& p) {
   if (!p.adaptive) return std::nullopt;
   RecomputePolicy rung = p;
   rung.adaptive = false;
-  const RecomputePolicy none{false, false, false, false, false, false, false};
+  const RecomputePolicy none = nothing_recomputed();
   RecomputePolicy states = none;
   states.states = true;
   RecomputePolicy next;
@@ -143,7 +146,7 @@ RecomputePolicy parse_recompute(const std::string& s) {
       " (expected auto, all, none or a comma-separated list of kda, mla, moe, experts, mlp, mhc, states)";
   if (s == "auto") return auto_recompute();
   if (s == "all") return RecomputePolicy{};
-  RecomputePolicy p{false, false, false, false, false, false, false};
+  RecomputePolicy p = nothing_recomputed();
   if (s == "none") return p;
   check(!s.empty(), "empty recompute policy", expected);
   size_t b = 0;
