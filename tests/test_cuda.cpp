@@ -114,32 +114,6 @@ TEST_P(CudaKdaTc, MatchesCpuRecurrentOnPackedSequences) {
     for (float x : gpu) ASSERT_TRUE(std::isfinite(x));
   }
 }
-// The state kernel's eight-warp form gives the four-warp form's bits: outputs, final and boundary states.
-TEST_P(CudaKdaTc, StateSplitGivesTheSameBits) {
-  const int64_t K = GetParam(), H = 2;
-  const std::vector<int64_t> cu{0, 1, 64, 200, 330};
-  const int64_t T = cu.back(), N = static_cast<int64_t>(cu.size()) - 1;
-  KdaCase c = make_kda(T, H, K, 61);
-  const std::vector<float> graw = test::randn(T * H * K, 62), A_log = test::randn(H, 63), dt = test::randn(H * K, 64);
-  std::vector<float> s_in = test::randn(N * H * K * K, 65);
-  for (float& x : s_in) x *= 0.3f;
-  const bool was = cuda_testing::kda_tc_state_split();
-  for (bool boundary : {false, true}) {
-    std::vector<float> sa, sb;
-    cuda_testing::set_kda_tc_state_split(true);
-    const auto a = cuda_testing::kda_chunked_tc(c.q, c.k, c.v, graw, c.beta, A_log, dt, -5.0f, cu, H, K, s_in, &sa,
-                                                boundary);
-    cuda_testing::set_kda_tc_state_split(false);
-    const auto b = cuda_testing::kda_chunked_tc(c.q, c.k, c.v, graw, c.beta, A_log, dt, -5.0f, cu, H, K, s_in, &sb,
-                                                boundary);
-    ASSERT_EQ(a.size(), b.size());
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "boundary " << boundary;
-    ASSERT_EQ(sa.size(), sb.size());
-    EXPECT_EQ(std::memcmp(sa.data(), sb.data(), sa.size() * sizeof(float)), 0) << "boundary " << boundary;
-  }
-  cuda_testing::set_kda_tc_state_split(was);
-}
-
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaKdaTc, ::testing::Values(16, 32, 64, 128));
 
 // Heads never mix: each head run alone (H = 1, as a tensor-parallel rank holding that head runs it) gives the same

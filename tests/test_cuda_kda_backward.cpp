@@ -299,27 +299,6 @@ TEST_P(CudaBackwardKdaChunked, CompactPrepGivesTheSameBits) {
   cuda_testing::set_kda_backward_compact_prep(was);
 }
 
-// The backward state pass's narrow form (32 value columns a block, two blocks an SM) gives the wide form's bits, with
-// split and bf16 products, over several sequences with partial chunks.
-TEST_P(CudaBackwardKdaChunked, NarrowStatePassGivesTheSameBits) {
-  const int64_t K = GetParam(), H = 2;
-  const bool was = cuda_testing::kda_backward_narrow_state();
-  const Case c = make_case({130, 64, 1, 77, 200}, H, K, 960 + static_cast<unsigned>(K), 0.5f);
-  for (const bool bf16 : {false, true}) {
-    cuda_testing::set_kda_backward_narrow_state(true);
-    const auto a = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, false, bf16);
-    cuda_testing::set_kda_backward_narrow_state(false);
-    const auto b = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, false, bf16);
-    SCOPED_TRACE(bf16 ? "bf16 products" : "split bf16 products");
-    EXPECT_EQ(a.dq, b.dq);
-    EXPECT_EQ(a.dk, b.dk);
-    EXPECT_EQ(a.dv, b.dv);
-    EXPECT_EQ(a.dg, b.dg);
-    EXPECT_EQ(a.dbeta, b.dbeta);
-  }
-  cuda_testing::set_kda_backward_narrow_state(was);
-}
-
 // No atomics: two runs give the same bits.
 TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const int64_t K = GetParam(), H = 2;

@@ -151,11 +151,6 @@ inline bool kda_chunked_backward_supported(int64_t K) { return K == 32 || K == 6
 // the benches' comparisons).
 void set_kda_backward_compact_prep(bool on);
 bool kda_backward_compact_prep();
-// The backward state pass in its narrow form (32 value columns a block, two blocks an SM) where the head dim is 64
-// or more, with the same bits as the wide form (on by default; NEXTLM_KDA_STATE_NARROW=0 or
-// set_kda_backward_narrow_state(false), process-wide).
-void set_kda_backward_narrow_state(bool on);
-bool kda_backward_narrow_state();
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
                           float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,

@@ -56,15 +56,6 @@ template <int K>
 constexpr int state_cols() {
   return K < 64 ? K : 64;
 }
-// bwd_state's narrow form: 32 value columns a block, so that a sequence's chain is cut into twice as many blocks and
-// two of them share an SM (half the shared memory, at most 128 registers a thread): each chunk's step is a chain of
-// loads, two small products and barriers, and a second block's chain fills the first one's waits. Every output
-// column is the same sum in the same order as in the wide form (the products sum over K or the chunk's rows, never
-// over value columns), so the bits are the same.
-template <int K>
-constexpr int narrow_state_cols() {
-  return K < 64 ? K : 32;
-}
 
 // Per (chunk, head) workspace block, in floats (385 KiB at K = 128). "Split" slots hold a matrix as its hi plane
 // (bf16, rows × cols) followed by its lo plane, in the space of the fp32 matrix. From prep: U [C, K] (fp32), W and
@@ -730,9 +721,9 @@ __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 :
 // operand of the chunk's first product. W and Kd are staged by cp.async from their split slots, the next chunk's one
 // while this chunk's other product runs: one cp.async group per matrix, the older one always awaited first. ----
 
-template <int K, int TV = state_cols<K>()>
+template <int K>
 struct StateSmem {
-  static constexpr int KS = K + 8, VS = TV + 8;
+  static constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
   static constexpr size_t bytes = size_t(2 * (K * VS + kC * VS + 2 * kC * KS)) * 2;
 };
 
@@ -822,11 +813,10 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
 // bwd_state: backward over the chunks carrying dS: dSe of each chunk (into the dh slot, over Qgᵀ·dO, which this
 // thread has read), du = Aqkᵀ·dO + Kd·dSe (over Aqkᵀ·dO in the du slot), dS0 = e^γ∘dSe + Qgᵀ·dO − Wᵀ·du. Each thread
 // reads and rewrites only its own elements of the two slots.
-// TV: the value columns of a block (state_cols, or narrow_state_cols with two blocks an SM).
-template <int K, int TV>
-__global__ void __launch_bounds__(32 * kStateWarps, TV < state_cols<K>() ? 2 : 1) bwd_state_kernel(Params p) {
+template <int K>
+__global__ void __launch_bounds__(32 * kStateWarps, 1) bwd_state_kernel(Params p) {
   constexpr int NW = kStateWarps, NTH = 32 * NW;
-  constexpr int KS = K + 8, VS = TV + 8;
+  constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
   using ST = WarpTile<K, TV, 1, NW>;
   using UT = WarpTile<kC, TV, 1, NW>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1553,7 +1543,6 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
 }
 
 EnvSwitch g_compact_prep{"NEXTLM_KDA_PREP_COMPACT"};
-EnvSwitch g_narrow_state{"NEXTLM_KDA_STATE_NARROW"};
 
 template <class Kernel>
 void set_smem(Kernel kernel, size_t bytes) {
@@ -1565,12 +1554,9 @@ template <int K>
 void launch(const Params& p, cudaStream_t st) {
   const auto nc = static_cast<unsigned>(p.ch.num_chunks), ns = static_cast<unsigned>(p.ch.num_seqs);
   const auto H = static_cast<unsigned>(p.H);
-  constexpr int TN = narrow_state_cols<K>();
-  const bool narrow = TN < state_cols<K>() && kda_backward_narrow_state();
-  const dim3 per_chunk(nc, H), per_seq(ns, H, K / state_cols<K>()), per_seq_narrow(ns, H, K / TN);
+  const dim3 per_chunk(nc, H), per_seq(ns, H, K / state_cols<K>());
   constexpr size_t prep = PrepSmem<K>::bytes, state = StateSmem<K>::bytes, inter = InterSmem<K>::bytes,
-                   intra = IntraSmem<K>::bytes, state_narrow = StateSmem<K, TN>::bytes;
-  static_assert(TN == state_cols<K>() || 2 * (state_narrow + 1024) <= 228 * 1024, "two narrow state blocks an SM");
+                   intra = IntraSmem<K>::bytes;
   constexpr size_t limit = 227 * 1024;  // dynamic shared memory of one block on the H100/H200
   static_assert(prep <= limit && state <= limit && inter <= limit && intra <= limit, "shared memory");
   // Two compact prep blocks an SM: 228 KiB of shared memory less 1 KiB reserved per block.
@@ -1578,12 +1564,7 @@ void launch(const Params& p, cudaStream_t st) {
   static_assert(2 * (prep_compact + 1024) <= 228 * 1024, "two compact prep blocks an SM");
   const bool compact = !p.lo && kda_backward_compact_prep();
   set_smem(fwd_state_kernel<K>, state);
-  set_smem(bwd_state_kernel<K, state_cols<K>()>, state);
-  if (narrow) {
-    set_smem(bwd_state_kernel<K, TN>, state_narrow);
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(bwd_state_kernel<K, TN>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared));
-  }
+  set_smem(bwd_state_kernel<K>, state);
   set_smem(inter_kernel<K>, inter);
   set_smem(intra_kernel<K>, intra);
   if (compact) {
@@ -1601,10 +1582,7 @@ void launch(const Params& p, cudaStream_t st) {
       fwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
       NEXTLM_CUDA_CHECK(cudaGetLastError());
     }
-    if (narrow)
-      bwd_state_kernel<K, TN><<<per_seq_narrow, 32 * kStateWarps, state_narrow, st>>>(p);
-    else
-      bwd_state_kernel<K, state_cols<K>()><<<per_seq, 32 * kStateWarps, state, st>>>(p);
+    bwd_state_kernel<K><<<per_seq, 32 * kStateWarps, state, st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
   inter_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), inter, st>>>(p);
@@ -1618,10 +1596,6 @@ void launch(const Params& p, cudaStream_t st) {
 void set_kda_backward_compact_prep(bool on) { g_compact_prep.set(on); }
 
 bool kda_backward_compact_prep() { return g_compact_prep.on(); }
-
-void set_kda_backward_narrow_state(bool on) { g_narrow_state.set(on); }
-
-bool kda_backward_narrow_state() { return g_narrow_state.on(); }
 
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K) {
   if (T <= 0 || num_chunks <= 0 || H <= 0 || K <= 0) return 0;

@@ -17,7 +17,6 @@
 // 0 … r depend on those rows only: a chunk cut after row r (a decoding step recomputing its partial chunk, padded
 // with zeros) gives those rows bit for bit what the whole chunk gives them. The softplus gate has no bound: it uses
 // the fp32 kernels of kda.cu.
-#include "core/env.h"
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 
@@ -26,9 +25,7 @@ namespace nextlm::cuda {
 namespace {
 
 constexpr int kC = 64;         // chunk length
-// The state kernel: four warps a column group; warp w owns rows 16(w % 4) … + 15 of a chunk and the value columns of
-// group w / 4 (state_kernel's CW groups split the block's TV columns).
-constexpr int kThreads = 128;
+constexpr int kThreads = 128;  // the state kernel: four warps; warp w owns rows 16w..16w+15 of a chunk
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -322,13 +319,12 @@ struct StateLayout {
   static constexpr int bytes = 2 * stage_bytes + K * VS * 2 + kC * VS * 2;
 };
 
-template <int K, int TV, int CW>
-__global__ void __launch_bounds__(kThreads * CW)
+template <int K, int TV>
+__global__ void __launch_bounds__(kThreads)
     state_kernel(KdaTcWork w, KdaChunks ch, bf16* __restrict__ o, KdaTcStates states, int H, KdaTcRowCache rc) {
   using L = StateLayout<K, TV>;
   constexpr int KS = L::KS, AS = L::AS, VS = L::VS;
-  constexpr int MT = K / 16, MTW = (MT + 3) / 4, NT = TV / (8 * CW), NTH = kThreads * CW;
-  static_assert(NT % 2 == 0, "n-tiles in pairs");
+  constexpr int MT = K / 16, MTW = (MT + 3) / 4, NT = TV / 8;
   static_assert(L::stage_bytes % 16 == 0 && (L::stage_elems * 2) % 16 == 0, "16-byte aligned stages");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Sb = reinterpret_cast<bf16*>(smem + 2 * L::stage_bytes);  // S as bf16 [K][VS]
@@ -336,7 +332,6 @@ __global__ void __launch_bounds__(kThreads * CW)
 
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * TV;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const int rw = warp & 3, wc = (warp >> 2) * (TV / CW);  // the warp's row group and first column of the tile
   const int64_t HK = int64_t(H) * K;
   const int first = ch.seq_first_chunk[seq], count = ch.seq_num_chunks[seq];
   const int64_t state0 = (int64_t(states.row ? states.row[seq] : seq) * H + h) * K * K;
@@ -349,7 +344,7 @@ __global__ void __launch_bounds__(kThreads * CW)
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
-        const int mt = rw + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + wc + 8 * nt + 2 * tq + (x & 1);
+        const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
         s[qi][nt][x] = (s_in && mt < MT) ? s_in[state0 + int64_t(dd) * K + e] : 0.0f;
       }
 
@@ -362,7 +357,7 @@ __global__ void __launch_bounds__(kThreads * CW)
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          const int mt = rw + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + wc + 8 * nt + 2 * tq + (x & 1);
+          const int mt = warp + 4 * qi, dd = 16 * mt + gq + 8 * (x >> 1), e = c0 + 8 * nt + 2 * tq + (x & 1);
           if (mt < MT) s_out[state0 + int64_t(dd) * K + e] = s[qi][nt][x];
         }
   };
@@ -380,28 +375,28 @@ __global__ void __launch_bounds__(kThreads * CW)
     const bf16* gqg = w.qg + ch_head * kC * K;
     const bf16* gkd = w.kd + ch_head * kC * K;
     constexpr int kp = K / 8;
-    for (int i = tid; i < kC * kp; i += NTH) {
+    for (int i = tid; i < kC * kp; i += kThreads) {
       const int r = i / kp, p = i % kp;
       cp_async16(Ws + r * KS + p * 8, gw + r * K + p * 8, true);
       cp_async16(Qs + r * KS + p * 8, gqg + r * K + p * 8, true);
       cp_async16(Ks + r * KS + p * 8, gkd + r * K + p * 8, true);
     }
     const bf16* ga = w.aqk + ch_head * kC * kC;
-    for (int i = tid; i < kC * (kC / 8); i += NTH) {
+    for (int i = tid; i < kC * (kC / 8); i += kThreads) {
       const int r = i / (kC / 8), p = i % (kC / 8);
       cp_async16(As + r * AS + p * 8, ga + r * kC + p * 8, true);
     }
     const bf16* gu = w.u + ch_head * kC * K + c0;
-    for (int i = tid; i < kC * (TV / 8); i += NTH) {
+    for (int i = tid; i < kC * (TV / 8); i += kThreads) {
       const int r = i / (TV / 8), p = i % (TV / 8);
       cp_async16(Us + r * VS + p * 8, gu + r * K + p * 8, true);
     }
-    for (int i = tid; i < K / 4; i += NTH) cp_async16(Gs + 4 * i, w.gl + ch_head * K + 4 * i, true);
+    for (int i = tid; i < K / 4; i += kThreads) cp_async16(Gs + 4 * i, w.gl + ch_head * K + 4 * i, true);
   };
 
   if (count > 0) load_stage(first, 0);
   cp_async_commit();
-  const int r0 = 16 * rw;
+  const int r0 = 16 * warp;
 #pragma unroll 1
   for (int it = 0; it < count; ++it) {
     const int cidx = first + it, st = it & 1;
@@ -411,14 +406,14 @@ __global__ void __launch_bounds__(kThreads * CW)
     float* keep_h = states.chunk_h ? states.chunk_h + (int64_t(cidx) * H + h) * K * K + c0 : nullptr;
 #pragma unroll
     for (int qi = 0; qi < MTW; ++qi) {
-      const int mt = rw + 4 * qi;
+      const int mt = warp + 4 * qi;
       if (mt >= MT) continue;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        store2(Sb + (16 * mt + gq) * VS + wc + 8 * nt + 2 * tq, s[qi][nt][0], s[qi][nt][1]);
-        store2(Sb + (16 * mt + gq + 8) * VS + wc + 8 * nt + 2 * tq, s[qi][nt][2], s[qi][nt][3]);
+        store2(Sb + (16 * mt + gq) * VS + 8 * nt + 2 * tq, s[qi][nt][0], s[qi][nt][1]);
+        store2(Sb + (16 * mt + gq + 8) * VS + 8 * nt + 2 * tq, s[qi][nt][2], s[qi][nt][3]);
         if (keep_h) {
-          const int col = wc + 8 * nt + 2 * tq;
+          const int col = 8 * nt + 2 * tq;
           *reinterpret_cast<float2*>(keep_h + (16 * mt + gq) * K + col) = make_float2(s[qi][nt][0], s[qi][nt][1]);
           *reinterpret_cast<float2*>(keep_h + (16 * mt + gq + 8) * K + col) = make_float2(s[qi][nt][2], s[qi][nt][3]);
         }
@@ -449,7 +444,7 @@ __global__ void __launch_bounds__(kThreads * CW)
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t b[4];
-        load_b_kn(b, Sb + 16 * kk * VS + wc + 16 * np, VS);
+        load_b_kn(b, Sb + 16 * kk * VS + 16 * np, VS);
         mma_bf16(p[2 * np], aw, b[0], b[1]);
         mma_bf16(p[2 * np + 1], aw, b[2], b[3]);
         mma_bf16(oc[2 * np], aq, b[0], b[1]);
@@ -461,7 +456,7 @@ __global__ void __launch_bounds__(kThreads * CW)
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int row = r0 + gq + 8 * hf, col = wc + 8 * nt + 2 * tq;
+        const int row = r0 + gq + 8 * hf, col = 8 * nt + 2 * tq;
         const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(Us + row * VS + col);
         const float v0 = __low2float(u) - p[nt][2 * hf], v1 = __high2float(u) - p[nt][2 * hf + 1];
         store2(VN + row * VS + col, v0, v1);
@@ -470,20 +465,20 @@ __global__ void __launch_bounds__(kThreads * CW)
     __syncthreads();
     if (rc.vn && it == count - 1) {  // a decoding slot's partial chunk: its v_new rows
       bf16* dst = rc.vn + (t0 / kC * H + h) * kC * K + c0;
-      for (int i = tid; i < n * (TV / 8); i += NTH) {
+      for (int i = tid; i < n * (TV / 8); i += kThreads) {
         const int row = i / (TV / 8), p8 = 8 * (i % (TV / 8));
         *reinterpret_cast<uint4*>(dst + row * K + p8) = *reinterpret_cast<const uint4*>(VN + row * VS + p8);
       }
     }
 
-    // o += Aqk·v_new (causal: column blocks kb ≤ the warp's row group), then out.
-    for (int kb = 0; kb <= rw; ++kb) {
+    // o += Aqk·v_new (causal: column blocks kb ≤ warp), then out.
+    for (int kb = 0; kb <= warp; ++kb) {
       uint32_t a[4];
       load_a(a, As + r0 * AS + 16 * kb, AS);
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t b[4];
-        load_b_kn(b, VN + 16 * kb * VS + wc + 16 * np, VS);
+        load_b_kn(b, VN + 16 * kb * VS + 16 * np, VS);
         mma_bf16(oc[2 * np], a, b[0], b[1]);
         mma_bf16(oc[2 * np + 1], a, b[2], b[3]);
       }
@@ -494,14 +489,13 @@ __global__ void __launch_bounds__(kThreads * CW)
       for (int hf = 0; hf < 2; ++hf) {
         const int row = r0 + gq + 8 * hf;
         if (o && row < n)
-          store2(o + (t0 + row) * HK + int64_t(h) * K + c0 + wc + 8 * nt + 2 * tq, oc[nt][2 * hf],
-                 oc[nt][2 * hf + 1]);
+          store2(o + (t0 + row) * HK + int64_t(h) * K + c0 + 8 * nt + 2 * tq, oc[nt][2 * hf], oc[nt][2 * hf + 1]);
       }
 
     // S ← e^gl∘S + kdᵀ·v_new.
 #pragma unroll
     for (int qi = 0; qi < MTW; ++qi) {
-      const int mt = rw + 4 * qi;
+      const int mt = warp + 4 * qi;
       if (mt >= MT) continue;
       const float e0 = __expf(Gs[16 * mt + gq]), e1 = __expf(Gs[16 * mt + gq + 8]);
 #pragma unroll
@@ -516,10 +510,10 @@ __global__ void __launch_bounds__(kThreads * CW)
     for (int kb = 0; kb < kC / 16; ++kb) {
       uint32_t b[NT / 2][4];
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) load_b_kn(b[np], VN + 16 * kb * VS + wc + 16 * np, VS);
+      for (int np = 0; np < NT / 2; ++np) load_b_kn(b[np], VN + 16 * kb * VS + 16 * np, VS);
 #pragma unroll
       for (int qi = 0; qi < MTW; ++qi) {
-        const int mt = rw + 4 * qi;
+        const int mt = warp + 4 * qi;
         if (mt >= MT) continue;
         uint32_t a[4];
         load_a_t(a, Ks + 16 * kb * KS + 16 * mt, KS);
@@ -549,29 +543,22 @@ void launch_prepare(const bf16* q, const bf16* k, const bf16* v, const GT* graw,
                                                            static_cast<int>(H), rc);
 }
 
-template <int K, int TV, int CW>
+template <int K, int TV>
 void launch_state_tv(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const KdaTcStates& states,
                      cudaStream_t st, const KdaTcRowCache& rc) {
   if (!ch.num_seqs) return;
   const int bytes = StateLayout<K, TV>::bytes;
-  NEXTLM_CUDA_CHECK(
-      cudaFuncSetAttribute(state_kernel<K, TV, CW>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  state_kernel<K, TV, CW><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV),
-                            kThreads * CW, bytes, st>>>(w, ch, o, states, static_cast<int>(H), rc);
+  NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(state_kernel<K, TV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  state_kernel<K, TV><<<dim3(static_cast<unsigned>(ch.num_seqs), static_cast<unsigned>(H), K / TV), kThreads, bytes,
+                        st>>>(w, ch, o, states, static_cast<int>(H), rc);
 }
-
-EnvSwitch g_state_split{"NEXTLM_KDA_STATE_SPLIT"};
 
 // Value tiles of 64 columns (two blocks per head at K = 128: on the H200 a 32-column tile took 0.73 ms against
 // 0.45 ms at T = 8192).
 template <int K>
 void launch_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, const KdaTcStates& states,
                   cudaStream_t st, const KdaTcRowCache& rc) {
-  constexpr int TV = K < 64 ? K : 64;
-  if constexpr (TV >= 32) {
-    if (g_state_split.on()) return launch_state_tv<K, TV, 2>(ch, w, o, H, states, st, rc);
-  }
-  launch_state_tv<K, TV, 1>(ch, w, o, H, states, st, rc);
+  launch_state_tv<K, (K < 64 ? K : 64)>(ch, w, o, H, states, st, rc);
 }
 
 template <class GT>
@@ -588,10 +575,6 @@ void prepare_dispatch(const bf16* q, const bf16* k, const bf16* v, const GT* gra
 }
 
 }  // namespace
-
-void set_kda_tc_state_split(bool on) { g_state_split.set(on); }
-
-bool kda_tc_state_split() { return g_state_split.on(); }
 
 bool kda_tc_supported(int64_t K, bool has_bound, float bound) {
   return has_bound && bound >= -10.0f && bound < 0.0f && (K == 16 || K == 32 || K == 64 || K == 128);

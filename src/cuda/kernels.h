@@ -146,11 +146,6 @@ void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* gra
                     int64_t H, int64_t K, cudaStream_t st, const KdaTcRowCache& rows = {});
 void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const KdaTcStates& states,
                   cudaStream_t st, const KdaTcRowCache& rows = {});
-// The state kernel's eight-warp form (two groups of four warps, each taking half of a block's value columns) at head
-// dims of 32 or more, with the same bits as the four-warp form (on by default; NEXTLM_KDA_STATE_SPLIT=0 or
-// set_kda_tc_state_split(false), process-wide).
-void set_kda_tc_state_split(bool on);
-bool kda_tc_state_split();
 void kda_chunked_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* graw, const float* beta,
                     const float* dt_bias, const float* A_log, float bound, bf16* o, const KdaChunks& ch,
                     const KdaTcWork& w, int64_t H, int64_t K, const KdaTcStates& states, cudaStream_t st,

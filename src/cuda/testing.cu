@@ -402,9 +402,6 @@ std::vector<std::vector<std::vector<int32_t>>> indexer_decode_steps(const Indexe
 
 bool mla_decode_on_tensor_cores(int64_t NH, int64_t KL) { return cuda::mla_decode_tc(NH, KL); }
 
-void set_kda_tc_state_split(bool on) { cuda::set_kda_tc_state_split(on); }
-bool kda_tc_state_split() { return cuda::kda_tc_state_split(); }
-
 std::vector<float> mla_decode(const std::vector<float>& q, const std::vector<float>& kv_b,
                               const std::vector<float>& latent, const std::vector<float>& new_latent,
                               const std::vector<int32_t>& slots, const std::vector<int32_t>& pos,

@@ -23,10 +23,6 @@ std::vector<float> kda_chunked_tc(const std::vector<float>& q, const std::vector
                                   const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
                                   const std::vector<float>& s_in, std::vector<float>* s_out, bool boundary = false);
 
-// cuda::set_kda_tc_state_split / kda_tc_state_split (process-wide).
-void set_kda_tc_state_split(bool on);
-bool kda_tc_state_split();
-
 // Median milliseconds of the tensor-core KDA forward on bf16 device inputs (q, k, v, the raw gate; fp32 beta), the
 // safe gate computed in the kernel, as fla's chunk_kda is timed with use_gate_in_kernel; and of its two kernels
 // (timed in separate runs).

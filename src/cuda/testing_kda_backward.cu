@@ -85,7 +85,5 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
 
 void set_kda_backward_compact_prep(bool on) { cuda::set_kda_backward_compact_prep(on); }
 bool kda_backward_compact_prep() { return cuda::kda_backward_compact_prep(); }
-void set_kda_backward_narrow_state(bool on) { cuda::set_kda_backward_narrow_state(on); }
-bool kda_backward_narrow_state() { return cuda::kda_backward_narrow_state(); }
 
 }  // namespace nextlm::cuda_testing

@@ -35,8 +35,5 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
 // cuda::set_kda_backward_compact_prep / kda_backward_compact_prep (process-wide).
 void set_kda_backward_compact_prep(bool on);
 bool kda_backward_compact_prep();
-// cuda::set_kda_backward_narrow_state / kda_backward_narrow_state (process-wide).
-void set_kda_backward_narrow_state(bool on);
-bool kda_backward_narrow_state();
 
 }  // namespace nextlm::cuda_testing
