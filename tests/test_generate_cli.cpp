@@ -210,36 +210,9 @@ TEST(GenerateCli, EosStopsUnlessIgnored) {
   EXPECT_EQ(generate_json(tmp.str(), base + " --ignore-eos").tokens, all.tokens);
 }
 
-// A copy of a golden model (one with the k-pool tail, so that generating and scoring agree: see decode.h) with a
-// 300-token vocabulary (extra embedding and lm_head rows): not byte-level.
-void make_wide_vocab_model(const std::string& dir) {
-  const std::string src = golden_dir("fp32_flat_softplus");
-  json cfg;
-  std::ifstream(src + "/config.json") >> cfg;
-  ASSERT_FALSE(cfg.contains("text_config"));
-  cfg["vocab_size"] = 300;
-  std::ofstream(dir + "/config.json") << cfg.dump(2);
-  SafetensorsFile f(src + "/model.safetensors");
-  std::vector<TensorToWrite> out;
-  std::vector<std::vector<float>> wide;
-  wide.reserve(2);
-  for (const TensorView& t : f.buffer().tensors()) {
-    if (t.name == "lm_head.weight" || t.name == "model.language_model.embed_tokens.weight") {
-      std::vector<float> w = to_f32(t);
-      const std::vector<float> extra = randn((300 - t.shape[0]) * t.shape[1], 17, 0.02f);
-      w.insert(w.end(), extra.begin(), extra.end());
-      wide.push_back(std::move(w));
-      out.push_back({t.name, DType::F32, {300, t.shape[1]}, wide.back().data()});
-    } else {
-      out.push_back({t.name, t.dtype, t.shape, t.data});
-    }
-  }
-  write_safetensors(dir + "/model.safetensors", out);
-}
-
 TEST(GenerateCli, ModelsWithoutByteVocabularyTakeTokenIds) {
   TempDir tmp;
-  make_wide_vocab_model(tmp.str());
+  write_wide_vocab_model(tmp.str());
   expect_error(run_nextlm("generate --model " + shell_quote(tmp.str()) + " --prompt hi --max-new-tokens 2"), 1,
                {"--prompt", "tokenizer", "not available", "300"});
   const std::string args = "--prompt-tokens 299,3,150 --max-new-tokens 6 --temperature 0";

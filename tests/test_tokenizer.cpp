@@ -274,27 +274,7 @@ TEST(ChatTemplateHand, Rendering) {
 // A golden model widened to a 300-token vocabulary (extra embedding and lm_head rows), with the hand tokenizer.json
 // (ids < 267) beside it.
 std::string make_model_with_tokenizer(const TempDir& tmp) {
-  const std::string src = golden_dir("fp32_flat_softplus");
-  json cfg;
-  std::ifstream(src + "/config.json") >> cfg;
-  cfg["vocab_size"] = 300;
-  std::ofstream(tmp.str("config.json")) << cfg.dump(2);
-  SafetensorsFile f(src + "/model.safetensors");
-  std::vector<TensorToWrite> out;
-  std::vector<std::vector<float>> wide;
-  wide.reserve(2);
-  for (const TensorView& t : f.buffer().tensors()) {
-    if (t.name == "lm_head.weight" || t.name == "model.language_model.embed_tokens.weight") {
-      std::vector<float> w = to_f32(t);
-      const std::vector<float> extra = randn((300 - t.shape[0]) * t.shape[1], 17, 0.02f);
-      w.insert(w.end(), extra.begin(), extra.end());
-      wide.push_back(std::move(w));
-      out.push_back({t.name, DType::F32, {300, t.shape[1]}, wide.back().data()});
-    } else {
-      out.push_back({t.name, t.dtype, t.shape, t.data});
-    }
-  }
-  write_safetensors(tmp.str("model.safetensors"), out);
+  write_wide_vocab_model(tmp.str());
   std::ofstream(tmp.str("tokenizer.json")) << read(kDir + "/hand/tokenizer.json");
   return tmp.str();
 }

@@ -21,6 +21,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "io/safetensors.h"
 #include "model/backward.h"
 #include "model/model.h"
@@ -349,6 +351,31 @@ std::vector<std::vector<int32_t>> golden_sequences(const std::string& dir) {
     out.push_back(ids);
   }
   return out;
+}
+
+void write_wide_vocab_model(const std::string& dir, int64_t vocab) {
+  const std::string src = golden_dir("fp32_flat_softplus");
+  nlohmann::json cfg;
+  std::ifstream(src + "/config.json") >> cfg;
+  if (cfg.contains("text_config")) throw std::runtime_error(src + "/config.json: expected a flat config");
+  cfg["vocab_size"] = vocab;
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  SafetensorsFile f(src + "/model.safetensors");
+  std::vector<TensorToWrite> out;
+  std::vector<std::vector<float>> wide;
+  wide.reserve(2);
+  for (const TensorView& t : f.buffer().tensors()) {
+    if (t.name == "lm_head.weight" || t.name == "model.language_model.embed_tokens.weight") {
+      std::vector<float> w = to_f32(t);
+      const std::vector<float> extra = randn((vocab - t.shape[0]) * t.shape[1], 17, 0.02f);
+      w.insert(w.end(), extra.begin(), extra.end());
+      wide.push_back(std::move(w));
+      out.push_back({t.name, DType::F32, {vocab, t.shape[1]}, wide.back().data()});
+    } else {
+      out.push_back({t.name, t.dtype, t.shape, t.data});
+    }
+  }
+  write_safetensors(dir + "/model.safetensors", out);
 }
 
 }  // namespace nextlm::test

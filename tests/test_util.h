@@ -112,4 +112,9 @@ class ServeProcess {
 // Copies a checkpoint directory.
 void copy_dir(const std::string& from, const std::string& to);
 
+// Writes config.json and model.safetensors in dir: the golden model fp32_flat_softplus (one with the k-pool tail, so
+// that generating and scoring agree: see decode.h) with a vocabulary of `vocab` tokens, its extra embedding and
+// lm_head rows random (seed 17, scale 0.02): a model that is not byte-level.
+void write_wide_vocab_model(const std::string& dir, int64_t vocab = 300);
+
 }  // namespace nextlm::test
