@@ -366,6 +366,7 @@ void write_wide_vocab_model(const std::string& dir, int64_t vocab) {
   wide.reserve(2);
   for (const TensorView& t : f.buffer().tensors()) {
     if (t.name == "lm_head.weight" || t.name == "model.language_model.embed_tokens.weight") {
+      if (vocab < t.shape[0]) throw std::runtime_error("write_wide_vocab_model: vocab below the model's");
       std::vector<float> w = to_f32(t);
       const std::vector<float> extra = randn((vocab - t.shape[0]) * t.shape[1], 17, 0.02f);
       w.insert(w.end(), extra.begin(), extra.end());
