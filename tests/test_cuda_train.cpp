@@ -1358,5 +1358,82 @@ TEST(CudaTrain, MhcMixFoldGivesTheSameBits) {
   set_mhc_mix_fold(was);
 }
 
+// The routed experts reading their input rows by index (set_moe_gather: the gate|up GEMM's and the grouped adapters'
+// x_rows) against the gathered copy: the same loss and the same gradients, bit for bit: a LoRA step with one adapter
+// per expert folded into the GEMMs (rank 16) and after them (rank 4), kept and recomputed, and the frozen base's
+// small tensors. moe_gathered_layers counts the MoE forwards that read by index: none with the switch off.
+TEST(CudaTrain, MoeGatherGivesTheSameBits) {
+  struct Restore {
+    int fwd = moe_expert_gemm();
+    bool gather = moe_gather();
+    ~Restore() { set_moe_expert_gemm(fwd), set_moe_gather(gather); }
+  } restore;
+  set_moe_expert_gemm(5);
+  for (const int64_t rank : {16, 4}) {
+    LoraOnGpu t("bf16_stable", LoraExperts::PerExpert, rank);
+    for (const char* policy : {"none", "kda,mla,moe,mhc"}) {
+      const std::string at = "rank " + std::to_string(rank) + " --recompute " + policy;
+      t.gpu.set_recompute(parse_recompute(policy));
+      std::array<double, 2> loss{};
+      std::array<LoraAdapter, 2> grads{test::without_gradients(t.lora), test::without_gradients(t.lora)};
+      std::array<int64_t, 2> gathered{};
+      for (const bool on : {false, true}) {
+        set_moe_gather(on);
+        const int64_t before = moe_gathered_layers();
+        t.gpu.zero_grads();
+        loss[on] = t.gpu.forward_backward(t.batch);
+        t.gpu.lora_gradients(grads[on]);
+        gathered[on] = moe_gathered_layers() - before;
+      }
+      EXPECT_EQ(gathered[0], 0) << at;
+      EXPECT_GT(gathered[1], 0) << at;
+      EXPECT_EQ(loss[1], loss[0]) << at;
+      size_t n = 0;
+      for (size_t i = 0; i < grads[0].modules().size(); ++i) {
+        const LoraModule &a = grads[0].modules()[i], &b = grads[1].modules()[i];
+        EXPECT_EQ(b.dA.data, a.dA.data) << at << ": module " << i;
+        EXPECT_EQ(b.dB.data, a.dB.data) << at << ": module " << i;
+        n += a.dA.data.size();
+      }
+      EXPECT_GT(n, 0u) << at;
+    }
+  }
+  // The frozen base (no adapters): the loss bit for bit, and the small tensors' gradients up to the MLA keys'
+  // atomics (GradientsAccumulateAndZero).
+  const Model base = Model::load(test::golden_dir("bf16_stable"));
+  const PackedBatch batch = golden_batch(test::golden_dir("bf16_stable"));
+  CudaModel gpu(base);
+  gpu.set_train_linears(false);
+  std::array<double, 2> loss{};
+  std::array<ModelWeights, 2> g;
+  std::array<int64_t, 2> gathered{};
+  for (const bool on : {false, true}) {
+    set_moe_gather(on);
+    const int64_t before = moe_gathered_layers();
+    gpu.zero_grads();
+    loss[on] = gpu.forward_backward(batch);
+    g[on] = gpu.gradients();
+    gathered[on] = moe_gathered_layers() - before;
+  }
+  EXPECT_EQ(gathered[0], 0);
+  EXPECT_GT(gathered[1], 0);
+  EXPECT_EQ(loss[1], loss[0]);
+  // The inference forward (a prefill) too: the same logits.
+  std::array<Tensor, 2> logits;
+  for (const bool on : {false, true}) {
+    set_moe_gather(on);
+    const int64_t before = moe_gathered_layers();
+    logits[on] = gpu.forward(batch);
+    EXPECT_EQ(moe_gathered_layers() > before, on) << "the forward's MoE layers by index";
+  }
+  ASSERT_EQ(logits[1].numel(), logits[0].numel());
+  EXPECT_EQ(std::memcmp(logits[1].ptr(), logits[0].ptr(), logits[0].numel() * sizeof(float)), 0);
+  const auto a = hub_gradients(base.config(), g[0], ""), b = hub_gradients(base.config(), g[1], "");
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_FALSE(a.empty());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_LE(test::norm_rel_error(b[i].data, a[i].data, Tensor::count(a[i].shape)), 1e-3) << a[i].name;
+}
+
 }  // namespace
 }  // namespace nextlm

@@ -86,6 +86,16 @@ void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.set(on); }
 bool mhc_mix_fold() { return g_mhc_mix_fold.on(); }
 
 namespace {
+EnvSwitch g_moe_gather{"NEXTLM_MOE_GATHER"};
+std::atomic<int64_t> g_moe_gathered{0};
+}  // namespace
+
+void set_moe_gather(bool on) { g_moe_gather.set(on); }
+bool moe_gather() { return g_moe_gather.on(); }
+int64_t moe_gathered_layers() { return g_moe_gathered; }
+void note_moe_gathered() { ++g_moe_gathered; }
+
+namespace {
 std::atomic<bool> g_lora_stacking{true};
 std::atomic<int64_t> g_lora_stacked_groups{0};
 }  // namespace

@@ -34,6 +34,7 @@ void note_lora_stacked_group();
 void note_lora_joined_projection();
 void note_lora_joined_input_gradient();  // counts in lora_joined_projections() too
 void note_narrow_joined_gradient();
+void note_moe_gathered();  // moe_gathered_layers in device_model.h
 
 namespace cuda {
 
@@ -1085,7 +1086,13 @@ struct CudaModel::Impl {
             *offsets = arena.alloc<int32_t>(buckets + 1);
     const size_t temp_bytes = moe_permute_temp_bytes(n);
     void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
-    bf16* xp = arena.alloc<bf16>(n * D);
+    // A prefill's gate|up GEMM on a TMA variant reads a's rows by index (set_moe_gather): no gathered copy xp.
+    GroupedGemm probe{a, offsets, w.gate_up_ptrs, nullptr, n, static_cast<int>(El), static_cast<int>(2 * I),
+                      static_cast<int>(D)};
+    probe.kernel = static_cast<GroupedGemmKernel>(std::max(moe_expert_gemm(), 0));
+    probe.W_all = w.gate_up_all;
+    const bool gather = !step && moe_gather() && moe_expert_gemm() >= 0 && grouped_gemm_gathers(probe);
+    bf16* xp = gather ? nullptr : arena.alloc<bf16>(n * D);
     // A decoding step's few tokens: routing, sorting and gathering in one launch (the same results).
     const float scale = static_cast<float>(cfg.routed_scaling_factor);
     if (!(step && El == E &&
@@ -1097,7 +1104,8 @@ struct CudaModel::Impl {
       if (El != E) moe_localize(experts, n, expert_begin, El, stream);
       moe_permute(experts, T, k, buckets, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes,
                   stream);
-      gather_rows(a, token_of, xp, n, D, stream);
+      if (gather) note_moe_gathered();
+      else gather_rows(a, token_of, xp, n, D, stream);
     }
     bf16* act = arena.alloc<bf16>(n * I);
     float* out = arena.alloc<float>(n * D);
@@ -1106,10 +1114,11 @@ struct CudaModel::Impl {
       // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
       int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
       const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm() >= 0 ? moe_expert_gemm() : 4);
-      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
+      GroupedGemm gu{gather ? a : xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
                      static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
       gu.W_all = w.gate_up_all;
       gu.w_layout = w.layout;
+      gu.gather = gather ? token_of : nullptr;
       grouped_gemm(gu, ws, stream);
       GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
                      static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};
