@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "model/config.h"
 #include "test_util.h"
@@ -912,4 +913,28 @@ TEST(ConfigGolden, Fp32TailOffUsesIndexTopkPattern) {
   EXPECT_EQ(c.n_group, 4);
   EXPECT_EQ(c.topk_group, 2);
   EXPECT_EQ(c.linear_lower_bound, std::optional<double>(-5.0));
+}
+
+// The environment's switches (core/env.h): unset, the switch's default; "0", off; anything else, on. An EnvSwitch
+// reads the variable at its first use unless set before, and keeps what it read.
+TEST(EnvSwitch, DefaultsAndTheEnvironment) {
+  const char* name = "NEXTLM_TEST_SWITCH_53";
+  unsetenv(name);
+  EXPECT_TRUE(env_switch_on(name));
+  EXPECT_FALSE(env_switch_on(name, false));
+  setenv(name, "0", 1);
+  EXPECT_FALSE(env_switch_on(name));
+  EXPECT_FALSE(env_switch_on(name, false));
+  setenv(name, "1", 1);
+  EXPECT_TRUE(env_switch_on(name));
+  EXPECT_TRUE(env_switch_on(name, false));
+  EnvSwitch on_by_env{name, false};
+  EXPECT_TRUE(on_by_env.on());
+  unsetenv(name);
+  EXPECT_TRUE(on_by_env.on()) << "read once";
+  EnvSwitch off_by_default{name, false}, on_by_default{name};
+  EXPECT_FALSE(off_by_default.on());
+  EXPECT_TRUE(on_by_default.on());
+  off_by_default.set(true);
+  EXPECT_TRUE(off_by_default.on());
 }

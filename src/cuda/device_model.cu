@@ -86,7 +86,7 @@ void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.set(on); }
 bool mhc_mix_fold() { return g_mhc_mix_fold.on(); }
 
 namespace {
-EnvSwitch g_moe_gather{"NEXTLM_MOE_GATHER"};
+EnvSwitch g_moe_gather{"NEXTLM_MOE_GATHER", false};
 std::atomic<int64_t> g_moe_gathered{0};
 }  // namespace
 

@@ -763,10 +763,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const ClusterTile tl = locate_unit<CL>(u, start, offsets, E, n_tiles, static_cast<int>(rank));
       const uint64_t pol_b = tl.last_b ? p_first : p_last, pol_a = tl.last_a ? p_first : p_last;
       const int row0 = static_cast<int>(tl.row0);
-      // GATHER: this thread's row of the A tile (thread i row i), or none past the tile's rows (zeros).
-      [[maybe_unused]] const bf16* arow = nullptr;
-      if constexpr (GATHER)
-        if (tid < tl.rows) arow = A + int64_t(gather[tl.row0 + tid]) * K;
+      // GATHER: this thread's rows of the A tile, or none past the tile's rows (zeros): its warp's 32 rows, four at
+      // a time, eight lanes a row (a 16-byte column chunk each, so that a copy instruction reads whole 128-byte rows).
+      // (Their indices are read where they are used, from L1: held in registers across the k loop, the kernel spills.)
+      constexpr int kGatherRows = GATHER ? C::BM / 16 : 1;
+      [[maybe_unused]] const int32_t* rows_of = gather + tl.row0 + warp * 32 + (lane >> 3);
+      [[maybe_unused]] const int row_end = tl.rows - warp * 32 - (lane >> 3);  // row i·4 of this thread's exists
       for (int kt = 0; kt < KTT; ++kt, ++it) {
         const int st = static_cast<int>(it % S);
         const uint32_t full = full0 + 8 * st, a_s = smem_s + st * C::stage_bytes, b_s = a_s + C::a_bytes;
@@ -788,11 +790,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               if (tid == 0) mbar_arrive(full0 + 8 * ((it - kGatherLag) % S));
               --pend;
             }
-            unsigned char* arow_s = smem + st * C::stage_bytes + tid * 128;
-#pragma unroll
-            for (int c = 0; c < 8; ++c) {
-              const bool v = arow != nullptr && k0 + 8 * c < K;
-              cp_async16(arow_s + ((c ^ (tid & 7)) << 4), v ? arow + k0 + 8 * c : A, v);
+            unsigned char* a_tile = smem + st * C::stage_bytes;
+            const int col = k0 + 8 * (lane & 7);
+#pragma unroll 2
+            for (int i = 0; i < kGatherRows; ++i) {
+              const int r = warp * 32 + i * 4 + (lane >> 3);
+              const bool v = i * 4 < row_end && col < K;
+              cp_async16(a_tile + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
+                         v ? A + int64_t(__ldg(rows_of + i * 4)) * K + col : A, v);
             }
             cp_async_commit();
             ++pend;
