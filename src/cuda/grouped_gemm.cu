@@ -690,7 +690,7 @@ __device__ __forceinline__ ClusterTile locate_unit(int u, const int32_t* __restr
 }
 
 // GATHER (GroupedGemm::gather, w_kn false): row r of the product reads A's row gather[r]. The producer warpgroup
-// copies the A tiles itself, a thread a row (cp.async into the 128-byte swizzle, zeros past the tile's rows), and
+// copies the A tiles itself (cp.async into the 128-byte swizzle, eight lanes a row, zeros past the tile's rows), and
 // lets a stage in kGatherLag k-tiles after its copies, once they have landed (cp.async.wait_group, then the async
 // proxy's fence): the stage's full barrier then takes two arrivals, the weight tile's bytes and that one. A cluster's
 // CTAs share the weight tiles as before; each loads its own A tile.
@@ -767,7 +767,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       // a time, eight lanes a row (a 16-byte column chunk each, so that a copy instruction reads whole 128-byte rows).
       // (Their indices are read where they are used, from L1: held in registers across the k loop, the kernel spills.)
       constexpr int kGatherRows = GATHER ? C::BM / 16 : 1;
-      [[maybe_unused]] const int32_t* rows_of = gather + tl.row0 + warp * 32 + (lane >> 3);
+      [[maybe_unused]] const int32_t* rows_of = GATHER ? gather + tl.row0 + warp * 32 + (lane >> 3) : nullptr;
       [[maybe_unused]] const int row_end = tl.rows - warp * 32 - (lane >> 3);  // row i·4 of this thread's exists
       for (int kt = 0; kt < KTT; ++kt, ++it) {
         const int st = static_cast<int>(it % S);
