@@ -508,6 +508,19 @@ TEST(CudaTrain, SmallWeightGradientsOnlyWhenAsked) {
 
 // Each LoRA kind's adapter gradients (dA and dB together) of `got` within `tol` of `ref`'s, norm-relative; every kind
 // has some gradient in ref and every element of got is finite. `at` names the case in the messages.
+// Every module's dA and dB the same bits in both (and some gradients at all).
+void expect_lora_gradients_equal(const LoraAdapter& ref, const LoraAdapter& got, const std::string& at) {
+  ASSERT_EQ(got.modules().size(), ref.modules().size()) << at;
+  size_t n = 0;
+  for (size_t i = 0; i < ref.modules().size(); ++i) {
+    const LoraModule &a = ref.modules()[i], &b = got.modules()[i];
+    EXPECT_EQ(b.dA.data, a.dA.data) << at << ": module " << i;
+    EXPECT_EQ(b.dB.data, a.dB.data) << at << ": module " << i;
+    n += a.dA.data.size();
+  }
+  EXPECT_GT(n, 0u) << at;
+}
+
 void expect_lora_gradients_near(const LoraAdapter& ref, const LoraAdapter& got, double tol, const std::string& at) {
   std::map<std::string, std::array<double, 2>> by_kind;  // diff², ref²
   for (size_t i = 0; i < ref.modules().size(); ++i) {
@@ -1346,14 +1359,7 @@ TEST(CudaTrain, MhcMixFoldGivesTheSameBits) {
       t.gpu.lora_gradients(grads[on]);
     }
     EXPECT_EQ(loss[1], loss[0]) << policy;
-    size_t n = 0;
-    for (size_t i = 0; i < grads[0].modules().size(); ++i) {
-      const LoraModule &a = grads[0].modules()[i], &b = grads[1].modules()[i];
-      EXPECT_EQ(b.dA.data, a.dA.data) << policy << ": module " << i;
-      EXPECT_EQ(b.dB.data, a.dB.data) << policy << ": module " << i;
-      n += a.dA.data.size();
-    }
-    EXPECT_GT(n, 0u) << policy;
+    expect_lora_gradients_equal(grads[0], grads[1], policy);
   }
   set_mhc_mix_fold(was);
 }
@@ -1388,14 +1394,7 @@ TEST(CudaTrain, MoeGatherGivesTheSameBits) {
       EXPECT_EQ(gathered[0], 0) << at;
       EXPECT_GT(gathered[1], 0) << at;
       EXPECT_EQ(loss[1], loss[0]) << at;
-      size_t n = 0;
-      for (size_t i = 0; i < grads[0].modules().size(); ++i) {
-        const LoraModule &a = grads[0].modules()[i], &b = grads[1].modules()[i];
-        EXPECT_EQ(b.dA.data, a.dA.data) << at << ": module " << i;
-        EXPECT_EQ(b.dB.data, a.dB.data) << at << ": module " << i;
-        n += a.dA.data.size();
-      }
-      EXPECT_GT(n, 0u) << at;
+      expect_lora_gradients_equal(grads[0], grads[1], at);
     }
   }
   // The frozen base (no adapters): the loss bit for bit, and the small tensors' gradients up to the MLA keys'
