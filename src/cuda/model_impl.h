@@ -155,6 +155,14 @@ struct DMoe {
   GroupedWeightLayout layout = GroupedWeightLayout::kRows;
   bool has_shared = false;
   DMlp shared;
+  // Whether the gate|up grouped GEMM reads the MoE input's rows by index instead of a gathered copy of them
+  // (set_moe_gather, and a TMA variant over gate_up_all: GroupedGemm::gather).
+  bool gathers_rows() const {
+    GroupedGemm g{};
+    g.kernel = static_cast<GroupedGemmKernel>(std::max(moe_expert_gemm(), 0));
+    g.W_all = gate_up_all;
+    return moe_gather() && moe_expert_gemm() >= 0 && grouped_gemm_gathers(g);
+  }
   // The per-expert (cuBLASLt) GEMMs read the experts' weights row-major only.
   void require_rows() const {
     check(layout == GroupedWeightLayout::kRows,
@@ -1086,12 +1094,8 @@ struct CudaModel::Impl {
             *offsets = arena.alloc<int32_t>(buckets + 1);
     const size_t temp_bytes = moe_permute_temp_bytes(n);
     void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
-    // A prefill's gate|up GEMM on a TMA variant reads a's rows by index (set_moe_gather): no gathered copy xp.
-    GroupedGemm probe{a, offsets, w.gate_up_ptrs, nullptr, n, static_cast<int>(El), static_cast<int>(2 * I),
-                      static_cast<int>(D)};
-    probe.kernel = static_cast<GroupedGemmKernel>(std::max(moe_expert_gemm(), 0));
-    probe.W_all = w.gate_up_all;
-    const bool gather = !step && moe_gather() && moe_expert_gemm() >= 0 && grouped_gemm_gathers(probe);
+    // A prefill's gate|up GEMM reads a's rows by index where it can: no gathered copy xp.
+    const bool gather = !step && w.gathers_rows();
     bf16* xp = gather ? nullptr : arena.alloc<bf16>(n * D);
     // A decoding step's few tokens: routing, sorting and gathering in one launch (the same results).
     const float scale = static_cast<float>(cfg.routed_scaling_factor);

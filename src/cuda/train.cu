@@ -1294,11 +1294,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   // kernel, grouped adapters or none, no weight gradients of the experts): the gathered copy's n·D bf16 neither
   // written nor read (set_moe_gather); else they are gathered into xp.
   const bool gate_up_adapters = has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-  GroupedGemm probe{a, x.offsets, w.gate_up_ptrs, nullptr, n, static_cast<int>(El), static_cast<int>(2 * I),
-                    static_cast<int>(D)};
-  probe.kernel = static_cast<GroupedGemmKernel>(std::max(moe_expert_gemm(), 0));
-  probe.W_all = w.gate_up_all;
-  const bool gather = moe_gather() && moe_expert_gemm() >= 0 && grouped_gemm_gathers(probe) && !g_.linears &&
+  const bool gather = w.gathers_rows() && !g_.linears &&
                       (!gate_up_adapters || (!m_.lora->layers[i].shared_experts &&
                                              grouped_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp})));
   x.a = a;
