@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
       {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_T4096_forward_mix", nextlm::bench::mhc_backward_case},
       {"mhc_bwd_frozen_T4096", nextlm::bench::mhc_backward_case},
+      {"mhc_post_project_T4096", nextlm::bench::mhc_post_project_case},
       // The training head's cross-entropy at the slice's vocabulary, both kernels (bench/xent.cu).
       {"xent_R2048_V154880", nextlm::bench::xent_case},
       // The 4-layer full-width slice (bench/slice4.cpp); both cases share one run of the slice.

@@ -1,4 +1,5 @@
-// `mhc_bwd_T4096`: the backward of one mHC site (post then pre) at T = 4096, S = 4, D = 4096 (see mhc_backward.h).
+// `mhc_bwd_T4096`: the backward of one mHC site (post then pre) at T = 4096, S = 4, D = 4096, and
+// `mhc_post_project_T4096` (see mhc_backward.h).
 // A .cu (not .cpp) because cuda/backward_kernels.h and cuda/testing_buffers.h include common.cuh, whose device
 // helpers only nvcc compiles.
 #include "mhc_backward.h"
@@ -179,6 +180,65 @@ void mhc_backward_case(const std::string& name) {
                   same ? "bitwise equal" : "DIFFERS");
     std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", name.c_str(), ours,
                 floor, note);
+    std::fflush(stdout);
+  }
+  NEXTLM_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
+void mhc_post_project_case(const std::string& name) {
+  const int64_t T = 4096, S = 4, D = 4096, M = (2 + S) * S, SD = S * D;
+  cudaStream_t st;
+  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
+  {
+    Buf h = floats(T * SD), y = floats(T * D), post = floats(T * S), comb = floats(T * S * S), out = floats(T * SD),
+        fn = floats(M * SD), base = floats(M), scale = floats(3), norm_w = floats(D);
+    Buf work = floats(cuda::mhc_pre_workspace_floats(T, S, D));
+    using cuda::Dist;
+    fill(h, T * SD, {Dist::Normal, 1.0f, 0.0f}, 1, st);
+    fill(y, T * D, {Dist::Normal, 1.0f, 0.0f}, 2, st);
+    fill(post, T * S, {Dist::Uniform, 0.0f, 2.0f}, 3, st);
+    fill(comb, T * S * S, {Dist::Uniform, 0.0f, 0.5f}, 4, st);
+    fill(fn, M * SD, {Dist::Normal, 0.02f, 0.0f}, 7, st);
+    fill(base, M, {Dist::Normal, 0.5f, 0.0f}, 8, st);
+    fill(norm_w, D, {Dist::Uniform, 0.8f, 1.2f}, 9, st);
+    const float sc[3] = {0.8f, 1.2f, 0.9f};
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scale.p, sc, sizeof sc, cudaMemcpyHostToDevice, st));
+    const cuda::MhcParams p{fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D,
+                            1e-5f, 1e-6f, 20};
+    bool fused = false;
+    auto run = [&](bool fuse) {
+      fused = cuda::mhc_post_project(h.as<float>(), out.as<float>(), y.as<float>(), post.as<float>(),
+                                     comb.as<float>(), p, work.as<float>(), st, fuse);
+    };
+    std::vector<double> ours, peer;
+    alternate_medians([&] { run(true); }, [&] { run(false); }, st, kWarm, kIters, 3, ours, peer);
+    auto bits = [&](bool fuse) {
+      for (const Buf* b : {&out, &work}) NEXTLM_CUDA_CHECK(cudaMemsetAsync(b->p, 0xFF, b->bytes, st));
+      run(fuse);
+      NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+      std::vector<float> v = cuda_testing::detail::download<float>(out);
+      // The partials [S·D / 1024 chunks, T, M + 1] (the workspace's start).
+      const std::vector<float> w = cuda_testing::detail::download<float>(work, (M + 1) * (SD / 1024) * T);
+      v.insert(v.end(), w.begin(), w.end());
+      return v;
+    };
+    const std::vector<float> a = bits(true);
+    const bool one_kernel = fused;
+    const std::vector<float> b = bits(false);
+    bool same = a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    for (const float v : a) same = same && std::isfinite(v);
+    // Bytes: h and y read, the new streams written (the two kernels read them back for the projection).
+    const double bytes = 4.0 * (2.0 * T * SD + T * D), two = bytes + 4.0 * T * SD;
+    char note[512];
+    std::snprintf(note, sizeof note,
+                  "%s one site's post-mix with the next site's projection, S=4 D=4096: one kernel%s (%.2f GB) "
+                  "against the post-mix and projection kernels (peer, %.2f GB), alternately, medians of 3x%d runs: "
+                  "%.3f/%.3f/%.3f against %.3f/%.3f/%.3f ms; new streams and partials %s; floor at 4.14 TB/s",
+                  same && one_kernel ? "ok" : "CHECK FAILED", one_kernel ? "" : " (NOT FUSED)", bytes / 1e9,
+                  two / 1e9, kIters, ours[0], ours[1], ours[2], peer[0], peer[1], peer[2],
+                  same ? "the same bits" : "DIFFER or are not finite");
+    std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"peer_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n",
+                name.c_str(), ours[1], peer[1], bytes / kBytesPerMs, note);
     std::fflush(stdout);
   }
   NEXTLM_CUDA_CHECK(cudaStreamDestroy(st));

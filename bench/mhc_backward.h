@@ -1,4 +1,5 @@
-// The backward of one mHC site (src/cuda/mhc_backward.cu) at the 4-layer slice's full width, against its byte floor.
+// The backward of one mHC site (src/cuda/mhc_backward.cu), and its post-mix fused with the next site's projection
+// (src/cuda/mhc.cu), at the 4-layer slice's full width, against their byte floors.
 #pragma once
 #include <string>
 
@@ -15,5 +16,11 @@ namespace nextlm::bench {
 // (mhc_pre_backward's dout and comb) against the post backward writing it, alternately; "peer_ms" is the latter, and
 // the note says whether both gave the same dh bits.
 void mhc_backward_case(const std::string& name);
+
+// `mhc_post_project_T4096`: a site's post-mix with the next site's projection (cuda::mhc_post_project, as the
+// training forward and the prefill run it) at T = 4096, S = 4, D = 4096: the fused kernel ("ours_ms") against the
+// post-mix and projection kernels ("peer_ms"), alternately; the floor is the fused form's bytes (h and y read, the
+// new streams written) at 4.14 TB/s. The note says whether both gave the same new streams and partials bit for bit.
+void mhc_post_project_case(const std::string& name);
 
 }  // namespace nextlm::bench

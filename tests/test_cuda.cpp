@@ -403,6 +403,69 @@ TEST(CudaMhc, PreMatchesCpuAndIsBatchInvariant) {
   }
 }
 
+// The post-mix fused with the next site's projection (cuda::mhc_post_project, as training's forward and the prefill
+// run it) against mhc_post then mhc_pre: the new streams and the next site's post, comb and input bit for bit, out
+// of place and in place, on shapes the fused kernel takes (D a multiple of 1024, S <= 4, more than 16 tokens; token
+// tiles cut short) and on shapes it leaves to the two kernels (16 tokens: the decoding projection; D = 1056;
+// S = 6), where it must say that it did not fuse.
+TEST(CudaMhc, PostProjectGivesTheSameBits) {
+  struct Shape {
+    int64_t S, D, T;
+    bool fuses;
+  };
+  unsigned seed = 900;
+  for (const Shape sh : {Shape{4, 4096, 300, true}, Shape{4, 1024, 64, true}, Shape{4, 2048, 17, true},
+                         Shape{3, 1024, 100, true}, Shape{2, 2048, 45, true}, Shape{1, 1024, 33, true},
+                         Shape{4, 1024, 16, false}, Shape{4, 1056, 50, false}, Shape{6, 1024, 40, false}}) {
+    const int64_t S = sh.S, D = sh.D, T = sh.T, M = (2 + S) * S;
+    ModelConfig c;
+    const float eps = static_cast<float>(c.rms_norm_eps), hc_eps = static_cast<float>(c.hc_eps);
+    const int iters = static_cast<int>(c.hc_sinkhorn_iters);
+    const std::vector<float> fn = test::randn(M * S * D, ++seed, 1.0f / std::sqrt(static_cast<float>(S * D)));
+    const std::vector<float> base = test::randn(M, ++seed, 0.5f), scale{0.8f, 1.2f, 0.9f};
+    std::vector<float> norm_w = test::randn(D, ++seed, 0.2f), post = test::randn(T * S, ++seed, 0.3f);
+    std::vector<float> comb = test::randn(T * S * S, ++seed, 0.1f);
+    for (float& x : norm_w) x += 1.0f;
+    for (float& x : post) x += 1.0f;
+    for (float& x : comb) x += 1.0f / static_cast<float>(S);
+    std::vector<float> h = test::randn(T * S * D, ++seed);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < S * D; ++i) h[t * S * D + i] *= static_cast<float>(1 + t % 5);
+    const std::vector<float> y = test::randn(T * D, ++seed, 2.0f);
+    auto same = [](const std::vector<float>& x, const std::vector<float>& z) {
+      if (x.size() != z.size()) return false;
+      for (size_t i = 0; i < x.size(); ++i)
+        if (!(x[i] == z[i] && std::signbit(x[i]) == std::signbit(z[i]))) return false;  // NaN never passes
+      return true;
+    };
+    for (const bool in_place : {false, true}) {
+      const std::string at = "S=" + std::to_string(S) + " D=" + std::to_string(D) + " T=" + std::to_string(T) +
+                             (in_place ? " in place" : "");
+      const cuda_testing::MhcPostPreOut ref = cuda_testing::mhc_post_pre(
+          h, y, post, comb, fn, base, scale, norm_w, T, S, D, eps, hc_eps, iters, false, in_place);
+      const cuda_testing::MhcPostPreOut got = cuda_testing::mhc_post_pre(
+          h, y, post, comb, fn, base, scale, norm_w, T, S, D, eps, hc_eps, iters, true, in_place);
+      EXPECT_FALSE(ref.fused) << at;
+      EXPECT_EQ(got.fused, sh.fuses) << at;
+      EXPECT_TRUE(same(got.out, ref.out)) << at;
+      EXPECT_TRUE(same(got.post, ref.post)) << at;
+      EXPECT_TRUE(same(got.comb, ref.comb)) << at;
+      EXPECT_TRUE(same(got.a, ref.a)) << at;
+      // The reference's new streams are the post-mix's (to float rounding of the CPU's order).
+      double err = 0;
+      for (int64_t t = 0; t < T; t += 7)
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t d = 0; d < D; d += 13) {
+            double v = static_cast<double>(post[t * S + s]) * y[t * D + d];
+            for (int64_t r = 0; r < S; ++r)
+              v += static_cast<double>(comb[(t * S + r) * S + s]) * h[(t * S + r) * D + d];
+            err = std::max(err, std::abs(v - ref.out[(t * S + s) * D + d]) / (1.0 + std::abs(v)));
+          }
+      EXPECT_LE(err, 1e-5) << at;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nextlm
 

@@ -86,6 +86,16 @@ void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.set(on); }
 bool mhc_mix_fold() { return g_mhc_mix_fold.on(); }
 
 namespace {
+EnvSwitch g_mhc_post_fusion{"NEXTLM_MHC_POST_FUSION", false};
+std::atomic<int64_t> g_mhc_fused_posts{0};
+}  // namespace
+
+void set_mhc_post_fusion(bool on) { g_mhc_post_fusion.set(on); }
+bool mhc_post_fusion() { return g_mhc_post_fusion.on(); }
+int64_t mhc_fused_posts() { return g_mhc_fused_posts; }
+void note_mhc_fused_post() { ++g_mhc_fused_posts; }
+
+namespace {
 EnvSwitch g_moe_gather{"NEXTLM_MOE_GATHER", false};
 std::atomic<int64_t> g_moe_gathered{0};
 }  // namespace

@@ -44,6 +44,14 @@ void mhc_post(float* h, const float* y, const float* post, const float* comb, in
 // The same into out [T, S, D] (h left as it is; out == h is the in-place form).
 void mhc_post(const float* h, float* out, const float* y, const float* post, const float* comb, int64_t T, int64_t S,
               int64_t D, cudaStream_t st);
+// mhc_post into out (which may be h), then the first half of mhc_pre for the next site on out: the projection's
+// partials in work, from which mhc_pre_apply(next, out, …, work) makes the next site's mix and input. next.T, S, D
+// are the shapes of both. fuse: one kernel where mhc_post_project_fuses(T, S, D) and h, out, y and next.fn are
+// 16-byte aligned, which does not read the new streams back; the same bits as the two passes either way. Returns
+// whether it fused.
+bool mhc_post_project(const float* h, float* out, const float* y, const float* post, const float* comb,
+                      const MhcParams& next, float* work, cudaStream_t st, bool fuse = true);
+bool mhc_post_project_fuses(int64_t T, int64_t S, int64_t D);
 // out[t] = mean_s h[t, s], then RMSNorm with w, bf16 [T, D]; the fp32 mean into mean [T, D] too when non-null (for
 // stream_mean_norm_backward).
 void stream_mean_norm(const float* h, const float* w, bf16* out, int64_t T, int64_t S, int64_t D, float eps,

@@ -84,13 +84,13 @@ __device__ __forceinline__ void load_tile(float* hs, float* fs, const float* h, 
   }
 }
 
-// This warp's 8 columns of one tile for the thread's first NT tokens: one fma chain per (token, output), in column
-// order; acc[j][MH] is Σh² (kept by both lanes of a pair, stored by the even one).
-template <int S, int NT>
-__device__ __forceinline__ void tile_fma(const float* hs, const float* fs,
-                                         float (&acc)[ProjTile<S>::TQ][ProjTile<S>::MH + 1]) {
+// The 8 columns [col, col + 8) of one tile for the thread's first NT tokens: one fma chain per (token, output), in
+// column order; acc[j][MH] is Σh² (kept by both lanes of a pair, stored by the even one).
+template <int S, int NT, int TQ>
+__device__ __forceinline__ void tile_fma_cols(const float* hs, const float* fs, int col,
+                                              float (&acc)[TQ][ProjTile<S>::MH + 1]) {
   using P = ProjTile<S>;
-  const int lane = threadIdx.x & 31, col = (threadIdx.x >> 5) * 8;
+  const int lane = threadIdx.x & 31;
   const float* hrow = hs + (lane >> 1) * P::LDH + col;
   const float* frow = fs + (lane & 1) * P::MH * P::LDF + col;
 #pragma unroll
@@ -118,6 +118,13 @@ __device__ __forceinline__ void tile_fma(const float* hs, const float* fs,
       }
     }
   }
+}
+
+// The tiled kernel's: warp w takes the columns [8w, 8w + 8) of every tile.
+template <int S, int NT>
+__device__ __forceinline__ void tile_fma(const float* hs, const float* fs,
+                                         float (&acc)[ProjTile<S>::TQ][ProjTile<S>::MH + 1]) {
+  tile_fma_cols<S, NT, ProjTile<S>::TQ>(hs, fs, (threadIdx.x >> 5) * 8, acc);
 }
 
 // Grid (token tiles, splits). part [splits, T, N]: chunk sp's fn·h[t] (M values) and Σh² of token t.
@@ -514,6 +521,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Stream s's new values at four consecutive columns of a token: ps·y + Σ_r ct[r·S + s]·old[r], r in order (the
+// vectorised post-mix kernel's arithmetic, which the fused post-mix + projection shares, for the same bits).
+template <int S>
+__device__ __forceinline__ float4 post_mix4(const float4 (&old)[S], float4 yt, float ps, const float* ct, int s) {
+  float4 v = make_float4(ps * yt.x, ps * yt.y, ps * yt.z, ps * yt.w);
+#pragma unroll
+  for (int r = 0; r < S; ++r) {
+    const float c = ct[r * S + s];
+    v.x += c * old[r].x, v.y += c * old[r].y, v.z += c * old[r].z, v.w += c * old[r].w;
+  }
+  return v;
+}
+
 // One thread per (t, d) (VEC: 4 consecutive d): reads the S old values from h, writes the S new ones to out (which
 // may be h: a thread writes only what it has read).
 template <int S, bool VEC>
@@ -532,16 +552,8 @@ __global__ void mhc_post_kernel(const float* h, float* out, const float* y, cons
     for (int r = 0; r < S; ++r) old[r] = *reinterpret_cast<const float4*>(ht + r * D + d);
     const float4 yt = *reinterpret_cast<const float4*>(y + t * D + d);
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      const float ps = post[t * S + s];
-      float4 v = make_float4(ps * yt.x, ps * yt.y, ps * yt.z, ps * yt.w);
-#pragma unroll
-      for (int r = 0; r < S; ++r) {
-        const float c = ct[r * S + s];
-        v.x += c * old[r].x, v.y += c * old[r].y, v.z += c * old[r].z, v.w += c * old[r].w;
-      }
-      *reinterpret_cast<float4*>(ot + s * D + d) = v;
-    }
+    for (int s = 0; s < S; ++s)
+      *reinterpret_cast<float4*>(ot + s * D + d) = post_mix4<S>(old, yt, post[t * S + s], ct, s);
   } else {
     float old[S];
 #pragma unroll
@@ -554,6 +566,163 @@ __global__ void mhc_post_kernel(const float* h, float* out, const float* y, cons
       for (int r = 0; r < S; ++r) v += ct[r * S + s] * old[r];
       ot[s * D + d] = v;
     }
+  }
+}
+
+// The post-mix fused with the next site's projection (where a site's new streams are the next site's mHC input:
+// training's forward and the prefill), so that the new streams are not read back: a block takes BM tokens and one
+// group g of kChunk columns of every stream. Per 64-column tile it forms the new values of all S streams from the
+// old ones (post_mix4, in shared memory over the old values and into out), then runs the projection of the S
+// chunks s·(D / kChunk) + g on them with exactly the tiled kernel's chains: each warp takes R of the tiled kernel's
+// warps' column sets of one chunk, TQ tokens a lane pair (a token's chains do not depend on how many tokens a
+// thread holds), and the chains are summed in warp order into the same partials [splits, T, N]: the same bits as
+// mhc_post then mhc_project_tiled_kernel. D a multiple of kChunk (no chunk spans two streams), S <= 4 (the
+// accumulators of R·TQ chains fit), T past kRowsMaxT (the tiled projection's range). 1 block an SM (16 warps at
+// S = 4) with three stages of copies in flight.
+template <int S>
+struct PostProj {
+  using P = ProjTile<S>;
+  static constexpr int BM = 32, TQ = 2, R = 2;
+  static constexpr int warps = S * kWarps / R, threads = 32 * warps;
+  static constexpr int h_floats = S * BM * P::LDH;  // [S, BM, LDH]: old values, then new ones
+  static constexpr int y_floats = BM * kBK;         // [BM, kBK]
+  static constexpr int f_floats = S * 2 * P::MH * P::LDF;  // [S, 2·MH, LDF]: each chunk's fn rows
+  static constexpr int stage_floats = h_floats + y_floats + f_floats;
+  static constexpr int red_floats = S * kWarps * BM * P::N;  // [S, kWarps, BM, N]
+  static constexpr int pipe_floats = kStages * stage_floats > red_floats ? kStages * stage_floats : red_floats;
+  static constexpr int mix_floats = BM * (S + S * S);  // post [BM, S], then comb [BM, S, S]
+  static constexpr size_t smem_bytes = sizeof(float) * static_cast<size_t>(pipe_floats + mix_floats);
+  static_assert(kWarps % R == 0 && BM == 16 * TQ, "warps take whole sets of column groups; lane pairs all rows");
+};
+
+// The copies of one tile (columns d0 … d0 + kBK − 1 of each stream): the old values of the block's tokens, their y
+// and each chunk's fn rows; token rows past T and fn rows past M are zero-filled. (The copy loops are not unrolled:
+// their addresses, held across the tile, made the kernel spill at its 128 registers.)
+template <int S>
+__device__ __forceinline__ void load_post_tile(float* hs, float* ys, float* fs, const float* h, const float* y,
+                                               const float* fn, int64_t t0, int64_t T, int64_t D, int64_t d0) {
+  using F = PostProj<S>;
+  using P = ProjTile<S>;
+  constexpr int per_row = kBK / 4;
+  const int64_t SD = S * D;
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < S * F::BM * per_row; idx += F::threads) {
+    const int row = idx / per_row, c = (idx % per_row) * 4;  // row = r·BM + t
+    const int64_t t = t0 + row % F::BM;
+    const bool ok = t < T;
+    cp_async16(hs + row * P::LDH + c, ok ? h + t * SD + (row / F::BM) * D + d0 + c : h, ok);
+  }
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < F::BM * per_row; idx += F::threads) {
+    const int row = idx / per_row, c = (idx % per_row) * 4;
+    const bool ok = t0 + row < T;
+    cp_async16(ys + row * kBK + c, ok ? y + (t0 + row) * D + d0 + c : y, ok);
+  }
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < S * 2 * P::MH * per_row; idx += F::threads) {
+    const int row = idx / per_row, c = (idx % per_row) * 4;  // row = s·2MH + m
+    const int m = row % (2 * P::MH);
+    const bool ok = m < P::M;
+    cp_async16(fs + row * P::LDF + c, ok ? fn + m * SD + (row / (2 * P::MH)) * D + d0 + c : fn, ok);
+  }
+}
+
+// Grid (token tiles of BM, D / kChunk column groups). out may be h (a block writes only the columns it has read).
+template <int S>
+__global__ void __launch_bounds__(PostProj<S>::threads, 1)
+    mhc_post_project_kernel(const float* h, float* out, const float* y, const float* post, const float* comb,
+                            const float* fn, float* part, int64_t T, int64_t D) {
+  using F = PostProj<S>;
+  using P = ProjTile<S>;
+  extern __shared__ __align__(16) float smem[];
+  float* mixs = smem + F::pipe_floats;
+  const int64_t t0 = int64_t(blockIdx.x) * F::BM, g = blockIdx.y, SD = S * D, groups = D / kChunk;
+  constexpr int nt = static_cast<int>(kChunk / kBK);
+  for (int idx = threadIdx.x; idx < F::mix_floats; idx += F::threads) {
+    float v = 0.0f;
+    if (idx < F::BM * S) {
+      if (t0 + idx / S < T) v = post[t0 * S + idx];
+    } else {
+      const int j = idx - F::BM * S;
+      if (t0 + j / (S * S) < T) v = comb[t0 * S * S + j];
+    }
+    mixs[idx] = v;
+  }
+  auto hs = [&](int b) { return smem + b * F::stage_floats; };
+  auto ys = [&](int b) { return smem + b * F::stage_floats + F::h_floats; };
+  auto fs = [&](int b) { return smem + b * F::stage_floats + F::h_floats + F::y_floats; };
+  const int64_t c0 = g * kChunk;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    load_post_tile<S>(hs(s), ys(s), fs(s), h, y, fn, t0, T, D, c0 + int64_t(s) * kBK);
+    cp_async_commit();
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int cs = warp / (kWarps / F::R);  // this warp's chunk: stream cs
+  const int rp = warp % (kWarps / F::R);  // its column sets: the tiled kernel's warps R·rp … R·rp + R − 1
+  float acc[F::R][F::TQ][P::MH + 1];
+#pragma unroll
+  for (int q = 0; q < F::R; ++q)
+#pragma unroll
+    for (int j = 0; j < F::TQ; ++j)
+#pragma unroll
+      for (int n = 0; n <= P::MH; ++n) acc[q][j][n] = 0.0f;
+
+  for (int i = 0; i < nt; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int nx = i + kStages - 1;
+    if (nx < nt)
+      load_post_tile<S>(hs(nx % kStages), ys(nx % kStages), fs(nx % kStages), h, y, fn, t0, T, D,
+                        c0 + int64_t(nx) * kBK);
+    cp_async_commit();
+    const int b = i % kStages;
+    const int64_t d0 = c0 + int64_t(i) * kBK;
+    // The post-mix: a thread takes four columns of a token in every stream.
+    for (int idx = threadIdx.x; idx < F::BM * (kBK / 4); idx += F::threads) {
+      const int t = idx / (kBK / 4), c = (idx % (kBK / 4)) * 4;
+      float4 old[S];
+#pragma unroll
+      for (int r = 0; r < S; ++r) old[r] = *reinterpret_cast<const float4*>(hs(b) + (r * F::BM + t) * P::LDH + c);
+      const float4 yt = *reinterpret_cast<const float4*>(ys(b) + t * kBK + c);
+      const float* ct = mixs + F::BM * S + t * S * S;
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const float4 v = post_mix4<S>(old, yt, mixs[t * S + s], ct, s);
+        *reinterpret_cast<float4*>(hs(b) + (s * F::BM + t) * P::LDH + c) = v;
+        if (t0 + t < T) *reinterpret_cast<float4*>(out + (t0 + t) * SD + s * D + d0 + c) = v;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < F::R; ++q)
+      tile_fma_cols<S, F::TQ, F::TQ>(hs(b) + cs * F::BM * P::LDH, fs(b) + cs * 2 * P::MH * P::LDF,
+                                     8 * (F::R * rp + q), acc[q]);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers become red [S, kWarps, BM, N]
+
+  float* red = smem;
+  const int half = lane & 1;
+#pragma unroll
+  for (int q = 0; q < F::R; ++q)
+#pragma unroll
+    for (int j = 0; j < F::TQ; ++j) {
+      float* row = red + ((cs * kWarps + F::R * rp + q) * F::BM + (lane >> 1) + 16 * j) * P::N;
+#pragma unroll
+      for (int m = 0; m < P::MH; ++m)
+        if (half * P::MH + m < P::M) row[half * P::MH + m] = acc[q][j][m];
+      if (!half) row[P::M] = acc[q][j][P::MH];
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < S * F::BM * P::N; idx += F::threads) {
+    const int s = idx / (F::BM * P::N), rem = idx % (F::BM * P::N);
+    if (t0 + rem / P::N >= T) continue;
+    const float* src = red + s * kWarps * F::BM * P::N + rem;
+    float v = src[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) v += src[w * F::BM * P::N];
+    part[((s * groups + g) * T + t0) * P::N + rem] = v;
   }
 }
 
@@ -628,6 +797,28 @@ void launch_post(const float* h, float* out, const float* y, const float* post, 
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
+// The fused post-mix + projection where it applies (PostProj); false (nothing launched) elsewhere.
+template <int S>
+bool launch_post_project(const float* h, float* out, const float* y, const float* post, const float* comb,
+                         const MhcParams& next, float* work, cudaStream_t st) {
+  if constexpr (S > 4) {
+    return false;
+  } else {
+    using F = PostProj<S>;
+    const int64_t T = next.T, D = next.D;
+    if (T <= kRowsMaxT || D % kChunk != 0 || !aligned16(h) || !aligned16(out) || !aligned16(y) ||
+        !aligned16(next.fn))
+      return false;
+    auto kernel = mhc_post_project_kernel<S>;
+    NEXTLM_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(F::smem_bytes)));
+    const dim3 grid(static_cast<unsigned>(ceil_div(T, F::BM)), static_cast<unsigned>(D / kChunk));
+    kernel<<<grid, F::threads, F::smem_bytes, st>>>(h, out, y, post, comb, next.fn, work, T, D);
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+    return true;
+  }
+}
+
 }  // namespace
 
 // The stream count is a template parameter so that the per-thread projection accumulators stay in registers.
@@ -663,6 +854,27 @@ void mhc_pre_apply(const MhcParams& p, const float* h, float* post, float* comb,
 #define CALL(S) launch_apply<S>(p, h, post, comb, a, work, mix, st)
   NEXTLM_MHC_DISPATCH(p.S, CALL)
 #undef CALL
+}
+
+bool mhc_post_project_fuses(int64_t T, int64_t S, int64_t D) {
+  return T > kRowsMaxT && S >= 1 && S <= 4 && D % kChunk == 0;
+}
+
+bool mhc_post_project(const float* h, float* out, const float* y, const float* post, const float* comb,
+                      const MhcParams& next, float* work, cudaStream_t st, bool fuse) {
+  if (!next.T) return false;
+  bool fused = false;
+  if (fuse) {
+#define CALL(S) fused = launch_post_project<S>(h, out, y, post, comb, next, work, st)
+    NEXTLM_MHC_DISPATCH(next.S, CALL)
+#undef CALL
+  }
+  if (fused) return true;
+  mhc_post(h, out, y, post, comb, next.T, next.S, next.D, st);
+#define CALL(S) launch_project<S>(next, out, work, st)
+  NEXTLM_MHC_DISPATCH(next.S, CALL)
+#undef CALL
+  return false;
 }
 
 void mhc_post(float* h, const float* y, const float* post, const float* comb, int64_t T, int64_t S, int64_t D,

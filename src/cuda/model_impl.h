@@ -35,6 +35,7 @@ void note_lora_joined_projection();
 void note_lora_joined_input_gradient();  // counts in lora_joined_projections() too
 void note_narrow_joined_gradient();
 void note_moe_gathered();  // moe_gathered_layers in device_model.h
+void note_mhc_fused_post();  // mhc_fused_posts in device_model.h
 
 namespace cuda {
 
@@ -1207,11 +1208,31 @@ struct CudaModel::Impl {
     int32_t* count = arena.alloc<int32_t>(T);
     embed_into(p.tokens, h, T);
     const float eps = static_cast<float>(cfg.rms_norm_eps);
+    // A site's post-mix, with the next site's projection where there is one (mhc_post_fusion: one kernel), whose
+    // partials the next site's pre-mix then takes from mhc_work.
+    const bool fuse = mhc_post_fusion();
+    bool projected = false;
+    auto pre_mix = [&](const MhcParams& mp) {
+      if (projected) {
+        mhc_pre_apply(mp, h, post, comb, a, mhc_work, stream);
+      } else {
+        cuda::mhc_pre(mp, h, post, comb, a, mhc_work, stream);
+      }
+      projected = false;
+    };
+    auto post_mix = [&](const MhcParams* next) {
+      if (next && fuse) {
+        if (mhc_post_project(h, h, y, post, comb, *next, mhc_work, stream)) note_mhc_fused_post();
+        projected = true;
+      } else {
+        mhc_post(h, y, post, comb, T, S, D, stream);
+      }
+    };
     for (size_t i = 0; i < layers.size(); ++i) {
       cur_layer = i;
       const DLayer& L = layers[i];
       mark_begin("mhc");
-      cuda::mhc_pre(mhc_params(L, false, T), h, post, comb, a, mhc_work, stream);
+      pre_mix(mhc_params(L, false, T));
       mark_end("mhc");
       mark_begin(L.kda_layer ? "kda layer" : "dsa layer");
       if (L.kda_layer) {
@@ -1222,8 +1243,9 @@ struct CudaModel::Impl {
       all_reduce(tp_comm, y, T * D);  // each rank's heads through its o_proj columns
       mark_end(L.kda_layer ? "kda layer" : "dsa layer");
       mark_begin("mhc");
-      mhc_post(h, y, post, comb, T, S, D, stream);
-      cuda::mhc_pre(mhc_params(L, true, T), h, post, comb, a, mhc_work, stream);
+      const MhcParams ffn_mix = mhc_params(L, true, T);
+      post_mix(&ffn_mix);
+      pre_mix(ffn_mix);
       mark_end("mhc");
       mark_begin(L.moe_layer ? "moe" : "dense mlp");
       if (L.moe_layer) {
@@ -1234,7 +1256,12 @@ struct CudaModel::Impl {
       }
       mark_end(L.moe_layer ? "moe" : "dense mlp");
       mark_begin("mhc");
-      mhc_post(h, y, post, comb, T, S, D, stream);
+      if (i + 1 < layers.size()) {
+        const MhcParams next = mhc_params(layers[i + 1], false, T);
+        post_mix(&next);
+      } else {
+        post_mix(nullptr);
+      }
       mark_end("mhc");
     }
     bf16* hn = arena.alloc<bf16>(T * D);

@@ -474,6 +474,37 @@ MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, con
   return {download<float>(post, T * S), download<float>(comb, T * S * S), widen(download<cuda::bf16>(a, T * D))};
 }
 
+MhcPostPreOut mhc_post_pre(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                           const std::vector<float>& comb, const std::vector<float>& fn,
+                           const std::vector<float>& base, const std::vector<float>& scale,
+                           const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D, float rms_eps,
+                           float hc_eps, int iters, bool fuse, bool in_place) {
+  Buf dh = upload(h), dy = upload(y), dpost = upload(post), dcomb = upload(comb);
+  Buf dfn = upload(fn), dbase = upload(base), dscale = upload(scale), dw = upload(norm_w);
+  Buf out = upload(std::vector<float>(in_place ? 0 : T * S * D, NAN));
+  Buf npost = upload(std::vector<float>(T * S, NAN)), ncomb = upload(std::vector<float>(T * S * S, NAN));
+  Buf a = upload(std::vector<cuda::bf16>(T * D, __float2bfloat16(NAN)));
+  Buf work = upload(std::vector<float>(cuda::mhc_pre_workspace_floats(T, S, D), NAN));
+  const cuda::MhcParams p{dfn.as<float>(), dbase.as<float>(), dscale.as<float>(), dw.as<float>(), T, S, D,
+                          rms_eps, hc_eps, iters};
+  float* o = in_place ? dh.as<float>() : out.as<float>();
+  MhcPostPreOut r;
+  if (fuse) {
+    r.fused = cuda::mhc_post_project(dh.as<float>(), o, dy.as<float>(), dpost.as<float>(), dcomb.as<float>(), p,
+                                     work.as<float>(), nullptr, true);
+    cuda::mhc_pre_apply(p, o, npost.as<float>(), ncomb.as<float>(), a.as<cuda::bf16>(), work.as<float>(), nullptr);
+  } else {
+    cuda::mhc_post(dh.as<float>(), o, dy.as<float>(), dpost.as<float>(), dcomb.as<float>(), T, S, D, nullptr);
+    cuda::mhc_pre(p, o, npost.as<float>(), ncomb.as<float>(), a.as<cuda::bf16>(), work.as<float>(), nullptr);
+  }
+  NEXTLM_CUDA_CHECK(cudaGetLastError());
+  r.out = download<float>(in_place ? dh : out, T * S * D);
+  r.post = download<float>(npost, T * S);
+  r.comb = download<float>(ncomb, T * S * S);
+  r.a = widen(download<cuda::bf16>(a, T * D));
+  return r;
+}
+
 }  // namespace nextlm::cuda_testing
 
 namespace nextlm::cuda_testing {

@@ -150,6 +150,19 @@ MhcPreOut mhc_pre(const std::vector<float>& h, const std::vector<float>& fn, con
                   const std::vector<float>& scale, const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D,
                   float rms_eps, float hc_eps, int iters, bool apply_again = false);
 
+// A site's post-mix of h [T, S, D] (y [T, D], post [T, S], comb [T, S, S]) into out, then the next site's mhc_pre on
+// out (fn, base, scale, norm_w as mhc_pre's): fused, by mhc_post_project then mhc_pre_apply; else by mhc_post then
+// mhc_pre. in_place: out is h's buffer. Outputs poisoned with NaN first; fused says whether one kernel ran.
+struct MhcPostPreOut {
+  std::vector<float> out, post, comb, a;
+  bool fused = false;
+};
+MhcPostPreOut mhc_post_pre(const std::vector<float>& h, const std::vector<float>& y, const std::vector<float>& post,
+                           const std::vector<float>& comb, const std::vector<float>& fn,
+                           const std::vector<float>& base, const std::vector<float>& scale,
+                           const std::vector<float>& norm_w, int64_t T, int64_t S, int64_t D, float rms_eps,
+                           float hc_eps, int iters, bool fuse, bool in_place);
+
 }  // namespace nextlm::cuda_testing
 
 // ---- DSA indexer prefill (src/cuda/dsa.cu) ----

@@ -1656,6 +1656,9 @@ double Step::run(const float* row_weight) {
   // The streams go from site to site out of place: each site's post-mix reads its input (kept in site_h) and writes
   // the next site's, the last one h.
   m_.embed_into(p_.tokens, Lyr ? site_h[0] : h, T);
+  // Whether a site's post-mix made the next site's projection partials too (mhc_post_fusion; into mhc_work, where
+  // the next site keeps its mix), so that its pre-mix runs only the second half.
+  bool projected = false;
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
     for (bool ffn : {false, true}) {
@@ -1681,7 +1684,12 @@ double Step::run(const float* row_weight) {
       const Arena::Mark sub_mark = ar.mark();
       float *sp = s.mix_kept ? s.post : post, *sc = s.mix_kept ? s.comb : comb, *sy = s.y;
       bf16* sa = s.mix_kept ? s.a : a;
-      mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, s.mix_kept ? mhc_work : s.proj, st, s.mix);
+      if (projected) {
+        mhc_pre_apply(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, mhc_work, st, s.mix);
+      } else {
+        mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, s.mix_kept ? mhc_work : s.proj, st, s.mix);
+      }
+      projected = false;
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
       // recomputation before each backward reuses them.
       select_ = true;
@@ -1691,7 +1699,16 @@ double Step::run(const float* row_weight) {
       transient_ = false;
       core_ = {};
       select_ = false;
-      mhc_post(hin, hout, sy, sp, sc, T, S, D, st);
+      // The next site's projection with this post-mix where the next site keeps its mix (its partials go to the
+      // shared mhc_work, not to a buffer of the site's own).
+      const size_t next = site_ + 1;
+      if (mhc_post_fusion() && next < 2 * Lyr && (keeps(m_.layers[next / 2], next % 2) || !policy.mhc)) {
+        if (mhc_post_project(hin, hout, sy, sp, sc, m_.mhc_params(m_.layers[next / 2], next % 2, T), mhc_work, st))
+          note_mhc_fused_post();
+        projected = true;
+      } else {
+        mhc_post(hin, hout, sy, sp, sc, T, S, D, st);
+      }
       if (!s.kept) ar.rewind(sub_mark);
     }
   }
