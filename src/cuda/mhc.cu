@@ -806,8 +806,7 @@ bool launch_post_project(const float* h, float* out, const float* y, const float
   } else {
     using F = PostProj<S>;
     const int64_t T = next.T, D = next.D;
-    if (T <= kRowsMaxT || D % kChunk != 0 || !aligned16(h) || !aligned16(out) || !aligned16(y) ||
-        !aligned16(next.fn))
+    if (!mhc_post_project_fuses(T, S, D) || !aligned16(h) || !aligned16(out) || !aligned16(y) || !aligned16(next.fn))
       return false;
     auto kernel = mhc_post_project_kernel<S>;
     NEXTLM_CUDA_CHECK(
