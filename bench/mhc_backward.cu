@@ -41,6 +41,30 @@ void fill(const Buf& b, int64_t n, cuda::DistSpec d, uint64_t key, cudaStream_t 
 
 void zero(const Buf& b, cudaStream_t st) { NEXTLM_CUDA_CHECK(cudaMemsetAsync(b.p, 0, b.bytes, st)); }
 
+// One site's forward inputs at T = 4096, S = 4, D = 4096, random (each tensor its own key): the streams h, the
+// sub-layer output y, the mix (post, comb) and the mHC parameters (fn, base, scale, norm_w).
+struct SiteInputs {
+  static constexpr int64_t T = 4096, S = 4, D = 4096, M = (2 + S) * S, SD = S * D;
+  Buf h = floats(T * SD), y = floats(T * D), post = floats(T * S), comb = floats(T * S * S), fn = floats(M * SD),
+      base = floats(M), scale = floats(3), norm_w = floats(D);
+  explicit SiteInputs(cudaStream_t st) {
+    using cuda::Dist;
+    fill(h, T * SD, {Dist::Normal, 1.0f, 0.0f}, 1, st);
+    fill(y, T * D, {Dist::Normal, 1.0f, 0.0f}, 2, st);
+    fill(post, T * S, {Dist::Uniform, 0.0f, 2.0f}, 3, st);
+    fill(comb, T * S * S, {Dist::Uniform, 0.0f, 0.5f}, 4, st);
+    fill(fn, M * SD, {Dist::Normal, 0.02f, 0.0f}, 7, st);
+    fill(base, M, {Dist::Normal, 0.5f, 0.0f}, 8, st);
+    fill(norm_w, D, {Dist::Uniform, 0.8f, 1.2f}, 9, st);
+    const float sc[3] = {0.8f, 1.2f, 0.9f};
+    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scale.p, sc, sizeof sc, cudaMemcpyHostToDevice, st));
+    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));  // sc is a host temporary
+  }
+  cuda::MhcParams params() const {
+    return {fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D, 1e-5f, 1e-6f, 20};
+  }
+};
+
 // `mhc_bwd_frozen_T4096`: a frozen site's backward as the LoRA step runs it (dh alone, the forward's mix), the pre
 // backward forming the post backward's dh term (ours) against the post backward writing it and the pre backward
 // adding to it (peer), alternately timed; whether both give the same dh bits.
@@ -85,30 +109,21 @@ void frozen_case(const std::string& name, const cuda::MhcParams& p, const Buf& h
 }  // namespace
 
 void mhc_backward_case(const std::string& name) {
-  const int64_t T = 4096, S = 4, D = 4096, M = (2 + S) * S, SD = S * D;
+  constexpr int64_t T = SiteInputs::T, S = SiteInputs::S, D = SiteInputs::D, M = SiteInputs::M, SD = S * D;
   cudaStream_t st;
   NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
   {
-    Buf h = floats(T * SD), y = floats(T * D), post = floats(T * S), comb = floats(T * S * S), dout = floats(T * SD),
-        da = floats(T * D), fn = floats(M * SD), base = floats(M), scale = floats(3), norm_w = floats(D);
+    const SiteInputs in(st);
+    const Buf &h = in.h, &y = in.y, &post = in.post, &comb = in.comb;
+    Buf dout = floats(T * SD), da = floats(T * D);
     Buf dh = floats(T * SD), dy = floats(T * D), dpost = floats(T * S), dcomb = floats(T * S * S),
         dfn = floats(M * SD), dbase = floats(M), dscale = floats(3), dnorm_w = floats(D);
     Buf work = floats(cuda::mhc_pre_backward_workspace_floats(T, S, D));
     using cuda::Dist;
-    fill(h, T * SD, {Dist::Normal, 1.0f, 0.0f}, 1, st);
-    fill(y, T * D, {Dist::Normal, 1.0f, 0.0f}, 2, st);
-    fill(post, T * S, {Dist::Uniform, 0.0f, 2.0f}, 3, st);
-    fill(comb, T * S * S, {Dist::Uniform, 0.0f, 0.5f}, 4, st);
     fill(dout, T * SD, {Dist::Normal, 1.0f, 0.0f}, 5, st);
     fill(da, T * D, {Dist::Normal, 1.0f, 0.0f}, 6, st);
-    fill(fn, M * SD, {Dist::Normal, 0.02f, 0.0f}, 7, st);
-    fill(base, M, {Dist::Normal, 0.5f, 0.0f}, 8, st);
-    fill(norm_w, D, {Dist::Uniform, 0.8f, 1.2f}, 9, st);
-    const float sc[3] = {0.8f, 1.2f, 0.9f};
-    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scale.p, sc, sizeof sc, cudaMemcpyHostToDevice, st));
     for (const Buf* b : {&dh, &dy, &dpost, &dcomb, &dfn, &dbase, &dscale, &dnorm_w}) zero(*b, st);
-    const cuda::MhcParams p{fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D,
-                            1e-5f, 1e-6f, 20};
+    const cuda::MhcParams p = in.params();
     // _forward_mix: the forward's mix of h (mhc_pre's, untimed), which the pre backward then reuses, as training's.
     const bool forward_mix =
         name.find("_forward_mix") != std::string::npos || name.find("_frozen") != std::string::npos;
@@ -186,25 +201,14 @@ void mhc_backward_case(const std::string& name) {
 }
 
 void mhc_post_project_case(const std::string& name) {
-  const int64_t T = 4096, S = 4, D = 4096, M = (2 + S) * S, SD = S * D;
+  constexpr int64_t T = SiteInputs::T, S = SiteInputs::S, D = SiteInputs::D, M = SiteInputs::M, SD = S * D;
   cudaStream_t st;
   NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
   {
-    Buf h = floats(T * SD), y = floats(T * D), post = floats(T * S), comb = floats(T * S * S), out = floats(T * SD),
-        fn = floats(M * SD), base = floats(M), scale = floats(3), norm_w = floats(D);
-    Buf work = floats(cuda::mhc_pre_workspace_floats(T, S, D));
-    using cuda::Dist;
-    fill(h, T * SD, {Dist::Normal, 1.0f, 0.0f}, 1, st);
-    fill(y, T * D, {Dist::Normal, 1.0f, 0.0f}, 2, st);
-    fill(post, T * S, {Dist::Uniform, 0.0f, 2.0f}, 3, st);
-    fill(comb, T * S * S, {Dist::Uniform, 0.0f, 0.5f}, 4, st);
-    fill(fn, M * SD, {Dist::Normal, 0.02f, 0.0f}, 7, st);
-    fill(base, M, {Dist::Normal, 0.5f, 0.0f}, 8, st);
-    fill(norm_w, D, {Dist::Uniform, 0.8f, 1.2f}, 9, st);
-    const float sc[3] = {0.8f, 1.2f, 0.9f};
-    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(scale.p, sc, sizeof sc, cudaMemcpyHostToDevice, st));
-    const cuda::MhcParams p{fn.as<float>(), base.as<float>(), scale.as<float>(), norm_w.as<float>(), T, S, D,
-                            1e-5f, 1e-6f, 20};
+    const SiteInputs in(st);
+    const Buf &h = in.h, &y = in.y, &post = in.post, &comb = in.comb;
+    Buf out = floats(T * SD), work = floats(cuda::mhc_pre_workspace_floats(T, S, D));
+    const cuda::MhcParams p = in.params();
     bool fused = false;
     auto run = [&](bool fuse) {
       fused = cuda::mhc_post_project(h.as<float>(), out.as<float>(), y.as<float>(), post.as<float>(),
