@@ -1489,5 +1489,73 @@ TEST(CudaTrain, MhcPostFusionGivesTheSameBits) {
   EXPECT_EQ(std::memcmp(logits[1].ptr(), logits[0].ptr(), logits[0].numel() * sizeof(float)), 0);
 }
 
+// The LoRA optimizer's update beside the next step's forward (set_lora_update_overlap: on a stream of its own, the
+// forward waiting at each site for that site's adapters, zero_grads's clearing of the adapters' gradients queued
+// behind it, every other reader waiting for all of it) against the update in line: three steps with one adapter per
+// routed expert (grouped) at rank 16, the first clipped, and between the second and the third a read of the
+// gradients while the second's update is pending: the same losses, norms, gradients, adapters and moments, bit for
+// bit, with a grid of one block a chunk and with three blocks looping over the chunks.
+TEST(CudaTrain, LoraUpdateOverlapGivesTheSameBits) {
+  struct Restore {
+    bool on = lora_update_overlap();
+    int blocks = lora_update_blocks();
+    ~Restore() { set_lora_update_overlap(on), set_lora_update_blocks(blocks); }
+  } restore;
+  const std::string dir = test::golden_dir("bf16_stable");
+  const Model base = Model::load(dir);
+  const PackedBatch batch = golden_batch(dir);
+  const LoraAdapter lora = test::random_lora(base.config(), LoraExperts::PerExpert, 16);
+  struct Run {
+    std::array<double, 3> loss{}, norm{};
+    LoraAdapter mid, adapter;
+    std::vector<std::vector<float>> m, v;
+    int64_t overlapped = 0;
+  };
+  auto run = [&](bool on, int blocks) {
+    set_lora_update_overlap(on);
+    set_lora_update_blocks(blocks);
+    Run r{{}, {}, test::without_gradients(lora), test::without_gradients(lora), {}, {}, 0};
+    CudaModel gpu(base);
+    gpu.set_train_linears(false);
+    gpu.set_train_small(false);
+    gpu.set_lora(lora);
+    gpu.start_lora_optimizer(lora);
+    const int64_t before = lora_overlapped_updates();
+    for (int s = 0; s < 3; ++s) {
+      if (s == 2) gpu.lora_gradients(r.mid);  // the second step's gradients, its update pending
+      gpu.zero_grads();
+      r.loss[s] = gpu.forward_backward(batch);
+      r.norm[s] = gpu.lora_adamw_step(AdamWOptions{}, 1e-2, s + 1, 1.0, s == 0 ? 1e-3 : 1e9);
+    }
+    r.overlapped = lora_overlapped_updates() - before;
+    std::vector<ParamRef> params = r.adapter.params("");
+    AdamW state(params, AdamWOptions{});
+    gpu.download_lora(r.adapter, &state);  // the third update, pending
+    r.m = state.m(), r.v = state.v();
+    return r;
+  };
+  const Run ref = run(false, 0);
+  EXPECT_EQ(ref.overlapped, 0);
+  ASSERT_GT(ref.norm[0], 1e-3) << "the first step is to be clipped";
+  EXPECT_NE(ref.loss[2], ref.loss[0]) << "the updates should move the loss";
+  for (const int blocks : {0, 3}) {
+    const std::string at = "beside the forward, blocks " + std::to_string(blocks);
+    const Run got = run(true, blocks);
+    EXPECT_EQ(got.overlapped, 3) << at;
+    for (int s = 0; s < 3; ++s) {
+      EXPECT_EQ(got.loss[s], ref.loss[s]) << at << ", step " << s;
+      EXPECT_EQ(got.norm[s], ref.norm[s]) << at << ", step " << s;
+    }
+    expect_lora_gradients_equal(ref.mid, got.mid, at);
+    ASSERT_EQ(got.adapter.modules().size(), ref.adapter.modules().size());
+    for (size_t i = 0; i < ref.adapter.modules().size(); ++i) {
+      EXPECT_EQ(got.adapter.modules()[i].A.data, ref.adapter.modules()[i].A.data) << at << ": module " << i;
+      EXPECT_EQ(got.adapter.modules()[i].B.data, ref.adapter.modules()[i].B.data) << at << ": module " << i;
+    }
+    EXPECT_TRUE(got.m == ref.m) << at << ": first moments";
+    EXPECT_TRUE(got.v == ref.v) << at << ": second moments";
+  }
+}
+
 }  // namespace
 }  // namespace nextlm
