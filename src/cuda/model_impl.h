@@ -402,7 +402,7 @@ struct LoraState {
     std::vector<Segment> segments;
     cudaStream_t stream = nullptr;
     std::vector<cudaEvent_t> site_done;  // per site of the model; null where no segment ends
-    cudaEvent_t norm_done = nullptr, done = nullptr;
+    cudaEvent_t done = nullptr;
     bool pending = false;
     Optimizer() = default;
     Optimizer(const Optimizer&) = delete;
@@ -411,7 +411,6 @@ struct LoraState {
       if (stream) cudaStreamSynchronize(stream);  // an update may still be running
       for (cudaEvent_t e : site_done)
         if (e) cudaEventDestroy(e);
-      if (norm_done) cudaEventDestroy(norm_done);
       if (done) cudaEventDestroy(done);
       if (stream) cudaStreamDestroy(stream);
       cudaFree(base);
