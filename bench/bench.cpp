@@ -55,9 +55,6 @@ int main(int argc, char** argv) {
   // NEXTLM_HEAD_BLOCK_BYTES: the cap on one lm_head row block's fp32 logits in training (see set_head_block_bytes).
   if (const char* b = std::getenv("NEXTLM_HEAD_BLOCK_BYTES"))
     nextlm::set_head_block_bytes(std::strtoull(b, nullptr, 10));
-  // NEXTLM_LORA_UPDATE_BLOCKS: the grid of the LoRA optimizer's update beside the forward (see
-  // set_lora_update_blocks).
-  if (const char* b = std::getenv("NEXTLM_LORA_UPDATE_BLOCKS")) nextlm::set_lora_update_blocks(std::atoi(b));
   if (only == "parity") return nextlm::bench::slice4_parity(argc - 2, argv + 2);
   struct Case {
     std::string name;

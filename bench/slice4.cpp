@@ -638,7 +638,6 @@ void slice4_lora_step_case(const std::string& name) {
   line["mhc_post_fusion"] = mhc_post_fusion(), line["moe_gather"] = moe_gather();
   line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);
   line["expert_layout"] = layout;
-  if (!par) line["lora_update_overlap"] = lora_update_overlap(), line["lora_update_blocks"] = lora_update_blocks();
   if (par) {
     line["mfu"] = std::round(needed / (ms * kPeakFlopsPerMs * std::lcm(tp, ep)) * 1e4) / 1e4;
     line["peer"] = "nextlm on one GPU, same run";

@@ -106,22 +106,6 @@ int64_t moe_gathered_layers() { return g_moe_gathered; }
 void note_moe_gathered() { ++g_moe_gathered; }
 
 namespace {
-EnvSwitch g_lora_update_overlap{"NEXTLM_LORA_UPDATE_OVERLAP", false};
-std::atomic<int> g_lora_update_blocks{0};
-std::atomic<int64_t> g_lora_overlapped_updates{0};
-}  // namespace
-
-void set_lora_update_overlap(bool on) { g_lora_update_overlap.set(on); }
-bool lora_update_overlap() { return g_lora_update_overlap.on(); }
-void set_lora_update_blocks(int blocks) {
-  check(blocks >= 0, "LoRA update blocks must be >= 0 (0: one a chunk), got ", blocks);
-  g_lora_update_blocks = blocks;
-}
-int lora_update_blocks() { return g_lora_update_blocks; }
-int64_t lora_overlapped_updates() { return g_lora_overlapped_updates; }
-void note_lora_overlapped_update() { ++g_lora_overlapped_updates; }
-
-namespace {
 std::atomic<bool> g_lora_stacking{true};
 std::atomic<int64_t> g_lora_stacked_groups{0};
 }  // namespace

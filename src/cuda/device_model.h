@@ -83,22 +83,6 @@ void set_moe_gather(bool on);
 bool moe_gather();
 int64_t moe_gathered_layers();
 
-// Whether the device LoRA optimizer's update (CudaModel::lora_adamw_step, after the gradient norm) runs beside the
-// next step's forward instead of before it: on a stream of its own of the lowest priority (the model's streams have
-// the highest), site by site in the forward's order, the forward waiting at each site for that site's adapters and,
-// before its backward, for the whole update (and for the clearing of the adapters' gradients that zero_grads queued
-// behind it); every other reader of the adapters, their gradients or the moments waits for the whole update first.
-// The same bits either way. Off by default until measured on a GPU; NEXTLM_LORA_UPDATE_OVERLAP=1 in the environment
-// turns it on by default. lora_update_blocks is that update's grid: 0, one block of 256 threads a 16384-element chunk
-// (as the update in line); n > 0, n blocks looping over the chunks (so that it holds few SMs while the forward runs);
-// the benchmarks read NEXTLM_LORA_UPDATE_BLOCKS. Process-wide, for tests and benchmarks; lora_overlapped_updates()
-// counts the updates run beside a forward so far in this process.
-void set_lora_update_overlap(bool on);
-bool lora_update_overlap();
-void set_lora_update_blocks(int blocks);
-int lora_update_blocks();
-int64_t lora_overlapped_updates();
-
 // Whether training stacks the dense LoRA adapters that read one input (a KDA layer's q, k, v, f_a, g_a and b; an
 // MLA layer's q_a and kv_a; an MLP's gate and up): one GEMM for all their u, and in the backward one for all their
 // dA and one for all their dx, in place of one each (on one GPU; the default). Process-wide, for tests and

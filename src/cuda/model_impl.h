@@ -36,7 +36,6 @@ void note_lora_joined_input_gradient();  // counts in lora_joined_projections() 
 void note_narrow_joined_gradient();
 void note_moe_gathered();  // moe_gathered_layers in device_model.h
 void note_mhc_fused_post();  // mhc_fused_posts in device_model.h
-void note_lora_overlapped_update();  // lora_overlapped_updates in device_model.h
 
 namespace cuda {
 
@@ -388,33 +387,7 @@ struct LoraState {
     int64_t chunks = 0;
     void* workspace = nullptr;
     double* sq = nullptr;  // the squared gradient norm of the last step
-    // The update beside the next forward (lora_update_overlap): the descriptors again, ordered by the training
-    // forward's sites (2·layer, + 1 for the feed-forward kinds), in one segment a site, each with its workspace; the
-    // update runs on `stream`, each segment's end marked by site_done[its site], the whole update's (and the
-    // gradient clearing zero_grads queued behind it) by `done`. pending: queued, and the model's stream has not yet
-    // waited for all of it.
-    struct Segment {
-      int first = 0, count = 0;  // of by_site
-      int64_t chunks = 0, site = 0;
-      void* workspace = nullptr;
-    };
-    DeviceParam* by_site = nullptr;
-    std::vector<Segment> segments;
-    cudaStream_t stream = nullptr;
-    std::vector<cudaEvent_t> site_done;  // per site of the model; null where no segment ends
-    cudaEvent_t done = nullptr;
-    bool pending = false;
-    Optimizer() = default;
-    Optimizer(const Optimizer&) = delete;
-    Optimizer& operator=(const Optimizer&) = delete;
-    ~Optimizer() {
-      if (stream) cudaStreamSynchronize(stream);  // an update may still be running
-      for (cudaEvent_t e : site_done)
-        if (e) cudaEventDestroy(e);
-      if (done) cudaEventDestroy(done);
-      if (stream) cudaStreamDestroy(stream);
-      cudaFree(base);
-    }
+    ~Optimizer() { cudaFree(base); }
   };
   std::unique_ptr<Optimizer> opt;
   void* grouped_ptrs = nullptr;  // the LayerLora::Grouped arrays
@@ -439,7 +412,6 @@ struct LoraState {
     joined_bytes = 0;
   }
   ~LoraState() {
-    opt.reset();  // first: its update may still read and write the buffers below
     clear_joined();
     cudaFree(base);
     cudaFree(grouped_ptrs);
@@ -571,12 +543,8 @@ struct CudaModel::Impl {
     vocab_begin = v.begin, vocab_rows = v.count, expert_begin = e.begin, local_experts = e.count;
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
     NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
-    // The highest priority, so that the LoRA optimizer's update beside the forward (lora_update_overlap), on a
-    // stream of the lowest, takes only the SMs the model's work leaves.
-    int least = 0, greatest = 0;
-    NEXTLM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    NEXTLM_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
-    NEXTLM_CUDA_CHECK(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, greatest));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
     for (cudaEvent_t& e : join_ev) NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_begin));

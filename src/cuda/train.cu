@@ -42,27 +42,6 @@ const std::vector<std::vector<LoraKind>>& lora_input_groups() {
   return groups;
 }
 
-// The training forward's site of a LoRA kind on its layer: 0 the attention sub-layer (KDA, MLA), 1 the feed-forward
-// one (dense MLP, shared and routed experts; LoraKind lists them last).
-int lora_kind_site(LoraKind k) { return static_cast<int>(k) >= static_cast<int>(LoraKind::MlpGate) ? 1 : 0; }
-
-// The model's stream waits for the whole of an optimizer update queued beside the forward (lora_update_overlap; and
-// the clearing of the gradients behind it), if one is pending: before anything but the training forward's sites
-// reads or writes the adapters, their gradients or the optimizer's state.
-void join_lora_update(const CudaModel::Impl& m) {
-  if (!m.lora || !m.lora->opt || !m.lora->opt->pending) return;
-  NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(m.stream, m.lora->opt->done, 0));
-  m.lora->opt->pending = false;
-}
-
-// The model's stream waits for the part of a pending update that holds the adapters of the training forward's site
-// `site` (2·layer + lora_kind_site), before the site's sub-layer reads them.
-void await_lora_site(const CudaModel::Impl& m, size_t site) {
-  if (!m.lora || !m.lora->opt || !m.lora->opt->pending) return;
-  const std::vector<cudaEvent_t>& done = m.lora->opt->site_done;
-  if (site < done.size() && done[site]) NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(m.stream, done[site], 0));
-}
-
 }  // namespace
 
 namespace cuda {
@@ -1711,7 +1690,6 @@ double Step::run(const float* row_weight) {
         mhc_pre(m_.mhc_params(L, ffn, T), hin, sp, sc, sa, s.mix_kept ? mhc_work : s.proj, st, s.mix);
       }
       projected = false;
-      await_lora_site(m_, site_);  // its adapters, where an optimizer update runs beside this forward
       // This pass makes the full indexers' selections (dsa_forward runs the indexer on its normed q latent); the
       // recomputation before each backward reuses them.
       select_ = true;
@@ -1734,8 +1712,6 @@ double Step::run(const float* row_weight) {
       if (!s.kept) ar.rewind(sub_mark);
     }
   }
-  // The backward reads every adapter (its recomputations) and adds into their cleared gradients.
-  join_lora_update(m_);
   m_.mark_end("train: forward");
   const Arena::Mark head_mark = ar.mark();
   m_.mark_begin("train: head");
@@ -1915,17 +1891,12 @@ namespace {
 
 // The device's gradients (the model's and the adapters') set to zero, in stream order; those of the grouped
 // per-expert adapters only marked unwritten (the next backward overwrites them: LoraState::overwritten).
-// Behind an optimizer update still pending beside the forward (lora_update_overlap), which reads the adapters'
-// gradients, their clearing goes on the update's stream after it, within what its `done` marks.
 void zero_device_grads(CudaModel::Impl& m) {
   if (m.grads)
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
   if (!m.lora) return;
-  cuda::LoraState::Optimizer* behind = m.lora->opt && m.lora->opt->pending ? m.lora->opt.get() : nullptr;
   for (const auto& [at, bytes] : m.lora->cleared)
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes,
-                                      behind ? behind->stream : m.stream));
-  if (behind) NEXTLM_CUDA_CHECK(cudaEventRecord(behind->done, behind->stream));
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, m.stream));
   m.lora->unwritten = !m.lora->overwritten.empty();
 }
 
@@ -2215,7 +2186,6 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
   m.weights_changed();
   // The copies below (the legacy stream's) replace what the model's stream may still read or write (an optimizer
   // update still running).
-  join_lora_update(m);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
@@ -2362,7 +2332,6 @@ void CudaModel::lora_gradients(LoraAdapter& adapter) const {
   std::vector<LoraModule>& mods = adapter.modules();
   check(mods.size() == m.lora->order.size(), "LoRA gradients: the adapter has ", mods.size(), " modules, the device ",
         m.lora->order.size());
-  join_lora_update(m);
   settle_lora_grads(m);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   // On a shard: the shares summed over their group (in a device temporary), then this rank's piece added at its
@@ -2414,7 +2383,6 @@ const cuda::LoraState& whole_lora(const CudaModel::Impl& m, const LoraAdapter& a
 
 void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state) {
   Impl& m = *impl_;
-  join_lora_update(m);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // as set_lora: an update may still be running
   const cuda::LoraState& ls = whole_lora(m, adapter);
   const std::vector<LoraModule>& mods = adapter.modules();
@@ -2444,29 +2412,6 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
   const size_t at_params = take(count * sizeof(cuda::DeviceParam)),
                at_ws = take(static_cast<size_t>(cuda::optim_workspace_bytes(static_cast<int>(count), opt->chunks))),
                at_sq = take(sizeof(double));
-  // For the update beside the next forward: the tensors by the forward's site (within one, in params() order), a
-  // segment a site.
-  std::vector<size_t> by_site(count);
-  std::iota(by_site.begin(), by_site.end(), size_t{0});
-  auto site_of = [&](size_t j) {
-    const LoraModule& mod = mods[j / 2];
-    return 2 * mod.layer + lora_kind_site(mod.kind);
-  };
-  std::stable_sort(by_site.begin(), by_site.end(), [&](size_t a, size_t b) { return site_of(a) < site_of(b); });
-  std::vector<cuda::DeviceParam> site_host(count);
-  for (size_t k = 0; k < count; ++k) site_host[k].n = sizes[by_site[k]];
-  std::vector<size_t> at_seg_ws;
-  for (size_t k = 0; k < count;) {
-    size_t e = k;
-    while (e < count && site_of(by_site[e]) == site_of(by_site[k])) ++e;
-    cuda::LoraState::Optimizer::Segment seg;
-    seg.first = static_cast<int>(k), seg.count = static_cast<int>(e - k), seg.site = site_of(by_site[k]);
-    seg.chunks = cuda::optim_chunks(site_host.data() + k, seg.count);
-    at_seg_ws.push_back(take(static_cast<size_t>(cuda::optim_workspace_bytes(seg.count, seg.chunks))));
-    opt->segments.push_back(seg);
-    k = e;
-  }
-  const size_t at_by_site = take(count * sizeof(cuda::DeviceParam));
   NEXTLM_CUDA_CHECK(cudaMalloc(&opt->base, std::max<size_t>(bytes, 1)));
   NEXTLM_CUDA_CHECK(cudaMemset(opt->base, 0, std::max<size_t>(bytes, 1)));
   char* base = static_cast<char*>(opt->base);
@@ -2498,18 +2443,6 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
   opt->sq = reinterpret_cast<double*>(base + at_sq);
   NEXTLM_CUDA_CHECK(cudaMemcpy(opt->params, opt->host.data(), count * sizeof(cuda::DeviceParam),
                                cudaMemcpyHostToDevice));
-  for (size_t k = 0; k < count; ++k) site_host[k] = opt->host[by_site[k]];
-  opt->by_site = reinterpret_cast<cuda::DeviceParam*>(base + at_by_site);
-  NEXTLM_CUDA_CHECK(cudaMemcpy(opt->by_site, site_host.data(), count * sizeof(cuda::DeviceParam),
-                               cudaMemcpyHostToDevice));
-  for (size_t i = 0; i < opt->segments.size(); ++i) opt->segments[i].workspace = base + at_seg_ws[i];
-  int least = 0, greatest = 0;
-  NEXTLM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  NEXTLM_CUDA_CHECK(cudaStreamCreateWithPriority(&opt->stream, cudaStreamNonBlocking, least));
-  opt->site_done.assign(2 * m.layers.size(), nullptr);
-  for (const cuda::LoraState::Optimizer::Segment& seg : opt->segments)
-    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&opt->site_done[seg.site], cudaEventDisableTiming));
-  NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&opt->done, cudaEventDisableTiming));
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // as in set_lora: the copies' DMA has landed before the stream reads
   m.lora->opt = std::move(opt);
 }
@@ -2519,7 +2452,6 @@ double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, d
   Impl& m = *impl_;
   check(m.lora && m.lora->opt, "no device LoRA optimizer (start_lora_optimizer)");
   cuda::LoraState::Optimizer& opt = *m.lora->opt;
-  join_lora_update(m);  // the last update, where no forward waited for it since
   settle_lora_grads(m);
   const int count = static_cast<int>(opt.host.size());
   const float scale = static_cast<float>(grad_scale);
@@ -2527,21 +2459,8 @@ double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, d
   double* sq = static_cast<double*>(m.norm_host.get(sizeof(double)));
   NEXTLM_CUDA_CHECK(cudaMemcpyAsync(sq, opt.sq, sizeof(double), cudaMemcpyDeviceToHost, m.stream));
   NEXTLM_CUDA_CHECK(cudaEventRecord(m.norm_ev, m.stream));
-  if (lora_update_overlap()) {
-    // Beside whatever the model's stream runs next (the next step's forward waits at each site for its segment).
-    NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(opt.stream, m.norm_ev, 0));
-    for (const cuda::LoraState::Optimizer::Segment& seg : opt.segments) {
-      cuda::adamw_update(opt.by_site + seg.first, seg.count, seg.chunks, opt.sq, scale, max_norm, lr, o.beta1,
-                         o.beta2, o.eps, o.weight_decay, t, seg.workspace, opt.stream, lora_update_blocks());
-      NEXTLM_CUDA_CHECK(cudaEventRecord(opt.site_done[seg.site], opt.stream));
-    }
-    NEXTLM_CUDA_CHECK(cudaEventRecord(opt.done, opt.stream));
-    opt.pending = true;
-    note_lora_overlapped_update();
-  } else {
-    cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
-                       o.weight_decay, t, opt.workspace, m.stream);
-  }
+  cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
+                     o.weight_decay, t, opt.workspace, m.stream);
   // The norm is back before the update has run: the host goes on (the next step's plan, its launches) meanwhile.
   NEXTLM_CUDA_CHECK(cudaEventSynchronize(m.norm_ev));
   return std::sqrt(*sq);
@@ -2553,7 +2472,6 @@ void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
   check(m.lora->opt != nullptr, "no device LoRA optimizer (start_lora_optimizer)");
   const cuda::LoraState::Optimizer& opt = *m.lora->opt;
   std::vector<LoraModule>& mods = adapter.modules();
-  join_lora_update(m);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   if (state) {
     state->m().resize(opt.host.size());
