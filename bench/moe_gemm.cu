@@ -142,19 +142,7 @@ void moe_grouped_gemm_case(const std::string& name) {
   const bf16** p_dn = dev_alloc<const bf16*>(E);
   fill_normal(w_gu, E * 2 * I * D, 1, 1.0f / std::sqrt(float(D)), st);
   fill_normal(w_dn, E * D * I, 2, 1.0f / std::sqrt(float(I)), st);
-  // x is the gathered copy of T token rows (xs), each chosen by k experts at random: idx[r] is row r's token, as
-  // moe_permute's token_of (the _gather lines read xs by idx in the GEMM instead).
-  bf16* xs = dev_alloc<bf16>(T * D);
-  int32_t* idx = dev_alloc<int32_t>(n);
-  fill_normal(xs, T * D, 3, 1.0f, st);
-  {
-    std::vector<int32_t> h_idx(n);
-    std::mt19937 rng(4);
-    for (int32_t& i : h_idx) i = static_cast<int32_t>(rng() % T);
-    NEXTLM_CUDA_CHECK(cudaMemcpyAsync(idx, h_idx.data(), n * 4, cudaMemcpyHostToDevice, st));
-    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
-  }
-  cuda::gather_rows(xs, idx, x, n, D, st);
+  fill_normal(x, n * D, 3, 1.0f, st);
   std::vector<const bf16*> h_gu(E), h_dn(E);
   for (int64_t e = 0; e < E; ++e) h_gu[e] = w_gu + e * 2 * I * D, h_dn[e] = w_dn + e * D * I;
   NEXTLM_CUDA_CHECK(cudaMemcpyAsync(d_off, off.data(), (E + 1) * 4, cudaMemcpyHostToDevice, st));
@@ -226,29 +214,10 @@ void moe_grouped_gemm_case(const std::string& name) {
     std::printf("{\"case\": \"%s\", \"ours_ms\": %.4f, \"floor_ms\": %.4f, \"note\": \"%s\"}\n", case_name.c_str(),
                 ours, flops / kFlopsPerMs, note);
     std::fflush(stdout);
-    if (!cuda::grouped_gemm_gathers(g_gu)) continue;
-    // The gate|up reading xs's rows by idx (GroupedGemm::gather), against the gathered copy and the GEMM on it.
-    cuda::GroupedGemm g_gx = g_gu;
-    g_gx.A = xs, g_gx.gather = idx;
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(act, 0xFF, n * I * sizeof(bf16), st));
-    cuda::grouped_gemm(g_gx, ws, st);
-    NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
-    const double err_g = device_rel_err(act, act_ref, n * I);
-    const double gx_ms = median_ms([&] { cuda::grouped_gemm(g_gx, ws, st); }, st, warm, iters);
-    const double copy_ms = median_ms([&] { cuda::gather_rows(xs, idx, x, n, D, st); }, st, warm, iters);
-    std::snprintf(note, sizeof note,
-                  "%s %s, the gate|up reading x's rows by index: %.3f ms + down %.3f ms, against the gathered copy "
-                  "%.3f ms + the gate|up on it %.3f ms (+ down); act vs per-expert loop rel %.2g",
-                  err_g <= 1e-2 ? "ok" : "CHECK FAILED", variant_name(kern, layout).c_str(), gx_ms, dn_ms, copy_ms,
-                  gu_ms, err_g);
-    std::printf("{\"case\": \"%s_gather\", \"ours_ms\": %.4f, \"peer_ms\": %.4f, \"floor_ms\": %.4f, "
-                "\"note\": \"%s\"}\n",
-                case_name.c_str(), gx_ms + dn_ms, copy_ms + ours, flops / kFlopsPerMs, note);
-    std::fflush(stdout);
   }
 
-  for (void* p : std::initializer_list<void*>{w_gu, w_dn, w_gu_b, w_dn_b, x, xs, idx, act, out, act_ref, gu_ref,
-                                              out_ref, dense_gu, d_off, ws, p_gu, p_dn})
+  for (void* p : std::initializer_list<void*>{w_gu, w_dn, w_gu_b, w_dn_b, x, act, out, act_ref, gu_ref, out_ref,
+                                              dense_gu, d_off, ws, p_gu, p_dn})
     cudaFree(p);
   cudaStreamDestroy(st);
 }

@@ -6,7 +6,6 @@
 // transposed. Runs on a GPU machine (part of test_cuda, CTest label "gpu").
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -149,10 +148,6 @@ struct RunOptions {
   std::vector<float>* pre16 = nullptr;       // kSwiGLU: GroupedGemm::pre16's output, bf16 [n, N] widened
   bool w_all = true;                         // set GroupedGemm::W_all (the experts are back to back either way)
   GroupedWeightLayout layout = GroupedWeightLayout::kRows;  // W_all's (block_expert_weights), GroupedGemm::w_layout
-  // GroupedGemm::gather: A's rows by index from these source rows (p.A is then ignored; row r is (*gather_src) row
-  // (*gather)[r], bf16-rounded values [rows, K]).
-  const std::vector<float>* gather_src = nullptr;
-  const std::vector<int32_t>* gather = nullptr;
 };
 
 // Runs grouped_gemm on p and returns the output widened to fp32 (n × out_cols). Fails the test on a CUDA error, on
@@ -162,7 +157,7 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
   const int out_cols = epi == GroupedEpilogue::kSwiGLU ? p.N / 2 : p.N;
   const size_t elem = epi == GroupedEpilogue::kF32 || epi == GroupedEpilogue::kF32Add ? 4 : 2;
   const size_t out_bytes = size_t(p.n) * out_cols * elem;
-  const std::vector<uint16_t> A16 = to_bf16(opt.gather ? *opt.gather_src : p.A);
+  const std::vector<uint16_t> A16 = to_bf16(p.A);
   const std::vector<uint16_t> W16 = to_bf16(opt.w_kn ? transpose_experts(p.W, p.E, p.N, p.K) : p.W);
   DevBuf dA(A16.size() * 2), dW(W16.size() * 2), dOff(p.offsets.size() * 4), dPtr(p.E * sizeof(void*)),
       dC(out_bytes + kGuardBytes), dWs(cuda::grouped_gemm_workspace_ints(p.E) * 4);
@@ -197,11 +192,6 @@ std::vector<float> run_gpu(const Problem& p, GroupedEpilogue epi, GroupedGemmKer
                       limit,
                       kernel};
   g.w_kn = opt.w_kn;
-  DevBuf dGather(opt.gather ? opt.gather->size() * 4 : 0);
-  if (opt.gather) {
-    EXPECT_EQ(cudaMemcpy(dGather.p, opt.gather->data(), opt.gather->size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    g.gather = dGather.as<int32_t>();
-  }
   if (opt.w_all) g.W_all = dW.as<cuda::bf16>();  // the experts back to back (the TMA kernel's tensor map)
   DevBuf dWb(opt.layout != GroupedWeightLayout::kRows ? W16.size() * 2 : 0);
   if (opt.layout != GroupedWeightLayout::kRows) {
@@ -713,66 +703,6 @@ TEST(CudaGroupedGemmTma, BlockedWeightLayoutsGiveTheSameBits) {
   EXPECT_THROW(cuda::block_expert_weights(d.as<cuda::bf16>(), b.as<cuda::bf16>(), E, 192, C,
                                           GroupedWeightLayout::kTiles, nullptr),
                Error);
-}
-
-// GroupedGemm::gather: A's rows read by index from fewer source rows (an MoE's tokens, each chosen by several
-// experts) give the bits of the gathered copy, on both TMA variants (their clusters' shared A tiles become per-CTA
-// copies), on rows and tiles, with the fp32, bf16 and SwiGLU epilogues (the kept pre-activations) and a two-part
-// low-rank term. Other kernels, a missing W_all and w_kn refuse it.
-TEST(CudaGroupedGemmTma, GatheredRowsGiveTheSameBits) {
-  // K 264 (a partial last k-tile) on row-major weights, 256 on tiles (their columns a multiple of 64).
-  for (const auto layout : {GroupedWeightLayout::kRows, GroupedWeightLayout::kTiles}) {
-    Problem p = make_problem(kRows, 512, layout == GroupedWeightLayout::kRows ? 264 : 256, 8.0f, 23);
-    const int64_t T = p.n / 3 + 1;
-    const std::vector<float> src = widen(to_bf16(test::randn(T * p.K, 29)));
-    std::vector<int32_t> idx(p.n);
-    std::mt19937 rng(31);
-    for (int32_t& i : idx) i = static_cast<int32_t>(rng() % T);
-    for (int64_t r = 0; r < p.n; ++r) std::copy_n(src.begin() + idx[r] * p.K, p.K, p.A.begin() + r * p.K);
-    const LowRankHost lr = make_low_rank(p, {16, 16}, {0, 256}, {256, 256}, false, 37);
-    for (const auto kern : {GroupedGemmKernel::kWgmmaTma128x256, GroupedGemmKernel::kWgmmaTma128x256c4}) {
-      const std::string at = std::string(cuda::grouped_gemm_kernel_name(kern)) +
-                             (layout == GroupedWeightLayout::kRows ? " rows " : " tiles ");
-      const auto same = [&](GroupedEpilogue epi, RunOptions opt, const std::string& what) {
-        std::vector<float> pre, pre_g;
-        opt.layout = layout;
-        if (epi == GroupedEpilogue::kSwiGLU) opt.pre16 = &pre;
-        const std::vector<float> want = run_gpu(p, epi, kern, 7.0f, opt);
-        opt.gather_src = &src, opt.gather = &idx;
-        if (epi == GroupedEpilogue::kSwiGLU) opt.pre16 = &pre_g;
-        const std::vector<float> got = run_gpu(p, epi, kern, 7.0f, opt);
-        ASSERT_EQ(got.size(), want.size()) << at << what;
-        ASSERT_FALSE(got.empty()) << at << what;
-        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << at << what;
-        EXPECT_EQ(pre_g, pre) << at << what << ": pre-activations";
-      };
-      same(GroupedEpilogue::kF32, {}, "f32");
-      same(GroupedEpilogue::kBf16, {}, "bf16");
-      same(GroupedEpilogue::kSwiGLU, {.low_rank = &lr}, "swiglu + low rank");
-    }
-    // Against the host reference too (the gathered copy's run above could share a fault).
-    const std::vector<float> got = run_gpu(p, GroupedEpilogue::kF32, GroupedGemmKernel::kWgmmaTma128x256c4, 0.0f,
-                                           {.layout = layout, .gather_src = &src, .gather = &idx});
-    const std::vector<float> want = reference(p);
-    ASSERT_EQ(got.size(), want.size());
-    EXPECT_LE(test::norm_rel_error(got.data(), want.data(), want.size()), 1e-4);
-  }
-  // Refused where it does not apply.
-  const int32_t* rows = reinterpret_cast<const int32_t*>(16);
-  cuda::GroupedGemm g{nullptr, nullptr, nullptr, nullptr, 128, 4, 256, 128, GroupedEpilogue::kF32, 0.0f,
-                      GroupedGemmKernel::kWgmma128x256};
-  g.gather = rows;
-  g.W_all = reinterpret_cast<const cuda::bf16*>(16);
-  EXPECT_FALSE(cuda::grouped_gemm_gathers(g));
-  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
-  g.kernel = GroupedGemmKernel::kWgmmaTma128x256;
-  EXPECT_TRUE(cuda::grouped_gemm_gathers(g));
-  g.W_all = nullptr;
-  EXPECT_FALSE(cuda::grouped_gemm_gathers(g));
-  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
-  g.W_all = reinterpret_cast<const cuda::bf16*>(16), g.w_kn = true;
-  EXPECT_FALSE(cuda::grouped_gemm_gathers(g));
-  EXPECT_THROW(cuda::grouped_gemm(g, nullptr, nullptr), Error);
 }
 
 TEST(CudaGroupedGemmWkn, RejectsSwiGluEpilogue) {

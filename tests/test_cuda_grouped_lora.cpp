@@ -111,16 +111,13 @@ struct Out {
 };
 
 // Forward then backward on the device (eagerly, or captured into a CUDA graph and replayed) from the host's starting
-// values; u and gs start poisoned. With x_src and x_rows, x's rows by index (GroupedLora::x_rows): row i of x is
-// x_src's row x_rows[i] (x_src [rows, ldx]).
-Out run_device(const Host& h, bool graph = false, const std::vector<uint16_t>* x_src = nullptr,
-               const std::vector<int32_t>* x_rows = nullptr) {
+// values; u and gs start poisoned.
+Out run_device(const Host& h, bool graph = false) {
   const Case& c = h.c;
   const int64_t E = h.E, r = c.r, in = c.in, out = c.out;
   Out o;
-  DevBuf x((x_src ? x_src->size() : h.x.size()) * 2), rows_idx(x_rows ? x_rows->size() * 4 : 0),
-      A(h.A.size() * 2), B(h.B.size() * 2), dy(h.dy.size() * 2), off(h.off.size() * 4), y(h.y0.size() * 4),
-      dx(h.dx0.size() * 4), dA(h.dA0.size() * 4), dB(h.dB0.size() * 4),
+  DevBuf x(h.x.size() * 2), A(h.A.size() * 2), B(h.B.size() * 2), dy(h.dy.size() * 2), off(h.off.size() * 4),
+      y(h.y0.size() * 4), dx(h.dx0.size() * 4), dA(h.dA0.size() * 4), dB(h.dB0.size() * 4),
       u(h.n * h.ldr * 2), gs(h.n * h.ldr * 2), pA(E * sizeof(void*)), pB(E * sizeof(void*)),
       pdA(E * sizeof(void*)), pdB(E * sizeof(void*));
   for (const DevBuf* b : {&x, &A, &B, &dy, &off, &y, &dx, &dA, &dB, &u, &gs, &pA, &pB, &pdA, &pdB})
@@ -128,8 +125,7 @@ Out run_device(const Host& h, bool graph = false, const std::vector<uint16_t>* x
       ADD_FAILURE() << "cudaMalloc failed";
       return o;
     }
-  upload(x, x_src ? *x_src : h.x), upload(dy, h.dy), upload(off, h.off), upload(y, h.y0), upload(dx, h.dx0);
-  if (x_rows) upload(rows_idx, *x_rows);
+  upload(x, h.x), upload(dy, h.dy), upload(off, h.off), upload(y, h.y0), upload(dx, h.dx0);
   EXPECT_EQ(cudaMemset(u.p, 0xFF, h.n * h.ldr * 2), cudaSuccess);
   EXPECT_EQ(cudaMemset(gs.p, 0xFF, h.n * h.ldr * 2), cudaSuccess);
   // Each expert's adapter and gradients, in reverse order in memory (the kernels must follow the pointers).
@@ -156,7 +152,7 @@ Out run_device(const Host& h, bool graph = false, const std::vector<uint16_t>* x
   upload(A, A16), upload(B, B16), upload(dA, dA0), upload(dB, dB0);
 
   const cuda::GroupedLora g{off.as<int32_t>(), h.E, c.r, c.in, c.out, pA.as<const cuda::bf16* const>(),
-                            pB.as<const cuda::bf16* const>(), h.scale, x_rows ? rows_idx.as<int32_t>() : nullptr};
+                            pB.as<const cuda::bf16* const>(), h.scale};
   cudaStream_t st;
   EXPECT_EQ(cudaStreamCreate(&st), cudaSuccess);
   auto enqueue = [&] {
@@ -436,6 +432,7 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
       SCOPED_TRACE("r " + std::to_string(r) + (with_dx ? " with dx" : " without dx"));
       const int ldr = cuda::grouped_lora_ld(r);
       const unsigned seed = 100 + r;
+      const std::vector<uint16_t> x = to_bf16(test::randn(n * ldx, seed));
       const std::vector<uint16_t> dy = to_bf16(test::randn(n * lddy, seed + 1));
       std::vector<uint16_t> ab[4];  // A0, B0, A1, B1
       for (int i = 0; i < 4; ++i)
@@ -443,25 +440,12 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
       const std::vector<float> g0 = test::randn(int64_t(E) * r * (in + out) * 2, seed + 6, 0.1f);
       const std::vector<float> zero(g0.size(), 0.0f), nan(g0.size(), poison32());
       const std::vector<float> dx0 = test::randn(n * lddx, seed + 7);
-      // x's rows by index: from a source of n / 2 rows (x's rows are copies of them; the other rank's rows NaN).
-      const int64_t T = n / 2;
-      std::vector<uint16_t> src = to_bf16(test::randn((T + 1) * ldx, seed + 8)), xg(n * ldx);
-      std::fill(src.begin() + T * ldx, src.end(), kPoison16);
-      std::vector<int32_t> xr(n);
-      for (int64_t i = 0; i < n; ++i) {
-        xr[i] = i < off.back() ? static_cast<int32_t>((i * 7919) % T) : static_cast<int32_t>(T);
-        std::copy_n(src.begin() + xr[i] * ldx, ldx, xg.begin() + i * ldx);
-      }
-      // paired: the two-part forms; overwrite: onto gradients that start as NaN; by_index: x's rows by xr from src
-      // (x then holds xg, their gathered copy).
-      auto run = [&](bool paired, const std::vector<float>& grads0, bool overwrite = false, bool by_index = false) {
-        const std::vector<uint16_t>& xin = by_index ? src : xg;
-        DevBuf dx_(xin.size() * 2), dxr(xr.size() * 4), ddy(dy.size() * 2), doff(off.size() * 4),
-            dxo(dx0.size() * 4), grads(g0.size() * 4), u(2 * n * ldr * 2), gs(2 * n * ldr * 2),
-            w(4 * ab[0].size() * 2 + 4 * ab[1].size() * 2),
+      // paired: the two-part forms; overwrite: onto gradients that start as NaN.
+      auto run = [&](bool paired, const std::vector<float>& grads0, bool overwrite = false) {
+        DevBuf dx_(x.size() * 2), ddy(dy.size() * 2), doff(off.size() * 4), dxo(dx0.size() * 4), grads(g0.size() * 4),
+            u(2 * n * ldr * 2), gs(2 * n * ldr * 2), w(4 * ab[0].size() * 2 + 4 * ab[1].size() * 2),
             ptrs(6 * E * sizeof(void*));
-        upload(dx_, xin), upload(dxr, xr), upload(ddy, dy), upload(doff, off), upload(dxo, dx0);
-        upload(grads, grads0);
+        upload(dx_, x), upload(ddy, dy), upload(doff, off), upload(dxo, dx0), upload(grads, grads0);
         EXPECT_EQ(cudaMemset(u.p, 0xFF, u.bytes), cudaSuccess);
         EXPECT_EQ(cudaMemset(gs.p, 0xFF, gs.bytes), cudaSuccess);
         std::vector<const void*> p(6 * E);  // A0[E], B0[E], A1[E], B1[E], then dA0 | dB0 | dA1 | dB1 as float*
@@ -483,9 +467,8 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
         upload(ptrs, p), upload(gptr, gp);
         const auto* pa = ptrs.as<const cuda::bf16* const>();
         float* const* pg = gptr.as<float* const>();
-        const int32_t* rows_of = by_index ? dxr.as<int32_t>() : nullptr;
-        const cuda::GroupedLora a0{doff.as<int32_t>(), E, r, in, out, pa, pa + E, 1.5f, rows_of};
-        const cuda::GroupedLora a1{doff.as<int32_t>(), E, r, in, out, pa + 2 * E, pa + 3 * E, 1.5f, rows_of};
+        const cuda::GroupedLora a0{doff.as<int32_t>(), E, r, in, out, pa, pa + E, 1.5f};
+        const cuda::GroupedLora a1{doff.as<int32_t>(), E, r, in, out, pa + 2 * E, pa + 3 * E, 1.5f};
         EXPECT_TRUE(cuda::grouped_lora_pairable(a0, a1));
         cuda::bf16 *u0 = u.as<cuda::bf16>(), *u1 = u0 + n * ldr, *gs0 = gs.as<cuda::bf16>(), *gs1 = gs0 + n * ldr;
         const cuda::bf16 *xb = dx_.as<cuda::bf16>(), *dyb = ddy.as<cuda::bf16>();
@@ -517,11 +500,6 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
       size_t differ = 0;
       for (size_t i = 0; i < one.size(); ++i) differ += one[i] != two[i];
       EXPECT_EQ(differ, 0u) << "of " << one.size() << " output values";
-      // The rows by index, both forms: the same bits again.
-      for (const bool paired : {false, true}) {
-        const std::vector<uint32_t> idx = run(paired, g0, false, true);
-        EXPECT_EQ(idx, one) << (paired ? "paired" : "one call each") << ", x's rows by index";
-      }
       // Overwriting NaN gradients gives the sums added onto zeros (equal values: 0 + (−0) is +0), the empty experts'
       // zeros included; both forms.
       const std::vector<uint32_t> from_zero = run(false, zero);
@@ -538,29 +516,6 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
         EXPECT_EQ(bad, 0u) << (paired ? "paired" : "one call each") << ", overwriting";
       }
     }
-}
-
-// x's rows by index (GroupedLora::x_rows, an MoE's tokens each chosen by several experts) give the bits of the
-// gathered copy: u, gs, y, dx, dA and dB, at ranks 16 and 33.
-TEST(CudaGroupedLoraRouting, RowsByIndexGiveTheSameBits) {
-  for (const int r : {16, 33}) {
-    Host h = make_host(ragged("by_index", r), 47 + r);
-    const int64_t ldx = h.c.ldx, T = h.m / 3 + 1;
-    // The source: T rows, then one row of NaNs for the rows of no expert (never read).
-    std::vector<uint16_t> src = to_bf16(test::randn((T + 1) * ldx, 53));
-    for (int64_t i = 0; i <= T; ++i)
-      for (int64_t k = 0; k < ldx; ++k)
-        if (i == T || k >= h.c.in) src[i * ldx + k] = kPoison16;
-    std::vector<int32_t> rows(h.n);
-    std::mt19937 rng(59);
-    for (int64_t i = 0; i < h.n; ++i) {
-      rows[i] = i < h.m ? static_cast<int32_t>(rng() % T) : static_cast<int32_t>(T);
-      std::copy_n(src.begin() + rows[i] * ldx, ldx, h.x.begin() + i * ldx);
-    }
-    const Out want = run_device(h), got = run_device(h, false, &src, &rows);
-    check_outputs(h, got);
-    EXPECT_TRUE(same_bits(want, got)) << "rank " << r;
-  }
 }
 
 // No rows: nothing is launched and nothing is touched.

@@ -96,16 +96,6 @@ int64_t mhc_fused_posts() { return g_mhc_fused_posts; }
 void note_mhc_fused_post() { ++g_mhc_fused_posts; }
 
 namespace {
-EnvSwitch g_moe_gather{"NEXTLM_MOE_GATHER", false};
-std::atomic<int64_t> g_moe_gathered{0};
-}  // namespace
-
-void set_moe_gather(bool on) { g_moe_gather.set(on); }
-bool moe_gather() { return g_moe_gather.on(); }
-int64_t moe_gathered_layers() { return g_moe_gathered; }
-void note_moe_gathered() { ++g_moe_gathered; }
-
-namespace {
 std::atomic<bool> g_lora_stacking{true};
 std::atomic<int64_t> g_lora_stacked_groups{0};
 }  // namespace

@@ -71,18 +71,6 @@ void set_mhc_post_fusion(bool on);
 bool mhc_post_fusion();
 int64_t mhc_fused_posts();
 
-// Whether the routed experts read their input rows by index (cuda::GroupedGemm::gather, the grouped LoRA kernels'
-// x_rows) instead of from a gathered copy of them (n·D bf16 written and read back, 268 MB a MoE layer of the slice
-// at 4096 tokens), where every reader of them can: the gate|up GEMM on a TMA variant; in training also the experts
-// frozen and their gate and up adapters grouped or absent (a prefill's forward always can; a decoding step routes,
-// sorts and gathers its few tokens in one launch). The same bits either way. Off by default: in its first form (a
-// producer thread a row) the gate|up GEMM ran ~10 % slower gathering than on the copy and the LoRA step ~1.5 %
-// slower on an H100 (docs/gpu-performance-log.md); NEXTLM_MOE_GATHER=1 in the environment turns it on by default.
-// Process-wide, for tests and benchmarks; moe_gathered_layers() counts the MoE forwards that ran so in this process.
-void set_moe_gather(bool on);
-bool moe_gather();
-int64_t moe_gathered_layers();
-
 // Whether training stacks the dense LoRA adapters that read one input (a KDA layer's q, k, v, f_a, g_a and b; an
 // MLA layer's q_a and kv_a; an MLP's gate and up): one GEMM for all their u, and in the backward one for all their
 // dA and one for all their dx, in place of one each (on one GPU; the default). Process-wide, for tests and

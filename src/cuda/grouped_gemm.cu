@@ -689,22 +689,12 @@ __device__ __forceinline__ ClusterTile locate_unit(int u, const int32_t* __restr
   else return locate_pair(u, start, offsets, E, n_tiles, rank);
 }
 
-// GATHER (GroupedGemm::gather, w_kn false): row r of the product reads A's row gather[r]. The producer warpgroup
-// copies the A tiles itself (cp.async into the 128-byte swizzle, eight lanes a row, zeros past the tile's rows), and
-// lets a stage in kGatherLag k-tiles after its copies, once they have landed (cp.async.wait_group, then the async
-// proxy's fence): the stage's full barrier then takes two arrivals, the weight tile's bytes and that one. A cluster's
-// CTAs share the weight tiles as before; each loads its own A tile.
-constexpr uint32_t kGatherLag = 2;  // at most STAGES − 2, or the producer would wait on a stage it has not let in
-static_assert(kGatherLag >= 1 && kGatherLag <= TmaCfg::STAGES - 2, "the gather's lag");
-
-template <bool KN, int CL, int LAYOUT, bool GATHER>
+template <bool KN, int CL, int LAYOUT>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const bf16* __restrict__ A, const int32_t* __restrict__ offsets, void* Cout,
                             const int32_t* __restrict__ start, int E, int N, int K, int n_tiles, int epi, float L,
-                            GroupedLowRank lr, void* __restrict__ pre, bool pre16,
-                            const int32_t* __restrict__ gather) {
-  static_assert(!(GATHER && KN), "the gather reads A's rows of the forward's products (w_kn false)");
+                            GroupedLowRank lr, void* __restrict__ pre, bool pre16) {
   using C = TmaCfg;
   constexpr int S = C::STAGES, BN = C::BN, NACC = C::NACC;
   extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
@@ -726,7 +716,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, GATHER ? 2 : 1);  // the bytes' arrival (and with GATHER the A tile's)
+      mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, CL * 8);  // the consumer warps of the cluster
     }
     mbar_init_fence();
@@ -735,7 +725,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 
   if (wg == 0) {
     if (tid == 0) {
-      if constexpr (!GATHER) tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_a);
       tma_prefetch_map(&map_b);
     }
     // L2 policies, per unit: an operand tile that a later unit reads again (a weight tile by the next M pair or the
@@ -748,27 +738,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     // lowered the lines.
     const uint64_t p_first = l2_policy_evict_first(), p_last = l2_policy_evict_last();
     uint32_t it = 0;
-    // GATHER: the stages whose A copies this warpgroup has issued and not yet let in (iterations it − pend … it − 1),
-    // and let_in(), which lets them all in once every producer thread's copies have landed.
-    [[maybe_unused]] uint32_t pend = 0;
-    [[maybe_unused]] const auto let_in = [&] {
-      cp_async_wait<0>();
-      fence_proxy_async();  // the copies' generic-proxy writes, before the MMAs read them through the async proxy
-      asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // not .aligned: lane 0 comes apart
-      if (tid == 0)
-        for (uint32_t p = pend; p > 0; --p) mbar_arrive(full0 + 8 * ((it - p) % S));
-      pend = 0;
-    };
-    for (int u = cid; u < total && (GATHER || tid == 0 || lr.parts > 0); u += clusters) {
+    for (int u = cid; u < total && (tid == 0 || lr.parts > 0); u += clusters) {
       const ClusterTile tl = locate_unit<CL>(u, start, offsets, E, n_tiles, static_cast<int>(rank));
       const uint64_t pol_b = tl.last_b ? p_first : p_last, pol_a = tl.last_a ? p_first : p_last;
       const int row0 = static_cast<int>(tl.row0);
-      // GATHER: this thread's rows of the A tile, or none past the tile's rows (zeros): its warp's 32 rows, four at
-      // a time, eight lanes a row (a 16-byte column chunk each, so that a copy instruction reads whole 128-byte rows).
-      // (Their indices are read where they are used, from L1: held in registers across the k loop, the kernel spills.)
-      constexpr int kGatherRows = GATHER ? C::BM / 16 : 1;
-      [[maybe_unused]] const int32_t* rows_of = GATHER ? gather + tl.row0 + warp * 32 + (lane >> 3) : nullptr;
-      [[maybe_unused]] const int row_end = tl.rows - warp * 32 - (lane >> 3);  // row i·4 of this thread's exists
       for (int kt = 0; kt < KTT; ++kt, ++it) {
         const int st = static_cast<int>(it % S);
         const uint32_t full = full0 + 8 * st, a_s = smem_s + st * C::stage_bytes, b_s = a_s + C::a_bytes;
@@ -776,45 +749,17 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         // fall phases behind a barrier's parity) and lets them in by the named barrier below.
         if (tid == 0) mbar_wait(empty0 + 8 * st, ((it / S) & 1) ^ 1);
         if (kt < KT) {
+          if (tid != 0) continue;
           const int k0 = kt * C::BK;
-          if constexpr (GATHER) {
-            // The oldest pending stage's copies, issued kGatherLag k-tiles ago, have landed (every thread's: the
-            // barrier): it goes in. The same barrier lets the threads into stage st, which thread 0 found free.
-            const bool ripe = pend == kGatherLag;
-            if (ripe) {
-              cp_async_wait<static_cast<int>(kGatherLag) - 1>();
-              fence_proxy_async();
-            }
-            asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // not .aligned: lane 0 comes apart
-            if (ripe) {
-              if (tid == 0) mbar_arrive(full0 + 8 * ((it - kGatherLag) % S));
-              --pend;
-            }
-            unsigned char* a_tile = smem + st * C::stage_bytes;
-            const int col = k0 + 8 * (lane & 7);
-#pragma unroll 2
-            for (int i = 0; i < kGatherRows; ++i) {
-              const int r = warp * 32 + i * 4 + (lane >> 3);
-              const bool v = i * 4 < row_end && col < K;
-              cp_async16(a_tile + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
-                         v ? A + int64_t(__ldg(rows_of + i * 4)) * K + col : A, v);
-            }
-            cp_async_commit();
-            ++pend;
-            if (tid != 0) continue;
-            mbar_arrive_expect_tx(full, C::b_bytes);
-          } else {
-            if (tid != 0) continue;
-            // A tile of at most 64 rows: its second half, whose consumer warpgroup runs no MMAs, is not loaded.
-            const bool half_a = tl.rows <= 64;
-            // Every CTA reading this A tile skips the half alike (the tile's rows are the same for all of them).
-            mbar_arrive_expect_tx(full, C::stage_bytes - (half_a ? 8192 : 0));
-            if (!tl.a_mask) {
-              tma_load_2d(a_s, &map_a, full, k0, row0, pol_a);
-              if (!half_a) tma_load_2d(a_s + 8192, &map_a, full, k0, row0 + 64, pol_a);
-            } else if (tl.a_half == 0 || (tl.a_half == 1 && !half_a)) {
-              tma_load_2d_mc(a_s + tl.a_half * 8192, &map_a, full, k0, row0 + 64 * tl.a_half, tl.a_mask, pol_a);
-            }
+          // A tile of at most 64 rows: its second half, whose consumer warpgroup runs no MMAs, is not loaded.
+          const bool half_a = tl.rows <= 64;
+          // Every CTA reading this A tile skips the half alike (the tile's rows are the same for all of them).
+          mbar_arrive_expect_tx(full, C::stage_bytes - (half_a ? 8192 : 0));
+          if (!tl.a_mask) {
+            tma_load_2d(a_s, &map_a, full, k0, row0, pol_a);
+            if (!half_a) tma_load_2d(a_s + 8192, &map_a, full, k0, row0 + 64, pol_a);
+          } else if (tl.a_half == 0 || (tl.a_half == 1 && !half_a)) {
+            tma_load_2d_mc(a_s + tl.a_half * 8192, &map_a, full, k0, row0 + 64 * tl.a_half, tl.a_mask, pol_a);
           }
           const bool sh_b = tl.w_mask != 0;  // this CTA loads the half w_half of its weight tile for w_mask
           // A weight box at column c and row r of the expert's natural matrix, by layout (GroupedWeightLayout, a
@@ -849,19 +794,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           load_low_rank_tile<128, C::BM, BN, KN>(As, As + C::a_bytes, tid, lr, tl.e, tl.rows, tl.row0, tl.nt, glu,
                                                  N, A);
           cp_async_commit();
-          if constexpr (GATHER) {
-            let_in();  // the pending stages' A tiles with it: the wait covers every copy so far
-            if (tid == 0) mbar_arrive(full);
-          } else {
-            cp_async_wait<0>();
-            fence_proxy_async();
-          }
+          cp_async_wait<0>();
+          fence_proxy_async();
           asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // not .aligned: lane 0 comes apart
           if (tid == 0) mbar_arrive(full);
         }
       }
     }
-    if constexpr (GATHER) let_in();  // the last stages
   } else {
     const int cw = wg - 1, wq = warp & 3;
     uint32_t it = 0;
@@ -967,10 +906,9 @@ CUtensorMap tensor_map(const void* base, int rank, const cuuint64_t* dims, const
   return bf16_tensor_map(base, rank, dims, strides, box, "grouped_gemm");
 }
 
-template <bool KN, int CL, int LAYOUT, bool G>
+template <bool KN, int CL, int LAYOUT>
 void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   using C = TmaCfg;
-  const auto kernel = grouped_gemm_tma_kernel<KN, CL, LAYOUT, G>;
   const int n_tiles = n_tiles_of<C>(g);
   if (!g.schedule_ready) {
     schedule_kernel<<<1, kScanThreads, 0, st>>>(g.offsets, g.E, C::BM, n_tiles, CL, start);
@@ -979,8 +917,7 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const cuuint64_t K = static_cast<cuuint64_t>(g.K), N = static_cast<cuuint64_t>(g.N), E = static_cast<cuuint64_t>(g.E);
   const cuuint64_t a_dims[2] = {K, static_cast<cuuint64_t>(g.n)}, a_strides[1] = {K * 2};
   const cuuint32_t a_box[2] = {64, 64};
-  // A gathering kernel copies its A rows itself (no map: A has other rows than the product).
-  const CUtensorMap map_a = G ? CUtensorMap{} : tensor_map(g.A, 2, a_dims, a_strides, a_box);
+  const CUtensorMap map_a = tensor_map(g.A, 2, a_dims, a_strides, a_box);
   CUtensorMap map_b;
   // The natural matrix of each expert is R × Cn (rows × columns: [N, K], or [K, N] with w_kn).
   const cuuint64_t R = KN ? K : N, Cn = KN ? N : K;
@@ -1013,10 +950,11 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   static std::atomic<uint64_t> set{0};
   static int resident[kMaxDevices];
   if (!(set.load(std::memory_order_acquire) >> dev & 1)) {
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem_bytes));
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tma_kernel<KN, CL, LAYOUT>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem_bytes));
     cfg.gridDim = dim3(static_cast<unsigned>(sm_count()));
     int n = 0;
-    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+    NEXTLM_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, grouped_gemm_tma_kernel<KN, CL, LAYOUT>, &cfg));
     check(n >= 1, "grouped_gemm: the TMA kernel's clusters of ", CL, " do not fit on this device");
     resident[dev] = n;
     set.fetch_or(uint64_t{1} << dev, std::memory_order_release);
@@ -1025,31 +963,24 @@ void launch_tma(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   const int64_t bound = n_tiles * (ceil_div(g.n, C::BM) + g.E);
   const int clusters = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(bound, resident[dev])));
   cfg.gridDim = dim3(static_cast<unsigned>(CL * clusters));
-  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, g.A, g.offsets, g.C,
+  NEXTLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, grouped_gemm_tma_kernel<KN, CL, LAYOUT>, map_a, map_b, g.A, g.offsets, g.C,
                                        static_cast<const int32_t*>(start), g.E, g.N, g.K, n_tiles,
                                        static_cast<int>(g.epilogue), g.limit, g.low_rank, pre_of(g),
-                                       g.pre16 != nullptr, g.gather));
+                                       g.pre16 != nullptr));
 }
 
 static_assert(static_cast<int>(GroupedWeightLayout::kRows) == 0 &&
               static_cast<int>(GroupedWeightLayout::kColumnBlocks) == 1 &&
               static_cast<int>(GroupedWeightLayout::kTiles) == 2);
 
-template <bool KN, int CL, bool G>
+template <bool KN, int CL>
 void launch_tma_layout(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
   switch (g.w_layout) {
-    case GroupedWeightLayout::kRows: return launch_tma<KN, CL, 0, G>(g, start, st);
-    case GroupedWeightLayout::kColumnBlocks: return launch_tma<KN, CL, 1, G>(g, start, st);
-    case GroupedWeightLayout::kTiles: return launch_tma<KN, CL, 2, G>(g, start, st);
+    case GroupedWeightLayout::kRows: return launch_tma<KN, CL, 0>(g, start, st);
+    case GroupedWeightLayout::kColumnBlocks: return launch_tma<KN, CL, 1>(g, start, st);
+    case GroupedWeightLayout::kTiles: return launch_tma<KN, CL, 2>(g, start, st);
   }
   fail("grouped_gemm: unknown weight layout ", static_cast<int>(g.w_layout));
-}
-
-template <bool KN, int CL>
-void launch_tma_gather(const GroupedGemm& g, int32_t* start, cudaStream_t st) {
-  if constexpr (KN) launch_tma_layout<KN, CL, false>(g, start, st);  // (grouped_gemm refuses gather with w_kn)
-  else if (g.gather) launch_tma_layout<KN, CL, true>(g, start, st);
-  else launch_tma_layout<KN, CL, false>(g, start, st);
 }
 
 template <bool KN>
@@ -1061,11 +992,11 @@ void dispatch(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream) {
     case GroupedGemmKernel::kWgmma128x128: launch<WgCfg0, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmma128x256: launch<WgCfg1, true, KN>(g, workspace, stream); break;
     case GroupedGemmKernel::kWgmmaTma128x256:
-      if (g.W_all) launch_tma_gather<KN, 2>(g, workspace, stream);
+      if (g.W_all) launch_tma_layout<KN, 2>(g, workspace, stream);
       else launch<WgCfg1, true, KN>(g, workspace, stream);
       break;
     case GroupedGemmKernel::kWgmmaTma128x256c4:
-      if (g.W_all) launch_tma_gather<KN, 4>(g, workspace, stream);
+      if (g.W_all) launch_tma_layout<KN, 4>(g, workspace, stream);
       else launch<WgCfg1, true, KN>(g, workspace, stream);
       break;
     default: fail("grouped_gemm: unknown kernel variant ", static_cast<int>(g.kernel));
@@ -1088,11 +1019,6 @@ const char* grouped_gemm_kernel_name(GroupedGemmKernel k) {
 }
 
 int64_t grouped_gemm_workspace_ints(int E) { return int64_t(E) + 1; }
-
-bool grouped_gemm_gathers(const GroupedGemm& g) {
-  return (g.kernel == GroupedGemmKernel::kWgmmaTma128x256 || g.kernel == GroupedGemmKernel::kWgmmaTma128x256c4) &&
-         g.W_all != nullptr && !g.w_kn;
-}
 
 namespace {
 
@@ -1187,9 +1113,6 @@ void grouped_gemm(const GroupedGemm& g, int32_t* workspace, cudaStream_t stream)
           "grouped_gemm: weights in ", tiles ? "tiles" : "column blocks", " need their columns (", cols,
           ") a multiple of 64", tiles ? " and their rows (" + std::to_string(rows) + ") of 128 (256 with SwiGLU)" : "");
   }
-  check(!g.gather || grouped_gemm_gathers(g),
-        "grouped_gemm: gathered A rows need a TMA kernel variant with W_all and w_kn false, got ",
-        grouped_gemm_kernel_name(g.kernel), g.W_all ? "" : " without W_all", g.w_kn ? " with w_kn" : "");
   if (g.n == 0) return;
   if (g.w_kn) dispatch<true>(g, workspace, stream);
   else dispatch<false>(g, workspace, stream);

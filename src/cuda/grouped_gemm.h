@@ -136,15 +136,7 @@ struct GroupedGemm {
   const bf16* W_all = nullptr;
   // How W_all holds the weights (block_expert_weights); the TMA variants only.
   GroupedWeightLayout w_layout = GroupedWeightLayout::kRows;
-  // The A rows by index ([n] device, or null): row r of the product reads A's row gather[r] (A then holds the
-  // unpermuted rows, row stride K, each index a row of it), in place of a gathered copy of them (moe.cu's
-  // gather_rows): the same products, bit for bit. Where grouped_gemm_gathers(g) only: the A tiles come through
-  // cp.async from the producer warpgroup instead of TMA.
-  const int32_t* gather = nullptr;
 };
-
-// Whether g's kernel takes GroupedGemm::gather: a TMA variant with W_all, w_kn false.
-bool grouped_gemm_gathers(const GroupedGemm& g);
 
 // dst = src's E matrices [rows, cols] (row-major, back to back) in `layout`; with to_layout false the inverse (src
 // in the layout, dst row-major). dst and src do not overlap.

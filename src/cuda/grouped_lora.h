@@ -61,10 +61,6 @@ struct GroupedLora {
   const bf16* const* A;    // [E] device array of device pointers, each bf16 [r, in], 16-byte aligned
   const bf16* const* B;    // [E] each bf16 [out, r], 16-byte aligned
   float scale;             // alpha / r
-  // The adapter input's rows by index ([n] device, or null): permuted row r of x is x's row x_rows[r] (x then holds
-  // the unpermuted rows, as GroupedGemm::gather reads them), for the sums over x (u and dA); dy, u, gs, y and dx
-  // stay in the permuted order. The same bits as on a gathered copy.
-  const int32_t* x_rows = nullptr;
 };
 
 // Row stride of u and gs: r rounded up to a multiple of 8.

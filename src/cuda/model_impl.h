@@ -34,7 +34,6 @@ void note_lora_stacked_group();
 void note_lora_joined_projection();
 void note_lora_joined_input_gradient();  // counts in lora_joined_projections() too
 void note_narrow_joined_gradient();
-void note_moe_gathered();  // moe_gathered_layers in device_model.h
 void note_mhc_fused_post();  // mhc_fused_posts in device_model.h
 
 namespace cuda {
@@ -156,14 +155,6 @@ struct DMoe {
   GroupedWeightLayout layout = GroupedWeightLayout::kRows;
   bool has_shared = false;
   DMlp shared;
-  // Whether the gate|up grouped GEMM reads the MoE input's rows by index instead of a gathered copy of them
-  // (set_moe_gather, and a TMA variant over gate_up_all: GroupedGemm::gather).
-  bool gathers_rows() const {
-    GroupedGemm g{};
-    g.kernel = static_cast<GroupedGemmKernel>(std::max(moe_expert_gemm(), 0));
-    g.W_all = gate_up_all;
-    return moe_gather() && moe_expert_gemm() >= 0 && grouped_gemm_gathers(g);
-  }
   // The per-expert (cuBLASLt) GEMMs read the experts' weights row-major only.
   void require_rows() const {
     check(layout == GroupedWeightLayout::kRows,
@@ -1095,9 +1086,7 @@ struct CudaModel::Impl {
             *offsets = arena.alloc<int32_t>(buckets + 1);
     const size_t temp_bytes = moe_permute_temp_bytes(n);
     void* temp = arena.alloc<char>(static_cast<int64_t>(temp_bytes));
-    // A prefill's gate|up GEMM reads a's rows by index where it can: no gathered copy xp.
-    const bool gather = !step && w.gathers_rows();
-    bf16* xp = gather ? nullptr : arena.alloc<bf16>(n * D);
+    bf16* xp = arena.alloc<bf16>(n * D);
     // A decoding step's few tokens: routing, sorting and gathering in one launch (the same results).
     const float scale = static_cast<float>(cfg.routed_scaling_factor);
     if (!(step && El == E &&
@@ -1109,8 +1098,7 @@ struct CudaModel::Impl {
       if (El != E) moe_localize(experts, n, expert_begin, El, stream);
       moe_permute(experts, T, k, buckets, keys, slots_in, slots, token_of, slot_of, offsets, temp, temp_bytes,
                   stream);
-      if (gather) note_moe_gathered();
-      else gather_rows(a, token_of, xp, n, D, stream);
+      gather_rows(a, token_of, xp, n, D, stream);
     }
     bf16* act = arena.alloc<bf16>(n * I);
     float* out = arena.alloc<float>(n * D);
@@ -1119,11 +1107,10 @@ struct CudaModel::Impl {
       // The grouped GEMM walks the experts' tiles on the device: no host sync, clamped SwiGLU fused into gate_up.
       int32_t* ws = arena.alloc<int32_t>(grouped_gemm_workspace_ints(static_cast<int>(El)));
       const auto kernel = static_cast<GroupedGemmKernel>(moe_expert_gemm() >= 0 ? moe_expert_gemm() : 4);
-      GroupedGemm gu{gather ? a : xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
+      GroupedGemm gu{xp, offsets, w.gate_up_ptrs, act, n, static_cast<int>(El), static_cast<int>(2 * I),
                      static_cast<int>(D), GroupedEpilogue::kSwiGLU, static_cast<float>(cfg.swiglu_limit), kernel};
       gu.W_all = w.gate_up_all;
       gu.w_layout = w.layout;
-      gu.gather = gather ? token_of : nullptr;
       grouped_gemm(gu, ws, stream);
       GroupedGemm dn{act, offsets, w.down_ptrs, out, n, static_cast<int>(El), static_cast<int>(D),
                      static_cast<int>(I), GroupedEpilogue::kF32, 0.0f, kernel};

@@ -143,12 +143,7 @@ struct MoeActs {
   // then the other ranks' choices come after them, from row *rows_held on)
   int32_t *experts, *slot_of, *offsets;
   const int32_t* rows_held = nullptr;
-  // The routed experts' input rows: gathered into xp [n, D] (moe.cu's gather_rows), or, with xp null, the MoE's
-  // input a [T, D] read by index (token_of [n]: permuted row r is a's row token_of[r]; GroupedGemm::gather).
-  bf16* xp = nullptr;
-  const bf16* a = nullptr;
-  const int32_t* token_of = nullptr;
-  bf16* act;
+  bf16 *xp, *act;
   MlpActs shared;
 };
 
@@ -626,21 +621,17 @@ class Step {
   bool grouped_adapters(size_t i, std::initializer_list<LoraKind> kinds) const {
     return m_.lora->layers[i].runs_grouped(kinds);
   }
-  // The routed experts' input rows for their adapters of `down` or of gate and up: the act, the gathered rows xp,
-  // or without xp the MoE's input a, its rows by x.token_of (expert_rows).
-  static const bf16* expert_in(const MoeActs& x, bool down) { return down ? x.act : x.xp ? x.xp : x.a; }
-  static const int32_t* expert_rows(const MoeActs& x, bool down) { return down || x.xp ? nullptr : x.token_of; }
-  GroupedLora grouped_lora(size_t i, LoraKind k, const MoeActs& x) const {
+  GroupedLora grouped_lora(size_t i, LoraKind k, const int32_t* offsets) const {
     const DAdapter& a = m_.lora->layers[i].kinds[static_cast<int>(k)][0];
     const LayerLora::Grouped& g = m_.lora->layers[i].grouped[static_cast<int>(k)];
-    return GroupedLora{x.offsets, static_cast<int>(m_.local_experts), static_cast<int>(a.r), static_cast<int>(a.in),
-                       static_cast<int>(a.out), g.A, g.B, a.scale, expert_rows(x, k == LoraKind::ExpertDown)};
+    return GroupedLora{offsets, static_cast<int>(m_.local_experts), static_cast<int>(a.r), static_cast<int>(a.in),
+                       static_cast<int>(a.out), g.A, g.B, a.scale};
   }
   void expert_adapters_forward(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
     if (!has_adapters(i, kinds)) return;
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = expert_in(x, down);
+    const bf16* in = down ? x.act : x.xp;
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
     float* out = factors_only_ ? nullptr : down ? x.out : x.gu;
     if (m_.lora->layers[i].shared_experts) {
@@ -656,9 +647,9 @@ class Step {
         if (!ad) continue;
         bf16* u = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
         if (factors_only_)
-          grouped_lora_factor(grouped_lora(i, k, x), in, ld_in, n, u, m_.stream);
+          grouped_lora_factor(grouped_lora(i, k, x.offsets), in, ld_in, n, u, m_.stream);
         else
-          grouped_lora_forward(grouped_lora(i, k, x), in, ld_in, n, u, out, ld_out, ad->col0, m_.stream);
+          grouped_lora_forward(grouped_lora(i, k, x.offsets), in, ld_in, n, u, out, ld_out, ad->col0, m_.stream);
         lora_u_[site_][{ad, in}] = u;
       }
       return;
@@ -702,29 +693,30 @@ class Step {
   }
   // Whether layer i's grouped adapters of `kinds` are a pair ({gate, up}, both present) that the one-pass forms take
   // (grouped_lora_pairable): their sums over the shared input x then read it once.
-  bool paired(size_t i, std::initializer_list<LoraKind> kinds, const MoeActs& x) const {
+  bool paired(size_t i, std::initializer_list<LoraKind> kinds, const int32_t* offsets) const {
     if (kinds.size() != 2 || !adapter(i, kinds.begin()[0]) || !adapter(i, kinds.begin()[1])) return false;
-    return grouped_lora_pairable(grouped_lora(i, kinds.begin()[0], x), grouped_lora(i, kinds.begin()[1], x));
+    return grouped_lora_pairable(grouped_lora(i, kinds.begin()[0], offsets),
+                                 grouped_lora(i, kinds.begin()[1], offsets));
   }
   // Forward of folded adapters: each one's u = bf16(scale · in·A_eᵀ) (kept for the backward), and the low-rank
   // parts (u, B_e) that the projection's grouped GEMM adds to its output columns.
   GroupedLowRank expert_adapters_factor(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = expert_in(x, down);
+    const bf16* in = down ? x.act : x.xp;
     std::array<bf16*, 2> u{};  // by position in kinds
     int j = 0;
     for (LoraKind k : kinds) {
       if (const DAdapter* ad = adapter(i, k)) u[j] = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
       ++j;
     }
-    if (paired(i, kinds, x)) {
-      grouped_lora_factor2(grouped_lora(i, kinds.begin()[0], x), grouped_lora(i, kinds.begin()[1], x),
+    if (paired(i, kinds, x.offsets)) {
+      grouped_lora_factor2(grouped_lora(i, kinds.begin()[0], x.offsets), grouped_lora(i, kinds.begin()[1], x.offsets),
                            in, down ? I : D, n, u[0], u[1], m_.stream);
     } else {
       j = 0;
       for (LoraKind k : kinds) {
-        if (u[j]) grouped_lora_factor(grouped_lora(i, k, x), in, down ? I : D, n, u[j], m_.stream);
+        if (u[j]) grouped_lora_factor(grouped_lora(i, k, x.offsets), in, down ? I : D, n, u[j], m_.stream);
         ++j;
       }
     }
@@ -749,7 +741,7 @@ class Step {
                                                  const bf16* dy, float* dx) {
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = expert_in(x, down);
+    const bf16* in = down ? x.act : x.xp;
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
     std::array<bf16*, 2> gs{};
     std::array<const bf16*, 2> u{};
@@ -765,10 +757,10 @@ class Step {
       ++j;
     }
     const auto& grouped = m_.lora->layers[i].grouped;
-    if (paired(i, kinds, x)) {
+    if (paired(i, kinds, x.offsets)) {
       const LoraKind k0 = kinds.begin()[0], k1 = kinds.begin()[1];
       const LayerLora::Grouped &g0 = grouped[static_cast<int>(k0)], &g1 = grouped[static_cast<int>(k1)];
-      grouped_lora_backward2(grouped_lora(i, k0, x), grouped_lora(i, k1, x), g0.dA, g0.dB, g1.dA,
+      grouped_lora_backward2(grouped_lora(i, k0, x.offsets), grouped_lora(i, k1, x.offsets), g0.dA, g0.dB, g1.dA,
                              g1.dB, in, ld_in, u[0], u[1], dy, ld_out, n, gs[0], gs[1], dx, ld_in, adapter(i, k0)->col0,
                              adapter(i, k1)->col0, m_.stream, m_.lora->unwritten);
       return gs;
@@ -777,7 +769,7 @@ class Step {
     for (LoraKind k : kinds) {
       if (gs[j]) {
         const LayerLora::Grouped& g = grouped[static_cast<int>(k)];
-        grouped_lora_backward(grouped_lora(i, k, x), g.dA, g.dB, in, ld_in, u[j], dy, ld_out, n, gs[j], dx,
+        grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, ld_in, u[j], dy, ld_out, n, gs[j], dx,
                               ld_in, adapter(i, k)->col0, m_.stream, m_.lora->unwritten);
       }
       ++j;
@@ -809,7 +801,7 @@ class Step {
     if (!has_adapters(i, kinds)) return;
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = expert_in(x, down);
+    const bf16* in = down ? x.act : x.xp;
     const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
     if (m_.lora->layers[i].shared_experts) {
       // off is empty when every row is this rank's (no expert parallelism, nothing per expert).
@@ -1290,21 +1282,8 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   const size_t temp_bytes = moe_permute_temp_bytes(n);
   void* temp = ar.alloc<char>(static_cast<int64_t>(temp_bytes));
   moe_permute(keys_in, T, k, buckets, keys, slots_in, slots, token_of, x.slot_of, x.offsets, temp, temp_bytes, st);
-  // The experts read a's rows by index where every reader of their input rows can (the gate|up GEMM on a TMA
-  // kernel, grouped adapters or none, no weight gradients of the experts): the gathered copy's n·D bf16 neither
-  // written nor read (set_moe_gather); else they are gathered into xp.
-  const bool gate_up_adapters = has_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp});
-  const bool gather = w.gathers_rows() && !g_.linears &&
-                      (!gate_up_adapters || (!m_.lora->layers[i].shared_experts &&
-                                             grouped_adapters(i, {LoraKind::ExpertGate, LoraKind::ExpertUp})));
-  x.a = a;
-  if (gather) {
-    x.xp = nullptr, x.token_of = token_of;
-    note_moe_gathered();
-  } else {
-    x.xp = ar.alloc<bf16>(n * D), x.token_of = nullptr;
-    gather_rows(a, token_of, x.xp, n, D, st);
-  }
+  x.xp = ar.alloc<bf16>(n * D);
+  gather_rows(a, token_of, x.xp, n, D, st);
   // A recomputed site whose routed experts' gate|up the policy keeps (core_.moe_gu): its forward writes the
   // pre-activations and the act into the site's own buffers, and its recomputation reads them instead of running the
   // GEMM again; it makes the gate and up adapters' u alone.
@@ -1338,11 +1317,10 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
     } else if (!x.gu) {
       x.gu = ar.alloc<float>(n * 2 * I);
     }
-    GroupedGemm gu{x.xp ? x.xp : a, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
+    GroupedGemm gu{x.xp, x.offsets, w.gate_up_ptrs, x.gu, n, static_cast<int>(El), static_cast<int>(2 * I),
                    static_cast<int>(D), GroupedEpilogue::kF32, 0.0f, kernel};
     gu.W_all = w.gate_up_all;
     gu.w_layout = w.layout;
-    gu.gather = x.token_of;
     if (fuse_act) {
       gu.C = x.act, gu.pre = x.gu, gu.pre16 = x.gu16;
       gu.epilogue = GroupedEpilogue::kSwiGLU, gu.limit = static_cast<float>(c_.swiglu_limit);
