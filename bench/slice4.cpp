@@ -635,7 +635,7 @@ void slice4_lora_step_case(const std::string& name) {
   line["kda_keep_states"] = r.kda_keep_states;
   line["train_overlap"] = r.train_overlap;
   line["mhc_mix_fold"] = mhc_mix_fold();
-  line["mhc_post_fusion"] = mhc_post_fusion(), line["moe_gather"] = moe_gather();
+  line["mhc_post_fusion"] = mhc_post_fusion();
   line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);
   line["expert_layout"] = layout;
   if (par) {

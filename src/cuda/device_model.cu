@@ -86,7 +86,7 @@ void set_mhc_mix_fold(bool on) { g_mhc_mix_fold.set(on); }
 bool mhc_mix_fold() { return g_mhc_mix_fold.on(); }
 
 namespace {
-EnvSwitch g_mhc_post_fusion{"NEXTLM_MHC_POST_FUSION", false};
+EnvSwitch g_mhc_post_fusion{"NEXTLM_MHC_POST_FUSION"};
 std::atomic<int64_t> g_mhc_fused_posts{0};
 }  // namespace
 

@@ -64,9 +64,9 @@ bool mhc_mix_fold();
 // Whether the forward (training's and the prefill's) runs a site's mHC post-mix and the next site's projection as
 // one kernel (cuda::mhc_post_project, where its shapes allow: more than 16 tokens, S <= 4, D a multiple of 1024),
 // which does not read the new streams back (T·S·D floats a site), in place of the post-mix kernel and the
-// projection's. The same bits either way. Off by default until measured on a GPU; NEXTLM_MHC_POST_FUSION=1 in the
-// environment turns it on by default. Process-wide, for tests and benchmarks; mhc_fused_posts() counts the fused
-// kernels run so far in this process.
+// projection's. The same bits either way. On by default; NEXTLM_MHC_POST_FUSION=0 in the environment turns it off
+// by default. Process-wide, for tests and benchmarks; mhc_fused_posts() counts the fused kernels run so far in this
+// process.
 void set_mhc_post_fusion(bool on);
 bool mhc_post_fusion();
 int64_t mhc_fused_posts();
