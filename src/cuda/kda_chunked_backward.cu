@@ -773,8 +773,9 @@ __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 :
 
 // ---- The state passes: per (sequence, head, TV value columns), sequential over the sequence's chunks. The state
 // (or its gradient) [K, TV] stays in fp32 accumulators of the warps, and goes to shared memory in split bf16 as the
-// operand of the chunk's first product. W and Kd are staged by cp.async from their split slots, the next chunk's one
-// while this chunk's other product runs: one cp.async group per matrix, the older one always awaited first. ----
+// operand of the chunk's first product. W and Kd are staged by cp.async from their split slots: in fwd_state the
+// next chunk's one while this chunk's other product runs (one cp.async group per matrix, the older one always awaited
+// first); bwd_state double-buffers them (below). ----
 
 template <int K>
 struct StateSmem {
@@ -870,7 +871,9 @@ __global__ void __launch_bounds__(32 * kStateWarps, 1) fwd_state_kernel(Params p
 // reads and rewrites only its own elements of the two slots. The chain over the chunks waits on nothing but its own
 // products: W and Kd are double-buffered, the previous chunk's copies issued as a chunk starts (a whole chunk ahead
 // of their use), and the slots' values of the previous chunk are loaded into registers while this one's products
-// run. The split planes take shared memory only with lo (BwdStateSmem).
+// run (1.98 → 1.49 ms over the LoRA step's three layers on an H100, with mma3's PIPE). The split planes take shared
+// memory only with lo (BwdStateSmem). At 250 registers a thread the pass holds every register of its SM: work on
+// another stream gets only the SMs it leaves free (the output gate's backward beside it, train.cu).
 template <int K>
 struct BwdStateSmem {
   static constexpr int KS = K + 8, TV = state_cols<K>(), VS = TV + 8;
