@@ -299,6 +299,37 @@ TEST_P(CudaBackwardKdaChunked, CompactPrepGivesTheSameBits) {
   cuda_testing::set_kda_backward_compact_prep(was);
 }
 
+// q, k and v given in bf16 (the overload a training step calls with the tensor-core forward's inputs) give the bits
+// of fp32 copies of the same values: every form (split and bf16 products, the full and compact prep), both paths of
+// the pairs within a block (gate 0.5 and 5), partial chunks, gradients written (NaN-filled first) and added to.
+TEST_P(CudaBackwardKdaChunked, Bf16InputsGiveTheSameBits) {
+  const int64_t K = GetParam(), H = 2;
+  const bool was = cuda_testing::kda_backward_compact_prep();
+  for (const float gate : {0.5f, 5.0f}) {
+    Case c = make_case({130, 64, 1, 77}, H, K, 970 + static_cast<unsigned>(K), gate);
+    for (std::vector<float>* x : {&c.q, &c.k, &c.v})
+      for (float& e : *x) e = bf16_to_f32(f32_to_bf16(e));
+    for (const bool products : {false, true})
+      for (const bool compact : {false, true})
+        for (const bool written : {false, true}) {
+          if (compact && !products) continue;  // the compact prep is the bf16 products' alone
+          cuda_testing::set_kda_backward_compact_prep(compact);
+          const auto a = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {},
+                                                            written, products);
+          const auto b = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {},
+                                                            written, products, true);
+          SCOPED_TRACE("gate " + std::to_string(gate) + (products ? ", bf16 products" : ", split") +
+                       (compact ? ", compact prep" : "") + (written ? ", written" : ", added"));
+          EXPECT_EQ(a.dq, b.dq);
+          EXPECT_EQ(a.dk, b.dk);
+          EXPECT_EQ(a.dv, b.dv);
+          EXPECT_EQ(a.dg, b.dg);
+          EXPECT_EQ(a.dbeta, b.dbeta);
+        }
+  }
+  cuda_testing::set_kda_backward_compact_prep(was);
+}
+
 // No atomics: two runs give the same bits.
 TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const int64_t K = GetParam(), H = 2;

@@ -156,6 +156,13 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
                           KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
                           const float* kept_h = nullptr, const float* kept_u = nullptr);
+// The same with q, k and v in bf16 (the tensor-core forward's inputs, which a training step keeps instead of fp32
+// copies): widened as they are read, so the same gradients, bit for bit, as from fp32 copies of them; half the bytes.
+void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
+                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
+                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
+                          KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
+                          const float* kept_h = nullptr, const float* kept_u = nullptr);
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient

@@ -93,7 +93,26 @@ struct Params {
   // The forward's S0 [C·H, K, K] and u [C·H, C, K] per (chunk, head) (KdaTcStates::chunk_h, chunk_u), or null: then
   // fwd_state forms them in the workspace's h and u slots.
   const float *kh, *ku;
+  // q, k and v in bf16 instead of q, k, v (the tensor-core forward's inputs, as a training step keeps them), or null.
+  const bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
 };
+
+// The q, k and v that prep, inter and intra read: fp32, or with B16 the bf16 ones.
+template <bool B16>
+__device__ __forceinline__ auto in_q(const Params& p) {
+  if constexpr (B16) return p.q16;
+  else return p.q;
+}
+template <bool B16>
+__device__ __forceinline__ auto in_k(const Params& p) {
+  if constexpr (B16) return p.k16;
+  else return p.k;
+}
+template <bool B16>
+__device__ __forceinline__ auto in_v(const Params& p) {
+  if constexpr (B16) return p.v16;
+  else return p.v;
+}
 
 // e^x as __expf forms it (ex2.approx of x·log2(e)), with results below 2^−126 flushed to zero: without the flush
 // ex2.approx needs a range check and two rescalings around it, three more instructions an exponential in loops that
@@ -145,6 +164,17 @@ __device__ __forceinline__ float4 get4(const bf16* p, int plane, bool lo) {
 
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// The same from bf16 (the forward's q, k and v, Params::q16 …), widened as they are loaded: exactly the values an
+// fp32 copy of them would hold.
+__device__ __forceinline__ float2 ld2(const bf16* p) {
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+__device__ __forceinline__ float4 ld4(const bf16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
 __device__ __forceinline__ void st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 
 // The cut of an R × N output among NW warps into one tile of 16·MT rows × 8·NT columns per warp: RT row tiles times
@@ -289,6 +319,18 @@ __device__ __forceinline__ void stage(float* dst, int ld, const float* src, int6
   for (int idx = threadIdx.x; idx < ROWS * c4; idx += NTH) {
     const int r = idx / c4, c = 4 * (idx - r * c4);
     cp_async16(dst + r * ld + c, r < valid ? src + r * lds + c : src, r < valid);
+  }
+}
+// The same from bf16 rows (the forward's q and k), widened on the way by plain loads and stores; complete after
+// sync_staged() too (its barrier).
+template <int ROWS, int COLS, int NTH>
+__device__ __forceinline__ void stage(float* dst, int ld, const bf16* src, int64_t lds, int valid) {
+  constexpr int c4 = COLS / 4;
+  static_assert(COLS % 4 == 0, "whole 8-byte pieces");
+  for (int idx = threadIdx.x; idx < ROWS * c4; idx += NTH) {
+    const int r = idx / c4, c = 4 * (idx - r * c4);
+    *reinterpret_cast<float4*>(dst + r * ld + c) =
+        r < valid ? ld4(src + r * lds + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
 __device__ __forceinline__ void sync_staged() {
@@ -437,7 +479,7 @@ constexpr int prep_warps() {
   return kCompact ? 8 : chunk_warps<K>();
 }
 
-template <int K, bool kCompact>
+template <int K, bool kCompact, bool B16>
 __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 : 1) prep_kernel(Params p) {
   constexpr int NW = prep_warps<K, kCompact>(), NTH = 32 * NW, NP = PrepSmem<K, kCompact>::NP;
   constexpr int KP = PrepSmem<K>::KP, KS = K + 8, pX = kC * KS, pC = kC * kCS;
@@ -459,17 +501,29 @@ __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 :
   float* ws = p.ws + (c * H + h) * lay.per();
   const int64_t base = t0 * HK + h * K;
   const bool lo = !kCompact && p.lo;  // the compact form is the bf16 products' alone
+  const auto *kin = in_k<B16>(p) + base, *qin = in_q<B16>(p) + base;
   // Row i's k and q at columns d …: staged (full form) or from global memory (compact); zero at rows ≥ n.
-  auto rowk = [&](int i) { return kCompact ? p.k + base + int64_t(i) * HK : sk + i * KP; };
-  auto rowq = [&](int i) { return kCompact ? p.q + base + int64_t(i) * HK : sq + i * KP; };
-  auto k2 = [&](int i, int d) { return !kCompact || i < n ? ld2(rowk(i) + d) : make_float2(0.0f, 0.0f); };
-  auto q2 = [&](int i, int d) { return !kCompact || i < n ? ld2(rowq(i) + d) : make_float2(0.0f, 0.0f); };
-  auto k4 = [&](int i, int d) { return !kCompact || i < n ? ld4(rowk(i) + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f); };
-  auto q4 = [&](int i, int d) { return !kCompact || i < n ? ld4(rowq(i) + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f); };
+  auto rowk = [&](int i) { return kin + int64_t(i) * HK; };  // the compact form's
+  auto k2 = [&](int i, int d) {
+    if constexpr (kCompact) return i < n ? ld2(rowk(i) + d) : make_float2(0.0f, 0.0f);
+    else return ld2(sk + i * KP + d);
+  };
+  auto q2 = [&](int i, int d) {
+    if constexpr (kCompact) return i < n ? ld2(qin + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
+    else return ld2(sq + i * KP + d);
+  };
+  auto k4 = [&](int i, int d) {
+    if constexpr (kCompact) return i < n ? ld4(rowk(i) + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    else return ld4(sk + i * KP + d);
+  };
+  auto q4 = [&](int i, int d) {
+    if constexpr (kCompact) return i < n ? ld4(qin + int64_t(i) * HK + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    else return ld4(sq + i * KP + d);
+  };
   stage<kC, K, NTH>(sg, KP, p.g + base, HK, n);
   if constexpr (!kCompact) {
-    stage<kC, K, NTH>(sk, KP, p.k + base, HK, n);
-    stage<kC, K, NTH>(sq, KP, p.q + base, HK, n);
+    stage<kC, K, NTH>(sk, KP, kin, HK, n);
+    stage<kC, K, NTH>(sq, KP, qin, HK, n);
   }
   for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   sync_staged();
@@ -684,7 +738,7 @@ __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 :
     staged<kC, K, NTH>(
         n,
         [&](int i, int d) {
-          return VK{ld4(p.v + base + int64_t(i) * HK + d), kCompact ? ld4(rowk(i) + d) : float4{}};
+          return VK{ld4(in_v<B16>(p) + base + int64_t(i) * HK + d), kCompact ? ld4(rowk(i) + d) : float4{}};
         },
         [&](int i, int d, const VK& x) {
           const float b = sb[i];
@@ -999,7 +1053,7 @@ struct InterSmem {
   static constexpr size_t bytes = size_t(2 * K * KS + 4 * kC * KS) * 2 + size_t(5 * K + kC * FS) * 4;
 };
 
-template <int K>
+template <int K, bool B16>
 __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params p) {
   constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
   constexpr int KS = K + 8, FS = InterSmem<K>::FS, pX = kC * KS, pS = K * KS;
@@ -1047,7 +1101,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
           const bool in = i < n;
           g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
-          q2[j][hf] = in ? ld2(p.q + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
+          q2[j][hf] = in ? ld2(in_q<B16>(p) + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
       for (int j = 0; j < NG; ++j)
@@ -1099,7 +1153,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
           const bool in = i < n;
           g2[j][hf] = in ? ld2(ws + lay.G() + i * K + d) : make_float2(0.0f, 0.0f);
-          k2[j][hf] = in ? ld2(p.k + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
+          k2[j][hf] = in ? ld2(in_k<B16>(p) + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
         }
       }
 #pragma unroll
@@ -1187,7 +1241,7 @@ struct IntraSmem {
   static_assert(dv + F <= misc, "dv's staging clears β");
 };
 
-template <int K>
+template <int K, bool B16>
 __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params p) {
   using L = IntraSmem<K>;
   constexpr int NW = chunk_warps<K>(), NTH = 32 * NW;
@@ -1230,14 +1284,18 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
     float b;
   };
   staged<kC, K, NTH>(
-      n, [&](int r, int cc) { return VB{ld4(p.v + base + int64_t(r) * HK + cc), {}, p.beta[(t0 + r) * H + h]}; },
+      n,
+      [&](int r, int cc) {
+        return VB{ld4(in_v<B16>(p) + base + int64_t(r) * HK + cc), {}, p.beta[(t0 + r) * H + h]};
+      },
       [&](int r, int cc, const VB& a) {
         put4(sbv + r * KS + cc, pX, make_float4(a.b * a.x.x, a.b * a.x.y, a.b * a.x.z, a.b * a.x.w), p.lo);
       });
   staged<kC, K, NTH>(
       n,
       [&](int r, int cc) {
-        return VB{ld4(p.k + base + int64_t(r) * HK + cc), ld4(ws + lay.G() + r * K + cc), p.beta[(t0 + r) * H + h]};
+        return VB{ld4(in_k<B16>(p) + base + int64_t(r) * HK + cc), ld4(ws + lay.G() + r * K + cc),
+                  p.beta[(t0 + r) * H + h]};
       },
       [&](int r, int cc, const VB& a) {
         put4(sbk + r * KS + cc, pX,
@@ -1267,7 +1325,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = r0 + gq + 8 * hf, d = c0 + 8 * (n0 + j) + 2 * tq;
-          v2[j][hf] = i < n ? ld2(p.v + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
+          v2[j][hf] = i < n ? ld2(in_v<B16>(p) + base + int64_t(i) * HK + d) : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
       for (int j = 0; j < NG; ++j)
@@ -1293,7 +1351,7 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         for (int x = 2 * hf; x < 2 * hf + 2; ++x) dq[nt][x] = dk[nt][x] = dG[nt][x] = 0.0f;
         if (i < n) {
           const int64_t e = base + int64_t(i) * HK + d;
-          const float2 g2 = ld2(ws + lay.G() + i * K + d), k2 = ld2(p.k + e);
+          const float2 g2 = ld2(ws + lay.G() + i * K + d), k2 = ld2(in_k<B16>(p) + e);
           const float eg[2] = {exp_ftz(g2.x), exp_ftz(g2.y)}, kg[2] = {k2.x * eg[0], k2.y * eg[1]};
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
@@ -1374,7 +1432,8 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) intra_kernel(Params 
         kC,  // Γ on every row, q and k zero on rows ≥ n
         [&](int i, int cc) {
           const int64_t e = base + int64_t(i) * HK + cc;
-          return GQK{ld4(ws + lay.G() + i * K + cc), i < n ? ld4(p.q + e) : zero, i < n ? ld4(p.k + e) : zero};
+          return GQK{ld4(ws + lay.G() + i * K + cc), i < n ? ld4(in_q<B16>(p) + e) : zero,
+                     i < n ? ld4(in_k<B16>(p) + e) : zero};
         },
         [&](int i, int cc, const GQK& x) {
           *reinterpret_cast<float4*>(fG + i * FS + cc) = x.g;
@@ -1641,7 +1700,7 @@ void set_smem(Kernel kernel, size_t bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-template <int K>
+template <int K, bool B16>
 void launch(const Params& p, cudaStream_t st) {
   const auto nc = static_cast<unsigned>(p.ch.num_chunks), ns = static_cast<unsigned>(p.ch.num_seqs);
   const auto H = static_cast<unsigned>(p.H);
@@ -1658,16 +1717,16 @@ void launch(const Params& p, cudaStream_t st) {
   const bool compact = !p.lo && kda_backward_compact_prep();
   set_smem(fwd_state_kernel<K>, state);
   set_smem(bwd_state_kernel<K>, BwdStateSmem<K>::bytes(true));
-  set_smem(inter_kernel<K>, inter);
-  set_smem(intra_kernel<K>, intra);
+  set_smem(inter_kernel<K, B16>, inter);
+  set_smem(intra_kernel<K, B16>, intra);
   if (compact) {
-    set_smem(prep_kernel<K, true>, prep_compact);
-    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prep_kernel<K, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    set_smem(prep_kernel<K, true, B16>, prep_compact);
+    NEXTLM_CUDA_CHECK(cudaFuncSetAttribute(prep_kernel<K, true, B16>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));
-    prep_kernel<K, true><<<per_chunk, 32 * prep_warps<K, true>(), prep_compact, st>>>(p);
+    prep_kernel<K, true, B16><<<per_chunk, 32 * prep_warps<K, true>(), prep_compact, st>>>(p);
   } else {
-    set_smem(prep_kernel<K, false>, prep);
-    prep_kernel<K, false><<<per_chunk, 32 * prep_warps<K, false>(), prep, st>>>(p);
+    set_smem(prep_kernel<K, false, B16>, prep);
+    prep_kernel<K, false, B16><<<per_chunk, 32 * prep_warps<K, false>(), prep, st>>>(p);
   }
   NEXTLM_CUDA_CHECK(cudaGetLastError());
   if (ns > 0) {
@@ -1678,10 +1737,24 @@ void launch(const Params& p, cudaStream_t st) {
     bwd_state_kernel<K><<<per_seq, 32 * kStateWarps, BwdStateSmem<K>::bytes(p.lo), st>>>(p);
     NEXTLM_CUDA_CHECK(cudaGetLastError());
   }
-  inter_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), inter, st>>>(p);
+  inter_kernel<K, B16><<<per_chunk, 32 * chunk_warps<K>(), inter, st>>>(p);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
-  intra_kernel<K><<<per_chunk, 32 * chunk_warps<K>(), intra, st>>>(p);
+  intra_kernel<K, B16><<<per_chunk, 32 * chunk_warps<K>(), intra, st>>>(p);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int K>
+void launch(const Params& p, cudaStream_t st) {
+  if (p.q16) launch<K, true>(p, st);
+  else launch<K, false>(p, st);
+}
+
+void run(const Params& p, int64_t K, cudaStream_t st) {
+  switch (K) {
+    case 32: launch<32>(p, st); break;
+    case 64: launch<64>(p, st); break;
+    default: launch<128>(p, st); break;
+  }
 }
 
 }  // namespace
@@ -1695,30 +1768,49 @@ size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64
   return static_cast<size_t>(num_chunks * H * Layout{K}.per()) * sizeof(float);
 }
 
+namespace {
+
+// The checks of both entry points; q, k and v are fp32 or bf16 (rows of K read as 8- and 16-byte pieces either way).
+void check_args(const void* q, const void* k, const void* v, const float* g, const float* do_, const KdaChunks& ch,
+                int64_t H, int64_t K, const float* dq, const float* dk, const float* dv, const float* dg,
+                const void* work, const float* kept_h, const float* kept_u) {
+  check(kda_chunked_backward_supported(K), "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
+  check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
+        "kda_chunked_backward: grid too large");
+  for (const void* ptr : {q, k, v, static_cast<const void*>(g), static_cast<const void*>(do_),
+                          static_cast<const void*>(dq), static_cast<const void*>(dk), static_cast<const void*>(dv),
+                          static_cast<const void*>(dg), work})
+    check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
+  check(!kept_h == !kept_u && is_aligned16(kept_h) && is_aligned16(kept_u),
+        "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
+}
+
+}  // namespace
+
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
                           bool accumulate, KdaBackwardProducts products, const float* kept_h,
                           const float* kept_u) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
-  check(kda_chunked_backward_supported(K), "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
-  check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
-        "kda_chunked_backward: grid too large");
-  // Rows of K floats are read and written as float2/float4.
-  for (const void* ptr : {static_cast<const void*>(q), static_cast<const void*>(k), static_cast<const void*>(v),
-                          static_cast<const void*>(g), static_cast<const void*>(do_), static_cast<const void*>(dq),
-                          static_cast<const void*>(dk), static_cast<const void*>(dv), static_cast<const void*>(dg),
-                          static_cast<const void*>(work)})
-    check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
-  check(!kept_h == !kept_u && is_aligned16(kept_h) && is_aligned16(kept_u),
-        "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
+  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u);
   const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
                  products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
-  switch (K) {
-    case 32: launch<32>(p, st); break;
-    case 64: launch<64>(p, st); break;
-    default: launch<128>(p, st); break;
-  }
+  run(p, K, st);
+}
+
+void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
+                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
+                          float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
+                          bool accumulate, KdaBackwardProducts products, const float* kept_h,
+                          const float* kept_u) {
+  if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
+  check(q && k && v, "kda_chunked_backward: bf16 q, k and v are all given");
+  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u);
+  Params p{nullptr, nullptr, nullptr, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work),
+           accumulate, products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
+  p.q16 = q, p.k16 = k, p.v16 = v;
+  run(p, K, st);
 }
 
 }  // namespace nextlm::cuda

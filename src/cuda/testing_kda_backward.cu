@@ -69,17 +69,27 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
                                       const std::vector<float>& v, const std::vector<float>& g,
                                       const std::vector<float>& beta, const std::vector<float>& do_,
                                       const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
-                                      const KdaBackwardGrads& init, bool written, bool bf16_products) {
+                                      const KdaBackwardGrads& init, bool written, bool bf16_products,
+                                      bool bf16_inputs) {
   const int64_t T = cu_seqlens.back();
   KdaBackwardBuffers b(q, k, v, g, beta, do_, init, T, H, K);
   if (written)
     for (const Buf* o : {&b.dq, &b.dk, &b.dv, &b.dg, &b.dbeta}) NEXTLM_CUDA_CHECK(cudaMemset(o->p, 0xFF, o->bytes));
   const detail::DevKdaChunks ch(cu_seqlens);
   const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(ch.num_chunks(), T, H, K));
+  const auto products = bf16_products ? cuda::KdaBackwardProducts::Bf16 : cuda::KdaBackwardProducts::SplitBf16;
+  if (bf16_inputs) {
+    const Buf q16 = detail::upload(detail::to_bf16(q)), k16 = detail::upload(detail::to_bf16(k)),
+              v16 = detail::upload(detail::to_bf16(v));
+    cuda::kda_chunked_backward(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>(), b.g.as<float>(),
+                               b.beta.as<float>(), b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(),
+                               b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(), b.dbeta.as<float>(), work.p,
+                               nullptr, !written, products);
+    return b.get();
+  }
   cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), b.g.as<float>(), b.beta.as<float>(),
                              b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(), b.dk.as<float>(), b.dv.as<float>(),
-                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr, !written,
-                             bf16_products ? cuda::KdaBackwardProducts::Bf16 : cuda::KdaBackwardProducts::SplitBf16);
+                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr, !written, products);
   return b.get();
 }
 

@@ -25,12 +25,13 @@ KdaBackwardGrads kda_recurrent_backward(const std::vector<float>& q, const std::
 // builds them; the workspace is poisoned with NaN first (every factor read must have been written). Same init
 // convention as above; with written, the gradient buffers start as NaN instead and the kernel writes them
 // (accumulate false), so an element it misses shows. bf16_products: cuda::KdaBackwardProducts::Bf16 (else split).
+// bf16_inputs: q, k and v rounded to bf16 and passed as such (the overload a training step calls).
 KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::vector<float>& k,
                                       const std::vector<float>& v, const std::vector<float>& g,
                                       const std::vector<float>& beta, const std::vector<float>& do_,
                                       const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
                                       const KdaBackwardGrads& init = {}, bool written = false,
-                                      bool bf16_products = false);
+                                      bool bf16_products = false, bool bf16_inputs = false);
 
 // cuda::set_kda_backward_compact_prep / kda_backward_compact_prep (process-wide).
 void set_kda_backward_compact_prep(bool on);

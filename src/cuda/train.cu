@@ -117,6 +117,8 @@ __global__ void local_tokens_kernel(const int32_t* tok, int32_t* out, int64_t T,
 // What each sub-layer's backward reads, kept by its training forward (arena memory).
 struct KdaActs {
   float *raw, *q, *k, *v, *fa, *f, *g, *beta, *ga, *gate;
+  // The tensor-core forward's bf16 q, k and v; the chunked backward reads them (then q, k and v are null).
+  bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
   // The recurrence's output: bf16 from the tensor-core kernel (the output norm and its backward read it so), else
   // fp32; the other is null.
   float* o = nullptr;
@@ -946,17 +948,18 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   cudaStream_t st = m_.stream;
   x.raw = ar.alloc<float>(T * 3 * HK);
   linear_forward(i, {LoraKind::KdaQ, LoraKind::KdaK, LoraKind::KdaV}, w.qkv, a, D, x.raw);
-  // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel) runs as inference runs it. The kept
-  // fp32 q, k, v are then rounded to the bf16 values it reads, so that the backward differentiates the function the
-  // forward computed (the rounding passes the gradient through unchanged). A transient forward makes the bf16 ones
-  // alone (the same values: both round the same fp32 results to nearest).
+  // The forward's tensor-core kernel (bf16 q, k, v; the gate in the kernel) runs as inference runs it, and the
+  // backward differentiates the function it computed: from those bf16 values (the rounding passes the gradient
+  // through unchanged). The chunked backward reads them as they are; the recurrent one (other head dims) fp32 copies
+  // holding the same values. A transient forward makes the bf16 ones alone.
   const bool tc = m_.kda_tc_path();
   const bool lean = tc && transient_;
-  if (!lean) x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
-  bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
+  const bool qkv32 = !tc || (!lean && !kda_chunked_backward_supported(K));
+  if (qkv32) x.q = ar.alloc<float>(T * HK), x.k = ar.alloc<float>(T * HK), x.v = ar.alloc<float>(T * HK);
   if (tc) {
-    q16 = ar.alloc<bf16>(T * HK), k16 = ar.alloc<bf16>(T * HK), v16 = ar.alloc<bf16>(T * HK);
-    if (lean) kda_conv_norm(x.raw, w.conv, p_.seq_start, q16, k16, v16, T, H, K, W, st);
+    bf16 *q16 = x.q16 = ar.alloc<bf16>(T * HK), *k16 = x.k16 = ar.alloc<bf16>(T * HK),
+         *v16 = x.v16 = ar.alloc<bf16>(T * HK);
+    if (!qkv32) kda_conv_norm(x.raw, w.conv, p_.seq_start, q16, k16, v16, T, H, K, W, st);
     else kda_conv_norm_rounded(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, q16, k16, v16, T, H, K, W, st);
   } else {
     kda_conv_norm(x.raw, w.conv, p_.seq_start, x.q, x.k, x.v, T, H, K, W, st);
@@ -1000,7 +1003,7 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
       }
       void* work =
           ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
-      kda_chunked_tc(q16, k16, v16, x.f, x.beta, w.dt_bias, w.A_log, bound, x.o_tc, p_.chunks,
+      kda_chunked_tc(x.q16, x.k16, x.v16, x.f, x.beta, w.dt_bias, w.A_log, bound, x.o_tc, p_.chunks,
                      kda_tc_workspace(work, p_.chunks.num_chunks, H, K), H, K, keep, st);
     }
     if (gate_beside) m_.join(1);
@@ -1059,8 +1062,12 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     // bf16 products only behind the tensor-core forward, whose own products are bf16 (set_kda_backward_bf16).
     const auto products = m_.kda_backward_bf16 && m_.kda_tc_path() ? KdaBackwardProducts::Bf16
                                                                    : KdaBackwardProducts::SplitBf16;
-    kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                         false, products, x.chunk_h, x.chunk_u);
+    if (x.q)
+      kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
+                           false, products, x.chunk_h, x.chunk_u);
+    else
+      kda_chunked_backward(x.q16, x.k16, x.v16, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
+                           false, products, x.chunk_h, x.chunk_u);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
