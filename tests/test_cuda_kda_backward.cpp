@@ -330,6 +330,41 @@ TEST_P(CudaBackwardKdaChunked, Bf16InputsGiveTheSameBits) {
   cuda_testing::set_kda_backward_compact_prep(was);
 }
 
+// The gate formed in the kernel from f, dt_bias and A_log (KdaGateInputs, as a training step passes them) gives the
+// bits of kda_gate's g passed in: both gate forms (the safe gate's bound, softplus with f past its cutoff of 20 on
+// some elements), split and bf16 products, the full and compact prep, partial chunks.
+TEST_P(CudaBackwardKdaChunked, GateFormedFromFGivesTheSameBits) {
+  const int64_t K = GetParam(), H = 2;
+  const bool was = cuda_testing::kda_backward_compact_prep();
+  const Case c = make_case({130, 64, 1, 77}, H, K, 990 + static_cast<unsigned>(K));
+  const int64_t T = c.cu.back();
+  std::vector<float> f = test::randn(T * H * K, 31), bias = test::randn(H * K, 32), alog = test::randn(H, 33);
+  for (float& x : f) x *= 2.0f;
+  for (size_t e = 0; e < f.size(); e += 97) f[e] = 25.0f;
+  for (float& x : alog) x *= 0.3f;
+  for (const bool bounded : {true, false})
+    for (const bool products : {false, true})
+      for (const bool compact : {false, true}) {
+        if (compact && !products) continue;  // the compact prep is the bf16 products' alone
+        cuda_testing::set_kda_backward_compact_prep(compact);
+        const auto a = cuda_testing::kda_chunked_backward_gated(c.q, c.k, c.v, f, bias, alog, bounded, -5.0f, c.beta,
+                                                                c.dout, c.cu, H, K, false, products);
+        const auto b = cuda_testing::kda_chunked_backward_gated(c.q, c.k, c.v, f, bias, alog, bounded, -5.0f, c.beta,
+                                                                c.dout, c.cu, H, K, true, products);
+        SCOPED_TRACE(std::string(bounded ? "safe gate" : "softplus") + (products ? ", bf16 products" : ", split") +
+                     (compact ? ", compact prep" : ""));
+        EXPECT_EQ(a.dq, b.dq);
+        EXPECT_EQ(a.dk, b.dk);
+        EXPECT_EQ(a.dv, b.dv);
+        EXPECT_EQ(a.dg, b.dg);
+        EXPECT_EQ(a.dbeta, b.dbeta);
+        bool finite = true;
+        for (float x : b.dg) finite = finite && std::isfinite(x);
+        EXPECT_TRUE(finite) << "every dg written and finite";
+      }
+  cuda_testing::set_kda_backward_compact_prep(was);
+}
+
 // No atomics: two runs give the same bits.
 TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const int64_t K = GetParam(), H = 2;

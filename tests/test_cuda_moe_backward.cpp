@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "cuda/testing_moe_backward.h"
+#include "io/safetensors.h"
 #include "model/backward.h"
 #include "model/norm.h"
 #include "test_util.h"
@@ -478,6 +479,23 @@ TEST(CudaMoeRouting, FusedSmallRoutingEqualsThreeKernels) {
     // Every routing slot is placed, and the gathered rows are written (no NaN left from the poison).
     for (float v : one.xp) ASSERT_FALSE(std::isnan(v)) << what;
     EXPECT_EQ(one.offsets.back(), c.T * c.k) << what;
+  }
+}
+
+// The gather of a training step's size (its copy larger than the 16 MiB past which gather_rows stores it as
+// streaming) and of a small one: row r of xp is the bf16 row of the token routed to slot r, every row written.
+TEST(CudaMoeRouting, GatheredRowsAreTheRoutedTokensRows) {
+  for (const int64_t T : {int64_t{1024}, int64_t{16}}) {
+    const int64_t E = 64, k = 8, D = 2048;
+    const std::vector<float> logits = test::randn(T * E, 21), bias(E, 0.0f), x = test::randn(T * D, 22);
+    const auto r = cuda_testing::moe_route_permute(logits, bias, x, T, E, 1, 1, k, D, true, 1.0f, false);
+    ASSERT_EQ(r.xp.size(), static_cast<size_t>(T * k * D));
+    for (int64_t s = 0; s < T * k; ++s) {
+      const int64_t t = r.token_of[s];
+      ASSERT_TRUE(t >= 0 && t < T) << "slot " << s;
+      for (int64_t d = 0; d < D; ++d)
+        ASSERT_EQ(r.xp[s * D + d], bf16_to_f32(f32_to_bf16(x[t * D + d]))) << "T " << T << " slot " << s << " d " << d;
+    }
   }
 }
 

@@ -144,6 +144,13 @@ void kda_recurrent_backward(const float* q, const float* k, const float* v, cons
 // (KdaTcStates::chunk_h, chunk_u, for the same ch), taken instead of recomputed (the first state pass does not run:
 // the gradient of the forward's own values); both or neither.
 size_t kda_chunked_backward_workspace_bytes(int64_t num_chunks, int64_t T, int64_t H, int64_t K);
+// The decay gate's inputs, for kda_chunked_backward to form g itself (in its first kernel, as kda_gate forms it: the
+// same bits) instead of reading a kept g: f [T, H, K] the f_b output without dt_bias, dt_bias [H·K], A_log [H].
+struct KdaGateInputs {
+  const float *f = nullptr, *dt_bias = nullptr, *A_log = nullptr;
+  bool has_bound = false;
+  float bound = 0.0f;
+};
 // The head dims the chunked form takes (else kda_recurrent_backward).
 inline bool kda_chunked_backward_supported(int64_t K) { return K == 32 || K == 64 || K == 128; }
 // Bf16 products run the first kernel (prep) in a compact form, two blocks an SM, with the same bits as the full form
@@ -155,14 +162,17 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
                           float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
                           KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
-                          const float* kept_h = nullptr, const float* kept_u = nullptr);
+                          const float* kept_h = nullptr, const float* kept_u = nullptr,
+                          const KdaGateInputs& gate = {});
 // The same with q, k and v in bf16 (the tensor-core forward's inputs, which a training step keeps instead of fp32
 // copies): widened as they are read, so the same gradients, bit for bit, as from fp32 copies of them; half the bytes.
+// With gate.f (either overload), g is null and formed from gate's inputs.
 void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
                           float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
                           KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
-                          const float* kept_h = nullptr, const float* kept_u = nullptr);
+                          const float* kept_h = nullptr, const float* kept_u = nullptr,
+                          const KdaGateInputs& gate = {});
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient

@@ -72,6 +72,12 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+// The KDA log decay from f = f_b(f_a(a)) + dt_bias and rate = e^A_log of its head: with a lower bound,
+// bound·sigmoid(rate·f); else −rate·softplus(f) (f past 20 as itself). One definition for the fp32 forward's gate
+// kernel, the decoding step and the chunked backward's prep, so that they form the same bits.
+__device__ __forceinline__ float kda_gate_value(float f, float rate, bool has_bound, float bound) {
+  return has_bound ? bound * (1.0f / (1.0f + expf(-rate * f))) : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
+}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The current device's SM count, cached per device (so that later launches and graph captures make no attribute

@@ -85,9 +85,7 @@ __global__ void __launch_bounds__(512) kda_step_kernel(KdaDecodeParams p) {
     const int64_t c = h * K + d;
     const float rate = expf(p.A_log[h]);
     const float f = p.graw[b * HK + c] + p.dt_bias[c];
-    const float g = p.has_bound ? p.bound * (1.0f / (1.0f + expf(-rate * f)))
-                                : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
-    eg[d] = expf(g);
+    eg[d] = expf(kda_gate_value(f, rate, p.has_bound, p.bound));
   }
   conv_norm_token(p.raw, p.conv, p.conv_hist, b, h, slot, H, K, p.W, false, qkv, scale);
   // S ← diag(e^g)·S; u = β(v − Sᵀk); S += k uᵀ; o = Sᵀq.

@@ -116,9 +116,7 @@ __global__ void __launch_bounds__(256, MINB)
 
 __device__ __forceinline__ float gate_of(float f_raw, const float* dt_bias, const float* A_log, int64_t c, int64_t K,
                                          bool has_bound, float bound) {
-  const float rate = expf(A_log[c / K]);
-  const float f = f_raw + dt_bias[c];
-  return has_bound ? bound * (1.0f / (1.0f + expf(-rate * f))) : -rate * (f > 20.0f ? f : logf(1.0f + expf(f)));
+  return kda_gate_value(f_raw + dt_bias[c], expf(A_log[c / K]), has_bound, bound);
 }
 
 // g = gate(f) element-wise (g may be f); VEC: four at a time (HK a multiple of 4, f and g 16-byte aligned).

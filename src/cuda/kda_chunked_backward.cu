@@ -95,6 +95,7 @@ struct Params {
   const float *kh, *ku;
   // q, k and v in bf16 instead of q, k, v (the tensor-core forward's inputs, as a training step keeps them), or null.
   const bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
+  KdaGateInputs gate;  // with gate.f, prep forms g from it (then g is null)
 };
 
 // The q, k and v that prep, inter and intra read: fp32, or with B16 the bf16 ones.
@@ -520,13 +521,22 @@ __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 :
     if constexpr (kCompact) return i < n ? ld4(qin + int64_t(i) * HK + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     else return ld4(sq + i * KP + d);
   };
-  stage<kC, K, NTH>(sg, KP, p.g + base, HK, n);
+  stage<kC, K, NTH>(sg, KP, (p.gate.f ? p.gate.f : p.g) + base, HK, n);
   if constexpr (!kCompact) {
     stage<kC, K, NTH>(sk, KP, kin, HK, n);
     stage<kC, K, NTH>(sq, KP, qin, HK, n);
   }
   for (int i = tid; i < kC; i += NTH) sb[i] = i < n ? p.beta[(t0 + i) * H + h] : 0.0f;
   sync_staged();
+  if (p.gate.f) {  // the gate from f in place (rows ≥ n stay zero), the values the forward's gate kernel forms
+    const float rate = expf(p.gate.A_log[h]);
+    for (int idx = tid; idx < n * K; idx += NTH) {
+      const int i = idx / K, d = idx - i * K;
+      sg[i * KP + d] = kda_gate_value(sg[i * KP + d] + p.gate.dt_bias[h * K + d], rate, p.gate.has_bound,
+                                      p.gate.bound);
+    }
+    __syncthreads();
+  }
   bool wide = false;  // a block of this thread's column too wide for the split at its middle row
   for (int d = tid; d < K; d += NTH) {
     for (int i = 1; i < kC; ++i) sg[i * KP + d] += sg[(i - 1) * KP + d];
@@ -1773,11 +1783,14 @@ namespace {
 // The checks of both entry points; q, k and v are fp32 or bf16 (rows of K read as 8- and 16-byte pieces either way).
 void check_args(const void* q, const void* k, const void* v, const float* g, const float* do_, const KdaChunks& ch,
                 int64_t H, int64_t K, const float* dq, const float* dk, const float* dv, const float* dg,
-                const void* work, const float* kept_h, const float* kept_u) {
+                const void* work, const float* kept_h, const float* kept_u, const KdaGateInputs& gate) {
   check(kda_chunked_backward_supported(K), "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
         "kda_chunked_backward: grid too large");
-  for (const void* ptr : {q, k, v, static_cast<const void*>(g), static_cast<const void*>(do_),
+  check(!gate.f == !!g && (!gate.f || (gate.dt_bias && gate.A_log)),
+        "kda_chunked_backward: g, or the gate's f with dt_bias and A_log, not both");
+  const float* g_or_f = gate.f ? gate.f : g;
+  for (const void* ptr : {q, k, v, static_cast<const void*>(g_or_f), static_cast<const void*>(do_),
                           static_cast<const void*>(dq), static_cast<const void*>(dk), static_cast<const void*>(dv),
                           static_cast<const void*>(dg), work})
     check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
@@ -1791,11 +1804,12 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
                           bool accumulate, KdaBackwardProducts products, const float* kept_h,
-                          const float* kept_u) {
+                          const float* kept_u, const KdaGateInputs& gate) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
-  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u);
-  const Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
-                 products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
+  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
+  Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
+           products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
+  p.gate = gate;
   run(p, K, st);
 }
 
@@ -1803,13 +1817,13 @@ void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const flo
                           const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
                           bool accumulate, KdaBackwardProducts products, const float* kept_h,
-                          const float* kept_u) {
+                          const float* kept_u, const KdaGateInputs& gate) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
   check(q && k && v, "kda_chunked_backward: bf16 q, k and v are all given");
-  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u);
+  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
   Params p{nullptr, nullptr, nullptr, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work),
            accumulate, products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
-  p.q16 = q, p.k16 = k, p.v16 = v;
+  p.q16 = q, p.k16 = k, p.v16 = v, p.gate = gate;
   run(p, K, st);
 }
 

@@ -124,14 +124,19 @@ __global__ void route_kernel(const float* logits, const float* bias, int32_t* ex
 }
 
 // Grid (rows, column blocks): a decoding step's few rows still spread over many blocks. VEC: 16-byte copies (D a
-// multiple of 8, both bases 16-byte aligned).
-template <bool VEC>
+// multiple of 8, both bases 16-byte aligned). STREAM: the copies stored as streaming (evict-first) in L2, so that a
+// copy larger than L2 does not evict x, which every row is read from k times.
+template <bool VEC, bool STREAM = false>
 __global__ void gather_kernel(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t D) {
   const int64_t r = blockIdx.x;
   const bf16* src = x + static_cast<int64_t>(token_of_slot[r]) * D;
   const int64_t i = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
   if constexpr (VEC) {
-    if (8 * i < D) reinterpret_cast<uint4*>(xp + r * D)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    if (8 * i < D) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
+      if constexpr (STREAM) __stcs(reinterpret_cast<uint4*>(xp + r * D) + i, v);
+      else reinterpret_cast<uint4*>(xp + r * D)[i] = v;
+    }
   } else {
     if (i < D) xp[r * D + i] = src[i];
   }
@@ -346,8 +351,14 @@ bool moe_route_permute_small(const float* logits, const float* bias, int32_t* ex
 void gather_rows(const bf16* x, const int32_t* token_of_slot, bf16* xp, int64_t n, int64_t D, cudaStream_t st) {
   if (!n || !D) return;
   if (D % 8 == 0 && is_aligned16(x) && is_aligned16(xp)) {
-    gather_kernel<true><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(ceil_div(D / 8, 256))), 256, 0, st>>>(
-        x, token_of_slot, xp, D);
+    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(ceil_div(D / 8, 256)));
+    // Streaming stores once the copy outgrows a share of L2 (a prefill's or training step's, not a decoding step's:
+    // there the next GEMM reads the copy from L2).
+    constexpr int64_t kStreamBytes = int64_t{16} << 20;
+    if (n * D * int64_t(sizeof(bf16)) > kStreamBytes)
+      gather_kernel<true, true><<<grid, 256, 0, st>>>(x, token_of_slot, xp, D);
+    else
+      gather_kernel<true><<<grid, 256, 0, st>>>(x, token_of_slot, xp, D);
   } else {
     gather_kernel<false><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(ceil_div(D, 256))), 256, 0, st>>>(
         x, token_of_slot, xp, D);

@@ -93,6 +93,34 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
   return b.get();
 }
 
+KdaBackwardGrads kda_chunked_backward_gated(const std::vector<float>& q, const std::vector<float>& k,
+                                            const std::vector<float>& v, const std::vector<float>& f,
+                                            const std::vector<float>& dt_bias, const std::vector<float>& A_log,
+                                            bool has_bound, float bound, const std::vector<float>& beta,
+                                            const std::vector<float>& do_, const std::vector<int64_t>& cu_seqlens,
+                                            int64_t H, int64_t K, bool from_f, bool bf16_products) {
+  const int64_t T = cu_seqlens.back();
+  KdaBackwardBuffers b(q, k, v, f, beta, do_, {}, T, H, K);  // b.g holds f
+  for (const Buf* o : {&b.dq, &b.dk, &b.dv, &b.dg, &b.dbeta}) NEXTLM_CUDA_CHECK(cudaMemset(o->p, 0xFF, o->bytes));
+  const Buf bias = detail::upload(dt_bias), alog = detail::upload(A_log);
+  const detail::DevKdaChunks ch(cu_seqlens);
+  const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(ch.num_chunks(), T, H, K));
+  const auto products = bf16_products ? cuda::KdaBackwardProducts::Bf16 : cuda::KdaBackwardProducts::SplitBf16;
+  cuda::KdaGateInputs gate;
+  const Buf g = detail::poisoned(static_cast<size_t>(T * H * K) * sizeof(float));
+  if (from_f) {
+    gate = {b.g.as<float>(), bias.as<float>(), alog.as<float>(), has_bound, bound};
+  } else {
+    cuda::kda_gate(b.g.as<float>(), g.as<float>(), bias.as<float>(), alog.as<float>(), T, H, K, has_bound, bound,
+                   nullptr);
+  }
+  cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), from_f ? nullptr : g.as<float>(),
+                             b.beta.as<float>(), b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(),
+                             b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(), b.dbeta.as<float>(), work.p,
+                             nullptr, false, products, nullptr, nullptr, gate);
+  return b.get();
+}
+
 void set_kda_backward_compact_prep(bool on) { cuda::set_kda_backward_compact_prep(on); }
 bool kda_backward_compact_prep() { return cuda::kda_backward_compact_prep(); }
 

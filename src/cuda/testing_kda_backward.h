@@ -33,6 +33,16 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
                                       const KdaBackwardGrads& init = {}, bool written = false,
                                       bool bf16_products = false, bool bf16_inputs = false);
 
+// The same from the gate's inputs: f [T, H, K] (the f_b output), dt_bias [H·K], A_log [H] (has_bound: the safe
+// gate with lower bound `bound`, else softplus). from_f: the kernel forms g itself (cuda::KdaGateInputs); else g =
+// cuda::kda_gate of them is formed on the device first and passed, as the fp32 path keeps it. Gradients written.
+KdaBackwardGrads kda_chunked_backward_gated(const std::vector<float>& q, const std::vector<float>& k,
+                                            const std::vector<float>& v, const std::vector<float>& f,
+                                            const std::vector<float>& dt_bias, const std::vector<float>& A_log,
+                                            bool has_bound, float bound, const std::vector<float>& beta,
+                                            const std::vector<float>& do_, const std::vector<int64_t>& cu_seqlens,
+                                            int64_t H, int64_t K, bool from_f, bool bf16_products);
+
 // cuda::set_kda_backward_compact_prep / kda_backward_compact_prep (process-wide).
 void set_kda_backward_compact_prep(bool on);
 bool kda_backward_compact_prep();

@@ -297,7 +297,7 @@ class Step {
   Narrow narrow(size_t i, std::initializer_list<std::pair<const DLinear*, LoraKind>> pieces, const bf16* x,
                 int64_t ldx, float* dx) {
     Narrow n;
-    if (!narrow_joining()) return n;
+    if (!narrow_joining() || !dx) return n;
     const int64_t in = pieces.begin()->first->in;
     int64_t used = 0;  // columns written
     for (const auto& [W, kind] : pieces) {
@@ -969,7 +969,9 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
   x.fa16 = half(x.fa, T * K);
   x.f = ar.alloc<float>(T * HK);
   linear_forward(i, {LoraKind::KdaFB}, w.f_b, x.fa16, K, x.f);
-  if (!lean) {  // the backward's (and the fp32 recurrence's) log decay; the tensor-core kernel forms its own
+  // The log decay, for the fp32 recurrence and the recurrent backward; the tensor-core kernel and the chunked
+  // backward form their own from f.
+  if (qkv32) {
     x.g = ar.alloc<float>(T * HK);
     kda_gate(x.f, x.g, w.dt_bias, w.A_log, T, H, K, has_bound, bound, st);
   }
@@ -1062,12 +1064,14 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
     // bf16 products only behind the tensor-core forward, whose own products are bf16 (set_kda_backward_bf16).
     const auto products = m_.kda_backward_bf16 && m_.kda_tc_path() ? KdaBackwardProducts::Bf16
                                                                    : KdaBackwardProducts::SplitBf16;
+    KdaGateInputs gate;
+    if (!x.g) gate = {x.f, w.dt_bias, w.A_log, has_bound, bound};
     if (x.q)
       kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                           false, products, x.chunk_h, x.chunk_u);
+                           false, products, x.chunk_h, x.chunk_u, gate);
     else
       kda_chunked_backward(x.q16, x.k16, x.v16, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                           false, products, x.chunk_h, x.chunk_u);
+                           false, products, x.chunk_h, x.chunk_u, gate);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
@@ -1522,7 +1526,7 @@ void Step::sub_backward(size_t i, bool ffn, const bf16* a, const SubActs& x, con
   } else {
     dsa_backward(i, L.dsa, G.dsa, a, sels_[i].sel, sels_[i].count, x.dsa, dy16, da);
   }
-  m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
+  if (da) m_.all_reduce(m_.tp_comm, da, T() * c_.hidden_size);
 }
 
 // Rows per block of the lm_head in the training step: at most head_block_bytes() of fp32 logits (2 GiB), the blocks
@@ -1737,23 +1741,31 @@ double Step::run(const float* row_weight) {
       // da writes, the others add).
       float* dy = ffn && m_.layers[i].moe_layer ? ar.alloc<float>(T * D) : nullptr;
       bf16* dy16 = ar.alloc<bf16>(T * D);
-      float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S), *da = ar.alloc<float>(T * D);
+      const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
+      float* const dnorm = ffn ? G.post_norm : G.in_norm;
+      // The first site's input gradient (the embedding's) is formed only where something before it trains: the
+      // embedding, or this site's mHC or input norm. Else (a LoRA step) neither its pre-mix backward nor its
+      // sub-layer's input gradients (the first projections' dx GEMMs) run; its adapters' gradients still do.
+      const bool input_grad = site_ > 0 || g_.embed || gh.fn || dnorm;
+      float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S);
+      float* da = input_grad ? ar.alloc<float>(T * D) : nullptr;
       // With the mHC frozen, the pre-mix's backward forms the post-mix's dh term itself (from dh and comb) as it
       // writes dh_prev: the post-mix backward then writes no dh_prev, which nobody reads in between.
-      const GHc& gh = ffn ? G.hc_ffn : G.hc_attn;
       const bool fold = mhc_mix_fold() && mhc_pre_backward_forms_mix(S, gh.fn != nullptr);
-      mhc_post_backward(hin, s.y, s.post, s.comb, dh, fold ? nullptr : dh_prev, dy, dpost, dcomb, T, S, D, st, false,
-                        dy16);
+      mhc_post_backward(hin, s.y, s.post, s.comb, dh, fold || !input_grad ? nullptr : dh_prev, dy, dpost, dcomb, T, S,
+                        D, st, false, dy16);
       m_.mark_end("train: backward mhc");
       m_.mark_begin("train: backward " + kind);
       sub_backward(i, ffn, s.a, s.x, dy, dy16, da);
       flush_lora_groups();
       m_.mark_end("train: backward " + kind);
-      m_.mark_begin("train: backward mhc");
-      mhc_pre_backward(mp, hin, dpost, dcomb, da, dh_prev, gh.fn, gh.base, gh.scale, ffn ? G.post_norm : G.in_norm,
-                       ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st, s.mix, fold ? dh : nullptr,
-                       fold ? s.comb : nullptr);
-      m_.mark_end("train: backward mhc");
+      if (input_grad) {
+        m_.mark_begin("train: backward mhc");
+        mhc_pre_backward(mp, hin, dpost, dcomb, da, dh_prev, gh.fn, gh.base, gh.scale, dnorm,
+                         ar.alloc<float>(mhc_pre_backward_workspace_floats(T, S, D)), st, s.mix, fold ? dh : nullptr,
+                         fold ? s.comb : nullptr);
+        m_.mark_end("train: backward mhc");
+      }
       std::swap(dh, dh_prev);
       ar.rewind(s.mark);
     }
