@@ -272,6 +272,31 @@ TEST(CudaBackwardMhc, PostBackwardWritesBf16Gradient) {
   }
 }
 
+// Without dpost and dcomb (the first site's post-mix backward, where the site's input gradient is not formed) the
+// kernel reads neither h nor y (null here) and writes dh, dy and its bf16 form with the same bits; vectorised and
+// scalar widths.
+TEST(CudaBackwardMhc, PostBackwardWithoutSumsReadsNoStreams) {
+  unsigned seed = 8150;
+  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{7, 4, 320}, {300, 4, 333}, {3, 4, 4096}}) {
+    HcMix mix;
+    mix.post = test::randn(T * S, ++seed);
+    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
+    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const std::vector<float> dout = test::randn(T * S * D, ++seed);
+    std::vector<float> dh(T * S * D), dy(T * D), dp(T * S), dc(T * S * S);
+    std::vector<uint16_t> dy16;
+    cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, dh, dy, dp, dc, false, &dy16);
+    std::vector<float> dh2(dh.size()), dy2(dy.size()), dp2, dc2;
+    std::vector<uint16_t> dy16b;
+    cuda_testing::mhc_post_backward({}, {}, mix.post, mix.comb, dout, T, S, D, dh2, dy2, dp2, dc2, false, &dy16b);
+    const std::string at = "T=" + std::to_string(T) + " D=" + std::to_string(D);
+    EXPECT_EQ(dh2, dh) << at;
+    EXPECT_EQ(dy2, dy) << at;
+    EXPECT_EQ(dy16b, dy16) << at;
+    EXPECT_TRUE(dp2.empty() && dc2.empty()) << at;
+  }
+}
+
 // The forward's post-mix, in place (inference) and into the next site's buffer (training): the CPU's streams, the
 // two forms bitwise alike, the input left alone by the second; vectorised (D % 4 == 0) and scalar widths.
 TEST(CudaMhc, PostOutOfPlaceMatchesInPlaceAndCpu) {

@@ -48,6 +48,7 @@ bool mhc_pre_backward_forms_mix(int64_t S, bool params);
 // are the streams before the post-mix, y [T, D] the sub-layer output. dh [T, S, D], dy [T, D], dpost [T, S],
 // dcomb [T, S, S] all += …, or without accumulate all = … (no need to zero them first). dy16 (optional): dy rounded to
 // bf16 as well (as to_bf16 rounds it), the form the sub-layer's GEMMs take; dy may then be null, unless accumulating.
+// dh, dpost and dcomb may be null (not formed); without accumulate, dpost and dcomb both null, h and y are not read.
 void mhc_post_backward(const float* h, const float* y, const float* post, const float* comb, const float* dout,
                        float* dh, float* dy, float* dpost, float* dcomb, int64_t T, int64_t S, int64_t D,
                        cudaStream_t st, bool accumulate = true, bf16* dy16 = nullptr);

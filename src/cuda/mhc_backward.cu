@@ -171,8 +171,9 @@ constexpr int kPostThreads = 128;
 // One block a token: dy += Σ_s post_s·g_s, dh_r += Σ_s comb[r, s]·g_s, and the sums over d of g_s·y (dpost) and
 // g_s·h_r (dcomb). VEC: 4 consecutive d a thread (D and the bases a multiple of 4 floats). ACC: add into dh, dy,
 // dpost and dcomb; else write them (every element of the token's rows has one writer), without reading them first.
-// dout, h and y must not overlap dh or dy.
-template <int S, bool VEC, bool ACC>
+// SUMS false: dpost and dcomb are not wanted (null), and h and y are not read. dout, h and y must not overlap dh or
+// dy.
+template <int S, bool VEC, bool ACC, bool SUMS = true>
 __global__ void __launch_bounds__(kPostThreads)
     mhc_post_bwd_kernel(const float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ post,
                         const float* __restrict__ comb, const float* __restrict__ dout, float* __restrict__ dh,
@@ -201,9 +202,9 @@ __global__ void __launch_bounds__(kPostThreads)
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         g[s] = *reinterpret_cast<const float4*>(gt + s * D + d);
-        hr[s] = *reinterpret_cast<const float4*>(ht + s * D + d);
+        if constexpr (SUMS) hr[s] = *reinterpret_cast<const float4*>(ht + s * D + d);
       }
-      const float4 yv = *reinterpret_cast<const float4*>(y + t * D + d);
+      const float4 yv = SUMS ? *reinterpret_cast<const float4*>(y + t * D + d) : float4{};
       if (dy || dy16) {
         float4* p = reinterpret_cast<float4*>(dy + t * D + d);
         float4 o = ACC ? *p : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -236,21 +237,23 @@ __global__ void __launch_bounds__(kPostThreads)
           *p = o;
         }
       }
+      if constexpr (SUMS)
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
+        for (int c = 0; c < 4; ++c)
 #pragma unroll
-        for (int s = 0; s < S; ++s) {
-          acc[s] = fmaf(comp(g[s], c), comp(yv, c), acc[s]);
+          for (int s = 0; s < S; ++s) {
+            acc[s] = fmaf(comp(g[s], c), comp(yv, c), acc[s]);
 #pragma unroll
-          for (int r = 0; r < S; ++r) acc[S + r * S + s] = fmaf(comp(g[s], c), comp(hr[r], c), acc[S + r * S + s]);
-        }
+            for (int r = 0; r < S; ++r)
+              acc[S + r * S + s] = fmaf(comp(g[s], c), comp(hr[r], c), acc[S + r * S + s]);
+          }
     }
   } else {
     for (int64_t d = threadIdx.x; d < D; d += kPostThreads) {
       float g[S], hr[S];
 #pragma unroll
-      for (int s = 0; s < S; ++s) g[s] = gt[s * D + d], hr[s] = ht[s * D + d];
-      const float yv = y[t * D + d];
+      for (int s = 0; s < S; ++s) g[s] = gt[s * D + d], hr[s] = SUMS ? ht[s * D + d] : 0.0f;
+      const float yv = SUMS ? y[t * D + d] : 0.0f;
       if (dy || dy16) {
         float v = 0.0f;
 #pragma unroll
@@ -268,14 +271,16 @@ __global__ void __launch_bounds__(kPostThreads)
           dh[(t * S + r) * D + d] = ACC ? dh[(t * S + r) * D + d] + v : v;
         }
       }
+      if constexpr (SUMS)
 #pragma unroll
-      for (int s = 0; s < S; ++s) {
-        acc[s] = fmaf(g[s], yv, acc[s]);
+        for (int s = 0; s < S; ++s) {
+          acc[s] = fmaf(g[s], yv, acc[s]);
 #pragma unroll
-        for (int r = 0; r < S; ++r) acc[S + r * S + s] = fmaf(g[s], hr[r], acc[S + r * S + s]);
-      }
+          for (int r = 0; r < S; ++r) acc[S + r * S + s] = fmaf(g[s], hr[r], acc[S + r * S + s]);
+        }
     }
   }
+  if constexpr (!SUMS) return;
   block_sum_to<NV, kPostThreads>(acc, red, sums);
   if (dpost && threadIdx.x < S)
     dpost[t * S + threadIdx.x] = (ACC ? dpost[t * S + threadIdx.x] : 0.0f) + sums[threadIdx.x];
@@ -1277,8 +1282,14 @@ void launch_post_backward(const float* h, const float* y, const float* post, con
                           bool accumulate, cudaStream_t st) {
   const bool vec = D % 4 == 0 && aligned16(h) && aligned16(y) && aligned16(dout) && aligned16(dh) && aligned16(dy) &&
                    (reinterpret_cast<uintptr_t>(dy16) & 7) == 0;
-  auto kernel = accumulate ? (vec ? mhc_post_bwd_kernel<S, true, true> : mhc_post_bwd_kernel<S, false, true>)
-                           : (vec ? mhc_post_bwd_kernel<S, true, false> : mhc_post_bwd_kernel<S, false, false>);
+  // Without dpost and dcomb (nobody reads them: the first site's, where its input gradient is not formed), h and y
+  // are not read.
+  const bool sums = dpost || dcomb;
+  auto kernel = vec ? mhc_post_bwd_kernel<S, true, false> : mhc_post_bwd_kernel<S, false, false>;
+  if (accumulate)
+    kernel = vec ? mhc_post_bwd_kernel<S, true, true> : mhc_post_bwd_kernel<S, false, true>;
+  else if (!sums)
+    kernel = vec ? mhc_post_bwd_kernel<S, true, false, false> : mhc_post_bwd_kernel<S, false, false, false>;
   kernel<<<static_cast<unsigned>(T), kPostThreads, 0, st>>>(h, y, post, comb, dout, dh, dy, dy16, dpost, dcomb, D);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }

@@ -1747,7 +1747,8 @@ double Step::run(const float* row_weight) {
       // embedding, or this site's mHC or input norm. Else (a LoRA step) neither its pre-mix backward nor its
       // sub-layer's input gradients (the first projections' dx GEMMs) run; its adapters' gradients still do.
       const bool input_grad = site_ > 0 || g_.embed || gh.fn || dnorm;
-      float *dpost = ar.alloc<float>(T * S), *dcomb = ar.alloc<float>(T * S * S);
+      float* dpost = input_grad ? ar.alloc<float>(T * S) : nullptr;
+      float* dcomb = input_grad ? ar.alloc<float>(T * S * S) : nullptr;
       float* da = input_grad ? ar.alloc<float>(T * D) : nullptr;
       // With the mHC frozen, the pre-mix's backward forms the post-mix's dh term itself (from dh and comb) as it
       // writes dh_prev: the post-mix backward then writes no dh_prev, which nobody reads in between.
