@@ -84,6 +84,21 @@ void expect_close(const cuda_testing::KdaBackwardGrads& gpu, const cuda_testing:
   }
 }
 
+// Every gradient of b the same bits as a's.
+void expect_same_bits(const cuda_testing::KdaBackwardGrads& a, const cuda_testing::KdaBackwardGrads& b) {
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+  EXPECT_EQ(a.dg, b.dg);
+  EXPECT_EQ(a.dbeta, b.dbeta);
+}
+
+// Restores the process-wide compact-prep switch when a test that sets it ends.
+struct RestoreCompactPrep {
+  bool was = cuda_testing::kda_backward_compact_prep();
+  ~RestoreCompactPrep() { cuda_testing::set_kda_backward_compact_prep(was); }
+};
+
 cuda_testing::KdaBackwardGrads zeros(int64_t T, int64_t H, int64_t K) {
   const size_t nx = static_cast<size_t>(T * H * K), nb = static_cast<size_t>(T * H);
   return {std::vector<float>(nx, 0.0f), std::vector<float>(nx, 0.0f), std::vector<float>(nx, 0.0f),
@@ -282,7 +297,7 @@ TEST_P(CudaBackwardKdaChunked, Bf16ProductsStayNearTheCpu) {
 // within a block (gate 0.5: on tensor cores; 5: element by element) and on partial chunks.
 TEST_P(CudaBackwardKdaChunked, CompactPrepGivesTheSameBits) {
   const int64_t K = GetParam(), H = 2;
-  const bool was = cuda_testing::kda_backward_compact_prep();
+  const RestoreCompactPrep restore;
   for (const float gate : {0.5f, 5.0f}) {
     const Case c = make_case({130, 64, 1, 77}, H, K, 950 + static_cast<unsigned>(K), gate);
     cuda_testing::set_kda_backward_compact_prep(true);
@@ -290,13 +305,8 @@ TEST_P(CudaBackwardKdaChunked, CompactPrepGivesTheSameBits) {
     cuda_testing::set_kda_backward_compact_prep(false);
     const auto b = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K, {}, false, true);
     SCOPED_TRACE("gate " + std::to_string(gate));
-    EXPECT_EQ(a.dq, b.dq);
-    EXPECT_EQ(a.dk, b.dk);
-    EXPECT_EQ(a.dv, b.dv);
-    EXPECT_EQ(a.dg, b.dg);
-    EXPECT_EQ(a.dbeta, b.dbeta);
+    expect_same_bits(a, b);
   }
-  cuda_testing::set_kda_backward_compact_prep(was);
 }
 
 // q, k and v given in bf16 (the overload a training step calls with the tensor-core forward's inputs) give the bits
@@ -304,7 +314,7 @@ TEST_P(CudaBackwardKdaChunked, CompactPrepGivesTheSameBits) {
 // the pairs within a block (gate 0.5 and 5), partial chunks, gradients written (NaN-filled first) and added to.
 TEST_P(CudaBackwardKdaChunked, Bf16InputsGiveTheSameBits) {
   const int64_t K = GetParam(), H = 2;
-  const bool was = cuda_testing::kda_backward_compact_prep();
+  const RestoreCompactPrep restore;
   for (const float gate : {0.5f, 5.0f}) {
     Case c = make_case({130, 64, 1, 77}, H, K, 970 + static_cast<unsigned>(K), gate);
     for (std::vector<float>* x : {&c.q, &c.k, &c.v})
@@ -320,14 +330,9 @@ TEST_P(CudaBackwardKdaChunked, Bf16InputsGiveTheSameBits) {
                                                             written, products, true);
           SCOPED_TRACE("gate " + std::to_string(gate) + (products ? ", bf16 products" : ", split") +
                        (compact ? ", compact prep" : "") + (written ? ", written" : ", added"));
-          EXPECT_EQ(a.dq, b.dq);
-          EXPECT_EQ(a.dk, b.dk);
-          EXPECT_EQ(a.dv, b.dv);
-          EXPECT_EQ(a.dg, b.dg);
-          EXPECT_EQ(a.dbeta, b.dbeta);
+          expect_same_bits(a, b);
         }
   }
-  cuda_testing::set_kda_backward_compact_prep(was);
 }
 
 // The gate formed in the kernel from f, dt_bias and A_log (KdaGateInputs, as a training step passes them) gives the
@@ -335,7 +340,7 @@ TEST_P(CudaBackwardKdaChunked, Bf16InputsGiveTheSameBits) {
 // some elements), split and bf16 products, the full and compact prep, partial chunks.
 TEST_P(CudaBackwardKdaChunked, GateFormedFromFGivesTheSameBits) {
   const int64_t K = GetParam(), H = 2;
-  const bool was = cuda_testing::kda_backward_compact_prep();
+  const RestoreCompactPrep restore;
   const Case c = make_case({130, 64, 1, 77}, H, K, 990 + static_cast<unsigned>(K));
   const int64_t T = c.cu.back();
   std::vector<float> f = test::randn(T * H * K, 31), bias = test::randn(H * K, 32), alog = test::randn(H, 33);
@@ -353,16 +358,11 @@ TEST_P(CudaBackwardKdaChunked, GateFormedFromFGivesTheSameBits) {
                                                                 c.dout, c.cu, H, K, true, products);
         SCOPED_TRACE(std::string(bounded ? "safe gate" : "softplus") + (products ? ", bf16 products" : ", split") +
                      (compact ? ", compact prep" : ""));
-        EXPECT_EQ(a.dq, b.dq);
-        EXPECT_EQ(a.dk, b.dk);
-        EXPECT_EQ(a.dv, b.dv);
-        EXPECT_EQ(a.dg, b.dg);
-        EXPECT_EQ(a.dbeta, b.dbeta);
+        expect_same_bits(a, b);
         bool finite = true;
         for (float x : b.dg) finite = finite && std::isfinite(x);
         EXPECT_TRUE(finite) << "every dg written and finite";
       }
-  cuda_testing::set_kda_backward_compact_prep(was);
 }
 
 // No atomics: two runs give the same bits.
@@ -371,11 +371,7 @@ TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const Case c = make_case({100, 170}, H, K, 700 + static_cast<unsigned>(K), 0.5f);
   const auto a = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
   const auto b = cuda_testing::kda_chunked_backward(c.q, c.k, c.v, c.g, c.beta, c.dout, c.cu, H, K);
-  EXPECT_EQ(a.dq, b.dq);
-  EXPECT_EQ(a.dk, b.dk);
-  EXPECT_EQ(a.dv, b.dv);
-  EXPECT_EQ(a.dg, b.dg);
-  EXPECT_EQ(a.dbeta, b.dbeta);
+  expect_same_bits(a, b);
 }
 
 INSTANTIATE_TEST_SUITE_P(K, CudaBackwardKdaChunked, ::testing::Values(32, 64, 128),

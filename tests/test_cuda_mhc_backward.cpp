@@ -174,14 +174,26 @@ TEST(CudaBackwardMhc, PreEmptyIsNoOp) {
   EXPECT_EQ(dnw, nw0);
 }
 
+// A post-mix case: post [T, S], comb [T, S, S] (halved), the streams h [T, S, D] and the sub-layer's output y [T, D],
+// random from the seeds after `seed` (advanced past them).
+struct PostCase {
+  HcMix mix;
+  std::vector<float> h, y;
+};
+PostCase post_case(int64_t T, int64_t S, int64_t D, unsigned& seed) {
+  PostCase c;
+  c.mix.post = test::randn(T * S, ++seed);
+  c.mix.comb = test::randn(T * S * S, ++seed, 0.5f);
+  c.h = test::randn(T * S * D, ++seed);
+  c.y = test::randn(T * D, ++seed);
+  return c;
+}
+
 TEST(CudaBackwardMhc, PostMatchesCpu) {
   unsigned seed = 8000;
   for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {7, 4, 320}, {300, 4, 333},
                                 {3, 4, 4096}, {45, 3, 100}, {29, 8, 70}}) {
-    HcMix mix;
-    mix.post = test::randn(T * S, ++seed);
-    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
-    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const auto& [mix, h, y] = post_case(T, S, D, seed);
     const std::vector<float> dout = test::randn(T * S * D, ++seed);
     const std::vector<float> dh0 = test::randn(T * S * D, ++seed), dy0 = test::randn(T * D, ++seed);
     const std::vector<float> dp0 = test::randn(T * S, ++seed), dc0 = test::randn(T * S * S, ++seed);
@@ -242,14 +254,12 @@ TEST(CudaBackwardMhc, FrozenSiteFormsThePostMixTermWithTheSameBits) {
 
 // Training's form: dy written in bf16 (the sub-layer's GEMMs' operand) as well as in fp32 (the MoE's routing
 // weights), or in bf16 alone; the bf16 bits are to_bf16's of the fp32 dy (round to nearest even), and dh, dpost and
-// dcomb the same bits either way; vectorised and scalar widths.
+// dcomb the same bits either way; vectorised and scalar widths. Without dpost and dcomb (the first site's, where the
+// site's input gradient is not formed) the kernel reads neither h nor y (null here), with the same dh and dy bits.
 TEST(CudaBackwardMhc, PostBackwardWritesBf16Gradient) {
   unsigned seed = 8050;
   for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{7, 4, 320}, {300, 4, 333}, {3, 4, 4096}}) {
-    HcMix mix;
-    mix.post = test::randn(T * S, ++seed);
-    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
-    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const auto& [mix, h, y] = post_case(T, S, D, seed);
     const std::vector<float> dout = test::randn(T * S * D, ++seed);
     std::vector<float> dh(T * S * D), dy(T * D), dp(T * S), dc(T * S * S);
     cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, dh, dy, dp, dc, false);
@@ -269,31 +279,13 @@ TEST(CudaBackwardMhc, PostBackwardWritesBf16Gradient) {
       EXPECT_EQ(dp2, dp) << at;
       EXPECT_EQ(dc2, dc) << at;
     }
-  }
-}
-
-// Without dpost and dcomb (the first site's post-mix backward, where the site's input gradient is not formed) the
-// kernel reads neither h nor y (null here) and writes dh, dy and its bf16 form with the same bits; vectorised and
-// scalar widths.
-TEST(CudaBackwardMhc, PostBackwardWithoutSumsReadsNoStreams) {
-  unsigned seed = 8150;
-  for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{7, 4, 320}, {300, 4, 333}, {3, 4, 4096}}) {
-    HcMix mix;
-    mix.post = test::randn(T * S, ++seed);
-    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
-    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
-    const std::vector<float> dout = test::randn(T * S * D, ++seed);
-    std::vector<float> dh(T * S * D), dy(T * D), dp(T * S), dc(T * S * S);
+    std::vector<float> dh3(dh.size()), dy3(dy.size()), no_dp, no_dc;
     std::vector<uint16_t> dy16;
-    cuda_testing::mhc_post_backward(h, y, mix.post, mix.comb, dout, T, S, D, dh, dy, dp, dc, false, &dy16);
-    std::vector<float> dh2(dh.size()), dy2(dy.size()), dp2, dc2;
-    std::vector<uint16_t> dy16b;
-    cuda_testing::mhc_post_backward({}, {}, mix.post, mix.comb, dout, T, S, D, dh2, dy2, dp2, dc2, false, &dy16b);
-    const std::string at = "T=" + std::to_string(T) + " D=" + std::to_string(D);
-    EXPECT_EQ(dh2, dh) << at;
-    EXPECT_EQ(dy2, dy) << at;
-    EXPECT_EQ(dy16b, dy16) << at;
-    EXPECT_TRUE(dp2.empty() && dc2.empty()) << at;
+    cuda_testing::mhc_post_backward({}, {}, mix.post, mix.comb, dout, T, S, D, dh3, dy3, no_dp, no_dc, false, &dy16);
+    EXPECT_EQ(dh3, dh) << at << " without sums";
+    EXPECT_EQ(dy3, dy) << at << " without sums";
+    EXPECT_EQ(dy16, expect) << at << " without sums";
+    EXPECT_TRUE(no_dp.empty() && no_dc.empty()) << at;
   }
 }
 
@@ -303,10 +295,7 @@ TEST(CudaMhc, PostOutOfPlaceMatchesInPlaceAndCpu) {
   unsigned seed = 8100;
   for (const auto& [T, S, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 64}, {300, 4, 333}, {5, 4, 4096},
                                 {45, 3, 100}}) {
-    HcMix mix;
-    mix.post = test::randn(T * S, ++seed);
-    mix.comb = test::randn(T * S * S, ++seed, 0.5f);
-    const std::vector<float> h = test::randn(T * S * D, ++seed), y = test::randn(T * D, ++seed);
+    const auto& [mix, h, y] = post_case(T, S, D, seed);
     std::vector<float> cpu(h.size());
     mhc_post_forward(mix, h.data(), y.data(), T, S, D, cpu.data());
     std::vector<float> h_in_place, h_kept;

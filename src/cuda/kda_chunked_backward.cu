@@ -23,6 +23,8 @@
 // (eight at K = 32: chunk_warps), of a state pass eight; a product's output is cut into one 16-row tile per warp
 // (WarpTile), and the state passes keep their fp32 state in the accumulators. Given the states and u the tensor-core
 // forward kept (kept_h, kept_u: a training step's kept site), fwd_state does not run and inter reads those.
+// q, k and v come in fp32 or as the tensor-core forward's bf16 (a training step's, widened as they are loaded: the
+// same values), and g as given or formed by prep from f, dt_bias and A_log (KdaGateInputs, kda_gate_value's bits).
 //
 // Precision. Every matrix product runs on tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulation) in split
 // bf16: an operand x is held as x_hi = bf16(x) and x_lo = bf16(x − x_hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
@@ -40,6 +42,8 @@
 // too): reproducible run to run. Kernels of one call run in stream order, so inter and intra both add into dq, dk
 // and dg without a race; without accumulate, inter's contributions are the first (stored, not added) and intra's dv
 // and dβ are stored.
+#include <type_traits>
+
 #include "core/env.h"
 #include "cuda/backward_kernels.h"
 #include "cuda/mma.cuh"
@@ -312,26 +316,19 @@ __device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&ah)[
 
 // dst[r·ld + c] = src[r·lds + c] for r < ROWS, c < COLS (16-byte aligned rows, ld and lds multiples of 4) by
 // 16-byte cp.async, a whole staging loop in flight at once without registers; rows ≥ valid are zero-filled.
+// From bf16 rows (the forward's q and k, Src bf16) widened on the way by plain 8-byte loads and 16-byte stores.
 // Complete after sync_staged().
-template <int ROWS, int COLS, int NTH>
-__device__ __forceinline__ void stage(float* dst, int ld, const float* src, int64_t lds, int valid) {
+template <int ROWS, int COLS, int NTH, class Src>
+__device__ __forceinline__ void stage(float* dst, int ld, const Src* src, int64_t lds, int valid) {
   constexpr int c4 = COLS / 4;
-  static_assert(COLS % 4 == 0, "whole 16-byte pieces");
+  static_assert(COLS % 4 == 0, "whole pieces of four");
   for (int idx = threadIdx.x; idx < ROWS * c4; idx += NTH) {
     const int r = idx / c4, c = 4 * (idx - r * c4);
-    cp_async16(dst + r * ld + c, r < valid ? src + r * lds + c : src, r < valid);
-  }
-}
-// The same from bf16 rows (the forward's q and k), widened on the way by plain loads and stores; complete after
-// sync_staged() too (its barrier).
-template <int ROWS, int COLS, int NTH>
-__device__ __forceinline__ void stage(float* dst, int ld, const bf16* src, int64_t lds, int valid) {
-  constexpr int c4 = COLS / 4;
-  static_assert(COLS % 4 == 0, "whole 8-byte pieces");
-  for (int idx = threadIdx.x; idx < ROWS * c4; idx += NTH) {
-    const int r = idx / c4, c = 4 * (idx - r * c4);
-    *reinterpret_cast<float4*>(dst + r * ld + c) =
-        r < valid ? ld4(src + r * lds + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if constexpr (std::is_same_v<Src, float>)
+      cp_async16(dst + r * ld + c, r < valid ? src + r * lds + c : src, r < valid);
+    else
+      *reinterpret_cast<float4*>(dst + r * ld + c) =
+          r < valid ? ld4(src + r * lds + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
 __device__ __forceinline__ void sync_staged() {
@@ -1798,6 +1795,23 @@ void check_args(const void* q, const void* k, const void* v, const float* g, con
         "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
 }
 
+// Both entry points: q, k and v in fp32 (In float) or the forward's bf16.
+template <class In>
+void backward(const In* q, const In* k, const In* v, const float* g, const float* beta, const float* do_,
+              const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk, float* dv, float* dg,
+              float* dbeta, void* work, cudaStream_t st, bool accumulate, KdaBackwardProducts products,
+              const float* kept_h, const float* kept_u, const KdaGateInputs& gate) {
+  if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
+  check(q && k && v, "kda_chunked_backward: q, k and v are all given");
+  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
+  Params p{nullptr, nullptr, nullptr, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work),
+           accumulate, products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
+  if constexpr (std::is_same_v<In, float>) p.q = q, p.k = k, p.v = v;
+  else p.q16 = q, p.k16 = k, p.v16 = v;
+  p.gate = gate;
+  run(p, K, st);
+}
+
 }  // namespace
 
 void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
@@ -1805,12 +1819,8 @@ void kda_chunked_backward(const float* q, const float* k, const float* v, const 
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
                           bool accumulate, KdaBackwardProducts products, const float* kept_h,
                           const float* kept_u, const KdaGateInputs& gate) {
-  if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
-  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
-  Params p{q, k, v, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work), accumulate,
-           products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
-  p.gate = gate;
-  run(p, K, st);
+  backward(q, k, v, g, beta, do_, ch, T, H, K, dq, dk, dv, dg, dbeta, work, st, accumulate, products, kept_h, kept_u,
+           gate);
 }
 
 void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
@@ -1818,13 +1828,8 @@ void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const flo
                           float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
                           bool accumulate, KdaBackwardProducts products, const float* kept_h,
                           const float* kept_u, const KdaGateInputs& gate) {
-  if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
-  check(q && k && v, "kda_chunked_backward: bf16 q, k and v are all given");
-  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
-  Params p{nullptr, nullptr, nullptr, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work),
-           accumulate, products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
-  p.q16 = q, p.k16 = k, p.v16 = v, p.gate = gate;
-  run(p, K, st);
+  backward(q, k, v, g, beta, do_, ch, T, H, K, dq, dk, dv, dg, dbeta, work, st, accumulate, products, kept_h, kept_u,
+           gate);
 }
 
 }  // namespace nextlm::cuda
