@@ -159,18 +159,13 @@ inline bool kda_chunked_backward_supported(int64_t K) { return K == 32 || K == 6
 // the benches' comparisons).
 void set_kda_backward_compact_prep(bool on);
 bool kda_backward_compact_prep();
-void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
-                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
-                          KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
-                          const float* kept_h = nullptr, const float* kept_u = nullptr,
-                          const KdaGateInputs& gate = {});
-// The same with q, k and v in bf16 (the tensor-core forward's inputs, which a training step keeps instead of fp32
-// copies): widened as they are read, so the same gradients, bit for bit, as from fp32 copies of them; half the bytes.
-// With gate.f (either overload), g is null and formed from gate's inputs.
-void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
-                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk,
-                          float* dv, float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
+// In: q, k and v in fp32, or in bf16 (the tensor-core forward's inputs, which a training step keeps instead of fp32
+// copies): widened as they are read, so the same gradients, bit for bit, as from fp32 copies of them; half the bytes
+// (instantiated for float and bf16). With gate.f, g is null and formed from gate's inputs.
+template <class In>
+void kda_chunked_backward(const In* q, const In* k, const In* v, const float* g, const float* beta, const float* do_,
+                          const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk, float* dv,
+                          float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
                           KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
                           const float* kept_h = nullptr, const float* kept_u = nullptr,
                           const KdaGateInputs& gate = {});

@@ -1795,12 +1795,14 @@ void check_args(const void* q, const void* k, const void* v, const float* g, con
         "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
 }
 
-// Both entry points: q, k and v in fp32 (In float) or the forward's bf16.
+}  // namespace
+
 template <class In>
-void backward(const In* q, const In* k, const In* v, const float* g, const float* beta, const float* do_,
-              const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk, float* dv, float* dg,
-              float* dbeta, void* work, cudaStream_t st, bool accumulate, KdaBackwardProducts products,
-              const float* kept_h, const float* kept_u, const KdaGateInputs& gate) {
+void kda_chunked_backward(const In* q, const In* k, const In* v, const float* g, const float* beta, const float* do_,
+                          const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk, float* dv,
+                          float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate,
+                          KdaBackwardProducts products, const float* kept_h, const float* kept_u,
+                          const KdaGateInputs& gate) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
   check(q && k && v, "kda_chunked_backward: q, k and v are all given");
   check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
@@ -1812,24 +1814,13 @@ void backward(const In* q, const In* k, const In* v, const float* g, const float
   run(p, K, st);
 }
 
-}  // namespace
-
-void kda_chunked_backward(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
-                          float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
-                          bool accumulate, KdaBackwardProducts products, const float* kept_h,
-                          const float* kept_u, const KdaGateInputs& gate) {
-  backward(q, k, v, g, beta, do_, ch, T, H, K, dq, dk, dv, dg, dbeta, work, st, accumulate, products, kept_h, kept_u,
-           gate);
-}
-
-void kda_chunked_backward(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
-                          const float* do_, const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq,
-                          float* dk, float* dv, float* dg, float* dbeta, void* work, cudaStream_t st,
-                          bool accumulate, KdaBackwardProducts products, const float* kept_h,
-                          const float* kept_u, const KdaGateInputs& gate) {
-  backward(q, k, v, g, beta, do_, ch, T, H, K, dq, dk, dv, dg, dbeta, work, st, accumulate, products, kept_h, kept_u,
-           gate);
-}
+template void kda_chunked_backward(const float*, const float*, const float*, const float*, const float*,
+                                   const float*, const KdaChunks&, int64_t, int64_t, int64_t, float*, float*, float*,
+                                   float*, float*, void*, cudaStream_t, bool, KdaBackwardProducts, const float*,
+                                   const float*, const KdaGateInputs&);
+template void kda_chunked_backward(const bf16*, const bf16*, const bf16*, const float*, const float*, const float*,
+                                   const KdaChunks&, int64_t, int64_t, int64_t, float*, float*, float*, float*,
+                                   float*, void*, cudaStream_t, bool, KdaBackwardProducts, const float*,
+                                   const float*, const KdaGateInputs&);
 
 }  // namespace nextlm::cuda
