@@ -1804,7 +1804,7 @@ void kda_chunked_backward(const In* q, const In* k, const In* v, const float* g,
                           KdaBackwardProducts products, const float* kept_h, const float* kept_u,
                           const KdaGateInputs& gate) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
-  check(q && k && v, "kda_chunked_backward: q, k and v are all given");
+  check(q && k && v, "kda_chunked_backward: q, k and v must be given");
   check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
   Params p{nullptr, nullptr, nullptr, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work),
            accumulate, products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
