@@ -78,18 +78,18 @@ KdaBackwardGrads kda_chunked_backward(const std::vector<float>& q, const std::ve
   const detail::DevKdaChunks ch(cu_seqlens);
   const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(ch.num_chunks(), T, H, K));
   const auto products = bf16_products ? cuda::KdaBackwardProducts::Bf16 : cuda::KdaBackwardProducts::SplitBf16;
+  auto run = [&](const auto* dq, const auto* dk, const auto* dv) {
+    cuda::kda_chunked_backward(dq, dk, dv, b.g.as<float>(), b.beta.as<float>(), b.dout.as<float>(), ch.view, T, H, K,
+                               b.dq.as<float>(), b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(),
+                               b.dbeta.as<float>(), work.p, nullptr, !written, products);
+  };
   if (bf16_inputs) {
     const Buf q16 = detail::upload(detail::to_bf16(q)), k16 = detail::upload(detail::to_bf16(k)),
               v16 = detail::upload(detail::to_bf16(v));
-    cuda::kda_chunked_backward(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>(), b.g.as<float>(),
-                               b.beta.as<float>(), b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(),
-                               b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(), b.dbeta.as<float>(), work.p,
-                               nullptr, !written, products);
-    return b.get();
+    run(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>());
+  } else {
+    run(b.q.as<float>(), b.k.as<float>(), b.v.as<float>());
   }
-  cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), b.g.as<float>(), b.beta.as<float>(),
-                             b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(), b.dk.as<float>(), b.dv.as<float>(),
-                             b.dg.as<float>(), b.dbeta.as<float>(), work.p, nullptr, !written, products);
   return b.get();
 }
 
@@ -107,14 +107,14 @@ KdaBackwardGrads kda_chunked_backward_gated(const std::vector<float>& q, const s
   const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(ch.num_chunks(), T, H, K));
   const auto products = bf16_products ? cuda::KdaBackwardProducts::Bf16 : cuda::KdaBackwardProducts::SplitBf16;
   cuda::KdaGateInputs gate;
-  const Buf g = detail::poisoned(static_cast<size_t>(T * H * K) * sizeof(float));
+  const Buf g = detail::poisoned(from_f ? 0 : static_cast<size_t>(T * H * K) * sizeof(float));  // kda_gate's
   if (from_f) {
     gate = {b.g.as<float>(), bias.as<float>(), alog.as<float>(), has_bound, bound};
   } else {
     cuda::kda_gate(b.g.as<float>(), g.as<float>(), bias.as<float>(), alog.as<float>(), T, H, K, has_bound, bound,
                    nullptr);
   }
-  cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), from_f ? nullptr : g.as<float>(),
+  cuda::kda_chunked_backward(b.q.as<float>(), b.k.as<float>(), b.v.as<float>(), g.or_null<float>(),
                              b.beta.as<float>(), b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(),
                              b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(), b.dbeta.as<float>(), work.p,
                              nullptr, false, products, nullptr, nullptr, gate);
