@@ -365,6 +365,35 @@ TEST_P(CudaBackwardKdaChunked, GateFormedFromFGivesTheSameBits) {
       }
 }
 
+// dO and the forward's v_new in bf16 (KdaBf16Operands, KdaTcStates::chunk_u16: how a training step with bf16
+// products passes them) give the bits of fp32 copies of the same values, behind the tensor-core forward's kept
+// states with the gate from f: the full and compact prep, partial chunks. Those gradients are the ones the backward
+// forming its own states gives, but for the rounding that separates the two computations of the states (the forward's
+// v_new from its bf16 U) within the bf16 products' noise.
+TEST_P(CudaBackwardKdaChunked, Bf16OperandsGiveTheSameBits) {
+  const int64_t K = GetParam(), H = 2;
+  const RestoreCompactPrep restore;
+  const Case c = make_case({130, 64, 1, 77}, H, K, 1010 + static_cast<unsigned>(K));
+  const int64_t T = c.cu.back();
+  std::vector<float> f = test::randn(T * H * K, 41), bias = test::randn(H * K, 42), alog = test::randn(H, 43);
+  for (float& x : alog) x *= 0.3f;
+  std::vector<float> do_r = c.dout, q = c.q, k = c.k, v = c.v;  // the bf16 values both forms take
+  for (std::vector<float>* x : {&do_r, &q, &k, &v})
+    for (float& e : *x) e = bf16_to_f32(f32_to_bf16(e));
+  const auto own = cuda_testing::kda_chunked_backward_gated(q, k, v, f, bias, alog, true, -5.0f, c.beta, do_r, c.cu,
+                                                            H, K, true, true);
+  for (const bool compact : {false, true}) {
+    cuda_testing::set_kda_backward_compact_prep(compact);
+    const auto a = cuda_testing::kda_chunked_backward_kept(c.q, c.k, c.v, f, bias, alog, -5.0f, c.beta, c.dout, c.cu,
+                                                           H, K, false);
+    const auto b = cuda_testing::kda_chunked_backward_kept(c.q, c.k, c.v, f, bias, alog, -5.0f, c.beta, c.dout, c.cu,
+                                                           H, K, true);
+    SCOPED_TRACE(compact ? "compact prep" : "full prep");
+    expect_same_bits(a, b);
+    expect_close(b, own, 5e-2);
+  }
+}
+
 // No atomics: two runs give the same bits.
 TEST_P(CudaBackwardKdaChunked, Reproducible) {
   const int64_t K = GetParam(), H = 2;

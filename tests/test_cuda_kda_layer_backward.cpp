@@ -338,6 +338,18 @@ TEST_P(CudaBackwardKdaLayerOutNorm, MatchesCpu) {
   EXPECT_EQ(differ, 0u);
   EXPECT_EQ(std::memcmp(do_c.data(), do_b.data(), n * sizeof(float)), 0) << "do with bf16 dgate";
   EXPECT_EQ(std::memcmp(dw_c.data(), dw_b.data(), K * sizeof(float)), 0) << "dw with bf16 dgate";
+  // dO in bf16 too, written (training's form with the KDA backward's bf16 products, which read only its roundings):
+  // the written fp32 dO's bits rounded to nearest even.
+  std::vector<float> written_b(n), unused(n), dw_d = dw, dw_e = dw;
+  std::vector<uint16_t> dgate16_e, do16;
+  cuda_testing::kda_out_norm_backward(o, gate, w, don, written_b, dw_d, T, H, K, eps, true, true);
+  cuda_testing::kda_out_norm_backward(o, gate, w, don, unused, dw_e, T, H, K, eps, true, true, &dgate16_e, &do16);
+  ASSERT_EQ(do16.size(), written_b.size());
+  differ = 0;
+  for (size_t i = 0; i < written_b.size(); ++i) differ += do16[i] != f32_to_bf16(written_b[i]);
+  EXPECT_EQ(differ, 0u) << "bf16 dO";
+  EXPECT_EQ(dgate16_e, dgate16) << "dgate with bf16 dO";
+  EXPECT_EQ(std::memcmp(dw_e.data(), dw_d.data(), K * sizeof(float)), 0) << "dw with bf16 dO";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackwardKdaLayerOutNorm,

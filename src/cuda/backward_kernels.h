@@ -152,6 +152,13 @@ struct KdaGateInputs {
   bool has_bound = false;
   float bound = 0.0f;
 };
+// Operands that a step with bf16 products (KdaBackwardProducts::Bf16, which read only their bf16 roundings) passes in
+// bf16 instead of fp32: do_ [T, H, K] (then kda_chunked_backward's do_ is null) and kept_u (KdaTcStates::chunk_u16,
+// then its kept_u is null; kept_h is still given). Half the bytes, the same bits as fp32 copies of the same values.
+struct KdaBf16Operands {
+  const bf16* do_ = nullptr;
+  const bf16* kept_u = nullptr;
+};
 // The head dims the chunked form takes (else kda_recurrent_backward).
 inline bool kda_chunked_backward_supported(int64_t K) { return K == 32 || K == 64 || K == 128; }
 // Bf16 products run the first kernel (prep) in a compact form, two blocks an SM, with the same bits as the full form
@@ -161,14 +168,14 @@ void set_kda_backward_compact_prep(bool on);
 bool kda_backward_compact_prep();
 // In: q, k and v in fp32, or in bf16 (the tensor-core forward's inputs, which a training step keeps instead of fp32
 // copies): widened as they are read, so the same gradients, bit for bit, as from fp32 copies of them; half the bytes
-// (instantiated for float and bf16). With gate.f, g is null and formed from gate's inputs.
+// (instantiated for float and bf16). With gate.f, g is null and formed from gate's inputs. b16: see KdaBf16Operands.
 template <class In>
 void kda_chunked_backward(const In* q, const In* k, const In* v, const float* g, const float* beta, const float* do_,
                           const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk, float* dv,
                           float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate = true,
                           KdaBackwardProducts products = KdaBackwardProducts::SplitBf16,
                           const float* kept_h = nullptr, const float* kept_u = nullptr,
-                          const KdaGateInputs& gate = {});
+                          const KdaGateInputs& gate = {}, const KdaBf16Operands& b16 = {});
 
 // Backward of kda_conv_norm (fp32 form): raw [T, 3·HK] the projections, conv [3·HK, W]; dq, dk, dv [T, H, K] the
 // gradients of its outputs. draw [T, 3·HK] += …, or (draw null) draw16 [T, 3·HK] = bf16(…), the same gradient
@@ -196,16 +203,16 @@ void sigmoid_backward_inplace(const float* y, float* d, int64_t n, cudaStream_t 
 
 // Backward of kda_out_norm (on = RMSNorm_K(o; w)·sigmoid(gate)): o [T, H, K] fp32 (or bf16, as the tensor-core
 // recurrence writes it: the same sums as its fp32 widening), gate [T, HK] (before the sigmoid), don [T, HK] fp32.
-// do_ [T, H, K] += … (written without accumulate), dgate [T, HK] written (with dgate16, in bf16 there instead, dgate
-// unused), dw [K] += … (null: not formed).
+// do_ [T, H, K] += … (written without accumulate; with do16, written there in bf16 instead, do_ null and accumulate
+// false), dgate [T, HK] written (with dgate16, in bf16 there instead, dgate unused), dw [K] += … (null: not formed).
 // work: kda_out_norm_backward_workspace_floats(T, H, K) floats.
 int64_t kda_out_norm_backward_workspace_floats(int64_t T, int64_t H, int64_t K);
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate = true, bf16* dgate16 = nullptr);
+                           cudaStream_t st, bool accumulate = true, bf16* dgate16 = nullptr, bf16* do16 = nullptr);
 void kda_out_norm_backward(const bf16* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate = true, bf16* dgate16 = nullptr);
+                           cudaStream_t st, bool accumulate = true, bf16* dgate16 = nullptr, bf16* do16 = nullptr);
 
 // ---- DSA (src/cuda/dsa_backward.cu) ----
 

@@ -100,6 +100,9 @@ struct Params {
   // q, k and v in bf16 instead of q, k, v (the tensor-core forward's inputs, as a training step keeps them), or null.
   const bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;
   KdaGateInputs gate;  // with gate.f, prep forms g from it (then g is null)
+  // dO and the forward's u in bf16 instead of do_ and ku (KdaBf16Operands; with the bf16 products alone, which read
+  // nothing else of them), or null.
+  const bf16 *do16 = nullptr, *ku16 = nullptr;
 };
 
 // The q, k and v that prep, inter and intra read: fp32, or with B16 the bf16 ones.
@@ -369,6 +372,19 @@ __device__ __forceinline__ void stage_split(bf16* dst, int ld, int plane, const 
   staged<ROWS, COLS, NTH>(
       valid, [&](int r, int c) { return ld4(src + r * lds + c); },
       [&](int r, int c, float4 x) { put4(dst + r * ld + c, plane, x, lo); });
+}
+
+// A ROWS × COLS bf16 matrix (row stride lds, 16-byte aligned rows) into shared memory (row stride ld) as it is, the
+// hi plane of a split matrix without lo, by 16-byte cp.async; rows ≥ valid are zero-filled. Complete after
+// sync_staged().
+template <int ROWS, int COLS, int NTH>
+__device__ __forceinline__ void stage_bf16(bf16* dst, int ld, const bf16* src, int64_t lds, int valid) {
+  constexpr int c8 = COLS / 8;
+  static_assert(COLS % 8 == 0, "whole pieces of eight");
+  for (int idx = threadIdx.x; idx < ROWS * c8; idx += NTH) {
+    const int r = idx / c8, c = 8 * (idx - r * c8);
+    cp_async16(dst + r * ld + c, r < valid ? src + r * lds + c : src, r < valid);
+  }
 }
 
 // A split ROWS × COLS matrix stored densely (hi plane, then lo plane) → shared memory (row stride ld, planes `plane`
@@ -793,12 +809,13 @@ __global__ void __launch_bounds__(32 * prep_warps<K, kCompact>(), kCompact ? 2 :
       const float2 qi = q2(i, d), gi = ld2(sg + i * KP + d);
       put2(sQg + i * KS + d, pX, qi.x * exp_ftz(gi.x), qi.y * exp_ftz(gi.y), lo);
     }
-    stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n, lo);
+    if (p.do16) stage_bf16<kC, K, NTH>(sDo, KS, p.do16 + base, HK, n);
+    else stage_split<kC, K, NTH>(sDo, KS, pX, p.do_ + base, HK, n, lo);
     for (int idx = tid; idx < kC * kC / 2; idx += NTH) {
       const int i = idx / (kC / 2), j = 2 * (idx - i * (kC / 2));
       put2(sQk + i * kCS + j, pC, sqk[i * kCP + j], sqk[i * kCP + j + 1], lo);
     }
-    __syncthreads();
+    sync_staged();
     const int kend = (n + 15) / 16;
     {
       constexpr int MT = K >= 64 ? 2 : 1;
@@ -1089,8 +1106,9 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
   // S0 with its lo plane in either mode: rowsum(S0∘dSe) below reads it whole (get4), not through the products.
   stage_split<K, K, NTH>(sS, KS, pS, p.kh ? p.kh + (c * H + h) * K * K : ws + lay.h(), K, K, true);
   stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.du(), K, kC, p.lo);
-  stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n, p.lo);
-  __syncthreads();
+  if (p.do16) stage_bf16<kC, K, NTH>(so, KS, p.do16 + base, HK, n);
+  else stage_split<kC, K, NTH>(so, KS, pX, p.do_ + base, HK, n, p.lo);
+  sync_staged();
   // dq and dk leave through sst: the accumulators are pairs on 8 rows a warp, while add_tile moves the staged tile in
   // 16-byte pieces along whole rows, a quarter of the global accesses and in whole sectors.
   {  // dW = −du·S0ᵀ (into its slot, split) and dQg = dO·S0ᵀ: dq += dQg∘e^Γ, dΓ = dQg∘Qg (du and dO as two m-tiles)
@@ -1141,9 +1159,10 @@ __global__ void __launch_bounds__(32 * chunk_warps<K>(), 1) inter_kernel(Params 
         if (cc == 0) sdir[r] = s;
       });
   // (The forward's u holds the chunk's rows alone; the workspace's rows ≥ n are zeros.)
-  if (p.ku) stage_split<kC, K, NTH>(sx, KS, pX, p.ku + (c * H + h) * kC * K, K, n, p.lo);
+  if (p.ku16) stage_bf16<kC, K, NTH>(sx, KS, p.ku16 + (c * H + h) * kC * K, K, n);
+  else if (p.ku) stage_split<kC, K, NTH>(sx, KS, pX, p.ku + (c * H + h) * kC * K, K, n, p.lo);
   else stage_split<kC, K, NTH>(sx, KS, pX, ws + lay.u(), K, kC, p.lo);
-  __syncthreads();
+  sync_staged();
   float colp[NT][2];  // Σ over this thread's rows of dKd∘Kd, per column
   {  // dKd = u·dSeᵀ: dk += dKd∘e^(γ−Γ), dΓ −= dKd∘Kd, dγ += Σ_i dKd∘Kd
     float acc[1][NT][4] = {};
@@ -1780,18 +1799,25 @@ namespace {
 // The checks of both entry points; q, k and v are fp32 or bf16 (rows of K read as 8- and 16-byte pieces either way).
 void check_args(const void* q, const void* k, const void* v, const float* g, const float* do_, const KdaChunks& ch,
                 int64_t H, int64_t K, const float* dq, const float* dk, const float* dv, const float* dg,
-                const void* work, const float* kept_h, const float* kept_u, const KdaGateInputs& gate) {
+                const void* work, const float* kept_h, const float* kept_u, const KdaGateInputs& gate,
+                KdaBackwardProducts products, const KdaBf16Operands& b16) {
   check(kda_chunked_backward_supported(K), "kda_chunked_backward: K must be 32, 64 or 128, got ", K);
   check(ch.num_chunks <= 0x7fffffff && ch.num_seqs <= 0x7fffffff && H <= 65535,
         "kda_chunked_backward: grid too large");
   check(!gate.f == !!g && (!gate.f || (gate.dt_bias && gate.A_log)),
         "kda_chunked_backward: g, or the gate's f with dt_bias and A_log, not both");
+  check(!do_ != !b16.do_, "kda_chunked_backward: dO goes in as exactly one of do_ and its bf16 form");
+  check(!kept_u || !b16.kept_u, "kda_chunked_backward: the forward's u goes in as at most one of fp32 and bf16");
+  check(products == KdaBackwardProducts::Bf16 || (!b16.do_ && !b16.kept_u),
+        "kda_chunked_backward: dO and u in bf16 go with the bf16 products alone");
   const float* g_or_f = gate.f ? gate.f : g;
-  for (const void* ptr : {q, k, v, static_cast<const void*>(g_or_f), static_cast<const void*>(do_),
+  const void* d_o = do_ ? static_cast<const void*>(do_) : b16.do_;
+  const void* u = kept_u ? static_cast<const void*>(kept_u) : b16.kept_u;
+  for (const void* ptr : {q, k, v, static_cast<const void*>(g_or_f), d_o,
                           static_cast<const void*>(dq), static_cast<const void*>(dk), static_cast<const void*>(dv),
                           static_cast<const void*>(dg), work})
     check(is_aligned16(ptr), "kda_chunked_backward: tensors must be 16-byte aligned");
-  check(!kept_h == !kept_u && is_aligned16(kept_h) && is_aligned16(kept_u),
+  check(!kept_h == !u && is_aligned16(kept_h) && is_aligned16(u),
         "kda_chunked_backward: the forward's states and u go together, 16-byte aligned");
 }
 
@@ -1802,25 +1828,26 @@ void kda_chunked_backward(const In* q, const In* k, const In* v, const float* g,
                           const KdaChunks& ch, int64_t T, int64_t H, int64_t K, float* dq, float* dk, float* dv,
                           float* dg, float* dbeta, void* work, cudaStream_t st, bool accumulate,
                           KdaBackwardProducts products, const float* kept_h, const float* kept_u,
-                          const KdaGateInputs& gate) {
+                          const KdaGateInputs& gate, const KdaBf16Operands& b16) {
   if (T <= 0 || H <= 0 || K <= 0 || ch.num_chunks <= 0) return;
   check(q && k && v, "kda_chunked_backward: q, k and v must be given");
-  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate);
+  check_args(q, k, v, g, do_, ch, H, K, dq, dk, dv, dg, work, kept_h, kept_u, gate, products, b16);
   Params p{nullptr, nullptr, nullptr, g, beta, do_, ch, H, dq, dk, dv, dg, dbeta, static_cast<float*>(work),
            accumulate, products == KdaBackwardProducts::SplitBf16, kept_h, kept_u};
   if constexpr (std::is_same_v<In, float>) p.q = q, p.k = k, p.v = v;
   else p.q16 = q, p.k16 = k, p.v16 = v;
   p.gate = gate;
+  p.do16 = b16.do_, p.ku16 = b16.kept_u;
   run(p, K, st);
 }
 
 template void kda_chunked_backward(const float*, const float*, const float*, const float*, const float*,
                                    const float*, const KdaChunks&, int64_t, int64_t, int64_t, float*, float*, float*,
                                    float*, float*, void*, cudaStream_t, bool, KdaBackwardProducts, const float*,
-                                   const float*, const KdaGateInputs&);
+                                   const float*, const KdaGateInputs&, const KdaBf16Operands&);
 template void kda_chunked_backward(const bf16*, const bf16*, const bf16*, const float*, const float*, const float*,
                                    const KdaChunks&, int64_t, int64_t, int64_t, float*, float*, float*, float*,
                                    float*, void*, cudaStream_t, bool, KdaBackwardProducts, const float*,
-                                   const float*, const KdaGateInputs&);
+                                   const float*, const KdaGateInputs&, const KdaBf16Operands&);
 
 }  // namespace nextlm::cuda

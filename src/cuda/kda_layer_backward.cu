@@ -457,7 +457,7 @@ __device__ __forceinline__ float widen(bf16 x) { return __bfloat162float(x); }
 template <int PER, class OT>
 __global__ void __launch_bounds__(256, 4)
     out_norm_backward_kernel(const OT* o, const float* gate, const float* w, const float* don, float* do_,
-                             float* dgate, bf16* dgate16, float* part, int64_t rows, int64_t K, float eps,
+                             bf16* do16, float* dgate, bf16* dgate16, float* part, int64_t rows, int64_t K, float eps,
                              bool accumulate) {
   __shared__ float red[8][PER * 32];  // [warp, K] (K ≤ 32·PER, 256 threads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -516,7 +516,11 @@ __global__ void __launch_bounds__(256, 4)
           dgate16[row * K + d] = __float2bfloat16_rn(dgv);
         else
           dgate[row * K + d] = dgv;
-        do_[row * K + d] = dold[j][i] + (r * wv[i] * dn[i] - c * x[j][i]);
+        const float dov = dold[j][i] + (r * wv[i] * dn[i] - c * x[j][i]);
+        if (do16)
+          do16[row * K + d] = __float2bfloat16_rn(dov);
+        else
+          do_[row * K + d] = dov;
         dwacc[i] += dn[i] * xr;
       }
     }
@@ -672,14 +676,16 @@ namespace {
 template <class OT>
 void out_norm_backward(const OT* o, const float* gate, const float* w, const float* don, float* do_, float* dgate,
                        float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work, cudaStream_t st,
-                       bool accumulate, bf16* dgate16) {
+                       bool accumulate, bf16* dgate16, bf16* do16) {
   check(K <= 32 * kMaxPer, "CUDA KDA backward: linear_head_dim must be at most 256, got ", K);
+  check(!do_ != !do16 && !(do16 && accumulate),
+        "CUDA KDA backward: the output norm's dO goes to exactly one of do_ and do16 (written, not added to)");
   const int64_t rows = T * H;
   if (rows <= 0 || K == 0) return;
   const int64_t blocks = out_norm_blocks(rows);
   auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, dgate, dgate16, work, rows, K, eps,
-                                                          accumulate);
+    kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(o, gate, w, don, do_, do16, dgate, dgate16, work, rows, K,
+                                                          eps, accumulate);
   };
   if (K <= 32) run(out_norm_backward_kernel<1, OT>);
   else if (K <= 64) run(out_norm_backward_kernel<2, OT>);
@@ -695,13 +701,13 @@ void out_norm_backward(const OT* o, const float* gate, const float* w, const flo
 
 void kda_out_norm_backward(const float* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate, bf16* dgate16) {
-  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate, dgate16);
+                           cudaStream_t st, bool accumulate, bf16* dgate16, bf16* do16) {
+  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate, dgate16, do16);
 }
 void kda_out_norm_backward(const bf16* o, const float* gate, const float* w, const float* don, float* do_,
                            float* dgate, float* dw, int64_t T, int64_t H, int64_t K, float eps, float* work,
-                           cudaStream_t st, bool accumulate, bf16* dgate16) {
-  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate, dgate16);
+                           cudaStream_t st, bool accumulate, bf16* dgate16, bf16* do16) {
+  out_norm_backward(o, gate, w, don, do_, dgate, dw, T, H, K, eps, work, st, accumulate, dgate16, do16);
 }
 
 }  // namespace nextlm::cuda

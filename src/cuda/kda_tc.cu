@@ -451,7 +451,9 @@ __global__ void __launch_bounds__(kThreads)
         mma_bf16(oc[2 * np + 1], aq, b[2], b[3]);
       }
     }
-    float* keep_u = states.chunk_u ? states.chunk_u + (int64_t(cidx) * H + h) * kC * K + c0 : nullptr;
+    const int64_t u_at = (int64_t(cidx) * H + h) * kC * K + c0;
+    float* keep_u = states.chunk_u ? states.chunk_u + u_at : nullptr;
+    bf16* keep_u16 = states.chunk_u16 ? states.chunk_u16 + u_at : nullptr;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -461,6 +463,7 @@ __global__ void __launch_bounds__(kThreads)
         const float v0 = __low2float(u) - p[nt][2 * hf], v1 = __high2float(u) - p[nt][2 * hf + 1];
         store2(VN + row * VS + col, v0, v1);
         if (keep_u && row < n) *reinterpret_cast<float2*>(keep_u + row * K + col) = make_float2(v0, v1);
+        if (keep_u16 && row < n) store2(keep_u16 + row * K + col, v0, v1);
       }
     __syncthreads();
     if (rc.vn && it == count - 1) {  // a decoding slot's partial chunk: its v_new rows
@@ -619,6 +622,7 @@ void kda_tc_prepare(const bf16* q, const bf16* k, const bf16* v, const bf16* gra
 
 void kda_tc_state(const KdaChunks& ch, const KdaTcWork& w, bf16* o, int64_t H, int64_t K, const KdaTcStates& states,
                   cudaStream_t st, const KdaTcRowCache& rc) {
+  check(!states.chunk_u || !states.chunk_u16, "CUDA KDA (tensor cores): v_new is kept in fp32 or in bf16, not both");
   switch (K) {
     case 16: return launch_state<16>(ch, w, o, H, states, st, rc);
     case 32: return launch_state<32>(ch, w, o, H, states, st, rc);

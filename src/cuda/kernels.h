@@ -116,7 +116,9 @@ struct KdaTcWork {
 // sequence's last complete (64-token) chunk, and is left as it is for a sequence without one.
 // chunk_h, chunk_u (training: a forward whose activations the backward keeps): every chunk's start state S0 fp32
 // [num_chunks, H, K, K] and v_new = U − W·S0 fp32 [num_chunks, H, 64, K] (rows past the chunk's length untouched),
-// in kda_chunked_backward's per (chunk, head) order, which then takes them instead of recomputing them.
+// in kda_chunked_backward's per (chunk, head) order, which then takes them instead of recomputing them. chunk_u16:
+// v_new in bf16 instead (as the kernel's own product reads it: the bf16 rounding of chunk_u's values), for a
+// backward with bf16 products (KdaBf16Operands::kept_u); at most one of chunk_u and chunk_u16.
 struct KdaTcStates {
   const float* in = nullptr;
   float* out = nullptr;
@@ -124,6 +126,7 @@ struct KdaTcStates {
   bool boundary = false;
   float* chunk_h = nullptr;
   float* chunk_u = nullptr;
+  bf16* chunk_u16 = nullptr;
 };
 // What decoding keeps of a slot's partial chunk besides its inputs (decode_kernels.h, kda_tc_step), per (slot, head):
 // t [64, 64] the rows of T = (I + β·strict(Akk))⁻¹ (fp32, the blocks on and left of the diagonal), xs [64, 48] the

@@ -2,6 +2,7 @@
 #include "cuda/testing_kda_backward.h"
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kernels.h"
 #include "cuda/testing_buffers.h"
 
 namespace nextlm::cuda_testing {
@@ -118,6 +119,45 @@ KdaBackwardGrads kda_chunked_backward_gated(const std::vector<float>& q, const s
                              b.beta.as<float>(), b.dout.as<float>(), ch.view, T, H, K, b.dq.as<float>(),
                              b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(), b.dbeta.as<float>(), work.p,
                              nullptr, false, products, nullptr, nullptr, gate);
+  return b.get();
+}
+
+KdaBackwardGrads kda_chunked_backward_kept(const std::vector<float>& q, const std::vector<float>& k,
+                                           const std::vector<float>& v, const std::vector<float>& f,
+                                           const std::vector<float>& dt_bias, const std::vector<float>& A_log,
+                                           float bound, const std::vector<float>& beta, const std::vector<float>& do_,
+                                           const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
+                                           bool bf16_operands) {
+  const int64_t T = cu_seqlens.back(), n = T * H * K;
+  const detail::DevKdaChunks ch(cu_seqlens);
+  const int64_t nc = ch.num_chunks();
+  const Buf q16 = detail::upload(detail::to_bf16(q)), k16 = detail::upload(detail::to_bf16(k)),
+            v16 = detail::upload(detail::to_bf16(v)), df = detail::upload(f), bias = detail::upload(dt_bias),
+            alog = detail::upload(A_log), db = detail::upload(beta);
+  // The forward, keeping its chunk states and v_new (NaN first: the backward must read only what it wrote).
+  const Buf o = detail::poisoned<cuda::bf16>(static_cast<size_t>(n)), fwork(cuda::kda_tc_workspace_bytes(nc, H, K));
+  const Buf kh = detail::poisoned<float>(static_cast<size_t>(nc * H * K * K));
+  const Buf ku = detail::poisoned<float>(bf16_operands ? 0 : static_cast<size_t>(nc * H * 64 * K)),
+            ku16 = detail::poisoned<cuda::bf16>(bf16_operands ? static_cast<size_t>(nc * H * 64 * K) : 0);
+  cuda::KdaTcStates keep;
+  keep.chunk_h = kh.as<float>(), keep.chunk_u = ku.or_null<float>(), keep.chunk_u16 = ku16.or_null<cuda::bf16>();
+  cuda::kda_chunked_tc(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>(), df.as<float>(),
+                       db.as<float>(), bias.as<float>(), alog.as<float>(), bound, o.as<cuda::bf16>(), ch.view,
+                       cuda::kda_tc_workspace(fwork.p, nc, H, K), H, K, keep, nullptr);
+  // The backward on them, dO as the bf16 rounding of do_ (in fp32 or in bf16).
+  const std::vector<cuda::bf16> do_r = detail::to_bf16(do_);
+  KdaBackwardBuffers b(q, k, v, {}, beta, detail::widen(do_r), {}, T, H, K);
+  for (const Buf* out : {&b.dq, &b.dk, &b.dv, &b.dg, &b.dbeta})
+    NEXTLM_CUDA_CHECK(cudaMemset(out->p, 0xFF, out->bytes));
+  const Buf do16 = detail::upload(bf16_operands ? do_r : std::vector<cuda::bf16>());
+  const Buf work = detail::poisoned(cuda::kda_chunked_backward_workspace_bytes(nc, T, H, K));
+  const cuda::KdaGateInputs gate{df.as<float>(), bias.as<float>(), alog.as<float>(), true, bound};
+  const cuda::KdaBf16Operands b16{do16.or_null<cuda::bf16>(), ku16.or_null<cuda::bf16>()};
+  cuda::kda_chunked_backward(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>(), nullptr,
+                             b.beta.as<float>(), bf16_operands ? nullptr : b.dout.as<float>(), ch.view, T, H, K,
+                             b.dq.as<float>(), b.dk.as<float>(), b.dv.as<float>(), b.dg.as<float>(),
+                             b.dbeta.as<float>(), work.p, nullptr, false, cuda::KdaBackwardProducts::Bf16,
+                             kh.as<float>(), ku.or_null<float>(), gate, b16);
   return b.get();
 }
 

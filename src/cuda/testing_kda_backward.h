@@ -43,6 +43,17 @@ KdaBackwardGrads kda_chunked_backward_gated(const std::vector<float>& q, const s
                                             const std::vector<float>& do_, const std::vector<int64_t>& cu_seqlens,
                                             int64_t H, int64_t K, bool from_f, bool bf16_products);
 
+// The training step's form with the forward's kept states: cuda::kda_chunked_tc (q, k and v rounded to bf16, the
+// safe gate from f, dt_bias, A_log and bound) keeps every chunk's state and v_new, and the chunked backward takes
+// them, the gate from f and bf16 products, dO as the bf16 rounding of do_, gradients written. bf16_operands: dO and
+// v_new in bf16 (cuda::KdaBf16Operands, KdaTcStates::chunk_u16); else both in fp32 holding the same values.
+KdaBackwardGrads kda_chunked_backward_kept(const std::vector<float>& q, const std::vector<float>& k,
+                                           const std::vector<float>& v, const std::vector<float>& f,
+                                           const std::vector<float>& dt_bias, const std::vector<float>& A_log,
+                                           float bound, const std::vector<float>& beta, const std::vector<float>& do_,
+                                           const std::vector<int64_t>& cu_seqlens, int64_t H, int64_t K,
+                                           bool bf16_operands);
+
 // cuda::set_kda_backward_compact_prep / kda_backward_compact_prep (process-wide).
 void set_kda_backward_compact_prep(bool on);
 bool kda_backward_compact_prep();

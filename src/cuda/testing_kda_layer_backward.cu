@@ -86,21 +86,26 @@ std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std:
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
                                          int64_t K, float eps, bool written, bool bf16_o,
-                                         std::vector<uint16_t>* dgate16) {
+                                         std::vector<uint16_t>* dgate16, std::vector<uint16_t>* do16) {
   Buf d_o = bf16_o ? upload(detail::to_bf16(o)) : upload(o), d_gate = upload(gate), d_w = upload(w),
-      d_don = upload(don), d_do = written ? poisoned<float>(do_.size()) : upload(do_), d_dw = upload(dw);
+      d_don = upload(don), d_dw = upload(dw);
+  Buf d_do = do16 ? Buf(0) : (written ? poisoned<float>(do_.size()) : upload(do_));
+  Buf d_do16 = poisoned<cuda::bf16>(do16 ? do_.size() : 0);
   Buf dgate = poisoned<float>(dgate16 ? 0 : gate.size()), dg16 = poisoned<cuda::bf16>(dgate16 ? gate.size() : 0);
   Buf work = poisoned<float>(static_cast<size_t>(cuda::kda_out_norm_backward_workspace_floats(T, H, K)));
   if (bf16_o)
     cuda::kda_out_norm_backward(d_o.as<cuda::bf16>(), d_gate.as<float>(), d_w.as<float>(), d_don.as<float>(),
-                                d_do.as<float>(), dgate.or_null<float>(), d_dw.as<float>(), T, H, K, eps,
-                                work.as<float>(), nullptr, !written, dg16.or_null<cuda::bf16>());
+                                d_do.or_null<float>(), dgate.or_null<float>(), d_dw.as<float>(), T, H, K, eps,
+                                work.as<float>(), nullptr, !written, dg16.or_null<cuda::bf16>(),
+                                d_do16.or_null<cuda::bf16>());
   else
     cuda::kda_out_norm_backward(d_o.as<float>(), d_gate.as<float>(), d_w.as<float>(), d_don.as<float>(),
-                                d_do.as<float>(), dgate.or_null<float>(), d_dw.as<float>(), T, H, K, eps,
-                                work.as<float>(), nullptr, !written, dg16.or_null<cuda::bf16>());
+                                d_do.or_null<float>(), dgate.or_null<float>(), d_dw.as<float>(), T, H, K, eps,
+                                work.as<float>(), nullptr, !written, dg16.or_null<cuda::bf16>(),
+                                d_do16.or_null<cuda::bf16>());
   finish();
-  do_ = download<float>(d_do);
+  if (do16) *do16 = download<uint16_t>(d_do16);
+  else do_ = download<float>(d_do);
   dw = download<float>(d_dw);
   if (dgate16) *dgate16 = download<uint16_t>(dg16);
   return download<float>(dgate);

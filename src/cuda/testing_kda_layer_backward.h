@@ -34,11 +34,12 @@ std::vector<float> sigmoid_backward(const std::vector<float>& y, const std::vect
 // kda_out_norm_backward: o [T, H, K], gate [T, HK], w [K], don [T, HK]. Returns dgate [T, HK]; do_ [T, H, K] and
 // dw [K] are accumulated into, or with written do_ is written (its device buffer starting as NaN). bf16_o: o goes to
 // the device rounded to bf16, through the bf16 overload. With dgate16, dgate is written in bf16 there instead (the
-// returned one empty).
+// returned one empty); with do16 (and written), do_ likewise (do_ left as it is).
 std::vector<float> kda_out_norm_backward(const std::vector<float>& o, const std::vector<float>& gate,
                                          const std::vector<float>& w, const std::vector<float>& don,
                                          std::vector<float>& do_, std::vector<float>& dw, int64_t T, int64_t H,
                                          int64_t K, float eps, bool written = false, bool bf16_o = false,
-                                         std::vector<uint16_t>* dgate16 = nullptr);
+                                         std::vector<uint16_t>* dgate16 = nullptr,
+                                         std::vector<uint16_t>* do16 = nullptr);
 
 }  // namespace nextlm::cuda_testing

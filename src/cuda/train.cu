@@ -125,8 +125,9 @@ struct KdaActs {
   bf16* o_tc = nullptr;
   bf16 *fa16, *ga16, *o16;
   // The tensor-core recurrence's state entering each chunk and v_new, for the chunked backward (set_kda_keep_states;
-  // null: the backward forms them).
+  // null: the backward forms them); v_new in bf16 (chunk_u16, chunk_u null) for its bf16 products.
   float *chunk_h = nullptr, *chunk_u = nullptr;
+  bf16* chunk_u16 = nullptr;
 };
 struct DsaActs {
   float *qa, *q, *lat, *kv;
@@ -1001,7 +1002,8 @@ void Step::kda_forward(size_t i, const DKda& w, const bf16* a, KdaActs& x, float
       if (m_.kda_keeps_states(m_.recompute) && !transient_ && !recompute_) {
         const int64_t C = p_.chunks.num_chunks;
         x.chunk_h = keep.chunk_h = ar.alloc<float>(C * H * K * K);
-        x.chunk_u = keep.chunk_u = ar.alloc<float>(C * H * 64 * K);
+        if (m_.kda_backward_bf16) x.chunk_u16 = keep.chunk_u16 = ar.alloc<bf16>(C * H * 64 * K);
+        else x.chunk_u = keep.chunk_u = ar.alloc<float>(C * H * 64 * K);
       }
       void* work =
           ar.alloc<unsigned char>(static_cast<int64_t>(kda_tc_workspace_bytes(p_.chunks.num_chunks, H, K)));
@@ -1034,13 +1036,23 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   // y = o_proj(on); on = RMSNorm_K(o)·sigmoid(gate); gate = g_b(g_a(a))
   float* don = ar.alloc<float>(T * HK);
   linear_backward(i, {LoraKind::KdaO}, w.o, x.o16, HK, dy, don, gw.o, true);
-  float* dO = ar.alloc<float>(T * HK);
+  // The recurrence's backward: in the chunked (WY) form for the head dims it has (which writes its gradients whole),
+  // else backward through time (which adds into zeroed ones); the chunked form's products in bf16 only behind the
+  // tensor-core forward, whose own products are bf16 (set_kda_backward_bf16), and then reading dO in bf16.
+  const bool chunked = kda_chunked_backward_supported(K);
+  const auto products = m_.kda_backward_bf16 && m_.kda_tc_path() ? KdaBackwardProducts::Bf16
+                                                                 : KdaBackwardProducts::SplitBf16;
+  const bool do16 = chunked && products == KdaBackwardProducts::Bf16;
+  float* dO = do16 ? nullptr : ar.alloc<float>(T * HK);
+  bf16* dO16 = do16 ? ar.alloc<bf16>(T * HK) : nullptr;
   bf16* dgate = ar.alloc<bf16>(T * HK);  // the GEMMs' operand, written in bf16 directly
   float* onw = ar.alloc<float>(kda_out_norm_backward_workspace_floats(T, H, K));
   if (x.o_tc)
-    kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
+    kda_out_norm_backward(x.o_tc, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate,
+                          dO16);
   else
-    kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate);
+    kda_out_norm_backward(x.o, x.gate, w.o_norm, don, dO, nullptr, gw.o_norm, T, H, K, eps, onw, st, false, dgate,
+                          dO16);
   // da: g_a, b and f_a joined (narrow) after q|k|v's GEMM, which then writes it; else g_a's writes, the later add.
   Narrow n = narrow(i, {{&w.g_a, LoraKind::KdaGA}, {&w.b, LoraKind::KdaB}, {&w.f_a, LoraKind::KdaFA}}, a, D, da);
   // The output gate's backward beside the recurrence's (beside()), joined before b's adds into da.
@@ -1053,25 +1065,20 @@ void Step::kda_backward(size_t i, const DKda& w, GKda& gw, const bf16* a, const 
   };
   if (gate_beside) m_.run_beside(1, gate);
   else gate();
-  // The recurrence: in the chunked (WY) form for the head dims it has (which writes its gradients whole), else
-  // backward through time (which adds into zeroed ones).
-  const bool chunked = kda_chunked_backward_supported(K);
   auto grad = [&](int64_t n) { return chunked ? ar.alloc<float>(n) : zeros(n); };
   float *dq = grad(T * HK), *dk = grad(T * HK), *dv = grad(T * HK), *dg = grad(T * HK), *dbeta = grad(T * H);
   if (chunked) {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_chunked_backward_workspace_bytes(p_.chunks.num_chunks, T, H, K)));
-    // bf16 products only behind the tensor-core forward, whose own products are bf16 (set_kda_backward_bf16).
-    const auto products = m_.kda_backward_bf16 && m_.kda_tc_path() ? KdaBackwardProducts::Bf16
-                                                                   : KdaBackwardProducts::SplitBf16;
     KdaGateInputs gate;
     if (!x.g) gate = {x.f, w.dt_bias, w.A_log, has_bound, bound};
+    const KdaBf16Operands b16{dO16, x.chunk_u16};
     if (x.q)
       kda_chunked_backward(x.q, x.k, x.v, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                           false, products, x.chunk_h, x.chunk_u, gate);
+                           false, products, x.chunk_h, x.chunk_u, gate, b16);
     else
       kda_chunked_backward(x.q16, x.k16, x.v16, x.g, x.beta, dO, p_.chunks, T, H, K, dq, dk, dv, dg, dbeta, work, st,
-                           false, products, x.chunk_h, x.chunk_u, gate);
+                           false, products, x.chunk_h, x.chunk_u, gate, b16);
   } else {
     void* work = ar.alloc<unsigned char>(
         static_cast<int64_t>(kda_recurrent_backward_workspace_bytes(T, p_.num_seqs, H, K)));
