@@ -420,7 +420,9 @@ TEST(CudaGroupedLoraRouting, CapturedGraphMatchesEager) {
 // grouped_lora_factor2 / grouped_lora_backward2 give the bits of one call per adapter, at ranks 8 and 16 (one
 // padded rank, RP 16) and 24 and 32 (RP 32), with dx and without, over uneven experts (empty, one row, several
 // tiles). Every output buffer starts from the same values in both runs (u and gs poisoned, the sums random). And
-// with `overwrite`, the gradients are set instead of added to.
+// with `overwrite`, the gradients are set instead of added to. And both forms reading x by index (GroupedLora::x_rows,
+// as a training step reads the MoE's input by each row's token: rows repeated, in no order) give the bits of the
+// gathered copy.
 TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
   const std::vector<int> rows{0, 5, 130, 0, 64, 200, 1};
   const int E = static_cast<int>(rows.size()), in = 200, out = 136;
@@ -432,7 +434,15 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
       SCOPED_TRACE("r " + std::to_string(r) + (with_dx ? " with dx" : " without dx"));
       const int ldr = cuda::grouped_lora_ld(r);
       const unsigned seed = 100 + r;
-      const std::vector<uint16_t> x = to_bf16(test::randn(n * ldx, seed));
+      // x [n, ldx] is the gather of src [T, ldx] by token (T = n/2 + 1 rows, each used about twice, in no order).
+      const int64_t T = n / 2 + 1;
+      const std::vector<uint16_t> src = to_bf16(test::randn(T * ldx, seed));
+      std::vector<int32_t> token(n);
+      std::vector<uint16_t> x(n * ldx);
+      for (int64_t i = 0; i < n; ++i) {
+        token[i] = static_cast<int32_t>((i * 37 + 11) % T);
+        std::copy_n(src.begin() + token[i] * ldx, ldx, x.begin() + i * ldx);
+      }
       const std::vector<uint16_t> dy = to_bf16(test::randn(n * lddy, seed + 1));
       std::vector<uint16_t> ab[4];  // A0, B0, A1, B1
       for (int i = 0; i < 4; ++i)
@@ -441,7 +451,10 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
       const std::vector<float> zero(g0.size(), 0.0f), nan(g0.size(), poison32());
       const std::vector<float> dx0 = test::randn(n * lddx, seed + 7);
       // paired: the two-part forms; overwrite: onto gradients that start as NaN.
-      auto run = [&](bool paired, const std::vector<float>& grads0, bool overwrite = false) {
+      // by_index: x as src and the tokens (GroupedLora::x_rows).
+      auto run = [&](bool paired, const std::vector<float>& grads0, bool overwrite = false, bool by_index = false) {
+        DevBuf dsrc(src.size() * 2), dtok(token.size() * 4);
+        upload(dsrc, src), upload(dtok, token);
         DevBuf dx_(x.size() * 2), ddy(dy.size() * 2), doff(off.size() * 4), dxo(dx0.size() * 4), grads(g0.size() * 4),
             u(2 * n * ldr * 2), gs(2 * n * ldr * 2), w(4 * ab[0].size() * 2 + 4 * ab[1].size() * 2),
             ptrs(6 * E * sizeof(void*));
@@ -467,11 +480,12 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
         upload(ptrs, p), upload(gptr, gp);
         const auto* pa = ptrs.as<const cuda::bf16* const>();
         float* const* pg = gptr.as<float* const>();
-        const cuda::GroupedLora a0{doff.as<int32_t>(), E, r, in, out, pa, pa + E, 1.5f};
-        const cuda::GroupedLora a1{doff.as<int32_t>(), E, r, in, out, pa + 2 * E, pa + 3 * E, 1.5f};
+        const int32_t* rows = by_index ? dtok.as<int32_t>() : nullptr;
+        const cuda::GroupedLora a0{doff.as<int32_t>(), E, r, in, out, pa, pa + E, 1.5f, rows};
+        const cuda::GroupedLora a1{doff.as<int32_t>(), E, r, in, out, pa + 2 * E, pa + 3 * E, 1.5f, rows};
         EXPECT_TRUE(cuda::grouped_lora_pairable(a0, a1));
         cuda::bf16 *u0 = u.as<cuda::bf16>(), *u1 = u0 + n * ldr, *gs0 = gs.as<cuda::bf16>(), *gs1 = gs0 + n * ldr;
-        const cuda::bf16 *xb = dx_.as<cuda::bf16>(), *dyb = ddy.as<cuda::bf16>();
+        const cuda::bf16 *xb = by_index ? dsrc.as<cuda::bf16>() : dx_.as<cuda::bf16>(), *dyb = ddy.as<cuda::bf16>();
         float* dxp = with_dx ? dxo.as<float>() : nullptr;
         if (paired) {
           cuda::grouped_lora_factor2(a0, a1, xb, ldx, n, u0, u1, nullptr);
@@ -500,6 +514,13 @@ TEST(CudaGroupedLoraRouting, PairedFormsMatchOneCallPerAdapter) {
       size_t differ = 0;
       for (size_t i = 0; i < one.size(); ++i) differ += one[i] != two[i];
       EXPECT_EQ(differ, 0u) << "of " << one.size() << " output values";
+      for (const bool paired : {false, true}) {
+        const std::vector<uint32_t> indexed = run(paired, g0, false, true);
+        ASSERT_EQ(indexed.size(), one.size());
+        differ = 0;
+        for (size_t i = 0; i < one.size(); ++i) differ += one[i] != indexed[i];
+        EXPECT_EQ(differ, 0u) << (paired ? "paired" : "one call each") << ", x by index";
+      }
       // Overwriting NaN gradients gives the sums added onto zeros (equal values: 0 + (−0) is +0), the empty experts'
       // zeros included; both forms.
       const std::vector<uint32_t> from_zero = run(false, zero);

@@ -95,9 +95,10 @@ constexpr int down_stage_elems() {
 
 template <int RP, bool kFlatW, int PARTS = 1>
 __global__ void __launch_bounds__(kDownThreads)
-    down_kernel(const bf16* __restrict__ X, int64_t ldx, const int32_t* __restrict__ offsets, int E,
-                const bf16* const* __restrict__ W, int r, int K, float scale, bf16* __restrict__ P, int ldp,
-                const bf16* const* __restrict__ W1 = nullptr, bf16* __restrict__ P1 = nullptr) {
+    down_kernel(const bf16* __restrict__ X, int64_t ldx, const int32_t* __restrict__ xrows,
+                const int32_t* __restrict__ offsets, int E, const bf16* const* __restrict__ W, int r, int K,
+                float scale, bf16* __restrict__ P, int ldp, const bf16* const* __restrict__ W1 = nullptr,
+                bf16* __restrict__ P1 = nullptr) {
   static_assert(PARTS == 1 || (PARTS == 2 && !kFlatW), "two parts: A_e factors only");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
@@ -110,16 +111,24 @@ __global__ void __launch_bounds__(kDownThreads)
   const bf16* We1 = PARTS == 2 ? W1[e] : nullptr;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int KT = (K + kDownBK - 1) / kDownBK;
+  // The X rows this thread copies, the same in every stage: row0 + row, or xrows[row0 + row] (null past the tile).
+  constexpr int kXCopies = kBM * (kDownBK / 8) / kDownThreads;
+  const bf16* xsrc[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int row = (tid + i * kDownThreads) / (kDownBK / 8);
+    xsrc[i] = row < rows ? X + (xrows ? int64_t(xrows[row0 + row]) : row0 + row) * ldx : nullptr;
+  }
 
   auto load_stage = [&](int kt) {
     bf16* xs = smem + (kt % kDownStages) * STAGE;
     bf16* ws = xs + kBM * kDownLd;
     const int k0 = kt * kDownBK;
 #pragma unroll
-    for (int i = 0; i < kBM * (kDownBK / 8) / kDownThreads; ++i) {
+    for (int i = 0; i < kXCopies; ++i) {
       const int p = tid + i * kDownThreads, row = p / (kDownBK / 8), c = p % (kDownBK / 8) * 8;
-      const bool v = row < rows && k0 + c < K;
-      cp_async16(xs + row * kDownLd + c, v ? X + (row0 + row) * ldx + k0 + c : X, v);
+      const bool v = xsrc[i] && k0 + c < K;
+      cp_async16(xs + row * kDownLd + c, v ? xsrc[i] + k0 + c : X, v);
     }
     if constexpr (kFlatW) {
       const int valid = min(kDownBK, K - k0) * r;  // a multiple of 8: K − k0 is
@@ -362,9 +371,10 @@ constexpr int grad_smem_bytes() {
 // them (each column j's sum is the same chain of MMAs), from one pass over X.
 template <int RP, bool kJMajor, int PARTS = 1>
 __global__ void __launch_bounds__(kGradThreads)
-    grad_kernel(const bf16* __restrict__ X, int64_t ldx, const bf16* __restrict__ P, int ldp,
-                const int32_t* __restrict__ offsets, float* const* __restrict__ G, int r, int Q, bool overwrite,
-                const bf16* __restrict__ P1 = nullptr, float* const* __restrict__ G1 = nullptr) {
+    grad_kernel(const bf16* __restrict__ X, int64_t ldx, const int32_t* __restrict__ xrows,
+                const bf16* __restrict__ P, int ldp, const int32_t* __restrict__ offsets, float* const* __restrict__ G,
+                int r, int Q, bool overwrite, const bf16* __restrict__ P1 = nullptr,
+                float* const* __restrict__ G1 = nullptr) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
   constexpr int LDP = PARTS * RP + 8, NT = PARTS * RP / 8, STAGE = kGradBK * (kGradLdX + LDP);
@@ -374,17 +384,30 @@ __global__ void __launch_bounds__(kGradThreads)
   const int q0 = blockIdx.x * kGradBQ;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int KT = (rows + kGradBK - 1) / kGradBK;
+  // With xrows, the X rows of a chunk's copies are read a chunk ahead of them (their loads then wait on nothing):
+  // xr holds those of the next chunk to be loaded.
+  constexpr int kXCopies = kGradBK * (kGradBQ / 8) / kGradThreads;
+  int xr[kXCopies];
+  auto fetch_rows = [&](int kt) {
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      const int row = kt * kGradBK + (tid + i * kGradThreads) / (kGradBQ / 8);
+      xr[i] = row < rows ? (xrows ? xrows[r0 + row] : r0 + row) : -1;
+    }
+  };
+  fetch_rows(0);
 
   auto load_stage = [&](int kt) {
     bf16* xs = smem + (kt % kGradStages) * STAGE;
     bf16* ps = xs + kGradBK * kGradLdX;
     const int rr = kt * kGradBK;
 #pragma unroll
-    for (int i = 0; i < kGradBK * (kGradBQ / 8) / kGradThreads; ++i) {
+    for (int i = 0; i < kXCopies; ++i) {
       const int p = tid + i * kGradThreads, row = p / (kGradBQ / 8), c = p % (kGradBQ / 8) * 8;
-      const bool v = rr + row < rows && q0 + c < Q;
-      cp_async16(xs + row * kGradLdX + c, v ? X + int64_t(r0 + rr + row) * ldx + q0 + c : X, v);
+      const bool v = xr[i] >= 0 && q0 + c < Q;
+      cp_async16(xs + row * kGradLdX + c, v ? X + int64_t(xr[i]) * ldx + q0 + c : X, v);
     }
+    fetch_rows(kt + 1);
     for (int p = tid; p < kGradBK * (PARTS * RP / 8); p += kGradThreads) {  // part q's columns at q·RP
       const int row = p / (PARTS * RP / 8), c = p % (PARTS * RP / 8) * 8, q = c / RP, cc = c % RP;
       const bool v = rr + row < rows && cc < ldp;
@@ -476,15 +499,15 @@ struct SmemOptIn {
 unsigned row_tile_blocks(int64_t n, int E) { return static_cast<unsigned>(ceil_div(n, kBM) + E); }
 
 template <int RP, bool kFlatW, int PARTS = 1>
-void launch_down(const bf16* X, int64_t ldx, const int32_t* offsets, int E, const bf16* const* W, int r, int K,
-                 float scale, bf16* P, int64_t n, cudaStream_t st, const bf16* const* W1 = nullptr,
-                 bf16* P1 = nullptr) {
+void launch_down(const bf16* X, int64_t ldx, const int32_t* xrows, const int32_t* offsets, int E,
+                 const bf16* const* W, int r, int K, float scale, bf16* P, int64_t n, cudaStream_t st,
+                 const bf16* const* W1 = nullptr, bf16* P1 = nullptr) {
   static SmemOptIn opt;
   // The tile scan's start array shares the stages' memory.
   const int smem = std::max<int>(kDownStages * down_stage_elems<PARTS * RP>() * 2, (E + 1) * 4);
   const auto kernel = down_kernel<RP, kFlatW, PARTS>;
   opt.ensure(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<row_tile_blocks(n, E), kDownThreads, smem, st>>>(X, ldx, offsets, E, W, r, K, scale, P,
+  kernel<<<row_tile_blocks(n, E), kDownThreads, smem, st>>>(X, ldx, xrows, offsets, E, W, r, K, scale, P,
                                                             grouped_lora_ld(r), W1, P1);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
@@ -502,14 +525,16 @@ void launch_up(const bf16* P, const int32_t* offsets, int E, const bf16* const* 
 }
 
 template <int RP, bool kJMajor, int PARTS = 1>
-void launch_grad(const bf16* X, int64_t ldx, const bf16* P, const int32_t* offsets, int E, float* const* G, int r,
-                 int Q, bool overwrite, cudaStream_t st, const bf16* P1 = nullptr, float* const* G1 = nullptr) {
+void launch_grad(const bf16* X, int64_t ldx, const int32_t* xrows, const bf16* P, const int32_t* offsets, int E,
+                 float* const* G, int r, int Q, bool overwrite, cudaStream_t st, const bf16* P1 = nullptr,
+                 float* const* G1 = nullptr) {
   static SmemOptIn opt;
   const int smem = grad_smem_bytes<PARTS * RP>();
   const auto kernel = grad_kernel<RP, kJMajor, PARTS>;
   opt.ensure(reinterpret_cast<const void*>(kernel), smem);
   const dim3 grid(static_cast<unsigned>(ceil_div(Q, kGradBQ)), static_cast<unsigned>(E));
-  kernel<<<grid, kGradThreads, smem, st>>>(X, ldx, P, grouped_lora_ld(r), offsets, G, r, Q, overwrite, P1, G1);
+  kernel<<<grid, kGradThreads, smem, st>>>(X, ldx, xrows, P, grouped_lora_ld(r), offsets, G, r, Q, overwrite, P1,
+                                           G1);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -548,7 +573,7 @@ void grouped_lora_forward(const GroupedLora& g, const bf16* x, int64_t ldx, int6
   if (n == 0 || g.E == 0) return;
   with_rank(g.r, [&](auto rp) {
     constexpr int RP = decltype(rp)::value;
-    launch_down<RP, false>(x, ldx, g.offsets, g.E, g.A, g.r, g.in, g.scale, u, n, stream);
+    launch_down<RP, false>(x, ldx, g.x_rows, g.offsets, g.E, g.A, g.r, g.in, g.scale, u, n, stream);
     launch_up<RP, true>(u, g.offsets, g.E, g.B, g.r, g.out, y + col0, ldy, n, stream);
   });
 }
@@ -561,7 +586,7 @@ void grouped_lora_factor(const GroupedLora& g, const bf16* x, int64_t ldx, int64
   if (n == 0 || g.E == 0) return;
   with_rank(g.r, [&](auto rp) {
     constexpr int RP = decltype(rp)::value;
-    launch_down<RP, false>(x, ldx, g.offsets, g.E, g.A, g.r, g.in, g.scale, u, n, stream);
+    launch_down<RP, false>(x, ldx, g.x_rows, g.offsets, g.E, g.A, g.r, g.in, g.scale, u, n, stream);
   });
 }
 
@@ -580,20 +605,20 @@ void grouped_lora_backward(const GroupedLora& g, float* const* dA, float* const*
   const bf16* dyc = dy + col0;
   with_rank(g.r, [&](auto rp) {
     constexpr int RP = decltype(rp)::value;
-    launch_grad<RP, false>(dyc, lddy, u, g.offsets, g.E, dB, g.r, g.out, overwrite, stream);
+    launch_grad<RP, false>(dyc, lddy, nullptr, u, g.offsets, g.E, dB, g.r, g.out, overwrite, stream);
     if (n == 0) {  // overwriting: the zeros of dA and dB alone
-      launch_grad<RP, true>(x, ldx, gs, g.offsets, g.E, dA, g.r, g.in, overwrite, stream);
+      launch_grad<RP, true>(x, ldx, g.x_rows, gs, g.offsets, g.E, dA, g.r, g.in, overwrite, stream);
       return;
     }
-    launch_down<RP, true>(dyc, lddy, g.offsets, g.E, g.B, g.r, g.out, g.scale, gs, n, stream);
-    launch_grad<RP, true>(x, ldx, gs, g.offsets, g.E, dA, g.r, g.in, overwrite, stream);
+    launch_down<RP, true>(dyc, lddy, nullptr, g.offsets, g.E, g.B, g.r, g.out, g.scale, gs, n, stream);
+    launch_grad<RP, true>(x, ldx, g.x_rows, gs, g.offsets, g.E, dA, g.r, g.in, overwrite, stream);
     if (dx) launch_up<RP, false>(gs, g.offsets, g.E, g.A, g.r, g.in, dx, lddx, n, stream);
   });
 }
 
 bool grouped_lora_pairable(const GroupedLora& g0, const GroupedLora& g1) {
-  return g0.offsets == g1.offsets && g0.E == g1.E && g0.r == g1.r && g0.r <= 32 && g0.in == g1.in &&
-         g0.scale == g1.scale;
+  return g0.offsets == g1.offsets && g0.x_rows == g1.x_rows && g0.E == g1.E && g0.r == g1.r && g0.r <= 32 &&
+         g0.in == g1.in && g0.scale == g1.scale;
 }
 
 void grouped_lora_factor2(const GroupedLora& g0, const GroupedLora& g1, const bf16* x, int64_t ldx, int64_t n,
@@ -608,7 +633,8 @@ void grouped_lora_factor2(const GroupedLora& g0, const GroupedLora& g1, const bf
   with_rank(g0.r, [&](auto rp) {
     constexpr int RP = decltype(rp)::value;
     if constexpr (RP <= 32)
-      launch_down<RP, false, 2>(x, ldx, g0.offsets, g0.E, g0.A, g0.r, g0.in, g0.scale, u0, n, stream, g1.A, u1);
+      launch_down<RP, false, 2>(x, ldx, g0.x_rows, g0.offsets, g0.E, g0.A, g0.r, g0.in, g0.scale, u0, n, stream,
+                                g1.A, u1);
   });
 }
 
@@ -633,13 +659,16 @@ void grouped_lora_backward2(const GroupedLora& g0, const GroupedLora& g1, float*
   with_rank(g0.r, [&](auto rp) {
     constexpr int RP = decltype(rp)::value;
     if constexpr (RP <= 32) {
-      launch_grad<RP, false>(dy0, lddy, u0, g0.offsets, g0.E, dB0, g0.r, g0.out, overwrite, stream);
-      launch_grad<RP, false>(dy1, lddy, u1, g1.offsets, g1.E, dB1, g1.r, g1.out, overwrite, stream);
+      launch_grad<RP, false>(dy0, lddy, nullptr, u0, g0.offsets, g0.E, dB0, g0.r, g0.out, overwrite, stream);
+      launch_grad<RP, false>(dy1, lddy, nullptr, u1, g1.offsets, g1.E, dB1, g1.r, g1.out, overwrite, stream);
       if (n > 0) {
-        launch_down<RP, true>(dy0, lddy, g0.offsets, g0.E, g0.B, g0.r, g0.out, g0.scale, gs0, n, stream);
-        launch_down<RP, true>(dy1, lddy, g1.offsets, g1.E, g1.B, g1.r, g1.out, g1.scale, gs1, n, stream);
+        launch_down<RP, true>(dy0, lddy, nullptr, g0.offsets, g0.E, g0.B, g0.r, g0.out, g0.scale, gs0, n,
+                              stream);
+        launch_down<RP, true>(dy1, lddy, nullptr, g1.offsets, g1.E, g1.B, g1.r, g1.out, g1.scale, gs1, n,
+                              stream);
       }
-      launch_grad<RP, true, 2>(x, ldx, gs0, g0.offsets, g0.E, dA0, g0.r, g0.in, overwrite, stream, gs1, dA1);
+      launch_grad<RP, true, 2>(x, ldx, g0.x_rows, gs0, g0.offsets, g0.E, dA0, g0.r, g0.in, overwrite, stream, gs1,
+                               dA1);
       if (n == 0) return;
       if (dx) {
         launch_up<RP, false>(gs0, g0.offsets, g0.E, g0.A, g0.r, g0.in, dx, lddx, n, stream);

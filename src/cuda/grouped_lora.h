@@ -61,6 +61,10 @@ struct GroupedLora {
   const bf16* const* A;    // [E] device array of device pointers, each bf16 [r, in], 16-byte aligned
   const bf16* const* B;    // [E] each bf16 [out, r], 16-byte aligned
   float scale;             // alpha / r
+  // x's row of each permuted row: the sums over x (u's and dA's) read x's row x_rows[i] for row i, so that the
+  // adapters of an MoE's gate and up read the layer's input (T rows, held in L2) through the routing's token of each
+  // row instead of its gathered copy (k times the bytes); null: x's rows are the permuted rows. [n] device.
+  const int32_t* x_rows = nullptr;
 };
 
 // Row stride of u and gs: r rounded up to a multiple of 8.

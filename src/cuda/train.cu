@@ -146,6 +146,7 @@ struct MoeActs {
   // then the other ranks' choices come after them, from row *rows_held on)
   int32_t *experts, *slot_of, *offsets;
   const int32_t* rows_held = nullptr;
+  const int32_t* token_of = nullptr;  // [n] each permuted row's token: xp's row i is the input's row token_of[i]
   bf16 *xp, *act;
   MlpActs shared;
 };
@@ -630,6 +631,26 @@ class Step {
     return GroupedLora{offsets, static_cast<int>(m_.local_experts), static_cast<int>(a.r), static_cast<int>(a.in),
                        static_cast<int>(a.out), g.A, g.B, a.scale};
   }
+  // The input of layer i's grouped expert adapters of `kinds`: the down's act, or for the gate and up the MoE's input
+  // a through each row's token (rows: GroupedLora::x_rows; a is 1/k of xp's bytes and stays in L2), where the
+  // sub-layer's input is at hand (moe_a_); else xp. key: the rows' identity for lora_u_ (act or xp, either way).
+  struct ExpertInput {
+    const bf16* x;
+    int64_t ld;
+    const int32_t* rows;
+    const bf16* key;
+  };
+  ExpertInput expert_input(const MoeActs& x, bool down) const {
+    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size;
+    if (down) return {x.act, I, nullptr, x.act};
+    if (moe_a_ && x.token_of) return {moe_a_, D, x.token_of, x.xp};
+    return {x.xp, D, nullptr, x.xp};
+  }
+  GroupedLora grouped_lora(size_t i, LoraKind k, const ExpertInput& in, const int32_t* offsets) const {
+    GroupedLora g = grouped_lora(i, k, offsets);
+    g.x_rows = in.rows;
+    return g;
+  }
   void expert_adapters_forward(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
     if (!has_adapters(i, kinds)) return;
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
@@ -645,15 +666,17 @@ class Step {
       return;
     }
     if (grouped_adapters(i, kinds)) {
+      const ExpertInput gin = expert_input(x, down);
       for (LoraKind k : kinds) {
         const DAdapter* ad = adapter(i, k);
         if (!ad) continue;
         bf16* u = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
+        const GroupedLora g = grouped_lora(i, k, gin, x.offsets);
         if (factors_only_)
-          grouped_lora_factor(grouped_lora(i, k, x.offsets), in, ld_in, n, u, m_.stream);
+          grouped_lora_factor(g, gin.x, gin.ld, n, u, m_.stream);
         else
-          grouped_lora_forward(grouped_lora(i, k, x.offsets), in, ld_in, n, u, out, ld_out, ad->col0, m_.stream);
-        lora_u_[site_][{ad, in}] = u;
+          grouped_lora_forward(g, gin.x, gin.ld, n, u, out, ld_out, ad->col0, m_.stream);
+        lora_u_[site_][{ad, gin.key}] = u;
       }
       return;
     }
@@ -704,9 +727,8 @@ class Step {
   // Forward of folded adapters: each one's u = bf16(scale · in·A_eᵀ) (kept for the backward), and the low-rank
   // parts (u, B_e) that the projection's grouped GEMM adds to its output columns.
   GroupedLowRank expert_adapters_factor(size_t i, MoeActs& x, std::initializer_list<LoraKind> kinds) {
-    const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
-    const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = down ? x.act : x.xp;
+    const int64_t n = T() * c_.num_experts_per_tok;
+    const ExpertInput in = expert_input(x, *kinds.begin() == LoraKind::ExpertDown);
     std::array<bf16*, 2> u{};  // by position in kinds
     int j = 0;
     for (LoraKind k : kinds) {
@@ -714,12 +736,12 @@ class Step {
       ++j;
     }
     if (paired(i, kinds, x.offsets)) {
-      grouped_lora_factor2(grouped_lora(i, kinds.begin()[0], x.offsets), grouped_lora(i, kinds.begin()[1], x.offsets),
-                           in, down ? I : D, n, u[0], u[1], m_.stream);
+      grouped_lora_factor2(grouped_lora(i, kinds.begin()[0], in, x.offsets),
+                           grouped_lora(i, kinds.begin()[1], in, x.offsets), in.x, in.ld, n, u[0], u[1], m_.stream);
     } else {
       j = 0;
       for (LoraKind k : kinds) {
-        if (u[j]) grouped_lora_factor(grouped_lora(i, k, x.offsets), in, down ? I : D, n, u[j], m_.stream);
+        if (u[j]) grouped_lora_factor(grouped_lora(i, k, in, x.offsets), in.x, in.ld, n, u[j], m_.stream);
         ++j;
       }
     }
@@ -729,7 +751,7 @@ class Step {
       const DAdapter* ad = adapter(i, k);
       bf16* uj = u[j++];
       if (!ad) continue;
-      lora_u_[site_][{ad, in}] = uj;
+      lora_u_[site_][{ad, in.key}] = uj;
       const int p = lr.parts++;
       lr.U[p] = uj, lr.ldu[p] = grouped_lora_ld(static_cast<int>(ad->r)), lr.r[p] = static_cast<int>(ad->r);
       lr.V[p] = m_.lora->layers[i].grouped[static_cast<int>(k)].B;
@@ -744,15 +766,15 @@ class Step {
                                                  const bf16* dy, float* dx) {
     const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size, n = T() * c_.num_experts_per_tok;
     const bool down = *kinds.begin() == LoraKind::ExpertDown;
-    const bf16* in = down ? x.act : x.xp;
-    const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;
+    const ExpertInput in = expert_input(x, down);
+    const int64_t ld_in = down ? I : D, ld_out = down ? D : 2 * I;  // of dx and dy
     std::array<bf16*, 2> gs{};
     std::array<const bf16*, 2> u{};
     int j = 0;
     for (LoraKind k : kinds) {
       if (const DAdapter* ad = adapter(i, k)) {
         const auto& site_u = lora_u_[site_];
-        const auto it = site_u.find({ad, in});
+        const auto it = site_u.find({ad, in.key});
         check(it != site_u.end(), "LoRA backward without its forward");
         u[j] = it->second;
         gs[j] = m_.arena.alloc<bf16>(n * grouped_lora_ld(static_cast<int>(ad->r)));
@@ -763,17 +785,17 @@ class Step {
     if (paired(i, kinds, x.offsets)) {
       const LoraKind k0 = kinds.begin()[0], k1 = kinds.begin()[1];
       const LayerLora::Grouped &g0 = grouped[static_cast<int>(k0)], &g1 = grouped[static_cast<int>(k1)];
-      grouped_lora_backward2(grouped_lora(i, k0, x.offsets), grouped_lora(i, k1, x.offsets), g0.dA, g0.dB, g1.dA,
-                             g1.dB, in, ld_in, u[0], u[1], dy, ld_out, n, gs[0], gs[1], dx, ld_in, adapter(i, k0)->col0,
-                             adapter(i, k1)->col0, m_.stream, m_.lora->unwritten);
+      grouped_lora_backward2(grouped_lora(i, k0, in, x.offsets), grouped_lora(i, k1, in, x.offsets), g0.dA, g0.dB,
+                             g1.dA, g1.dB, in.x, in.ld, u[0], u[1], dy, ld_out, n, gs[0], gs[1], dx, ld_in,
+                             adapter(i, k0)->col0, adapter(i, k1)->col0, m_.stream, m_.lora->unwritten);
       return gs;
     }
     j = 0;
     for (LoraKind k : kinds) {
       if (gs[j]) {
         const LayerLora::Grouped& g = grouped[static_cast<int>(k)];
-        grouped_lora_backward(grouped_lora(i, k, x.offsets), g.dA, g.dB, in, ld_in, u[j], dy, ld_out, n, gs[j], dx,
-                              ld_in, adapter(i, k)->col0, m_.stream, m_.lora->unwritten);
+        grouped_lora_backward(grouped_lora(i, k, in, x.offsets), g.dA, g.dB, in.x, in.ld, u[j], dy, ld_out, n, gs[j],
+                              dx, ld_in, adapter(i, k)->col0, m_.stream, m_.lora->unwritten);
       }
       ++j;
     }
@@ -893,6 +915,20 @@ class Step {
   // tensor-core path, the MoE's pre-activations (unless the policy keeps the experts: core_).
   bool transient_ = false;
   bool factors_only_ = false;  // adapters keep their u and add nothing (lora_forward, expert_adapters_forward)
+  // The MoE sub-layer's input a [T, D] during its forward or backward: the grouped gate and up adapters read it by
+  // each permuted row's token (MoeActs::token_of) instead of its gathered copy xp (expert_input).
+  const bf16* moe_a_ = nullptr;
+  // Sets moe_a_ for an MoE sub-layer's forward or backward, clearing it when that returns.
+  class MoeInput {
+   public:
+    MoeInput(const bf16*& at, const bf16* a) : at_(at) { at_ = a; }
+    ~MoeInput() { at_ = nullptr; }
+    MoeInput(const MoeInput&) = delete;
+    MoeInput& operator=(const MoeInput&) = delete;
+
+   private:
+    const bf16*& at_;
+  };
   // The routed experts' outputs (n × D fp32), which only the forward's combine reads: one buffer for every kept MoE
   // site (Step::run makes it when the policy keeps the MoE layers), else each forward takes its own from the arena
   // and gives it back with the site's activations.
@@ -1268,6 +1304,7 @@ void Step::mlp_backward(size_t i, bool shared, const DMlp& w, GMlp& gw, const bf
 // The MoE keeping the fp32 gate/up outputs (the SwiGLU's backward reads them): the grouped expert GEMM with an fp32
 // epilogue, or with set_moe_expert_gemm(-1) one cuBLASLt GEMM per expert after a host sync of the boundaries.
 void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float* y) {
+  const MoeInput input(moe_a_, a);
   const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
                 I = c_.moe_intermediate_size, n = T * k;
   Arena& ar = m_.arena;
@@ -1302,6 +1339,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
   moe_permute(keys_in, T, k, buckets, keys, slots_in, slots, token_of, x.slot_of, x.offsets, temp, temp_bytes, st);
   x.xp = ar.alloc<bf16>(n * D);
   gather_rows(a, token_of, x.xp, n, D, st);
+  x.token_of = token_of;
   // A recomputed site whose routed experts' gate|up the policy keeps (core_.moe_gu): its forward writes the
   // pre-activations and the act into the site's own buffers, and its recomputation reads them instead of running the
   // GEMM again; it makes the gate and up adapters' u alone.
@@ -1399,6 +1437,7 @@ void Step::moe_forward(size_t i, const DMoe& w, const bf16* a, MoeActs& x, float
 
 void Step::moe_backward(size_t i, const DMoe& w, GMoe& gw, const bf16* a, const MoeActs& x, const float* dy,
                         const bf16* dy16, float* da) {
+  const MoeInput input(moe_a_, a);
   const int64_t T = this->T(), D = c_.hidden_size, E = c_.n_routed_experts, k = c_.num_experts_per_tok,
                 I = c_.moe_intermediate_size, n = T * k;
   Arena& ar = m_.arena;
