@@ -335,6 +335,16 @@ TEST_P(CudaBackwardKdaChunked, Bf16InputsGiveTheSameBits) {
   }
 }
 
+// The gate's inputs for T tokens: f ~ N(0, 1) [T, H, K], dt_bias ~ N(0, 1) [H·K], A_log ~ N(0, 0.3²) [H].
+struct GateInputs {
+  std::vector<float> f, bias, alog;
+};
+GateInputs gate_inputs(int64_t T, int64_t H, int64_t K, unsigned seed) {
+  GateInputs g{test::randn(T * H * K, seed), test::randn(H * K, seed + 1), test::randn(H, seed + 2)};
+  for (float& x : g.alog) x *= 0.3f;
+  return g;
+}
+
 // The gate formed in the kernel from f, dt_bias and A_log (KdaGateInputs, as a training step passes them) gives the
 // bits of kda_gate's g passed in: both gate forms (the safe gate's bound, softplus with f past its cutoff of 20 on
 // some elements), split and bf16 products, the full and compact prep, partial chunks.
@@ -342,11 +352,9 @@ TEST_P(CudaBackwardKdaChunked, GateFormedFromFGivesTheSameBits) {
   const int64_t K = GetParam(), H = 2;
   const RestoreCompactPrep restore;
   const Case c = make_case({130, 64, 1, 77}, H, K, 990 + static_cast<unsigned>(K));
-  const int64_t T = c.cu.back();
-  std::vector<float> f = test::randn(T * H * K, 31), bias = test::randn(H * K, 32), alog = test::randn(H, 33);
+  auto [f, bias, alog] = gate_inputs(c.cu.back(), H, K, 31);
   for (float& x : f) x *= 2.0f;
   for (size_t e = 0; e < f.size(); e += 97) f[e] = 25.0f;
-  for (float& x : alog) x *= 0.3f;
   for (const bool bounded : {true, false})
     for (const bool products : {false, true})
       for (const bool compact : {false, true}) {
@@ -374,9 +382,7 @@ TEST_P(CudaBackwardKdaChunked, Bf16OperandsGiveTheSameBits) {
   const int64_t K = GetParam(), H = 2;
   const RestoreCompactPrep restore;
   const Case c = make_case({130, 64, 1, 77}, H, K, 1010 + static_cast<unsigned>(K));
-  const int64_t T = c.cu.back();
-  std::vector<float> f = test::randn(T * H * K, 41), bias = test::randn(H * K, 42), alog = test::randn(H, 43);
-  for (float& x : alog) x *= 0.3f;
+  const auto [f, bias, alog] = gate_inputs(c.cu.back(), H, K, 41);
   std::vector<float> do_r = c.dout, q = c.q, k = c.k, v = c.v;  // the bf16 values both forms take
   for (std::vector<float>* x : {&do_r, &q, &k, &v})
     for (float& e : *x) e = bf16_to_f32(f32_to_bf16(e));
