@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <utility>
 #include <vector>
 
 #include "cuda/backward_kernels.h"
+#include "cuda/kernels.h"
 #include "cuda/testing_buffers.h"
 
 namespace nextlm::bench {
@@ -21,7 +23,9 @@ namespace {
 using cuda_testing::detail::Buf;
 using cuda_testing::detail::DevKdaChunks;
 using cuda_testing::detail::download;
+using cuda_testing::detail::to_bf16;
 using cuda_testing::detail::upload;
+using cuda_testing::detail::widen;
 
 constexpr double kBytesPerMs = 4.14e12 / 1e3;  // ../shared/docs/performance.md
 constexpr double kFlopsPerMs = 729e12 / 1e3;
@@ -217,6 +221,79 @@ void kda_backward_case(const std::string& name) {
                 bytes / 1e9, bytes / kBytesPerMs, flops / 1e12, flops / kFlopsPerMs, one.max_rel, four.max_rel, tol);
   emit(name, one.chunked_ms, "step-serial recurrent kernel (cuda::kda_recurrent_backward), same run", one.recurrent_ms,
        floor_ms, note);
+}
+
+void kda_backward_train_case(const std::string& name) {
+  const int64_t T = 4096, H = 64, K = 128, n = T * H * K;
+  cudaStream_t st;
+  NEXTLM_CUDA_CHECK(cudaStreamCreate(&st));
+  const KdaInputs in(T, H, K);
+  const Buf q16 = upload(to_bf16(download<float>(in.q))), k16 = upload(to_bf16(download<float>(in.k))),
+            v16 = upload(to_bf16(download<float>(in.v)));
+  // The safe gate with bound −0.5, A_log 0 and dt_bias 0: g = −0.5·sigmoid(f), the other cases' decays.
+  const float bound = -0.5f;
+  const Buf f = upload(randn(n, 4)), bias = upload(std::vector<float>(H * K, 0.0f)),
+            alog = upload(std::vector<float>(H, 0.0f));
+  const cuda::KdaGateInputs gate{f.as<float>(), bias.as<float>(), alog.as<float>(), true, bound};
+  const std::vector<cuda::bf16> do_r = to_bf16(download<float>(in.dout));
+  const Buf do16 = upload(do_r), do32 = upload(widen(do_r));  // dO's bf16 values, in bf16 and in fp32
+  const std::vector<int64_t> cu{0, 1024, 2048, 3072, 4096};  // the slice's packing
+  const DevKdaChunks ch(cu);
+  const int64_t nc = ch.num_chunks();
+  // The tensor-core forward, keeping the chunk states with v_new in fp32 and again in bf16 (the same states).
+  Buf fwork(cuda::kda_tc_workspace_bytes(nc, H, K)), o(static_cast<size_t>(n) * 2);
+  Buf kh(static_cast<size_t>(nc * H * K * K) * 4), ku(static_cast<size_t>(nc * H * 64 * K) * 4),
+      ku16(static_cast<size_t>(nc * H * 64 * K) * 2);
+  for (const bool b16 : {false, true}) {
+    cuda::KdaTcStates keep;
+    keep.chunk_h = kh.as<float>();
+    if (b16) keep.chunk_u16 = ku16.as<cuda::bf16>();
+    else keep.chunk_u = ku.as<float>();
+    cuda::kda_chunked_tc(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>(), f.as<float>(),
+                         in.beta.as<float>(), bias.as<float>(), alog.as<float>(), bound, o.as<cuda::bf16>(), ch.view,
+                         cuda::kda_tc_workspace(fwork.p, nc, H, K), H, K, keep, st);
+  }
+  Buf work(cuda::kda_chunked_backward_workspace_bytes(nc, T, H, K));
+  const size_t nx = static_cast<size_t>(n) * 4, nb = static_cast<size_t>(T * H) * 4;
+  Buf grads[2][5] = {{Buf(nx), Buf(nx), Buf(nx), Buf(nx), Buf(nb)}, {Buf(nx), Buf(nx), Buf(nx), Buf(nx), Buf(nb)}};
+  // b16: dO and v_new in bf16 (KdaBf16Operands, the training step's form since 7ebfad7); else the same values in
+  // fp32. Gradients written (no zeroing), as the step runs it.
+  auto backward = [&](bool b16) {
+    Buf* g = grads[b16];
+    cuda::kda_chunked_backward(q16.as<cuda::bf16>(), k16.as<cuda::bf16>(), v16.as<cuda::bf16>(), nullptr,
+                               in.beta.as<float>(), b16 ? nullptr : do32.as<float>(), ch.view, T, H, K,
+                               g[0].as<float>(), g[1].as<float>(), g[2].as<float>(), g[3].as<float>(),
+                               g[4].as<float>(), work.p, st, false, cuda::KdaBackwardProducts::Bf16, kh.as<float>(),
+                               b16 ? nullptr : ku.as<float>(), gate,
+                               b16 ? cuda::KdaBf16Operands{do16.as<cuda::bf16>(), ku16.as<cuda::bf16>()}
+                                   : cuda::KdaBf16Operands{});
+    NEXTLM_CUDA_CHECK(cudaGetLastError());
+  };
+  backward(false);
+  backward(true);
+  NEXTLM_CUDA_CHECK(cudaStreamSynchronize(st));
+  bool same = true, finite = true;
+  for (int i = 0; i < 5; ++i) {
+    const std::vector<float> a = download<float>(grads[0][i]), b = download<float>(grads[1][i]);
+    same = same && std::equal(a.begin(), a.end(), b.begin(), [](float x, float y) {
+             return std::memcmp(&x, &y, sizeof x) == 0;
+           });
+    finite = finite && std::all_of(b.begin(), b.end(), [](float x) { return std::isfinite(x); });
+  }
+  const double ours = median_ms([] {}, [&] { backward(true); }, st, 2, 10);
+  const double peer = median_ms([] {}, [&] { backward(false); }, st, 2, 10);
+  NEXTLM_CUDA_CHECK(cudaStreamDestroy(st));
+  // Bytes: q, k, v and dO in bf16, f fp32, the kept states (fp32) and v_new (bf16) read; dq, dk, dv, dg written.
+  const double bytes = static_cast<double>(n) * (4 * 2 + 4 + 4 * 4) + nc * H * (K * K * 4.0 + 64 * K * 2.0);
+  char note[400];
+  std::snprintf(note, sizeof note,
+                "%s: the chunked form as a training step runs it (bf16 products, %s prep, bf16 q/k/v, the gate from "
+                "f, the tensor-core forward's kept states, gradients written), 4 sequences of 1024; ours reads dO and "
+                "v_new in bf16, the peer the same values in fp32: same bits %s, finite %s; floor = bytes %.2f GB",
+                same && finite ? "ok" : "CHECK FAILED", cuda::kda_backward_compact_prep() ? "compact" : "full",
+                same ? "yes" : "NO", finite ? "yes" : "NO", bytes / 1e9);
+  emit(name, ours, "the same with fp32 dO and v_new (the form until 7ebfad7), same run", peer, bytes / kBytesPerMs,
+       note);
 }
 
 void mla_backward_case(const std::string& name) {

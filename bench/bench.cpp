@@ -94,6 +94,7 @@ int main(int argc, char** argv) {
       // The training backward's recurrence and attention kernels against their peers (bench/backward.cu).
       {"kda_bwd_T4096_H64", nextlm::bench::kda_backward_case},
       {"kda_bwd_T4096_H64_bf16", nextlm::bench::kda_backward_case},
+      {"kda_bwd_T4096_H64_train", nextlm::bench::kda_backward_train_case},
       {"mla_bwd_T4096_NH64", nextlm::bench::mla_backward_case},
       // One mHC site's backward (post + pre) at the slice's width (bench/mhc_backward.cu).
       {"mhc_bwd_T4096", nextlm::bench::mhc_backward_case},
