@@ -477,7 +477,7 @@ struct LoraSteps {
   double wall_ms = 0, device_ms = 0, loss = 0;
   double memory_gib = 0;  // the device's memory in use after the steps
   // The model's modes (CudaModel) the steps ran under.
-  bool kda_backward_bf16 = false, train_overlap = false, kda_keep_states = false;
+  bool kda_backward_bf16 = false, train_overlap = false, kda_keep_states = false, lora_update_beside = false;
   size_t modules = 0;
   int64_t parameters = 0;
   std::vector<LoraModule> layout;  // the adapter's modules (for the FLOP count)
@@ -534,7 +534,7 @@ LoraSteps time_lora_steps(CudaModel& model, bool shared, const PackedBatch& b,
   r.wall_ms = median(wall), r.device_ms = median(gpu);
   r.memory_gib = device_memory_gib("lora step");
   r.kda_backward_bf16 = model.kda_backward_bf16(), r.train_overlap = model.train_overlap();
-  r.kda_keep_states = model.kda_keep_states();
+  r.kda_keep_states = model.kda_keep_states(), r.lora_update_beside = model.lora_update_beside();
   r.modules = lora.modules().size(), r.parameters = lora.num_parameters(), r.layout = lora.modules();
   return r;
 }
@@ -634,6 +634,7 @@ void slice4_lora_step_case(const std::string& name) {
   line["kda_backward_products"] = r.kda_backward_bf16 ? "bf16" : "split bf16";
   line["kda_keep_states"] = r.kda_keep_states;
   line["train_overlap"] = r.train_overlap;
+  if (!par) line["lora_update_beside"] = r.lora_update_beside;
   line["mhc_mix_fold"] = mhc_mix_fold();
   line["mhc_post_fusion"] = mhc_post_fusion();
   line["moe_expert_gemm"] = moe_expert_gemm(), line["moe_expert_gemm_dx"] = moe_expert_gemm_dx(layout == 2);

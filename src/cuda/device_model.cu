@@ -308,6 +308,7 @@ void CudaModel::set_weights(const Model& model) {
   check(c.num_hidden_layers == m.cfg.num_hidden_layers && c.hidden_size == m.cfg.hidden_size &&
             c.vocab_size == m.cfg.vocab_size && c.layer_types == m.cfg.layer_types,
         "set_weights: the host model's config differs from the device model's");
+  m.join_lora_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   // The fills write the experts' weights row-major: they go back into their layout after.
   auto layout = cuda::GroupedWeightLayout::kRows;
@@ -595,6 +596,8 @@ void CudaModel::set_mla_absorbed(bool on) { impl_->mla_absorbed = on; }
 void CudaModel::set_decode_overlap(bool on) { impl_->decode_overlap = on; }
 void CudaModel::set_train_overlap(bool on) { impl_->train_overlap = on; }
 bool CudaModel::train_overlap() const { return impl_->train_overlap; }
+void CudaModel::set_lora_update_beside(bool on) { impl_->lora_update_beside = on; }
+bool CudaModel::lora_update_beside() const { return impl_->lora_update_beside; }
 void CudaModel::set_batch_invariant(bool on) { impl_->gemm->set_batch_invariant(on); }
 
 // ---- CudaDecoder ----

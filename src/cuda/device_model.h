@@ -217,6 +217,12 @@ class CudaModel {
   // default off.
   void set_train_overlap(bool on);
   bool train_overlap() const;
+  // Whether the device LoRA optimizer's update (lora_adamw_step) runs on a stream of its own beside the next
+  // forward_backward's forward, layer by layer, each layer waiting for its adapters' update (on one GPU, not on a
+  // shard). The same kernels on the same tensors, so the same bits. Off by default until it is timed and checked
+  // on a GPU; NEXTLM_LORA_UPDATE_BESIDE=1 in the environment makes the default on.
+  void set_lora_update_beside(bool on);
+  bool lora_update_beside() const;
   // How the routed experts' weights lie on the device (cuda::GroupedWeightLayout: 0 row-major, the default; 1 in
   // column blocks; 2 in 128 × 64 tiles), so that each TMA box of the grouped GEMM's weight tiles is fewer, longer runs
   // of memory. Converts them in place. Other layouts than the rows need the TMA variants of the grouped GEMM
@@ -291,7 +297,9 @@ class CudaModel {
   // the device gradients (summed since zero_grads) times grad_scale, clips their global norm to max_norm (when > 0),
   // applies AdamW (model/optim.h's arithmetic; t the step count after this update) to the device's fp32 values and
   // refreshes the bf16 copies the forward reads; it returns the norm before clipping (one small transfer) as soon as
-  // the norm is known, the update still running on the device (whatever reads the adapters next is queued after it).
+  // the norm is known, the update still running on the device (whatever reads the adapters next is queued after it;
+  // with lora_update_beside the update runs beside the next forward_backward's forward, each layer's adapters updated
+  // before that layer runs).
   // download_lora copies the values (and the moments into `state`) back, for checkpoints. set_lora drops the
   // device optimizer (the host's values are the ones to use then).
   void start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state = nullptr);

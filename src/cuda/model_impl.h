@@ -378,6 +378,15 @@ struct LoraState {
     int64_t chunks = 0;
     void* workspace = nullptr;
     double* sq = nullptr;  // the squared gradient norm of the last step
+    // The update layer by layer (CudaModel::Impl::update_stream): each run of tensors of one layer in the order
+    // above, its first tensor, count and chunks; one run of every tensor (layer −1) where the order is not by layer.
+    struct Run {
+      int64_t layer;
+      int first, count;
+      int64_t chunks;
+    };
+    std::vector<Run> runs;
+    void* update_workspace = nullptr;  // the runs' work lists (apart from workspace, which the norm uses)
     ~Optimizer() { cudaFree(base); }
   };
   std::unique_ptr<Optimizer> opt;
@@ -526,6 +535,25 @@ struct CudaModel::Impl {
     since_zero.clear();
   }
   std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
+  // With lora_update_beside, the device LoRA optimizer's update (lora_adamw_step) runs on a stream of its own, a layer's
+  // adapters after another's, so that the next training step's forward runs beside it: that forward waits for layer
+  // i's update before layer i (wait_lora_update), and `stream` waits for the whole update after the forward and
+  // before anything else reads or writes the adapters, their gradients or the optimizer's state (join_lora_update;
+  // start() does it unless told the caller waits layer by layer).
+  cudaStream_t update_stream = nullptr;
+  std::vector<cudaEvent_t> update_ev;  // per layer: its adapters' update, recorded this update (update_has)
+  std::vector<bool> update_has;
+  cudaEvent_t update_start = nullptr, update_done = nullptr;
+  mutable bool update_pending = false;  // an update on update_stream that `stream` has not waited for
+  void wait_lora_update(size_t layer) const {
+    if (update_pending && layer < update_has.size() && update_has[layer])
+      NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, update_ev[layer], 0));
+  }
+  void join_lora_update() const {
+    if (!update_pending) return;
+    NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(stream, update_done, 0));
+    update_pending = false;
+  }
 
   Impl(const ModelConfig& c, int dev, const CudaShard& sh = {})
       : full(c), cfg(shard_config(c, sh)), shard(sh), device(dev) {
@@ -545,6 +573,11 @@ struct CudaModel::Impl {
     gemm = std::make_unique<cuda::Gemm>(stream);
   }
   ~Impl() {
+    if (update_stream) cudaStreamSynchronize(update_stream);  // the adapters' buffers go with lora, after this
+    for (cudaEvent_t e : update_ev) cudaEventDestroy(e);
+    if (update_start) cudaEventDestroy(update_start);
+    if (update_done) cudaEventDestroy(update_done);
+    if (update_stream) cudaStreamDestroy(update_stream);
     for (auto& e : events) cudaEventDestroy(e.second.first), cudaEventDestroy(e.second.second);
     if (fwd_begin) cudaEventDestroy(fwd_begin);
     if (fwd_end) cudaEventDestroy(fwd_end);
@@ -562,6 +595,9 @@ struct CudaModel::Impl {
   bool overlap() const { return decode_overlap && !gemm->batch_invariant(); }
   // CudaModel::set_train_overlap; NEXTLM_TRAIN_OVERLAP=0 in the environment turns it off by default.
   bool train_overlap = env_switch_on("NEXTLM_TRAIN_OVERLAP");
+  // CudaModel::set_lora_update_beside; off by default until timed and checked on a GPU, NEXTLM_LORA_UPDATE_BESIDE=1 in
+  // the environment turns it on by default.
+  bool lora_update_beside = env_switch_on("NEXTLM_LORA_UPDATE_BESIDE", false);
   void fork() {
     NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
     NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));
@@ -1491,7 +1527,9 @@ struct CudaModel::Impl {
     return logits;
   }
 
-  void start(const PackedBatch& b) {
+  // layered: the caller waits for a pending LoRA update layer by layer (the training step's forward).
+  void start(const PackedBatch& b, bool layered = false) {
+    if (!layered) join_lora_update();
     check(!sharded() || ((shard.tp == 1 || tp_comm) && (shard.ep == 1 || ep_comm)),
           "a tensor- or expert-parallel CudaModel needs its groups (set_collectives)");
     arena.reset();

@@ -1696,6 +1696,7 @@ double Step::run(const float* row_weight) {
   bool projected = false;
   for (size_t i = 0; i < Lyr; ++i) {
     const DLayer& L = m_.layers[i];
+    m_.wait_lora_update(i);  // a LoRA update beside this forward (Impl::update_stream): this layer's adapters
     for (bool ffn : {false, true}) {
       site_ = 2 * i + ffn;
       Site& s = sites[site_];
@@ -1748,6 +1749,7 @@ double Step::run(const float* row_weight) {
     }
   }
   m_.mark_end("train: forward");
+  m_.join_lora_update();  // the rest of the update (the gradients' clearing after it): the backward writes them
   const Arena::Mark head_mark = ar.mark();
   m_.mark_begin("train: head");
   head_backward(h, row_weight, dh, loss_rows);
@@ -1939,8 +1941,12 @@ void zero_device_grads(CudaModel::Impl& m) {
   if (m.grads)
     NEXTLM_CUDA_CHECK(cudaMemsetAsync(m.grads->base, 0, m.grads->floats * sizeof(float), m.stream));
   if (!m.lora) return;
+  // Behind a pending update (which reads these gradients) on its stream, and part of what join_lora_update waits for:
+  // the next forward need not wait for them, and the backward after it runs past the join.
+  cudaStream_t st = m.update_pending ? m.update_stream : m.stream;
   for (const auto& [at, bytes] : m.lora->cleared)
-    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, m.stream));
+    NEXTLM_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(m.lora->base) + at, 0, bytes, st));
+  if (m.update_pending) NEXTLM_CUDA_CHECK(cudaEventRecord(m.update_done, m.update_stream));
   m.lora->unwritten = !m.lora->overwritten.empty();
 }
 
@@ -1954,7 +1960,7 @@ void settle_lora_grads(const CudaModel::Impl& m) {
 
 // One forward + backward under the policy's current flags.
 double forward_backward_once(CudaModel::Impl& m, const PackedBatch& batch) {
-  m.start(batch);
+  m.start(batch, true);  // the forward waits for a pending LoRA update layer by layer (Step::run)
   const cuda::Plan p = m.plan(batch);
   check(batch.target_weight.empty() || batch.target_weight.size() == batch.tokens.size(),
         "batch: target_weight has ", batch.target_weight.size(), " entries for ", batch.tokens.size(), " tokens");
@@ -2230,6 +2236,7 @@ void CudaModel::set_lora(const LoraAdapter& adapter) {
   m.weights_changed();
   // The copies below (the legacy stream's) replace what the model's stream may still read or write (an optimizer
   // update still running).
+  m.join_lora_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   const ModelConfig& c = m.cfg;
   const std::vector<LoraModule>& mods = adapter.modules();
@@ -2376,6 +2383,7 @@ void CudaModel::lora_gradients(LoraAdapter& adapter) const {
   std::vector<LoraModule>& mods = adapter.modules();
   check(mods.size() == m.lora->order.size(), "LoRA gradients: the adapter has ", mods.size(), " modules, the device ",
         m.lora->order.size());
+  m.join_lora_update();
   settle_lora_grads(m);
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   // On a shard: the shares summed over their group (in a device temporary), then this rank's piece added at its
@@ -2427,6 +2435,7 @@ const cuda::LoraState& whole_lora(const CudaModel::Impl& m, const LoraAdapter& a
 
 void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* state) {
   Impl& m = *impl_;
+  m.join_lora_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // as set_lora: an update may still be running
   const cuda::LoraState& ls = whole_lora(m, adapter);
   const std::vector<LoraModule>& mods = adapter.modules();
@@ -2453,9 +2462,23 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
   }
   for (size_t j = 0; j < count; ++j) opt->host[j].n = sizes[j];
   opt->chunks = cuda::optim_chunks(opt->host.data(), static_cast<int>(count));
+  // The update's runs (Optimizer::runs): the tensors of one layer each where the modules come layer by layer, as
+  // LoraAdapter makes them; else one run of them all.
+  bool by_layer = true;
+  for (size_t i = 1; i < mods.size(); ++i) by_layer = by_layer && mods[i].layer >= mods[i - 1].layer;
+  int64_t run_bytes = 0;
+  for (size_t i = 0; i < mods.size();) {
+    size_t j = i;
+    while (j < mods.size() && (!by_layer || mods[j].layer == mods[i].layer)) ++j;
+    const int first = static_cast<int>(2 * i), n = static_cast<int>(2 * (j - i));
+    const int64_t chunks = cuda::optim_chunks(opt->host.data() + first, n);
+    opt->runs.push_back({by_layer ? mods[i].layer : -1, first, n, chunks});
+    run_bytes = std::max(run_bytes, cuda::optim_workspace_bytes(n, chunks));
+    i = j;
+  }
   const size_t at_params = take(count * sizeof(cuda::DeviceParam)),
                at_ws = take(static_cast<size_t>(cuda::optim_workspace_bytes(static_cast<int>(count), opt->chunks))),
-               at_sq = take(sizeof(double));
+               at_sq = take(sizeof(double)), at_uws = take(static_cast<size_t>(run_bytes));
   NEXTLM_CUDA_CHECK(cudaMalloc(&opt->base, std::max<size_t>(bytes, 1)));
   NEXTLM_CUDA_CHECK(cudaMemset(opt->base, 0, std::max<size_t>(bytes, 1)));
   char* base = static_cast<char*>(opt->base);
@@ -2485,17 +2508,53 @@ void CudaModel::start_lora_optimizer(const LoraAdapter& adapter, const AdamW* st
   opt->params = reinterpret_cast<cuda::DeviceParam*>(base + at_params);
   opt->workspace = base + at_ws;
   opt->sq = reinterpret_cast<double*>(base + at_sq);
+  opt->update_workspace = base + at_uws;
   NEXTLM_CUDA_CHECK(cudaMemcpy(opt->params, opt->host.data(), count * sizeof(cuda::DeviceParam),
                                cudaMemcpyHostToDevice));
   NEXTLM_CUDA_CHECK(cudaDeviceSynchronize());  // as in set_lora: the copies' DMA has landed before the stream reads
   m.lora->opt = std::move(opt);
 }
 
+namespace {
+
+// lora_adamw_step's update on update_stream, after what `stream` has queued (the norm): one adamw_update a run of
+// Optimizer::runs, each layer's event recorded after its run (a run of every layer records them all).
+void update_beside(CudaModel::Impl& m, const cuda::LoraState::Optimizer& opt, float scale, double max_norm, double lr,
+                   const AdamWOptions& o, int64_t t) {
+  if (!m.update_stream) {
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.update_stream, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.update_start, cudaEventDisableTiming));
+    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.update_done, cudaEventDisableTiming));
+  }
+  while (m.update_ev.size() < m.layers.size()) {
+    cudaEvent_t e = nullptr;
+    NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    m.update_ev.push_back(e);
+  }
+  m.update_has.assign(m.layers.size(), false);
+  NEXTLM_CUDA_CHECK(cudaEventRecord(m.update_start, m.stream));
+  NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(m.update_stream, m.update_start, 0));
+  for (const cuda::LoraState::Optimizer::Run& r : opt.runs) {
+    cuda::adamw_update(opt.params + r.first, r.count, r.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
+                       o.weight_decay, t, opt.update_workspace, m.update_stream);
+    for (size_t i = 0; i < m.layers.size(); ++i)
+      if (r.layer < 0 || static_cast<int64_t>(i) == r.layer) {
+        NEXTLM_CUDA_CHECK(cudaEventRecord(m.update_ev[i], m.update_stream));
+        m.update_has[i] = true;
+      }
+  }
+  NEXTLM_CUDA_CHECK(cudaEventRecord(m.update_done, m.update_stream));
+  m.update_pending = true;
+}
+
+}  // namespace
+
 double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, double grad_scale, double max_norm) {
   impl_->weights_changed();
   Impl& m = *impl_;
   check(m.lora && m.lora->opt, "no device LoRA optimizer (start_lora_optimizer)");
   cuda::LoraState::Optimizer& opt = *m.lora->opt;
+  m.join_lora_update();  // two updates without a forward between them
   settle_lora_grads(m);
   const int count = static_cast<int>(opt.host.size());
   const float scale = static_cast<float>(grad_scale);
@@ -2503,8 +2562,14 @@ double CudaModel::lora_adamw_step(const AdamWOptions& o, double lr, int64_t t, d
   double* sq = static_cast<double*>(m.norm_host.get(sizeof(double)));
   NEXTLM_CUDA_CHECK(cudaMemcpyAsync(sq, opt.sq, sizeof(double), cudaMemcpyDeviceToHost, m.stream));
   NEXTLM_CUDA_CHECK(cudaEventRecord(m.norm_ev, m.stream));
-  cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
-                     o.weight_decay, t, opt.workspace, m.stream);
+  if (m.lora_update_beside && !m.sharded()) {
+    // Layer by layer on update_stream, beside the next forward (Impl::update_stream); the same kernels on the same
+    // tensors, so the same bits.
+    update_beside(m, opt, scale, max_norm, lr, o, t);
+  } else {
+    cuda::adamw_update(opt.params, count, opt.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
+                       o.weight_decay, t, opt.workspace, m.stream);
+  }
   // The norm is back before the update has run: the host goes on (the next step's plan, its launches) meanwhile.
   NEXTLM_CUDA_CHECK(cudaEventSynchronize(m.norm_ev));
   return std::sqrt(*sq);
@@ -2516,6 +2581,7 @@ void CudaModel::download_lora(LoraAdapter& adapter, AdamW* state) const {
   check(m.lora->opt != nullptr, "no device LoRA optimizer (start_lora_optimizer)");
   const cuda::LoraState::Optimizer& opt = *m.lora->opt;
   std::vector<LoraModule>& mods = adapter.modules();
+  m.join_lora_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   if (state) {
     state->m().resize(opt.host.size());
@@ -2553,6 +2619,7 @@ ModelWeights CudaModel::gradients() const {
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   check(m.grads != nullptr, "no gradients yet: run forward_backward first");
+  m.join_lora_update();
   NEXTLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   const cuda::Grads& g = *m.grads;
   // On a shard: this rank's slices (the layout of dist::ShardedModel, which dist::gather_gradients assembles), the
