@@ -535,11 +535,11 @@ struct CudaModel::Impl {
     since_zero.clear();
   }
   std::unique_ptr<cuda::LoraState> lora;   // LoRA adapters on the projections (train.cu), when set
-  // With lora_update_beside, the device LoRA optimizer's update (lora_adamw_step) runs on a stream of its own, a layer's
-  // adapters after another's, so that the next training step's forward runs beside it: that forward waits for layer
-  // i's update before layer i (wait_lora_update), and `stream` waits for the whole update after the forward and
-  // before anything else reads or writes the adapters, their gradients or the optimizer's state (join_lora_update;
-  // start() does it unless told the caller waits layer by layer).
+  // With lora_update_beside, the device LoRA optimizer's update (lora_adamw_step) runs on a stream of its own, a
+  // layer's adapters after another's, so that the next training step's forward runs beside it: that forward waits
+  // for layer i's update before layer i (wait_lora_update), and `stream` waits for the whole update after the forward
+  // and before anything else reads or writes the adapters, their gradients or the optimizer's state
+  // (join_lora_update; start() does it unless told the caller waits layer by layer).
   cudaStream_t update_stream = nullptr;
   std::vector<cudaEvent_t> update_ev;  // per layer: its adapters' update, recorded this update (update_has)
   std::vector<bool> update_has;
