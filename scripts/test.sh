@@ -17,7 +17,9 @@ ctest --test-dir build --output-on-failure -j "$jobs" -LE gpu
 [ "$quick" = 1 ] && exit 0
 
 echo "== tests under AddressSanitizer + UndefinedBehaviorSanitizer"
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNEXTLM_SANITIZE=ON -DNEXTLM_CUDA=OFF >/dev/null
+# -O1 with line tables only: what AddressSanitizer's stack traces need, at half the compile time of -O2 -g.
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+  -DNEXTLM_SANITIZE=ON -DNEXTLM_CUDA=OFF >/dev/null
 cmake --build build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" -LE gpu
