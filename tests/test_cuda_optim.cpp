@@ -60,7 +60,6 @@ struct Case {
   int64_t start_t;    // 0: zero moments; else random moments and AdamW resumed at this step count
   int steps;
   bool expect_clip;   // at least one step clips and at least one does not (checked, so the case is what it says)
-  int max_blocks = 0;  // adamw_update's grid cap (0: a block a chunk; else each block takes several chunks in turn)
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -206,7 +205,7 @@ Outcome run_case(const Case& c, unsigned seed) {
     cuda::grad_sq_norm(dparams.as<DeviceParam>(), count, chunks, c.scale, dsq.as<double>(), dws.p, st);
     cuda::adamw_update(dparams.as<DeviceParam>(), count, chunks, c.max_norm > 0 ? dsq.as<double>() : nullptr,
                        c.scale, c.max_norm, lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay, adam.steps(), dws.p,
-                       st, c.max_blocks);
+                       st);
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 
@@ -300,10 +299,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"clip_packed", kOdd, 1.0f / 64, 5.0, false, true, 0, 3, true},
                       Case{"inactive_packed_no_bf16", kOdd, 1.0f, 1e6, false, false, 0, 3, false},
                       Case{"resumed_clip_aligned", kOdd, 0.5f, 200.0, true, true, 10, 4, true},
-                      Case{"lora_like", lora_like_sizes(), 1.0f / 1024, 3.0, true, true, 0, 2, true},
-                      // A grid of 7 blocks over the list's ~700 chunks (as the update beside the forward may run).
-                      Case{"lora_like_7_blocks", lora_like_sizes(), 1.0f / 1024, 3.0, true, true, 0, 2, true, 7},
-                      Case{"clip_packed_2_blocks", kOdd, 1.0f / 64, 5.0, false, true, 0, 3, true, 2}),
+                      Case{"lora_like", lora_like_sizes(), 1.0f / 1024, 3.0, true, true, 0, 2, true}),
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 template <class T>
@@ -319,23 +315,17 @@ bool same_bits(const Outcome& a, const Outcome& b) {
   return true;
 }
 
-// Two runs are bitwise equal, and so is the same list at other alignments or with the update on a smaller grid: the
-// norm's summation order depends on the sizes only (float4 or scalar reads sum the same groups in the same order),
-// and the update is elementwise.
+// Two runs are bitwise equal, and so is the same list at other alignments: the norm's summation order depends on
+// the sizes only (float4 or scalar reads sum the same groups in the same order), and the update is elementwise.
 TEST(CudaOptimDeterminism, RepeatableAndIndependentOfAlignment) {
   const Case aligned{"det_aligned", kOdd, 1.0f / 64, 5.0, true, true, 0, 3, true};
   Case packed = aligned;
   packed.name = "det_packed";
   packed.aligned = false;
-  Case capped = aligned;
-  capped.name = "det_3_blocks";
-  capped.max_blocks = 3;
-  const Outcome a = run_case(aligned, 77), b = run_case(aligned, 77), p = run_case(packed, 77),
-                c = run_case(capped, 77);
+  const Outcome a = run_case(aligned, 77), b = run_case(aligned, 77), p = run_case(packed, 77);
   ASSERT_EQ(a.sq.size(), 3u);
   EXPECT_TRUE(same_bits(a, b)) << "two runs differ";
   EXPECT_TRUE(same_bits(a, p)) << "the packed (scalar path) run differs from the aligned (float4 path) one";
-  EXPECT_TRUE(same_bits(a, c)) << "the update on a grid of 3 blocks differs from the one with a block a chunk";
 }
 
 // Lists with nothing to update: no tensors, or only empty ones (null pointers). The norm is 0, the update enqueues

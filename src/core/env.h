@@ -13,15 +13,6 @@ inline bool env_switch_on(const char* name, bool default_on = true) {
   return v ? std::strcmp(v, "0") != 0 : default_on;
 }
 
-// The integer `name` is set to in the environment; not set (or not a whole number >= 0): `fallback`.
-inline int env_count(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  return *end == '\0' && n >= 0 && n <= 1 << 30 ? static_cast<int>(n) : fallback;
-}
-
 // A process-wide switch read from the environment (env_switch_on) at its first use, unless set before.
 class EnvSwitch {
  public:

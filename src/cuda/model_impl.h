@@ -562,15 +562,8 @@ struct CudaModel::Impl {
     vocab_begin = v.begin, vocab_rows = v.count, expert_begin = e.begin, local_experts = e.count;
     check(!cuda_device_name(dev).empty(), "no CUDA device ", dev, " is available");
     NEXTLM_CUDA_CHECK(cudaSetDevice(dev));
-    // With NEXTLM_STREAM_PRIORITY=1 in the environment (off by default until timed on a GPU), on one GPU the
-    // model's streams run at the device's greatest priority, so that work queued on a stream of the least beside
-    // them (the LoRA update beside the next forward, update_stream) only takes the SMs their kernels leave; on a
-    // shard they keep the default, level with the collectives' stream.
-    int least = 0, greatest = 0;
-    NEXTLM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    const int priority = sharded() || !env_switch_on("NEXTLM_STREAM_PRIORITY", false) ? least : greatest;
-    NEXTLM_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority));
-    NEXTLM_CUDA_CHECK(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, priority));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
     for (cudaEvent_t& e : join_ev) NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     NEXTLM_CUDA_CHECK(cudaEventCreate(&fwd_begin));
@@ -605,8 +598,6 @@ struct CudaModel::Impl {
   // CudaModel::set_lora_update_beside; off by default until timed and checked on a GPU, NEXTLM_LORA_UPDATE_BESIDE=1 in
   // the environment turns it on by default.
   bool lora_update_beside = env_switch_on("NEXTLM_LORA_UPDATE_BESIDE", false);
-  // The update beside's grid (adamw_update's max_blocks; 0: a block a chunk), NEXTLM_LORA_UPDATE_BLOCKS.
-  int lora_update_blocks = env_count("NEXTLM_LORA_UPDATE_BLOCKS", 0);
   void fork() {
     NEXTLM_CUDA_CHECK(cudaEventRecord(fork_ev, stream));
     NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));

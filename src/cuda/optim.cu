@@ -3,7 +3,6 @@
 // src/model/optim.cpp's clip_grad_norm and AdamW::step.
 #include "cuda/optim.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -189,10 +188,16 @@ __device__ __forceinline__ void adamw_element(float& w, float g, float& m, float
   w = __fsub_rn(w, __fdiv_rn(__fmul_rn(a.step_size, m), denom));
 }
 
-// Chunk c of the work list: AdamW::step on its elements with the clipping coefficient coef.
-__device__ __forceinline__ void adamw_chunk(const DeviceParam* __restrict__ params, const int2* __restrict__ work,
-                                            int64_t c, float coef, const AdamWConsts& a) {
-  const Chunk ch = chunk_at(work, params, c);
+// One chunk per block. The clipping coefficient is computed by every thread from *sq (one broadcast load), the same
+// double arithmetic as clip_grad_norm: coef = (float)(max_norm / (sqrt(sq) + 1e-6)) when sqrt(sq) > max_norm.
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(const DeviceParam* __restrict__ params, const int2* __restrict__ work, AdamWConsts a) {
+  float coef = 1.0f;
+  if (a.max_norm > 0.0) {
+    const double norm = __dsqrt_rn(*a.sq);
+    if (norm > a.max_norm) coef = __double2float_rn(__ddiv_rn(a.max_norm, __dadd_rn(norm, 1e-6)));
+  }
+  const Chunk ch = chunk_at(work, params, blockIdx.x);
   const DeviceParam& p = params[ch.tensor];
   float* __restrict__ w = p.w + ch.off;
   const float* __restrict__ g = p.g + ch.off;
@@ -235,20 +240,6 @@ __device__ __forceinline__ void adamw_chunk(const DeviceParam* __restrict__ para
   }
   if (static_cast<int>(threadIdx.x) == groups % kThreads)
     for (int i = 4 * groups; i < ch.len; ++i) one(i);
-}
-
-// One chunk per block (chunks c ≡ blockIdx.x mod gridDim.x in turn where the grid is smaller). The clipping
-// coefficient is computed by every thread from *sq (one broadcast load), the same double arithmetic as
-// clip_grad_norm: coef = (float)(max_norm / (sqrt(sq) + 1e-6)) when sqrt(sq) > max_norm.
-__global__ void __launch_bounds__(kThreads)
-    adamw_kernel(const DeviceParam* __restrict__ params, const int2* __restrict__ work, int64_t chunks,
-                 AdamWConsts a) {
-  float coef = 1.0f;
-  if (a.max_norm > 0.0) {
-    const double norm = __dsqrt_rn(*a.sq);
-    if (norm > a.max_norm) coef = __double2float_rn(__ddiv_rn(a.max_norm, __dadd_rn(norm, 1e-6)));
-  }
-  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) adamw_chunk(params, work, c, coef, a);
 }
 
 void check_args(const DeviceParam* params, int count, int64_t chunks, void* workspace, const char* who) {
@@ -305,9 +296,8 @@ void grad_sq_norm(const DeviceParam* params, int count, int64_t chunks, float sc
 
 void adamw_update(const DeviceParam* params, int count, int64_t chunks, const double* sq, float scale,
                   double max_norm, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t t,
-                  void* workspace, cudaStream_t stream, int max_blocks) {
+                  void* workspace, cudaStream_t stream) {
   check_args(params, count, chunks, workspace, "adamw_update");
-  check(max_blocks >= 0, "adamw_update: max_blocks must be >= 0, got ", max_blocks);
   check(t >= 1, "adamw_update: the step count after the update must be >= 1, got ", t);
   check(max_norm <= 0.0 || sq != nullptr, "adamw_update: clipping (max_norm ", max_norm, ") needs the norm");
   if (chunks == 0) return;
@@ -328,8 +318,7 @@ void adamw_update(const DeviceParam* params, int count, int64_t chunks, const do
   a.sq = sq;
   const Workspace ws = carve(workspace, count, chunks);
   build_work_list(params, count, chunks, ws, stream);
-  const int64_t blocks = max_blocks > 0 ? std::min<int64_t>(chunks, max_blocks) : chunks;
-  adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params, ws.work, chunks, a);
+  adamw_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(params, ws.work, a);
   NEXTLM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -75,10 +75,8 @@ void grad_sq_norm(const DeviceParam* params, int count, int64_t chunks, float sc
 //   sq:        device double from grad_sq_norm; may be null when max_norm <= 0 (no clipping)
 //   t:         the step count after this update (1 for the first), as AdamW::steps() after step()
 //   workspace: optim_workspace_bytes(count, chunks); may be the one grad_sq_norm used (stream order)
-//   max_blocks: 0, a block a chunk; else at most that many blocks, each taking chunks in turn (the same arithmetic
-//               on every element: the same bits), so that the update leaves most SMs to work beside it
 void adamw_update(const DeviceParam* params, int count, int64_t chunks, const double* sq, float scale,
                   double max_norm, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t t,
-                  void* workspace, cudaStream_t stream, int max_blocks = 0);
+                  void* workspace, cudaStream_t stream);
 
 }  // namespace nextlm::cuda

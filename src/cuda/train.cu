@@ -2522,9 +2522,7 @@ namespace {
 void update_beside(CudaModel::Impl& m, const cuda::LoraState::Optimizer& opt, float scale, double max_norm, double lr,
                    const AdamWOptions& o, int64_t t) {
   if (!m.update_stream) {
-    int least = 0, greatest = 0;  // the least priority: the forward's kernels (on `stream`) go first
-    NEXTLM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    NEXTLM_CUDA_CHECK(cudaStreamCreateWithPriority(&m.update_stream, cudaStreamNonBlocking, least));
+    NEXTLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.update_stream, cudaStreamNonBlocking));
     NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.update_start, cudaEventDisableTiming));
     NEXTLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.update_done, cudaEventDisableTiming));
   }
@@ -2538,7 +2536,7 @@ void update_beside(CudaModel::Impl& m, const cuda::LoraState::Optimizer& opt, fl
   NEXTLM_CUDA_CHECK(cudaStreamWaitEvent(m.update_stream, m.update_start, 0));
   for (const cuda::LoraState::Optimizer::Run& r : opt.runs) {
     cuda::adamw_update(opt.params + r.first, r.count, r.chunks, opt.sq, scale, max_norm, lr, o.beta1, o.beta2, o.eps,
-                       o.weight_decay, t, opt.update_workspace, m.update_stream, m.lora_update_blocks);
+                       o.weight_decay, t, opt.update_workspace, m.update_stream);
     for (size_t i = 0; i < m.layers.size(); ++i)
       if (r.layer < 0 || static_cast<int64_t>(i) == r.layer) {
         NEXTLM_CUDA_CHECK(cudaEventRecord(m.update_ev[i], m.update_stream));
