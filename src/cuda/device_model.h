@@ -219,8 +219,9 @@ class CudaModel {
   bool train_overlap() const;
   // Whether the device LoRA optimizer's update (lora_adamw_step) runs on a stream of its own beside the next
   // forward_backward's forward, layer by layer, each layer waiting for its adapters' update (on one GPU, not on a
-  // shard). The same kernels on the same tensors, so the same bits. Off by default until it is timed and checked
-  // on a GPU; NEXTLM_LORA_UPDATE_BESIDE=1 in the environment makes the default on.
+  // shard). The same kernels on the same tensors, so the same bits. Off by default: on an H100 the forward waited
+  // for the update rather than ran beside it (no gain above the step's noise); NEXTLM_LORA_UPDATE_BESIDE=1 in the
+  // environment makes the default on.
   void set_lora_update_beside(bool on);
   bool lora_update_beside() const;
   // How the routed experts' weights lie on the device (cuda::GroupedWeightLayout: 0 row-major, the default; 1 in
